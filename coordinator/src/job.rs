@@ -1,0 +1,1107 @@
+//! One job's live state: its rendezvous round, the running generation's ranks and sessions,
+//! its barriers and its failure. Everything here is synchronous and runs under the job's lock,
+//! which is held for microseconds and never across an `.await`; replies go out through
+//! unbounded channels (session outboxes) or oneshots (joiners), so nothing blocks under it.
+
+use crate::model::{JobId, Scope};
+use muster_proto::v1 as pb;
+use pb::barrier_error::Kind as ErrKind;
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot, watch};
+use tonic::Status;
+
+/// Where a session's answers go: the stream tonic sends to the worker.
+pub type Outbox = mpsc::UnboundedSender<Result<pb::CoordinatorMessage, Status>>;
+
+/// How a job's rounds are formed (validated `RendezvousConfig`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RoundConfig {
+    /// Fewest nodes a round closes with.
+    pub min_nodes: u32,
+    /// Most nodes a round takes.
+    pub max_nodes: u32,
+    /// How long to wait for more nodes once `min_nodes` have joined.
+    pub last_call: Duration,
+    /// How long a round may stay open.
+    pub join_timeout: Duration,
+}
+
+/// A validated join.
+#[derive(Debug, Clone)]
+pub struct JoinReq {
+    /// The node's self-chosen name.
+    pub node_id: String,
+    /// The node's advertised host.
+    pub host: String,
+    /// Workers on the node.
+    pub local_world_size: u32,
+    /// The node rank asked for, if any.
+    pub requested: Option<u32>,
+}
+
+/// The first failure of a generation: which rank, where, and why.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    /// The failed global rank.
+    pub rank: u32,
+    /// Its node rank.
+    pub node_rank: u32,
+    /// Its host.
+    pub host: String,
+    /// Why it failed.
+    pub reason: String,
+    /// Whether the reason came from the agent (exit status) rather than a dropped session.
+    precise: bool,
+}
+
+impl Failure {
+    fn describe(&self, job: &JobId, generation: u64) -> String {
+        format!(
+            "rank {} (node {}, host {}) of job '{job}' generation {generation} failed: {}",
+            self.rank, self.node_rank, self.host, self.reason
+        )
+    }
+
+    fn to_error(&self, job: &JobId, generation: u64) -> pb::BarrierError {
+        pb::BarrierError {
+            kind: ErrKind::RankFailed as i32,
+            message: self.describe(job, generation),
+            rank: self.rank,
+            node_rank: self.node_rank,
+            host: self.host.clone(),
+            missing: vec![],
+        }
+    }
+}
+
+struct Joiner {
+    req: JoinReq,
+    reply: oneshot::Sender<Result<pb::JoinResponse, Status>>,
+}
+
+struct OpenRound {
+    /// Distinguishes rounds of the same generation (a timed-out round reopens empty).
+    seq: u64,
+    joiners: Vec<Joiner>,
+    opened: Instant,
+    min_reached: Option<Instant>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RankState {
+    Pending,
+    Running,
+    Failed,
+    Left,
+}
+
+struct NodeSlot {
+    node_id: String,
+    host: String,
+    local_world_size: u32,
+    rank_offset: u32,
+}
+
+struct RankSlot {
+    node_rank: u32,
+    state: RankState,
+    pid: u32,
+    host: String,
+    last_seen: Instant,
+    /// Last barrier sequence number entered, per scope.
+    seq: [u64; 2],
+    /// Last barrier sequence number released, per scope.
+    done: [u64; 2],
+    waiting: [bool; 2],
+    outbox: Option<Outbox>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct BarrierKey {
+    scope: Scope,
+    node_rank: u32,
+    seq: u64,
+}
+
+struct Arrival {
+    rank: u32,
+    name: usize,
+    token: u64,
+}
+
+struct Barrier {
+    expected: u32,
+    names: Vec<String>,
+    arrivals: Vec<Arrival>,
+    first_at: Instant,
+    diverged: bool,
+}
+
+struct Gen {
+    generation: u64,
+    nodes: Vec<NodeSlot>,
+    ranks: Vec<RankSlot>,
+    barriers: HashMap<BarrierKey, Barrier>,
+    failure: Option<Failure>,
+    left: u32,
+    next_token: u64,
+}
+
+enum Phase {
+    Open(OpenRound),
+    Running(Gen),
+}
+
+struct JobState {
+    config: RoundConfig,
+    generation: u64,
+    rounds_closed: u32,
+    next_round_seq: u64,
+    phase: Phase,
+}
+
+/// A job: its lock-protected state plus a change signal for waiters of published values.
+pub struct Job {
+    /// The job's id.
+    pub id: JobId,
+    state: Mutex<JobState>,
+    changed: watch::Sender<u64>,
+    /// Serialises key-value writes of this job and holds its byte total.
+    pub kv_bytes: tokio::sync::Mutex<usize>,
+}
+
+/// What a registered session needs to know.
+#[derive(Debug, Clone)]
+pub struct Registration {
+    /// The worker's node rank.
+    pub node_rank: u32,
+    /// Nodes in the generation.
+    pub num_nodes: u32,
+    /// Ranks in the generation.
+    pub world_size: u32,
+}
+
+/// Where a generation stands, for callers outside barriers (value fetches, publishes).
+pub enum GenStatus {
+    /// Running and healthy.
+    Alive,
+    /// A rank failed.
+    Failed(String),
+}
+
+fn stale(job: &JobId, asked: u64, current: u64, open: bool) -> String {
+    if asked > current {
+        format!(
+            "generation {asked} of job '{job}' does not exist; the job is at generation {current}"
+        )
+    } else if asked == current && open {
+        format!(
+            "generation {asked} of job '{job}' is still forming (rendezvous open); wait for the rendezvous answer"
+        )
+    } else {
+        format!(
+            "generation {asked} of job '{job}' is stale; the job is at generation {current}{}",
+            if open { " (rendezvous open)" } else { "" }
+        )
+    }
+}
+
+fn list_ranks(ranks: &[pb::RankLocation]) -> String {
+    let mut s = String::new();
+    for (i, r) in ranks.iter().enumerate() {
+        if i == 16 {
+            let _ = write!(s, " and {} more", ranks.len() - 16);
+            break;
+        }
+        if i > 0 {
+            s.push_str(", ");
+        }
+        let _ = write!(s, "{} (node {}, host {})", r.rank, r.node_rank, r.host);
+    }
+    s
+}
+
+fn scope_name(scope: Scope, node_rank: u32) -> String {
+    match scope {
+        Scope::Global => "global barrier".into(),
+        Scope::Node => format!("node {node_rank} barrier"),
+    }
+}
+
+fn result(scope: Scope, seq: u64, error: Option<pb::BarrierError>) -> pb::CoordinatorMessage {
+    pb::CoordinatorMessage {
+        kind: Some(pb::coordinator_message::Kind::Barrier(pb::BarrierResult {
+            scope: scope.to_wire(),
+            seq,
+            error,
+        })),
+    }
+}
+
+fn simple_error(kind: ErrKind, message: String) -> pb::BarrierError {
+    pb::BarrierError {
+        kind: kind as i32,
+        message,
+        ..Default::default()
+    }
+}
+
+impl Gen {
+    fn scope_ranks(&self, scope: Scope, node_rank: u32) -> std::ops::Range<u32> {
+        match scope {
+            Scope::Global => 0..self.ranks.len() as u32,
+            Scope::Node => {
+                let n = &self.nodes[node_rank as usize];
+                n.rank_offset..n.rank_offset + n.local_world_size
+            }
+        }
+    }
+
+    fn location(&self, rank: u32) -> pb::RankLocation {
+        let slot = &self.ranks[rank as usize];
+        let host = if slot.host.is_empty() {
+            self.nodes[slot.node_rank as usize].host.clone()
+        } else {
+            slot.host.clone()
+        };
+        pb::RankLocation {
+            rank,
+            node_rank: slot.node_rank,
+            host,
+        }
+    }
+
+    fn missing(&self, key: &BarrierKey, b: &Barrier) -> Vec<pb::RankLocation> {
+        let mut arrived = vec![false; self.ranks.len()];
+        for a in &b.arrivals {
+            arrived[a.rank as usize] = true;
+        }
+        self.scope_ranks(key.scope, key.node_rank)
+            .filter(|r| !arrived[*r as usize])
+            .map(|r| self.location(r))
+            .collect()
+    }
+
+    fn send(&self, rank: u32, msg: pb::CoordinatorMessage) {
+        if let Some(outbox) = &self.ranks[rank as usize].outbox {
+            // A closed outbox means the session is gone; its own end handles that.
+            let _ = outbox.send(Ok(msg));
+        }
+    }
+
+    /// Ends a barrier with the same error for every rank that arrived.
+    fn fail_barrier(&mut self, key: BarrierKey, b: Barrier, error: &pb::BarrierError) {
+        for a in &b.arrivals {
+            let slot = &mut self.ranks[a.rank as usize];
+            slot.waiting[key.scope.index()] = false;
+            slot.done[key.scope.index()] = key.seq;
+            self.send(a.rank, result(key.scope, key.seq, Some(error.clone())));
+        }
+    }
+
+    fn fail_all_barriers(&mut self, error: &pb::BarrierError) {
+        let barriers: Vec<_> = self.barriers.drain().collect();
+        for (key, b) in barriers {
+            self.fail_barrier(key, b, error);
+        }
+    }
+
+    fn divergence_message(&self, key: &BarrierKey, b: &Barrier) -> String {
+        let mut s = format!(
+            "barrier divergence at {} #{}: ranks met under different names:",
+            scope_name(key.scope, key.node_rank),
+            key.seq
+        );
+        for (i, name) in b.names.iter().enumerate() {
+            let ranks: Vec<String> = b
+                .arrivals
+                .iter()
+                .filter(|a| a.name == i)
+                .map(|a| a.rank.to_string())
+                .collect();
+            let _ = write!(s, " [{name}: ranks {}]", ranks.join(","));
+        }
+        let missing = self.missing(key, b);
+        if !missing.is_empty() {
+            let _ = write!(s, "; not yet arrived: {}", list_ranks(&missing));
+        }
+        s
+    }
+
+    /// A rank that left can never reach a barrier it had not entered: fail such barriers.
+    fn left_error(&self, key: &BarrierKey, job: &JobId) -> Option<pb::BarrierError> {
+        if self.left == 0 {
+            return None;
+        }
+        let r = self.scope_ranks(key.scope, key.node_rank).find(|r| {
+            let s = &self.ranks[*r as usize];
+            s.state == RankState::Left && s.seq[key.scope.index()] < key.seq
+        })?;
+        let loc = self.location(r);
+        Some(pb::BarrierError {
+            kind: ErrKind::RankLeft as i32,
+            message: format!(
+                "rank {r} (node {}, host {}) has left job '{job}' generation {} before reaching {} #{}; the barrier can never complete",
+                loc.node_rank,
+                loc.host,
+                self.generation,
+                scope_name(key.scope, key.node_rank),
+                key.seq
+            ),
+            rank: r,
+            node_rank: loc.node_rank,
+            host: loc.host,
+            missing: vec![],
+        })
+    }
+}
+
+impl Job {
+    /// Creates a job with its first round open at generation 1.
+    pub fn new(id: JobId, config: RoundConfig) -> Arc<Self> {
+        Arc::new(Self {
+            id,
+            state: Mutex::new(JobState {
+                config,
+                generation: 1,
+                rounds_closed: 0,
+                next_round_seq: 1,
+                phase: Phase::Open(OpenRound {
+                    seq: 0,
+                    joiners: vec![],
+                    opened: Instant::now(),
+                    min_reached: None,
+                }),
+            }),
+            changed: watch::channel(0).0,
+            kv_bytes: tokio::sync::Mutex::new(0),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, JobState> {
+        // Every mutation below leaves the state consistent before anything that could panic,
+        // so a poisoned lock is still usable.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Wakes every waiter of a published value, key or generation change of this job.
+    pub fn notify(&self) {
+        self.changed.send_modify(|v| *v = v.wrapping_add(1));
+    }
+
+    /// A receiver that sees the next [`Job::notify`].
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    /// The job's round configuration.
+    pub fn config(&self) -> RoundConfig {
+        self.lock().config
+    }
+
+    /// Adds a node to the open round (opening the next one if the job is running). Returns the
+    /// round's generation and the receiver of the node's assignment.
+    pub fn join(
+        self: &Arc<Self>,
+        req: JoinReq,
+    ) -> Result<(u64, oneshot::Receiver<Result<pb::JoinResponse, Status>>), Status> {
+        let mut st = self.lock();
+        let config = st.config;
+        if let Some(r) = req.requested
+            && r >= config.max_nodes
+        {
+            return Err(Status::invalid_argument(format!(
+                "requested node rank {r} is out of range for job '{}' (max_nodes {}: ranks 0..{})",
+                self.id,
+                config.max_nodes,
+                config.max_nodes - 1
+            )));
+        }
+        if let Phase::Open(round) = &st.phase {
+            if let Some(j) = round.joiners.iter().find(|j| j.req.node_id == req.node_id) {
+                return Err(Status::already_exists(format!(
+                    "node '{}' has already joined the open round of job '{}' (host {})",
+                    req.node_id, self.id, j.req.host
+                )));
+            }
+            if let Some(r) = req.requested
+                && let Some(j) = round.joiners.iter().find(|j| j.req.requested == Some(r))
+            {
+                return Err(Status::already_exists(format!(
+                    "node rank {r} of job '{}' is already requested by node '{}' (host {})",
+                    self.id, j.req.node_id, j.req.host
+                )));
+            }
+        } else {
+            self.open_next_round(&mut st);
+        }
+        let generation = st.generation;
+        let (tx, rx) = oneshot::channel();
+        let Phase::Open(round) = &mut st.phase else {
+            unreachable!("a round was opened above")
+        };
+        let first = round.joiners.is_empty();
+        round.joiners.push(Joiner { req, reply: tx });
+        let joined = round.joiners.len() as u32;
+        let round_seq = round.seq;
+        tracing::info!(job = %self.id, generation, joined, min = config.min_nodes, max = config.max_nodes, "node joined");
+        if first {
+            round.opened = Instant::now();
+            self.spawn_timer(config.join_timeout, round_seq, Job::on_join_timeout);
+        }
+        if joined >= config.max_nodes {
+            self.close_round(&mut st);
+        } else if joined >= config.min_nodes && round.min_reached.is_none() {
+            round.min_reached = Some(Instant::now());
+            self.spawn_timer(config.last_call, round_seq, Job::on_last_call);
+        }
+        Ok((generation, rx))
+    }
+
+    fn spawn_timer(self: &Arc<Self>, after: Duration, round_seq: u64, f: fn(&Job, u64)) {
+        let job = Arc::clone(self);
+        tokio::spawn(async move {
+            tokio::time::sleep(after).await;
+            f(&job, round_seq);
+        });
+    }
+
+    /// Removes a joiner whose caller went away before its round closed.
+    pub fn withdraw(&self, generation: u64, node_id: &str) {
+        let mut st = self.lock();
+        if st.generation != generation {
+            return;
+        }
+        let min = st.config.min_nodes;
+        if let Phase::Open(round) = &mut st.phase {
+            let before = round.joiners.len();
+            round.joiners.retain(|j| j.req.node_id != node_id);
+            if round.joiners.len() < before {
+                tracing::info!(job = %self.id, node_id, "joiner went away before the round closed");
+                if (round.joiners.len() as u32) < min {
+                    round.min_reached = None;
+                }
+            }
+        }
+    }
+
+    fn on_last_call(&self, round_seq: u64) {
+        let mut st = self.lock();
+        if let Phase::Open(round) = &st.phase
+            && round.seq == round_seq
+            && round.joiners.len() as u32 >= st.config.min_nodes
+        {
+            self.close_round(&mut st);
+        }
+    }
+
+    fn on_join_timeout(&self, round_seq: u64) {
+        let mut st = self.lock();
+        let (min, timeout) = (st.config.min_nodes, st.config.join_timeout);
+        let next_seq = st.next_round_seq;
+        let Phase::Open(round) = &mut st.phase else {
+            return;
+        };
+        if round.seq != round_seq || round.joiners.is_empty() {
+            return;
+        }
+        let names: Vec<String> = round
+            .joiners
+            .iter()
+            .map(|j| format!("{} ({})", j.req.node_id, j.req.host))
+            .collect();
+        let msg = format!(
+            "rendezvous of job '{}' timed out after {:.1}s: {} of at least {min} nodes joined [{}]",
+            self.id,
+            timeout.as_secs_f64(),
+            names.len(),
+            names.join(", ")
+        );
+        tracing::warn!(job = %self.id, "{msg}");
+        for j in round.joiners.drain(..) {
+            let _ = j.reply.send(Err(Status::deadline_exceeded(msg.clone())));
+        }
+        round.seq = next_seq;
+        round.min_reached = None;
+        st.next_round_seq += 1;
+    }
+
+    fn open_next_round(&self, st: &mut JobState) {
+        let old = st.generation;
+        if let Phase::Running(g) = &mut st.phase {
+            let err = simple_error(
+                ErrKind::StaleGeneration,
+                format!(
+                    "generation {old} of job '{}' was superseded by generation {}: a node joined a new rendezvous round",
+                    self.id,
+                    old + 1
+                ),
+            );
+            g.fail_all_barriers(&err);
+        }
+        st.generation += 1;
+        st.phase = Phase::Open(OpenRound {
+            seq: st.next_round_seq,
+            joiners: vec![],
+            opened: Instant::now(),
+            min_reached: None,
+        });
+        st.next_round_seq += 1;
+        tracing::info!(job = %self.id, generation = st.generation, "new rendezvous round opened");
+        self.notify();
+    }
+
+    fn close_round(&self, st: &mut JobState) {
+        let Phase::Open(round) = &mut st.phase else {
+            return;
+        };
+        let n = round.joiners.len();
+        if round
+            .joiners
+            .iter()
+            .any(|j| j.req.requested.is_some_and(|r| r as usize >= n))
+        {
+            // A requested rank beyond the nodes present cannot be dense yet: wait for more
+            // nodes (or the join timeout).
+            tracing::info!(job = %self.id, joined = n, "round not closed: a requested node rank is beyond the nodes present");
+            return;
+        }
+        let joiners = std::mem::take(&mut round.joiners);
+        let mut order: Vec<Option<Joiner>> = (0..n).map(|_| None).collect();
+        let mut rest = vec![];
+        for j in joiners {
+            match j.req.requested {
+                Some(r) => order[r as usize] = Some(j),
+                None => rest.push(j),
+            }
+        }
+        let mut rest = rest.into_iter();
+        let joiners: Vec<Joiner> = order
+            .into_iter()
+            .map(|slot| slot.or_else(|| rest.next()))
+            .collect::<Option<Vec<_>>>()
+            .unwrap_or_default();
+        let mut nodes = Vec::with_capacity(n);
+        let mut ranks = vec![];
+        let mut offset = 0u32;
+        for (node_rank, j) in joiners.iter().enumerate() {
+            nodes.push(NodeSlot {
+                node_id: j.req.node_id.clone(),
+                host: j.req.host.clone(),
+                local_world_size: j.req.local_world_size,
+                rank_offset: offset,
+            });
+            for _ in 0..j.req.local_world_size {
+                ranks.push(RankSlot {
+                    node_rank: node_rank as u32,
+                    state: RankState::Pending,
+                    pid: 0,
+                    host: String::new(),
+                    last_seen: Instant::now(),
+                    seq: [0; 2],
+                    done: [0; 2],
+                    waiting: [false; 2],
+                    outbox: None,
+                });
+            }
+            offset += j.req.local_world_size;
+        }
+        let world_size = offset;
+        let generation = st.generation;
+        let restart_count = st.rounds_closed;
+        let master_host = nodes.first().map(|n| n.host.clone()).unwrap_or_default();
+        for (node_rank, j) in joiners.into_iter().enumerate() {
+            let node = &nodes[node_rank];
+            let _ = j.reply.send(Ok(pb::JoinResponse {
+                job_id: self.id.to_string(),
+                generation,
+                node_rank: node_rank as u32,
+                num_nodes: n as u32,
+                rank_offset: node.rank_offset,
+                local_world_size: node.local_world_size,
+                world_size,
+                master_host: master_host.clone(),
+                restart_count,
+            }));
+        }
+        tracing::info!(job = %self.id, generation, nodes = n, world_size, "rendezvous round closed");
+        st.rounds_closed += 1;
+        st.phase = Phase::Running(Gen {
+            generation,
+            nodes,
+            ranks,
+            barriers: HashMap::new(),
+            failure: None,
+            left: 0,
+            next_token: 1,
+        });
+        self.notify();
+    }
+
+    /// The running generation `generation`, or the FAILED_PRECONDITION status for any other.
+    fn running<'a>(&self, st: &'a mut JobState, generation: u64) -> Result<&'a mut Gen, Status> {
+        let current = st.generation;
+        match &mut st.phase {
+            Phase::Running(g) if g.generation == generation => Ok(g),
+            Phase::Running(_) => Err(Status::failed_precondition(stale(
+                &self.id, generation, current, false,
+            ))),
+            Phase::Open(_) => Err(Status::failed_precondition(stale(
+                &self.id, generation, current, true,
+            ))),
+        }
+    }
+
+    /// Checks that `rank` belongs to the running generation `generation`.
+    pub fn check_member(&self, generation: u64, rank: u32) -> Result<GenStatus, Status> {
+        let mut st = self.lock();
+        let g = self.running(&mut st, generation)?;
+        if rank as usize >= g.ranks.len() {
+            return Err(Status::invalid_argument(format!(
+                "rank {rank} is outside job '{}' generation {generation} (world size {})",
+                self.id,
+                g.ranks.len()
+            )));
+        }
+        Ok(match &g.failure {
+            Some(f) => GenStatus::Failed(f.describe(&self.id, generation)),
+            None => GenStatus::Alive,
+        })
+    }
+
+    /// Registers a worker session for `rank`.
+    pub fn register(
+        &self,
+        generation: u64,
+        rank: u32,
+        pid: u32,
+        host: String,
+        outbox: Outbox,
+    ) -> Result<Registration, Status> {
+        let mut st = self.lock();
+        let id = self.id.clone();
+        let g = self.running(&mut st, generation)?;
+        let world = g.ranks.len();
+        if let Some(f) = &g.failure {
+            return Err(Status::failed_precondition(f.describe(&id, generation)));
+        }
+        let Some(slot) = g.ranks.get_mut(rank as usize) else {
+            return Err(Status::invalid_argument(format!(
+                "rank {rank} is outside job '{id}' generation {generation} (world size {world})"
+            )));
+        };
+        if slot.state != RankState::Pending {
+            return Err(Status::already_exists(format!(
+                "rank {rank} of job '{id}' generation {generation} is already registered (pid {} on host {})",
+                slot.pid, slot.host
+            )));
+        }
+        slot.state = RankState::Running;
+        slot.pid = pid;
+        slot.host = host;
+        slot.last_seen = Instant::now();
+        slot.outbox = Some(outbox);
+        Ok(Registration {
+            node_rank: slot.node_rank,
+            num_nodes: g.nodes.len() as u32,
+            world_size: world as u32,
+        })
+    }
+
+    /// Records a heartbeat.
+    pub fn touch(&self, generation: u64, rank: u32) {
+        let mut st = self.lock();
+        if let Ok(g) = self.running(&mut st, generation)
+            && let Some(slot) = g.ranks.get_mut(rank as usize)
+        {
+            slot.last_seen = Instant::now();
+        }
+    }
+
+    /// A barrier entry from `rank`'s session. The answer goes out through the session's outbox
+    /// (now, or when the barrier completes or fails).
+    #[allow(clippy::too_many_arguments)]
+    pub fn barrier(
+        self: &Arc<Self>,
+        generation: u64,
+        rank: u32,
+        scope: Scope,
+        seq: u64,
+        name: String,
+        timeout: Option<Duration>,
+        outbox: &Outbox,
+    ) {
+        let mut st = self.lock();
+        let g = match self.running(&mut st, generation) {
+            Ok(g) => g,
+            Err(status) => {
+                let err = simple_error(ErrKind::StaleGeneration, status.message().to_owned());
+                let _ = outbox.send(Ok(result(scope, seq, Some(err))));
+                return;
+            }
+        };
+        let reply_now = |err: pb::BarrierError| {
+            let _ = outbox.send(Ok(result(scope, seq, Some(err))));
+        };
+        if let Some(f) = &g.failure {
+            return reply_now(f.to_error(&self.id, generation));
+        }
+        let idx = scope.index();
+        let slot = &mut g.ranks[rank as usize];
+        slot.last_seen = Instant::now();
+        let fresh = seq == slot.seq[idx] + 1;
+        let retry = seq == slot.seq[idx] && slot.done[idx] < seq;
+        if slot.waiting[idx] || !(fresh || retry) {
+            return reply_now(simple_error(
+                ErrKind::Unspecified,
+                format!(
+                    "rank {rank} sent {} #{seq}, but its last was #{}{}: barrier calls must be numbered 1, 2, 3... per scope, one at a time",
+                    scope_name(scope, slot.node_rank),
+                    slot.seq[idx],
+                    if slot.waiting[idx] {
+                        " and is still waiting"
+                    } else {
+                        ""
+                    }
+                ),
+            ));
+        }
+        let node_rank = slot.node_rank;
+        let key = BarrierKey {
+            scope,
+            node_rank: if scope == Scope::Node { node_rank } else { 0 },
+            seq,
+        };
+        if let Some(err) = g.left_error(&key, &self.id) {
+            return reply_now(err);
+        }
+        let token = g.next_token;
+        g.next_token += 1;
+        let expected = g.scope_ranks(scope, key.node_rank).len() as u32;
+        let slot = &mut g.ranks[rank as usize];
+        slot.seq[idx] = seq;
+        slot.waiting[idx] = true;
+        let b = g.barriers.entry(key).or_insert_with(|| Barrier {
+            expected,
+            names: vec![],
+            arrivals: vec![],
+            first_at: Instant::now(),
+            diverged: false,
+        });
+        let name_idx = match b.names.iter().position(|n| *n == name) {
+            Some(i) => i,
+            None => {
+                b.names.push(name);
+                b.names.len() - 1
+            }
+        };
+        b.arrivals.push(Arrival {
+            rank,
+            name: name_idx,
+            token,
+        });
+        let complete = b.arrivals.len() as u32 >= b.expected;
+        if b.names.len() > 1 {
+            // Divergence: everyone at this barrier, now and later, gets the same error.
+            let b = g.barriers.get(&key).expect("just inserted");
+            let msg = g.divergence_message(&key, b);
+            tracing::warn!(job = %self.id, generation, "{msg}");
+            let err = simple_error(ErrKind::Diverged, msg);
+            let b = g.barriers.get_mut(&key).expect("just inserted");
+            b.diverged = true;
+            let arrivals: Vec<u32> = b.arrivals.iter().map(|a| a.rank).collect();
+            for r in arrivals {
+                let slot = &mut g.ranks[r as usize];
+                if slot.waiting[idx] {
+                    slot.waiting[idx] = false;
+                    slot.done[idx] = seq;
+                    g.send(r, result(scope, seq, Some(err.clone())));
+                }
+            }
+            if complete {
+                g.barriers.remove(&key);
+            }
+            return;
+        }
+        if complete {
+            let b = g.barriers.remove(&key).expect("just inserted");
+            for a in &b.arrivals {
+                let slot = &mut g.ranks[a.rank as usize];
+                slot.waiting[idx] = false;
+                slot.done[idx] = seq;
+                g.send(a.rank, result(scope, seq, None));
+            }
+            return;
+        }
+        if let Some(t) = timeout {
+            let job = Arc::clone(self);
+            tokio::spawn(async move {
+                tokio::time::sleep(t).await;
+                job.barrier_timeout(generation, key, rank, token, t);
+            });
+        }
+    }
+
+    fn barrier_timeout(
+        &self,
+        generation: u64,
+        key: BarrierKey,
+        rank: u32,
+        token: u64,
+        after: Duration,
+    ) {
+        let mut st = self.lock();
+        let Ok(g) = self.running(&mut st, generation) else {
+            return;
+        };
+        let Some(b) = g.barriers.get_mut(&key) else {
+            return;
+        };
+        let Some(pos) = b.arrivals.iter().position(|a| a.token == token) else {
+            return;
+        };
+        let name = b.names[b.arrivals[pos].name].clone();
+        b.arrivals.remove(pos);
+        let empty = b.arrivals.is_empty();
+        let b = g.barriers.get(&key).expect("present above");
+        let mut missing = g.missing(&key, b);
+        missing.retain(|m| m.rank != rank);
+        if empty {
+            g.barriers.remove(&key);
+        }
+        let slot = &mut g.ranks[rank as usize];
+        slot.waiting[key.scope.index()] = false;
+        let err = pb::BarrierError {
+            kind: ErrKind::Timeout as i32,
+            message: format!(
+                "{} #{} ({name}) timed out after {:.3}s on rank {rank} of job '{}' generation {generation}; missing ranks: {}",
+                scope_name(key.scope, key.node_rank),
+                key.seq,
+                after.as_secs_f64(),
+                self.id,
+                list_ranks(&missing)
+            ),
+            missing,
+            ..Default::default()
+        };
+        tracing::warn!(job = %self.id, generation, rank, "{}", err.message);
+        g.send(rank, result(key.scope, key.seq, Some(err)));
+    }
+
+    /// Marks `rank` failed and fails its generation (if it is the first failure): every
+    /// pending barrier of the generation gets an error naming the rank. `precise` reasons
+    /// (from the agent: exit status, signal) replace a first reason that was only "session
+    /// lost".
+    pub fn fail_rank(&self, generation: u64, rank: u32, reason: String, precise: bool) {
+        let mut st = self.lock();
+        let id = self.id.clone();
+        let Ok(g) = self.running(&mut st, generation) else {
+            return;
+        };
+        let Some(slot) = g.ranks.get_mut(rank as usize) else {
+            return;
+        };
+        if slot.state == RankState::Left && !precise {
+            return;
+        }
+        slot.state = RankState::Failed;
+        slot.outbox = None;
+        let loc = g.location(rank);
+        match &mut g.failure {
+            Some(f) => {
+                if f.rank == rank && precise && !f.precise {
+                    f.reason = reason;
+                    f.precise = true;
+                }
+                return;
+            }
+            None => {
+                g.failure = Some(Failure {
+                    rank,
+                    node_rank: loc.node_rank,
+                    host: loc.host,
+                    reason,
+                    precise,
+                });
+            }
+        }
+        let f = g.failure.clone().expect("set above");
+        tracing::warn!(job = %id, generation, "{}", f.describe(&id, generation));
+        let err = f.to_error(&id, generation);
+        g.fail_all_barriers(&err);
+        drop(st);
+        self.notify();
+    }
+
+    /// `rank` ends its session cleanly.
+    pub fn leave(&self, generation: u64, rank: u32) {
+        let mut st = self.lock();
+        let id = self.id.clone();
+        let Ok(g) = self.running(&mut st, generation) else {
+            return;
+        };
+        let Some(slot) = g.ranks.get_mut(rank as usize) else {
+            return;
+        };
+        if slot.state != RankState::Running {
+            return;
+        }
+        slot.state = RankState::Left;
+        slot.outbox = None;
+        g.left += 1;
+        let keys: Vec<BarrierKey> = g.barriers.keys().copied().collect();
+        for key in keys {
+            if let Some(err) = g.left_error(&key, &id) {
+                let b = g.barriers.remove(&key).expect("key listed above");
+                g.fail_barrier(key, b, &err);
+            }
+        }
+    }
+
+    /// The running generation's state, for publishes and fetches: Ok when `rank` is a member
+    /// of generation `generation`; the error is the status to return.
+    pub fn alive_member(&self, generation: u64, rank: u32) -> Result<(), Status> {
+        match self.check_member(generation, rank)? {
+            GenStatus::Alive => Ok(()),
+            GenStatus::Failed(msg) => Err(Status::aborted(msg)),
+        }
+    }
+
+    /// The ops view of this job.
+    pub fn describe(&self) -> pb::DescribeJobResponse {
+        let st = self.lock();
+        let config = pb::RendezvousConfig {
+            min_nodes: st.config.min_nodes,
+            max_nodes: st.config.max_nodes,
+            last_call_ms: st.config.last_call.as_millis() as u64,
+            join_timeout_ms: st.config.join_timeout.as_millis() as u64,
+        };
+        let mut resp = pb::DescribeJobResponse {
+            summary: Some(self.summary_locked(&st)),
+            config: Some(config),
+            restart_count: st.rounds_closed.saturating_sub(1),
+            ..Default::default()
+        };
+        match &st.phase {
+            Phase::Open(round) => {
+                resp.nodes = round
+                    .joiners
+                    .iter()
+                    .map(|j| pb::NodeInfo {
+                        node_id: j.req.node_id.clone(),
+                        node_rank: j.req.requested.unwrap_or(u32::MAX),
+                        host: j.req.host.clone(),
+                        local_world_size: j.req.local_world_size,
+                        rank_offset: 0,
+                    })
+                    .collect();
+            }
+            Phase::Running(g) => {
+                let now = Instant::now();
+                resp.nodes = g
+                    .nodes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, n)| pb::NodeInfo {
+                        node_id: n.node_id.clone(),
+                        node_rank: i as u32,
+                        host: n.host.clone(),
+                        local_world_size: n.local_world_size,
+                        rank_offset: n.rank_offset,
+                    })
+                    .collect();
+                resp.ranks = g
+                    .ranks
+                    .iter()
+                    .enumerate()
+                    .map(|(r, s)| pb::RankInfo {
+                        rank: r as u32,
+                        node_rank: s.node_rank,
+                        host: g.location(r as u32).host,
+                        pid: s.pid,
+                        state: match s.state {
+                            RankState::Pending => pb::RankState::Pending,
+                            RankState::Running if s.waiting.contains(&true) => {
+                                pb::RankState::Waiting
+                            }
+                            RankState::Running => pb::RankState::Running,
+                            RankState::Failed => pb::RankState::Failed,
+                            RankState::Left => pb::RankState::Left,
+                        } as i32,
+                        last_seen_ms_ago: now.duration_since(s.last_seen).as_millis() as u64,
+                        global_seq: s.seq[0],
+                        node_seq: s.seq[1],
+                    })
+                    .collect();
+                let mut barriers: Vec<_> = g.barriers.iter().collect();
+                barriers.sort_by_key(|(k, _)| (k.scope.index(), k.node_rank, k.seq));
+                resp.barriers = barriers
+                    .into_iter()
+                    .map(|(k, b)| pb::BarrierInfo {
+                        scope: k.scope.to_wire(),
+                        node_rank: k.node_rank,
+                        seq: k.seq,
+                        names: b
+                            .names
+                            .iter()
+                            .enumerate()
+                            .map(|(i, name)| pb::BarrierName {
+                                name: name.clone(),
+                                ranks: b
+                                    .arrivals
+                                    .iter()
+                                    .filter(|a| a.name == i)
+                                    .map(|a| a.rank)
+                                    .collect(),
+                            })
+                            .collect(),
+                        missing: g.missing(k, b),
+                        waiting_ms: now.duration_since(b.first_at).as_millis() as u64,
+                    })
+                    .collect();
+                resp.failure = g.failure.as_ref().map(|f| pb::FailureInfo {
+                    rank: f.rank,
+                    node_rank: f.node_rank,
+                    host: f.host.clone(),
+                    reason: f.reason.clone(),
+                });
+            }
+        }
+        resp
+    }
+
+    /// One line of the job list.
+    pub fn summary(&self) -> pb::JobSummary {
+        let st = self.lock();
+        self.summary_locked(&st)
+    }
+
+    fn summary_locked(&self, st: &JobState) -> pb::JobSummary {
+        let mut s = pb::JobSummary {
+            job_id: self.id.to_string(),
+            generation: st.generation,
+            ..Default::default()
+        };
+        match &st.phase {
+            Phase::Open(round) => {
+                s.state = pb::RoundState::Open as i32;
+                s.nodes_waiting = round.joiners.len() as u32;
+            }
+            Phase::Running(g) => {
+                s.num_nodes = g.nodes.len() as u32;
+                s.world_size = g.ranks.len() as u32;
+                s.state = if g.failure.is_some() {
+                    pb::RoundState::Failed
+                } else if g.left as usize == g.ranks.len() {
+                    pb::RoundState::Finished
+                } else {
+                    pb::RoundState::Running
+                } as i32;
+            }
+        }
+        s
+    }
+}

@@ -1,0 +1,108 @@
+//! `muster-coordinator`: parses flags, a config file and the environment, then serves.
+
+use clap::Parser;
+use muster_coordinator::config::{Config, Layer};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// muster's coordinator daemon: rendezvous, ranks, barriers, key-value store and NCCL unique
+/// ids for distributed training jobs.
+#[derive(Parser, Debug)]
+#[command(name = "muster-coordinator", version)]
+struct Args {
+    /// Address to serve gRPC on [default: 127.0.0.1:29470; use 0.0.0.0:29470 for other hosts].
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// TOML config file (keys: listen, heartbeat_timeout_ms, last_call_ms, join_timeout_ms,
+    /// max_value_bytes, max_job_bytes, max_message_bytes).
+    #[arg(long, env = "MUSTER_COORDINATOR_CONFIG")]
+    config: Option<PathBuf>,
+    /// A worker silent for this long is marked failed [default: 10000].
+    #[arg(long)]
+    heartbeat_timeout_ms: Option<u64>,
+    /// Default last-call window of a rendezvous round [default: 30000].
+    #[arg(long)]
+    last_call_ms: Option<u64>,
+    /// Default join timeout of a rendezvous round [default: 600000].
+    #[arg(long)]
+    join_timeout_ms: Option<u64>,
+    /// Log filter (tracing's EnvFilter syntax), also read from RUST_LOG [default: info].
+    #[arg(long)]
+    log: Option<String>,
+}
+
+const EX_USAGE: u8 = 64;
+
+fn load(args: &Args) -> Result<Config, String> {
+    let mut config = Config::default();
+    if let Some(path) = &args.config {
+        config = config.apply(&Layer::from_file(path)?);
+    }
+    config = config.apply(&Layer::from_env(|k| std::env::var(k).ok())?);
+    config = config.apply(&Layer {
+        listen: args.listen,
+        heartbeat_timeout_ms: args.heartbeat_timeout_ms,
+        last_call_ms: args.last_call_ms,
+        join_timeout_ms: args.join_timeout_ms,
+        ..Layer::default()
+    });
+    config.validate()?;
+    Ok(config)
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let filter = args
+        .log
+        .clone()
+        .or_else(|| std::env::var("RUST_LOG").ok())
+        .unwrap_or_else(|| "info".into());
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+        .with_writer(std::io::stderr)
+        .init();
+    let config = match load(&args) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("muster-coordinator: {e}");
+            return ExitCode::from(EX_USAGE);
+        }
+    };
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("muster-coordinator: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async move {
+        let listener = tokio::net::TcpListener::bind(config.listen)
+            .await
+            .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.listen))?;
+        muster_coordinator::serve(listener, config, shutdown_signal()).await
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("muster-coordinator: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Completes on SIGINT or SIGTERM.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut int)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::interrupt()),
+    ) else {
+        tracing::error!("cannot install signal handlers; stop with SIGKILL");
+        return std::future::pending().await;
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+    }
+}

@@ -1,0 +1,214 @@
+//! Validated domain types: every request from the network is converted into these at the edge
+//! (`TryFrom` in the service layer), so the rest of the coordinator never sees an unchecked
+//! job id, an empty host or a zero world size.
+
+use std::fmt;
+use std::time::Duration;
+use tonic::Status;
+
+/// Largest number of workers one node may run.
+pub const MAX_LOCAL_WORLD_SIZE: u32 = 4096;
+/// Largest number of nodes a job may have.
+pub const MAX_NODES: u32 = 100_000;
+/// Largest timeout a caller may ask for (one day): anything longer is a mistake.
+pub const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
+
+/// A request field that failed validation; becomes `INVALID_ARGUMENT` naming the field.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Invalid(pub String);
+
+impl fmt::Display for Invalid {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<Invalid> for Status {
+    fn from(e: Invalid) -> Self {
+        Status::invalid_argument(e.0)
+    }
+}
+
+fn check_name(field: &str, value: &str, max: usize, extra: &[char]) -> Result<(), Invalid> {
+    if value.is_empty() {
+        return Err(Invalid(format!("{field} must not be empty")));
+    }
+    if value.len() > max {
+        return Err(Invalid(format!(
+            "{field} is {} bytes long; the limit is {max}",
+            value.len()
+        )));
+    }
+    if let Some(c) = value.chars().find(|c| {
+        !(c.is_ascii_alphanumeric() || *c == '.' || *c == '_' || *c == '-' || extra.contains(c))
+    }) {
+        return Err(Invalid(format!(
+            "{field} {value:?} contains {c:?}; allowed are letters, digits, '.', '_', '-'{}",
+            extra.iter().map(|c| format!(", {c:?}")).collect::<String>()
+        )));
+    }
+    Ok(())
+}
+
+/// A job's name: 1 to 128 characters of `[A-Za-z0-9._-]`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct JobId(String);
+
+impl JobId {
+    /// Checks a job id from the network.
+    pub fn parse(s: &str) -> Result<Self, Invalid> {
+        check_name("job_id", s, 128, &[])?;
+        Ok(Self(s.to_owned()))
+    }
+
+    /// The id as a string.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for JobId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+/// Checks a node's self-chosen name (unique within a job).
+pub fn node_id(s: &str) -> Result<String, Invalid> {
+    check_name("node_id", s, 256, &[':'])?;
+    Ok(s.to_owned())
+}
+
+/// Checks a host name or address advertised by a node or a worker.
+pub fn host(field: &str, s: &str) -> Result<String, Invalid> {
+    check_name(field, s, 255, &[':', '[', ']', '%'])?;
+    Ok(s.to_owned())
+}
+
+/// Checks a communicator name (NCCL unique ids are published per communicator).
+pub fn communicator(s: &str) -> Result<String, Invalid> {
+    check_name("communicator", s, 128, &[':', '/'])?;
+    Ok(s.to_owned())
+}
+
+/// Checks the name of a shared value or a barrier call site: printable, no control characters.
+pub fn label(field: &str, s: &str, max: usize) -> Result<String, Invalid> {
+    if s.is_empty() {
+        return Err(Invalid(format!("{field} must not be empty")));
+    }
+    if s.len() > max {
+        return Err(Invalid(format!(
+            "{field} is {} bytes long; the limit is {max}",
+            s.len()
+        )));
+    }
+    if s.chars().any(char::is_control) {
+        return Err(Invalid(format!(
+            "{field} {s:?} contains control characters"
+        )));
+    }
+    Ok(s.to_owned())
+}
+
+/// Checks a key of the key-value store.
+pub fn kv_key(s: &str) -> Result<String, Invalid> {
+    label("key", s, 512)
+}
+
+/// A generation as sent by a client: restart rounds count from 1.
+pub fn generation(g: u64) -> Result<u64, Invalid> {
+    if g == 0 {
+        return Err(Invalid(
+            "generation must be at least 1 (take it from the rendezvous answer or MUSTER_GENERATION)"
+                .into(),
+        ));
+    }
+    Ok(g)
+}
+
+/// A wait in milliseconds; 0 means "no wait" or "no limit" depending on the call.
+pub fn wait(field: &str, ms: u64) -> Result<Option<Duration>, Invalid> {
+    if ms == 0 {
+        return Ok(None);
+    }
+    let d = Duration::from_millis(ms);
+    if d > MAX_WAIT {
+        return Err(Invalid(format!(
+            "{field} is {ms} ms; the limit is {} ms",
+            MAX_WAIT.as_millis()
+        )));
+    }
+    Ok(Some(d))
+}
+
+/// Which ranks a barrier spans (validated `BarrierScope`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Scope {
+    /// Every rank of the generation.
+    Global,
+    /// The ranks of one node.
+    Node,
+}
+
+impl Scope {
+    /// Converts the wire enum; `UNSPECIFIED` and unknown values are rejected.
+    pub fn from_wire(v: i32) -> Result<Self, Invalid> {
+        use muster_proto::v1::BarrierScope;
+        match BarrierScope::try_from(v) {
+            Ok(BarrierScope::Global) => Ok(Self::Global),
+            Ok(BarrierScope::Node) => Ok(Self::Node),
+            _ => Err(Invalid(format!(
+                "barrier scope {v} is not valid; use GLOBAL (1) or NODE (2)"
+            ))),
+        }
+    }
+
+    /// The wire value.
+    pub fn to_wire(self) -> i32 {
+        use muster_proto::v1::BarrierScope;
+        match self {
+            Self::Global => BarrierScope::Global as i32,
+            Self::Node => BarrierScope::Node as i32,
+        }
+    }
+
+    /// Index into per-scope arrays.
+    pub fn index(self) -> usize {
+        match self {
+            Self::Global => 0,
+            Self::Node => 1,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn check(input: &str, ok: bool) {
+        assert_eq!(JobId::parse(input).is_ok(), ok, "job id {input:?}");
+    }
+
+    #[test]
+    fn job_ids() {
+        for (input, ok) in [
+            ("train", true),
+            ("a.b_c-9", true),
+            ("", false),
+            ("has space", false),
+            ("slash/no", false),
+            (&"x".repeat(128), true),
+            (&"x".repeat(129), false),
+            ("ünicode", false),
+        ] {
+            check(input, ok);
+        }
+    }
+
+    #[test]
+    fn waits() {
+        assert_eq!(wait("wait_ms", 0), Ok(None));
+        assert_eq!(wait("wait_ms", 5), Ok(Some(Duration::from_millis(5))));
+        assert!(wait("wait_ms", u64::MAX).is_err());
+    }
+}

@@ -1,0 +1,747 @@
+//! The gRPC services: each handler validates its request into domain types, then acts on the
+//! job registry. Handlers are thin; the rules live in `job.rs` (rounds, sessions, barriers)
+//! and in [`Values`] (key-value store, unique ids, shared values over the [`Store`]).
+
+use crate::config::Config;
+use crate::job::{Job, JoinReq, Outbox, RoundConfig};
+use crate::model::{self, Invalid, JobId, Scope};
+use crate::store::{Store, StoreError};
+use muster_proto::v1 as pb;
+use std::collections::HashMap;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::time::Instant;
+use tokio_stream::wrappers::UnboundedReceiverStream;
+use tonic::{Request, Response, Status, Streaming};
+
+impl From<StoreError> for Status {
+    fn from(e: StoreError) -> Self {
+        Status::unavailable(e.to_string())
+    }
+}
+
+/// Every job the coordinator knows, plus what all services share.
+pub struct Coordinator {
+    config: Config,
+    store: Arc<dyn Store>,
+    jobs: Mutex<HashMap<JobId, Arc<Job>>>,
+}
+
+impl Coordinator {
+    /// A coordinator over `store`.
+    pub fn new(config: Config, store: Arc<dyn Store>) -> Arc<Self> {
+        Arc::new(Self {
+            config,
+            store,
+            jobs: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn jobs(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, Arc<Job>>> {
+        self.jobs.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn job(&self, id: &str) -> Result<Arc<Job>, Status> {
+        let id = JobId::parse(id)?;
+        self.jobs().get(&id).cloned().ok_or_else(|| {
+            Status::not_found(format!("job '{id}' not found (no node has joined it)"))
+        })
+    }
+
+    fn round_config(
+        &self,
+        c: Option<pb::RendezvousConfig>,
+    ) -> Result<Option<RoundConfig>, Invalid> {
+        let Some(c) = c else { return Ok(None) };
+        if c.min_nodes == 0 && c.max_nodes == 0 && c.last_call_ms == 0 && c.join_timeout_ms == 0 {
+            return Ok(None);
+        }
+        let min_nodes = c.min_nodes.max(1);
+        let max_nodes = if c.max_nodes == 0 {
+            min_nodes
+        } else {
+            c.max_nodes
+        };
+        if max_nodes < min_nodes {
+            return Err(Invalid(format!(
+                "max_nodes ({max_nodes}) must not be below min_nodes ({min_nodes})"
+            )));
+        }
+        if max_nodes > model::MAX_NODES {
+            return Err(Invalid(format!(
+                "max_nodes ({max_nodes}) is above the limit of {}",
+                model::MAX_NODES
+            )));
+        }
+        Ok(Some(RoundConfig {
+            min_nodes,
+            max_nodes,
+            last_call: model::wait("last_call_ms", c.last_call_ms)?
+                .unwrap_or(self.config.last_call),
+            join_timeout: model::wait("join_timeout_ms", c.join_timeout_ms)?
+                .unwrap_or(self.config.join_timeout),
+        }))
+    }
+}
+
+type Rpc<T> = Result<Response<T>, Status>;
+
+/// Waits until `f` yields a value, the job changes its mind (the closure errors), or the
+/// deadline passes. `f` is re-run after every change of the job.
+async fn wait_for<T, F, Fut>(
+    job: &Job,
+    deadline: Option<Instant>,
+    what: impl Fn() -> String,
+    mut f: F,
+) -> Result<T, Status>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Option<T>, Status>>,
+{
+    loop {
+        let mut changed = job.subscribe();
+        if let Some(v) = f().await? {
+            return Ok(v);
+        }
+        match deadline {
+            Some(d) => match tokio::time::timeout_at(d, changed.changed()).await {
+                Ok(_) => {}
+                Err(_) => {
+                    return Err(Status::deadline_exceeded(format!(
+                        "timed out waiting for {}",
+                        what()
+                    )));
+                }
+            },
+            None => {
+                let _ = changed.changed().await;
+            }
+        }
+    }
+}
+
+fn deadline(field: &str, ms: u64) -> Result<Option<Instant>, Status> {
+    Ok(model::wait(field, ms)?.map(|d| Instant::now() + d))
+}
+
+// --------------------------------------------------------------------------------------------
+// Rendezvous
+// --------------------------------------------------------------------------------------------
+
+/// `muster.v1.Rendezvous`.
+#[derive(Clone)]
+pub struct RendezvousService(pub Arc<Coordinator>);
+
+/// Removes a joiner from its round if its caller goes away before the round closes.
+struct JoinGuard {
+    job: Arc<Job>,
+    generation: u64,
+    node_id: String,
+    armed: bool,
+}
+
+impl Drop for JoinGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            self.job.withdraw(self.generation, &self.node_id);
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl pb::rendezvous_server::Rendezvous for RendezvousService {
+    /// Cancel-safe: a dropped call withdraws its node from the open round.
+    async fn join(&self, request: Request<pb::JoinRequest>) -> Rpc<pb::JoinResponse> {
+        let r = request.into_inner();
+        let id = JobId::parse(&r.job_id)?;
+        let req = JoinReq {
+            node_id: model::node_id(&r.node_id)?,
+            host: model::host("host", &r.host)?,
+            local_world_size: match r.local_world_size {
+                n @ 1..=model::MAX_LOCAL_WORLD_SIZE => n,
+                n => {
+                    return Err(Status::invalid_argument(format!(
+                        "local_world_size {n} is out of range 1..={}",
+                        model::MAX_LOCAL_WORLD_SIZE
+                    )));
+                }
+            },
+            requested: r.requested_node_rank,
+        };
+        let config = self.0.round_config(r.config)?;
+        let job = {
+            let mut jobs = self.0.jobs();
+            match jobs.get(&id) {
+                Some(job) => {
+                    let have = job.config();
+                    if let Some(c) = config
+                        && c != have
+                    {
+                        return Err(Status::failed_precondition(format!(
+                            "job '{id}' exists with min_nodes={} max_nodes={} last_call_ms={} join_timeout_ms={}; this join asks for {}:{} {} {}",
+                            have.min_nodes,
+                            have.max_nodes,
+                            have.last_call.as_millis(),
+                            have.join_timeout.as_millis(),
+                            c.min_nodes,
+                            c.max_nodes,
+                            c.last_call.as_millis(),
+                            c.join_timeout.as_millis()
+                        )));
+                    }
+                    Arc::clone(job)
+                }
+                None => {
+                    let c = config.unwrap_or(RoundConfig {
+                        min_nodes: 1,
+                        max_nodes: 1,
+                        last_call: self.0.config.last_call,
+                        join_timeout: self.0.config.join_timeout,
+                    });
+                    let job = Job::new(id.clone(), c);
+                    jobs.insert(id, Arc::clone(&job));
+                    job
+                }
+            }
+        };
+        let node_id = req.node_id.clone();
+        let (generation, rx) = job.join(req)?;
+        let mut guard = JoinGuard {
+            job: Arc::clone(&job),
+            generation,
+            node_id,
+            armed: true,
+        };
+        let answer = rx.await.map_err(|_| {
+            Status::aborted(format!(
+                "rendezvous round of job '{}' was abandoned",
+                job.id
+            ))
+        });
+        guard.armed = false;
+        answer?.map(Response::new)
+    }
+
+    async fn report_failure(
+        &self,
+        request: Request<pb::ReportFailureRequest>,
+    ) -> Rpc<pb::ReportFailureResponse> {
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        let generation = model::generation(r.generation)?;
+        job.check_member(generation, r.rank)?;
+        let reason = model::label("reason", &r.reason, 4096)?;
+        let mut reason = reason;
+        if !r.stderr_tail.is_empty() {
+            let tail: String = r
+                .stderr_tail
+                .chars()
+                .rev()
+                .take(2048)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect();
+            reason = format!("{reason}; last stderr: {}", tail.trim_end());
+        }
+        job.fail_rank(generation, r.rank, reason, true);
+        Ok(Response::new(pb::ReportFailureResponse {}))
+    }
+}
+
+// --------------------------------------------------------------------------------------------
+// Sessions
+// --------------------------------------------------------------------------------------------
+
+/// `muster.v1.Session`.
+#[derive(Clone)]
+pub struct SessionService(pub Arc<Coordinator>);
+
+type AttachStream =
+    Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::CoordinatorMessage, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::session_server::Session for SessionService {
+    type AttachStream = AttachStream;
+
+    async fn attach(&self, request: Request<Streaming<pb::WorkerMessage>>) -> Rpc<AttachStream> {
+        let hb = self.0.config.heartbeat_timeout;
+        let mut inbound = request.into_inner();
+        let first = match tokio::time::timeout(hb, inbound.message()).await {
+            Err(_) => {
+                return Err(Status::deadline_exceeded(
+                    "no register message within the heartbeat timeout",
+                ));
+            }
+            Ok(Err(status)) => return Err(status),
+            Ok(Ok(None)) => return Err(Status::invalid_argument("session ended before register")),
+            Ok(Ok(Some(m))) => m,
+        };
+        let Some(pb::worker_message::Kind::Register(reg)) = first.kind else {
+            return Err(Status::invalid_argument(
+                "the first session message must be register",
+            ));
+        };
+        let job = self.0.job(&reg.job_id)?;
+        let generation = model::generation(reg.generation)?;
+        let host = if reg.host.is_empty() {
+            String::new()
+        } else {
+            model::host("host", &reg.host)?
+        };
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let info = job.register(generation, reg.rank, reg.pid, host, tx.clone())?;
+        let _ = tx.send(Ok(pb::CoordinatorMessage {
+            kind: Some(pb::coordinator_message::Kind::Registered(pb::Registered {
+                heartbeat_interval_ms: self.0.config.heartbeat_interval().as_millis() as u64,
+                world_size: info.world_size,
+                node_rank: info.node_rank,
+                num_nodes: info.num_nodes,
+            })),
+        }));
+        tracing::debug!(job = %job.id, generation, rank = reg.rank, pid = reg.pid, "session registered");
+        // Task policy: one per session; ends with the stream; on coordinator shutdown it is
+        // dropped with the runtime (workers see the connection close).
+        tokio::spawn(session_loop(job, generation, reg.rank, inbound, tx, hb));
+        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+    }
+}
+
+async fn session_loop(
+    job: Arc<Job>,
+    generation: u64,
+    rank: u32,
+    mut inbound: Streaming<pb::WorkerMessage>,
+    outbox: Outbox,
+    hb: Duration,
+) {
+    use pb::worker_message::Kind;
+    let reason = loop {
+        match tokio::time::timeout(hb, inbound.message()).await {
+            Err(_) => {
+                break format!(
+                    "no heartbeat for {:.1}s (process stopped, hung or partitioned)",
+                    hb.as_secs_f64()
+                );
+            }
+            Ok(Err(status)) => break format!("connection lost ({})", status.message()),
+            Ok(Ok(None)) => {
+                break "session ended without leave (process exited or was killed)".to_owned();
+            }
+            Ok(Ok(Some(msg))) => match msg.kind {
+                Some(Kind::Heartbeat(_)) => job.touch(generation, rank),
+                Some(Kind::Barrier(b)) => {
+                    let checked = Scope::from_wire(b.scope).and_then(|scope| {
+                        Ok((
+                            scope,
+                            model::label("barrier name", &b.name, 512)?,
+                            model::wait("timeout_ms", b.timeout_ms)?,
+                        ))
+                    });
+                    match checked {
+                        Ok((scope, name, timeout)) => {
+                            job.barrier(generation, rank, scope, b.seq, name, timeout, &outbox)
+                        }
+                        Err(e) => {
+                            let _ = outbox.send(Ok(pb::CoordinatorMessage {
+                                kind: Some(pb::coordinator_message::Kind::Barrier(
+                                    pb::BarrierResult {
+                                        scope: b.scope,
+                                        seq: b.seq,
+                                        error: Some(pb::BarrierError {
+                                            message: e.0,
+                                            ..Default::default()
+                                        }),
+                                    },
+                                )),
+                            }));
+                        }
+                    }
+                }
+                Some(Kind::Leave(_)) => {
+                    job.leave(generation, rank);
+                    tracing::debug!(job = %job.id, generation, rank, "session left");
+                    return;
+                }
+                Some(Kind::Register(_)) | None => {
+                    let _ = outbox.send(Err(Status::invalid_argument(
+                        "register may only be the first message of a session",
+                    )));
+                    break "protocol error: a second register".to_owned();
+                }
+            },
+        }
+    };
+    job.fail_rank(generation, rank, reason, false);
+}
+
+// --------------------------------------------------------------------------------------------
+// Key-value store, unique ids, shared values
+// --------------------------------------------------------------------------------------------
+
+fn kv_key(job: &JobId, key: &str) -> String {
+    format!("jobs/{job}/kv/{key}")
+}
+
+fn value_key(job: &JobId, generation: u64, kind: &str, name: &str) -> String {
+    format!("jobs/{job}/gen/{generation}/{kind}/{name}")
+}
+
+/// A published value is stored as the publisher's rank (4 bytes, little endian) then the value.
+fn encode_published(rank: u32, value: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(4 + value.len());
+    v.extend_from_slice(&rank.to_le_bytes());
+    v.extend_from_slice(value);
+    v
+}
+
+fn decode_published(stored: &[u8]) -> Result<(u32, &[u8]), Status> {
+    match stored.split_first_chunk::<4>() {
+        Some((rank, value)) => Ok((u32::from_le_bytes(*rank), value)),
+        None => Err(Status::internal(
+            "stored value is corrupt (shorter than its header)",
+        )),
+    }
+}
+
+/// `muster.v1.KeyValue`, `muster.v1.UniqueIds` and `muster.v1.SharedValues`.
+#[derive(Clone)]
+pub struct ValuesService(pub Arc<Coordinator>);
+
+impl ValuesService {
+    fn check_value(&self, value: &[u8]) -> Result<(), Status> {
+        if value.len() > self.0.config.max_value_bytes {
+            return Err(Status::resource_exhausted(format!(
+                "value is {} bytes; the limit is {} (max_value_bytes)",
+                value.len(),
+                self.0.config.max_value_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes `value` (None: deletes) under the job's byte cap. Caller holds the job's kv lock.
+    async fn write(
+        &self,
+        job: &Job,
+        total: &mut usize,
+        key: &str,
+        user_key: &str,
+        value: Option<Vec<u8>>,
+    ) -> Result<Option<Vec<u8>>, Status> {
+        let old = self.0.store.get(key).await?;
+        let old_len = old.as_ref().map_or(0, |v| user_key.len() + v.len());
+        let new_len = value.as_ref().map_or(0, |v| user_key.len() + v.len());
+        let next = (*total + new_len).saturating_sub(old_len);
+        if next > self.0.config.max_job_bytes && new_len > old_len {
+            return Err(Status::resource_exhausted(format!(
+                "job '{}' key-value store would hold {next} bytes; the limit is {} (max_job_bytes)",
+                job.id, self.0.config.max_job_bytes
+            )));
+        }
+        match value {
+            Some(v) => self.0.store.put(key, v).await?,
+            None => {
+                self.0.store.delete(key).await?;
+            }
+        }
+        *total = next;
+        job.notify();
+        Ok(old)
+    }
+
+    async fn publish(
+        &self,
+        job: &Arc<Job>,
+        generation: u64,
+        rank: u32,
+        kind: &str,
+        name: &str,
+        value: &[u8],
+    ) -> Result<(), Status> {
+        job.alive_member(generation, rank)?;
+        let key = value_key(&job.id, generation, kind, name);
+        let stored = encode_published(rank, value);
+        if let Some(existing) = self.0.store.create(&key, stored).await? {
+            let (by, old) = decode_published(&existing)?;
+            if old != value {
+                return Err(Status::already_exists(format!(
+                    "{kind} '{name}' of job '{}' generation {generation} was already published by rank {by} with different bytes",
+                    job.id
+                )));
+            }
+        }
+        job.notify();
+        Ok(())
+    }
+
+    async fn fetch(
+        &self,
+        job: &Arc<Job>,
+        generation: u64,
+        rank: u32,
+        kind: &str,
+        name: &str,
+        wait_ms: u64,
+    ) -> Result<(u32, Vec<u8>), Status> {
+        let deadline = deadline("wait_ms", wait_ms)?;
+        job.check_member(generation, rank)?;
+        let key = value_key(&job.id, generation, kind, name);
+        let store = &self.0.store;
+        wait_for(
+            job,
+            deadline,
+            || {
+                format!(
+                    "{kind} '{name}' of job '{}' generation {generation}",
+                    job.id
+                )
+            },
+            || async {
+                if let Some(v) = store.get(&key).await? {
+                    let (by, value) = decode_published(&v)?;
+                    return Ok(Some((by, value.to_vec())));
+                }
+                job.alive_member(generation, rank)?;
+                Ok(None)
+            },
+        )
+        .await
+    }
+}
+
+#[tonic::async_trait]
+impl pb::key_value_server::KeyValue for ValuesService {
+    async fn set(&self, request: Request<pb::SetRequest>) -> Rpc<pb::SetResponse> {
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        let key = model::kv_key(&r.key)?;
+        self.check_value(&r.value)?;
+        let mut total = job.kv_bytes.lock().await;
+        self.write(
+            &job,
+            &mut total,
+            &kv_key(&job.id, &key),
+            &key,
+            Some(r.value),
+        )
+        .await?;
+        Ok(Response::new(pb::SetResponse {}))
+    }
+
+    async fn get(&self, request: Request<pb::GetRequest>) -> Rpc<pb::GetResponse> {
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        let key = model::kv_key(&r.key)?;
+        let deadline = deadline("wait_ms", r.wait_ms)?;
+        let full = kv_key(&job.id, &key);
+        let store = &self.0.store;
+        if deadline.is_none() {
+            return match store.get(&full).await? {
+                Some(value) => Ok(Response::new(pb::GetResponse { value })),
+                None => Err(Status::not_found(format!(
+                    "key '{key}' not found in job '{}'",
+                    job.id
+                ))),
+            };
+        }
+        let value = wait_for(
+            &job,
+            deadline,
+            || format!("key '{key}' in job '{}'", job.id),
+            || async { Ok(store.get(&full).await?) },
+        )
+        .await?;
+        Ok(Response::new(pb::GetResponse { value }))
+    }
+
+    async fn add(&self, request: Request<pb::AddRequest>) -> Rpc<pb::AddResponse> {
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        let key = model::kv_key(&r.key)?;
+        let full = kv_key(&job.id, &key);
+        let mut total = job.kv_bytes.lock().await;
+        let current = match self.0.store.get(&full).await? {
+            None => 0i64,
+            Some(v) => std::str::from_utf8(&v)
+                .ok()
+                .and_then(|s| s.parse::<i64>().ok())
+                .ok_or_else(|| {
+                    Status::failed_precondition(format!(
+                        "key '{key}' in job '{}' holds a value that is not a decimal integer; add needs a counter",
+                        job.id
+                    ))
+                })?,
+        };
+        let value = current.checked_add(r.delta).ok_or_else(|| {
+            Status::out_of_range(format!(
+                "counter '{key}' would overflow: {current} + {}",
+                r.delta
+            ))
+        })?;
+        self.write(
+            &job,
+            &mut total,
+            &full,
+            &key,
+            Some(value.to_string().into_bytes()),
+        )
+        .await?;
+        Ok(Response::new(pb::AddResponse { value }))
+    }
+
+    async fn compare_and_set(
+        &self,
+        request: Request<pb::CompareAndSetRequest>,
+    ) -> Rpc<pb::CompareAndSetResponse> {
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        let key = model::kv_key(&r.key)?;
+        self.check_value(&r.desired)?;
+        let full = kv_key(&job.id, &key);
+        let mut total = job.kv_bytes.lock().await;
+        let current = self.0.store.get(&full).await?;
+        if current != r.expected {
+            return Ok(Response::new(pb::CompareAndSetResponse {
+                swapped: false,
+                current,
+            }));
+        }
+        self.write(&job, &mut total, &full, &key, Some(r.desired.clone()))
+            .await?;
+        Ok(Response::new(pb::CompareAndSetResponse {
+            swapped: true,
+            current: Some(r.desired),
+        }))
+    }
+
+    async fn delete(&self, request: Request<pb::DeleteRequest>) -> Rpc<pb::DeleteResponse> {
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        let key = model::kv_key(&r.key)?;
+        let mut total = job.kv_bytes.lock().await;
+        let old = self
+            .write(&job, &mut total, &kv_key(&job.id, &key), &key, None)
+            .await?;
+        Ok(Response::new(pb::DeleteResponse {
+            existed: old.is_some(),
+        }))
+    }
+
+    async fn list(&self, request: Request<pb::ListRequest>) -> Rpc<pb::ListResponse> {
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        if r.prefix.len() > 512 {
+            return Err(Status::invalid_argument("prefix is longer than 512 bytes"));
+        }
+        let base = kv_key(&job.id, "");
+        let items = self
+            .0
+            .store
+            .list(&format!("{base}{}", r.prefix))
+            .await?
+            .into_iter()
+            .map(|(k, value)| pb::KeyValuePair {
+                key: k[base.len()..].to_owned(),
+                value,
+            })
+            .collect();
+        Ok(Response::new(pb::ListResponse { items }))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::unique_ids_server::UniqueIds for ValuesService {
+    async fn publish(
+        &self,
+        request: Request<pb::PublishUniqueIdRequest>,
+    ) -> Rpc<pb::PublishUniqueIdResponse> {
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        let generation = model::generation(r.generation)?;
+        let comm = model::communicator(&r.communicator)?;
+        if r.unique_id.len() != muster_proto::NCCL_UNIQUE_ID_BYTES {
+            return Err(Status::invalid_argument(format!(
+                "unique_id is {} bytes; an NCCL unique id is exactly {}",
+                r.unique_id.len(),
+                muster_proto::NCCL_UNIQUE_ID_BYTES
+            )));
+        }
+        self.publish(&job, generation, r.rank, "nccl", &comm, &r.unique_id)
+            .await?;
+        Ok(Response::new(pb::PublishUniqueIdResponse {}))
+    }
+
+    async fn fetch(
+        &self,
+        request: Request<pb::FetchUniqueIdRequest>,
+    ) -> Rpc<pb::FetchUniqueIdResponse> {
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        let generation = model::generation(r.generation)?;
+        let comm = model::communicator(&r.communicator)?;
+        let (root_rank, unique_id) =
+            ValuesService::fetch(self, &job, generation, r.rank, "nccl", &comm, r.wait_ms).await?;
+        Ok(Response::new(pb::FetchUniqueIdResponse {
+            unique_id,
+            root_rank,
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::shared_values_server::SharedValues for ValuesService {
+    async fn publish(
+        &self,
+        request: Request<pb::PublishValueRequest>,
+    ) -> Rpc<pb::PublishValueResponse> {
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        let generation = model::generation(r.generation)?;
+        let name = model::label("name", &r.name, 256)?;
+        self.check_value(&r.value)?;
+        ValuesService::publish(self, &job, generation, r.rank, "shared", &name, &r.value).await?;
+        Ok(Response::new(pb::PublishValueResponse {}))
+    }
+
+    async fn fetch(&self, request: Request<pb::FetchValueRequest>) -> Rpc<pb::FetchValueResponse> {
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        let generation = model::generation(r.generation)?;
+        let name = model::label("name", &r.name, 256)?;
+        let (publisher_rank, value) =
+            ValuesService::fetch(self, &job, generation, r.rank, "shared", &name, r.wait_ms)
+                .await?;
+        Ok(Response::new(pb::FetchValueResponse {
+            value,
+            publisher_rank,
+        }))
+    }
+}
+
+// --------------------------------------------------------------------------------------------
+// Ops
+// --------------------------------------------------------------------------------------------
+
+/// `muster.v1.Ops`.
+#[derive(Clone)]
+pub struct OpsService(pub Arc<Coordinator>);
+
+#[tonic::async_trait]
+impl pb::ops_server::Ops for OpsService {
+    async fn list_jobs(&self, _: Request<pb::ListJobsRequest>) -> Rpc<pb::ListJobsResponse> {
+        let jobs: Vec<Arc<Job>> = self.0.jobs().values().cloned().collect();
+        let mut jobs: Vec<pb::JobSummary> = jobs.iter().map(|j| j.summary()).collect();
+        jobs.sort_by(|a, b| a.job_id.cmp(&b.job_id));
+        Ok(Response::new(pb::ListJobsResponse { jobs }))
+    }
+
+    async fn describe_job(
+        &self,
+        request: Request<pb::DescribeJobRequest>,
+    ) -> Rpc<pb::DescribeJobResponse> {
+        let job = self.0.job(&request.into_inner().job_id)?;
+        Ok(Response::new(job.describe()))
+    }
+}

@@ -1,0 +1,119 @@
+//! The coordinator's durable state lives behind [`Store`], a small key-value interface shaped
+//! like etcd's (get, put, create-if-absent, delete, prefix list), so that an etcd
+//! implementation can replace [`MemoryStore`] without the rest of the coordinator changing.
+//! Only this module (and later its etcd sibling) knows how state is kept. Barriers and
+//! sessions are deliberately not here: they are ephemeral and their path never waits on a store.
+
+use async_trait::async_trait;
+use std::collections::BTreeMap;
+use std::sync::Mutex;
+
+/// A failure of the store itself (not of the caller's request).
+#[derive(Debug, thiserror::Error)]
+#[error("state store: {0}")]
+pub struct StoreError(pub String);
+
+/// What the coordinator needs from a state store. Keys are `/`-separated strings; values are
+/// opaque bytes. Implementations must be linearizable per key.
+#[async_trait]
+pub trait Store: Send + Sync + 'static {
+    /// Reads a key.
+    async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError>;
+    /// Writes a key, replacing any value.
+    async fn put(&self, key: &str, value: Vec<u8>) -> Result<(), StoreError>;
+    /// Writes a key only if it does not exist; returns the existing value otherwise.
+    async fn create(&self, key: &str, value: Vec<u8>) -> Result<Option<Vec<u8>>, StoreError>;
+    /// Deletes a key; says whether it existed.
+    async fn delete(&self, key: &str) -> Result<bool, StoreError>;
+    /// Lists the keys under a prefix, in key order.
+    async fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError>;
+    /// Deletes every key under a prefix; returns how many went.
+    async fn delete_prefix(&self, prefix: &str) -> Result<u64, StoreError>;
+}
+
+/// The default store: a sorted map in memory. State is lost when the coordinator exits.
+#[derive(Debug, Default)]
+pub struct MemoryStore {
+    map: Mutex<BTreeMap<String, Vec<u8>>>,
+}
+
+impl MemoryStore {
+    fn map(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Vec<u8>>> {
+        // A panic while holding this lock cannot leave the map half-written (every operation
+        // is a single map call), so a poisoned lock is still safe to use.
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[async_trait]
+impl Store for MemoryStore {
+    async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        Ok(self.map().get(key).cloned())
+    }
+
+    async fn put(&self, key: &str, value: Vec<u8>) -> Result<(), StoreError> {
+        self.map().insert(key.to_owned(), value);
+        Ok(())
+    }
+
+    async fn create(&self, key: &str, value: Vec<u8>) -> Result<Option<Vec<u8>>, StoreError> {
+        let mut map = self.map();
+        if let Some(v) = map.get(key) {
+            return Ok(Some(v.clone()));
+        }
+        map.insert(key.to_owned(), value);
+        Ok(None)
+    }
+
+    async fn delete(&self, key: &str) -> Result<bool, StoreError> {
+        Ok(self.map().remove(key).is_some())
+    }
+
+    async fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
+        Ok(self
+            .map()
+            .range(prefix.to_owned()..)
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect())
+    }
+
+    async fn delete_prefix(&self, prefix: &str) -> Result<u64, StoreError> {
+        let mut map = self.map();
+        let keys: Vec<String> = map
+            .range(prefix.to_owned()..)
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in &keys {
+            map.remove(k);
+        }
+        Ok(keys.len() as u64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[tokio::test]
+    async fn memory_store_semantics() {
+        let s = MemoryStore::default();
+        assert_eq!(s.get("a").await.unwrap(), None);
+        s.put("a/1", b"x".to_vec()).await.unwrap();
+        assert_eq!(
+            s.create("a/1", b"y".to_vec()).await.unwrap(),
+            Some(b"x".to_vec())
+        );
+        assert_eq!(s.create("a/2", b"y".to_vec()).await.unwrap(), None);
+        s.put("b", b"z".to_vec()).await.unwrap();
+        let l = s.list("a/").await.unwrap();
+        assert_eq!(l.len(), 2);
+        assert_eq!(l[0].0, "a/1");
+        assert!(s.delete("b").await.unwrap());
+        assert!(!s.delete("b").await.unwrap());
+        assert_eq!(s.delete_prefix("a/").await.unwrap(), 2);
+        assert!(s.list("").await.unwrap().is_empty());
+    }
+}

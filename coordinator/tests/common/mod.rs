@@ -1,0 +1,224 @@
+//! Test support: a real coordinator on 127.0.0.1:0 and thin wire-level clients for it.
+#![allow(dead_code, clippy::unwrap_used, missing_docs)]
+
+use muster_coordinator::Config;
+use muster_proto::v1 as pb;
+use pb::rendezvous_client::RendezvousClient;
+use pb::session_client::SessionClient;
+use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+use tonic::{Status, Streaming};
+
+pub struct Server {
+    pub addr: std::net::SocketAddr,
+    pub channel: Channel,
+    _stop: oneshot::Sender<()>,
+}
+
+pub async fn start(config: Config) -> Server {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    tokio::spawn(muster_coordinator::serve(listener, config, async {
+        let _ = stopped.await;
+    }));
+    let channel = connect(addr).await;
+    Server {
+        addr,
+        channel,
+        _stop: stop,
+    }
+}
+
+pub async fn start_default() -> Server {
+    start(Config::default()).await
+}
+
+pub async fn connect(addr: std::net::SocketAddr) -> Channel {
+    for _ in 0..100 {
+        if let Ok(c) = Channel::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .tcp_nodelay(true)
+            .connect()
+            .await
+        {
+            return c;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("coordinator at {addr} did not come up");
+}
+
+pub fn join_req(job: &str, node: &str, local: u32, min: u32, max: u32) -> pb::JoinRequest {
+    pb::JoinRequest {
+        job_id: job.into(),
+        node_id: node.into(),
+        host: format!("host-{node}"),
+        local_world_size: local,
+        requested_node_rank: None,
+        config: Some(pb::RendezvousConfig {
+            min_nodes: min,
+            max_nodes: max,
+            last_call_ms: 200,
+            join_timeout_ms: 60_000,
+        }),
+    }
+}
+
+/// Starts a join in the background; the answer arrives on the returned handle.
+pub fn spawn_join(
+    ch: &Channel,
+    req: pb::JoinRequest,
+) -> tokio::task::JoinHandle<Result<pb::JoinResponse, Status>> {
+    let mut c = RendezvousClient::new(ch.clone());
+    tokio::spawn(async move { c.join(req).await.map(|r| r.into_inner()) })
+}
+
+/// Forms a job of `nodes` nodes with `local` workers each and returns the assignments by node rank.
+pub async fn form(ch: &Channel, job: &str, nodes: u32, local: u32) -> Vec<pb::JoinResponse> {
+    let handles: Vec<_> = (0..nodes)
+        .map(|i| spawn_join(ch, join_req(job, &format!("n{i}"), local, nodes, nodes)))
+        .collect();
+    let mut out = vec![];
+    for h in handles {
+        out.push(h.await.unwrap().unwrap());
+    }
+    out.sort_by_key(|r| r.node_rank);
+    out
+}
+
+/// One worker's session at the wire level.
+pub struct Raw {
+    pub rank: u32,
+    tx: Option<mpsc::Sender<pb::WorkerMessage>>,
+    rx: Streaming<pb::CoordinatorMessage>,
+    seq: [u64; 2],
+    pub registered: pb::Registered,
+}
+
+fn msg(kind: pb::worker_message::Kind) -> pb::WorkerMessage {
+    pb::WorkerMessage { kind: Some(kind) }
+}
+
+impl Raw {
+    pub async fn attach(
+        ch: &Channel,
+        job: &str,
+        generation: u64,
+        rank: u32,
+    ) -> Result<Raw, Status> {
+        let (tx, rx) = mpsc::channel(16);
+        tx.send(msg(pb::worker_message::Kind::Register(pb::Register {
+            job_id: job.into(),
+            generation,
+            rank,
+            pid: 1000 + rank,
+            host: String::new(),
+        })))
+        .await
+        .unwrap();
+        let mut client = SessionClient::new(ch.clone());
+        let mut stream = client.attach(ReceiverStream::new(rx)).await?.into_inner();
+        let first = stream
+            .message()
+            .await?
+            .ok_or_else(|| Status::internal("no registered"))?;
+        let Some(pb::coordinator_message::Kind::Registered(registered)) = first.kind else {
+            return Err(Status::internal("first answer was not registered"));
+        };
+        Ok(Raw {
+            rank,
+            tx: Some(tx),
+            rx: stream,
+            seq: [0; 2],
+            registered,
+        })
+    }
+
+    pub async fn send(&self, kind: pb::worker_message::Kind) {
+        self.tx.as_ref().unwrap().send(msg(kind)).await.unwrap();
+    }
+
+    /// Sends a barrier entry (advancing this session's sequence number).
+    pub async fn enter(&mut self, scope: pb::BarrierScope, name: &str, timeout_ms: u64) -> u64 {
+        let i = if scope == pb::BarrierScope::Global {
+            0
+        } else {
+            1
+        };
+        self.seq[i] += 1;
+        self.enter_seq(scope, self.seq[i], name, timeout_ms).await;
+        self.seq[i]
+    }
+
+    pub async fn enter_seq(&self, scope: pb::BarrierScope, seq: u64, name: &str, timeout_ms: u64) {
+        self.send(pb::worker_message::Kind::Barrier(pb::BarrierEnter {
+            scope: scope as i32,
+            seq,
+            name: name.into(),
+            timeout_ms,
+        }))
+        .await;
+    }
+
+    /// The next barrier result: None on success, the error otherwise.
+    pub async fn result(&mut self) -> Option<pb::BarrierError> {
+        let m = tokio::time::timeout(Duration::from_secs(20), self.rx.message())
+            .await
+            .expect("no barrier result within 20 s")
+            .expect("stream error")
+            .expect("stream ended");
+        match m.kind {
+            Some(pb::coordinator_message::Kind::Barrier(r)) => r.error,
+            other => panic!("unexpected message {other:?}"),
+        }
+    }
+
+    /// Waits briefly for a result that should not come.
+    pub async fn no_result_within(&mut self, d: Duration) {
+        if let Ok(m) = tokio::time::timeout(d, self.rx.message()).await {
+            panic!("unexpected message {m:?}");
+        }
+    }
+
+    pub async fn barrier(&mut self, name: &str) -> Option<pb::BarrierError> {
+        self.enter(pb::BarrierScope::Global, name, 0).await;
+        self.result().await
+    }
+
+    /// Leaves cleanly: sends leave, then waits for the coordinator to end the stream (dropping
+    /// the stream earlier would reset it and could lose the leave).
+    pub async fn leave(mut self) {
+        self.send(pb::worker_message::Kind::Leave(pb::Leave {}))
+            .await;
+        self.tx = None;
+        let end = tokio::time::timeout(Duration::from_secs(10), self.rx.message()).await;
+        assert!(
+            matches!(end, Ok(Ok(None))),
+            "stream did not end after leave: {end:?}"
+        );
+    }
+
+    /// Ends the stream without leave: what a killed process looks like.
+    pub fn kill(mut self) {
+        self.tx = None;
+    }
+}
+
+pub async fn attach_all(ch: &Channel, job: &str, generation: u64, world: u32) -> Vec<Raw> {
+    let mut v = vec![];
+    for r in 0..world {
+        v.push(Raw::attach(ch, job, generation, r).await.unwrap());
+    }
+    v
+}
+
+pub async fn describe(ch: &Channel, job: &str) -> pb::DescribeJobResponse {
+    pb::ops_client::OpsClient::new(ch.clone())
+        .describe_job(pb::DescribeJobRequest { job_id: job.into() })
+        .await
+        .unwrap()
+        .into_inner()
+}
