@@ -80,7 +80,9 @@ fn main() -> ExitCode {
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.listen))?;
-        muster_coordinator::serve(listener, config, shutdown_signal()).await
+        // Handlers are installed before serving, so a signal never meets the default action.
+        let shutdown = shutdown_signal()?;
+        muster_coordinator::serve(listener, config, shutdown).await
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -91,18 +93,15 @@ fn main() -> ExitCode {
     }
 }
 
-/// Completes on SIGINT or SIGTERM.
-async fn shutdown_signal() {
+/// Installs SIGINT and SIGTERM handlers; the future completes on either.
+fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
     use tokio::signal::unix::{SignalKind, signal};
-    let (Ok(mut term), Ok(mut int)) = (
-        signal(SignalKind::terminate()),
-        signal(SignalKind::interrupt()),
-    ) else {
-        tracing::error!("cannot install signal handlers; stop with SIGKILL");
-        return std::future::pending().await;
-    };
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
-        _ = int.recv() => tracing::info!("SIGINT: shutting down"),
-    }
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    Ok(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+            _ = int.recv() => tracing::info!("SIGINT: shutting down"),
+        }
+    })
 }

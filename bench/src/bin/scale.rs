@@ -1,0 +1,228 @@
+//! Scale benchmark: rendezvous time for many simulated nodes and barrier latency for many
+//! simulated ranks, all as tasks sharing a few connections to one coordinator process.
+//!
+//! `cargo run --release -p muster-bench --bin scale -- [--nodes 1000,10000] [--ranks 512,4096]`
+
+use clap::Parser;
+use muster_bench::{CoordinatorProcess, channels, quantile};
+use muster_proto::v1 as pb;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+
+#[derive(Parser)]
+struct Args {
+    /// Simulated node counts for the rendezvous benchmark.
+    #[arg(long, value_delimiter = ',', default_value = "1000,10000")]
+    nodes: Vec<u32>,
+    /// Simulated rank counts for the barrier benchmark.
+    #[arg(long, value_delimiter = ',', default_value = "512,4096")]
+    ranks: Vec<u32>,
+    /// Barriers per rank count.
+    #[arg(long, default_value_t = 50)]
+    iters: usize,
+    /// Connections the simulated clients share.
+    #[arg(long, default_value_t = 8)]
+    connections: usize,
+}
+
+fn join_req(job: &str, node: u32, local: u32, nodes: u32) -> pb::JoinRequest {
+    pb::JoinRequest {
+        job_id: job.into(),
+        node_id: format!("node-{node}"),
+        host: format!("10.0.{}.{}", node / 250, node % 250),
+        local_world_size: local,
+        requested_node_rank: None,
+        config: Some(pb::RendezvousConfig {
+            min_nodes: nodes,
+            max_nodes: nodes,
+            last_call_ms: 0,
+            join_timeout_ms: 600_000,
+        }),
+    }
+}
+
+async fn waiting(ch: &Channel, job: &str) -> u32 {
+    pb::ops_client::OpsClient::new(ch.clone())
+        .list_jobs(pb::ListJobsRequest {})
+        .await
+        .map(|r| {
+            r.into_inner()
+                .jobs
+                .iter()
+                .find(|j| j.job_id == job)
+                .map_or(0, |j| j.nodes_waiting)
+        })
+        .unwrap_or(0)
+}
+
+/// Joins `nodes - 1` nodes, waits until they are all in, then times the last join until every
+/// node holds its assignment.
+async fn rendezvous(
+    chs: &[Channel],
+    job: &str,
+    nodes: u32,
+    local: u32,
+) -> anyhow::Result<Duration> {
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+    for n in 0..nodes - 1 {
+        let mut c =
+            pb::rendezvous_client::RendezvousClient::new(chs[n as usize % chs.len()].clone());
+        let tx = done_tx.clone();
+        let req = join_req(job, n, local, nodes);
+        tokio::spawn(async move {
+            let r = c.join(req).await;
+            let _ = tx.send((Instant::now(), r.map(|r| r.into_inner())));
+        });
+    }
+    while waiting(&chs[0], job).await < nodes - 1 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut c = pb::rendezvous_client::RendezvousClient::new(chs[0].clone());
+    let t0 = Instant::now();
+    let last = c
+        .join(join_req(job, nodes - 1, local, nodes))
+        .await?
+        .into_inner();
+    let mut latest = Instant::now();
+    let mut answers = vec![last];
+    for _ in 0..nodes - 1 {
+        let (at, r) = done_rx
+            .recv()
+            .await
+            .ok_or_else(|| anyhow::anyhow!("a joiner vanished"))?;
+        answers.push(r?);
+        latest = latest.max(at);
+    }
+    anyhow::ensure!(
+        answers.iter().all(|a| a.num_nodes == nodes),
+        "wrong node count"
+    );
+    Ok(latest - t0)
+}
+
+struct Rank {
+    tx: mpsc::Sender<pb::WorkerMessage>,
+    rx: tonic::Streaming<pb::CoordinatorMessage>,
+}
+
+async fn attach(ch: Channel, job: &str, rank: u32) -> anyhow::Result<Rank> {
+    let (tx, rx) = mpsc::channel(4);
+    tx.send(pb::WorkerMessage {
+        kind: Some(pb::worker_message::Kind::Register(pb::Register {
+            job_id: job.into(),
+            generation: 1,
+            rank,
+            pid: rank,
+            host: String::new(),
+        })),
+    })
+    .await?;
+    let mut stream = pb::session_client::SessionClient::new(ch)
+        .attach(ReceiverStream::new(rx))
+        .await?
+        .into_inner();
+    stream.message().await?;
+    Ok(Rank { tx, rx: stream })
+}
+
+/// Forms `ranks` ranks (8 per node), attaches them all and times `iters` barriers as seen by
+/// rank 0 (entry to release). Returns (p50, p99, coordinator bytes per rank).
+async fn barriers(
+    chs: &[Channel],
+    coordinator: &CoordinatorProcess,
+    job: &str,
+    ranks: u32,
+    iters: usize,
+) -> anyhow::Result<(f64, f64, f64)> {
+    let local = 8.min(ranks);
+    let before = coordinator.rss_bytes();
+    rendezvous(chs, job, ranks / local, local).await?;
+    let mut sessions = Vec::with_capacity(ranks as usize);
+    for r in 0..ranks {
+        sessions.push(attach(chs[r as usize % chs.len()].clone(), job, r).await?);
+    }
+    let per_rank = (coordinator.rss_bytes().saturating_sub(before)) as f64 / f64::from(ranks);
+    let (lat_tx, mut lat_rx) = mpsc::unbounded_channel();
+    let mut tasks = vec![];
+    for (r, mut s) in sessions.into_iter().enumerate() {
+        let lat_tx = lat_tx.clone();
+        tasks.push(tokio::spawn(async move {
+            for seq in 1..=(iters as u64 + 5) {
+                let t = Instant::now();
+                s.tx.send(pb::WorkerMessage {
+                    kind: Some(pb::worker_message::Kind::Barrier(pb::BarrierEnter {
+                        scope: pb::BarrierScope::Global as i32,
+                        seq,
+                        name: "bench".into(),
+                        timeout_ms: 0,
+                    })),
+                })
+                .await?;
+                let m = s.rx.message().await?;
+                if let Some(pb::coordinator_message::Kind::Barrier(b)) = m.and_then(|m| m.kind)
+                    && let Some(e) = b.error
+                {
+                    anyhow::bail!("barrier failed: {}", e.message);
+                }
+                if r == 0 && seq > 5 {
+                    let _ = lat_tx.send(t.elapsed().as_secs_f64() * 1e6);
+                }
+            }
+            s.tx.send(pb::WorkerMessage {
+                kind: Some(pb::worker_message::Kind::Leave(pb::Leave {})),
+            })
+            .await?;
+            while s.rx.message().await?.is_some() {}
+            anyhow::Ok(())
+        }));
+    }
+    drop(lat_tx);
+    for t in tasks {
+        t.await??;
+    }
+    let mut lat = vec![];
+    while let Some(x) = lat_rx.recv().await {
+        lat.push(x);
+    }
+    Ok((quantile(&mut lat, 0.5), quantile(&mut lat, 0.99), per_rank))
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let coordinator = CoordinatorProcess::start()?;
+    let chs = channels(coordinator.addr, args.connections).await?;
+    println!("| simulated nodes | rendezvous (last join -> all assigned) |");
+    println!("| --- | --- |");
+    for &n in &args.nodes {
+        let mut times = vec![];
+        for i in 0..3 {
+            times.push(
+                rendezvous(&chs, &format!("rdzv-{n}-{i}"), n, 1)
+                    .await?
+                    .as_secs_f64()
+                    * 1e3,
+            );
+        }
+        println!(
+            "| {n} | {:.1} ms (median of 3) |",
+            quantile(&mut times, 0.5)
+        );
+    }
+    println!();
+    println!("| simulated ranks | barrier p50 | barrier p99 | coordinator memory per rank |");
+    println!("| --- | --- | --- | --- |");
+    for &r in &args.ranks {
+        let (p50, p99, per_rank) =
+            barriers(&chs, &coordinator, &format!("bar-{r}"), r, args.iters).await?;
+        println!(
+            "| {r} | {:.0} us | {:.0} us | {:.1} KiB |",
+            p50,
+            p99,
+            per_rank / 1024.0
+        );
+    }
+    Ok(())
+}
