@@ -16,6 +16,9 @@ use tonic::Status;
 /// Where a session's answers go: the stream tonic sends to the worker.
 pub type Outbox = mpsc::UnboundedSender<Result<pb::CoordinatorMessage, Status>>;
 
+/// Where a relaying agent's answers go.
+pub type RelayOutbox = mpsc::UnboundedSender<Result<pb::RelayEvent, Status>>;
+
 /// How a job's rounds are formed (validated `RendezvousConfig`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RoundConfig {
@@ -103,6 +106,8 @@ struct NodeSlot {
     host: String,
     local_world_size: u32,
     rank_offset: u32,
+    /// The node's agent, when it relays the node's global barriers.
+    relay: Option<RelayOutbox>,
 }
 
 struct RankSlot {
@@ -129,7 +134,10 @@ struct BarrierKey {
 struct Arrival {
     rank: u32,
     name: usize,
+    /// Identifies one wait (a group's ranks share it): timeouts withdraw by token.
     token: u64,
+    /// Arrived through its node's relay: answered once per node, not per rank.
+    relayed: bool,
 }
 
 struct Barrier {
@@ -241,6 +249,16 @@ fn result(scope: Scope, seq: u64, error: Option<pb::BarrierError>) -> pb::Coordi
     }
 }
 
+fn relay_result(seq: u64, error: Option<pb::BarrierError>) -> pb::RelayEvent {
+    pb::RelayEvent {
+        kind: Some(pb::relay_event::Kind::Barrier(pb::BarrierResult {
+            scope: Scope::Global.to_wire(),
+            seq,
+            error,
+        })),
+    }
+}
+
 fn simple_error(kind: ErrKind, message: String) -> pb::BarrierError {
     pb::BarrierError {
         kind: kind as i32,
@@ -292,14 +310,56 @@ impl Gen {
         }
     }
 
+    /// Answers every arrival of a barrier with the same result: each session-arrived rank
+    /// through its session, each relaying node once. Marks the ranks done with `seq`.
+    fn deliver<'a>(
+        &mut self,
+        key: BarrierKey,
+        arrivals: impl Iterator<Item = &'a Arrival>,
+        error: Option<&pb::BarrierError>,
+    ) {
+        let idx = key.scope.index();
+        let mut nodes_told: Vec<u32> = vec![];
+        for a in arrivals {
+            let slot = &mut self.ranks[a.rank as usize];
+            if !slot.waiting[idx] || slot.seq[idx] != key.seq {
+                continue;
+            }
+            slot.waiting[idx] = false;
+            slot.done[idx] = key.seq;
+            if a.relayed {
+                let node = slot.node_rank;
+                if !nodes_told.contains(&node) {
+                    nodes_told.push(node);
+                    self.relay_send(node, relay_result(key.seq, error.cloned()));
+                }
+            } else {
+                self.send(a.rank, result(key.scope, key.seq, error.cloned()));
+            }
+        }
+    }
+
+    fn relay_send(&self, node_rank: u32, event: pb::RelayEvent) {
+        if let Some(relay) = &self.nodes[node_rank as usize].relay {
+            let _ = relay.send(Ok(event));
+        }
+    }
+
+    /// Tells every relaying agent that the generation is over, with `error`.
+    fn relays_failed(&self, error: &pb::BarrierError) {
+        for n in 0..self.nodes.len() {
+            self.relay_send(
+                n as u32,
+                pb::RelayEvent {
+                    kind: Some(pb::relay_event::Kind::Failed(error.clone())),
+                },
+            );
+        }
+    }
+
     /// Ends a barrier with the same error for every rank that arrived.
     fn fail_barrier(&mut self, key: BarrierKey, b: Barrier, error: &pb::BarrierError) {
-        for a in &b.arrivals {
-            let slot = &mut self.ranks[a.rank as usize];
-            slot.waiting[key.scope.index()] = false;
-            slot.done[key.scope.index()] = key.seq;
-            self.send(a.rank, result(key.scope, key.seq, Some(error.clone())));
-        }
+        self.deliver(key, b.arrivals.iter(), Some(error));
     }
 
     fn fail_all_barriers(&mut self, error: &pb::BarrierError) {
@@ -541,6 +601,7 @@ impl Job {
                 ),
             );
             g.fail_all_barriers(&err);
+            g.relays_failed(&err);
         }
         st.generation += 1;
         st.phase = Phase::Open(OpenRound {
@@ -593,6 +654,7 @@ impl Job {
                 host: j.req.host.clone(),
                 local_world_size: j.req.local_world_size,
                 rank_offset: offset,
+                relay: None,
             });
             for _ in 0..j.req.local_world_size {
                 ranks.push(RankSlot {
@@ -802,57 +864,45 @@ impl Job {
             rank,
             name: name_idx,
             token,
+            relayed: false,
         });
+        self.settle(g, key, timeout, token);
+    }
+
+    /// After arrivals were added to barrier `key`: reports divergence, releases a complete
+    /// barrier, or arms the timeout of the wait `token`.
+    fn settle(self: &Arc<Self>, g: &mut Gen, key: BarrierKey, timeout: Option<Duration>, token: u64) {
+        let generation = g.generation;
+        let b = g.barriers.get(&key).expect("settle follows an arrival");
         let complete = b.arrivals.len() as u32 >= b.expected;
         if b.names.len() > 1 {
             // Divergence: everyone at this barrier, now and later, gets the same error.
-            let b = g.barriers.get(&key).expect("just inserted");
             let msg = g.divergence_message(&key, b);
             tracing::warn!(job = %self.id, generation, "{msg}");
             let err = simple_error(ErrKind::Diverged, msg);
-            let b = g.barriers.get_mut(&key).expect("just inserted");
+            let mut b = g.barriers.remove(&key).expect("present above");
             b.diverged = true;
-            let arrivals: Vec<u32> = b.arrivals.iter().map(|a| a.rank).collect();
-            for r in arrivals {
-                let slot = &mut g.ranks[r as usize];
-                if slot.waiting[idx] {
-                    slot.waiting[idx] = false;
-                    slot.done[idx] = seq;
-                    g.send(r, result(scope, seq, Some(err.clone())));
-                }
-            }
-            if complete {
-                g.barriers.remove(&key);
+            g.deliver(key, b.arrivals.iter(), Some(&err));
+            if !complete {
+                g.barriers.insert(key, b);
             }
             return;
         }
         if complete {
-            let b = g.barriers.remove(&key).expect("just inserted");
-            for a in &b.arrivals {
-                let slot = &mut g.ranks[a.rank as usize];
-                slot.waiting[idx] = false;
-                slot.done[idx] = seq;
-                g.send(a.rank, result(scope, seq, None));
-            }
+            let b = g.barriers.remove(&key).expect("present above");
+            g.deliver(key, b.arrivals.iter(), None);
             return;
         }
         if let Some(t) = timeout {
             let job = Arc::clone(self);
             tokio::spawn(async move {
                 tokio::time::sleep(t).await;
-                job.barrier_timeout(generation, key, rank, token, t);
+                job.barrier_timeout(generation, key, token, t);
             });
         }
     }
 
-    fn barrier_timeout(
-        &self,
-        generation: u64,
-        key: BarrierKey,
-        rank: u32,
-        token: u64,
-        after: Duration,
-    ) {
+    fn barrier_timeout(&self, generation: u64, key: BarrierKey, token: u64, after: Duration) {
         let mut st = self.lock();
         let Ok(g) = self.running(&mut st, generation) else {
             return;
@@ -860,24 +910,33 @@ impl Job {
         let Some(b) = g.barriers.get_mut(&key) else {
             return;
         };
-        let Some(pos) = b.arrivals.iter().position(|a| a.token == token) else {
+        let (withdrawn, kept): (Vec<Arrival>, Vec<Arrival>) =
+            std::mem::take(&mut b.arrivals).into_iter().partition(|a| a.token == token);
+        b.arrivals = kept;
+        let Some(first) = withdrawn.first() else {
             return;
         };
-        let name = b.names[b.arrivals[pos].name].clone();
-        b.arrivals.remove(pos);
-        let empty = b.arrivals.is_empty();
+        let name = b.names[first.name].clone();
+        let (rank, relayed) = (first.rank, first.relayed);
         let b = g.barriers.get(&key).expect("present above");
         let mut missing = g.missing(&key, b);
-        missing.retain(|m| m.rank != rank);
-        if empty {
+        missing.retain(|m| !withdrawn.iter().any(|w| w.rank == m.rank));
+        if b.arrivals.is_empty() {
             g.barriers.remove(&key);
         }
-        let slot = &mut g.ranks[rank as usize];
-        slot.waiting[key.scope.index()] = false;
+        for w in &withdrawn {
+            // The rank's sequence number stays: it may retry the same barrier.
+            g.ranks[w.rank as usize].waiting[key.scope.index()] = false;
+        }
+        let who = if relayed {
+            format!("ranks {}..={} (node {})", rank, withdrawn[withdrawn.len() - 1].rank, g.ranks[rank as usize].node_rank)
+        } else {
+            format!("rank {rank}")
+        };
         let err = pb::BarrierError {
             kind: ErrKind::Timeout as i32,
             message: format!(
-                "{} #{} ({name}) timed out after {:.3}s on rank {rank} of job '{}' generation {generation}; missing ranks: {}",
+                "{} #{} ({name}) timed out after {:.3}s on {who} of job '{}' generation {generation}; missing ranks: {}",
                 scope_name(key.scope, key.node_rank),
                 key.seq,
                 after.as_secs_f64(),
@@ -887,8 +946,143 @@ impl Job {
             missing,
             ..Default::default()
         };
-        tracing::warn!(job = %self.id, generation, rank, "{}", err.message);
-        g.send(rank, result(key.scope, key.seq, Some(err)));
+        tracing::warn!(job = %self.id, generation, "{}", err.message);
+        if relayed {
+            g.relay_send(g.ranks[rank as usize].node_rank, relay_result(key.seq, Some(err)));
+        } else {
+            g.send(rank, result(key.scope, key.seq, Some(err)));
+        }
+    }
+
+    /// Registers the relay of node `node_rank`: from now on its agent may enter global
+    /// barriers for the node's ranks, and hears of the generation's failure.
+    pub fn relay_register(
+        &self,
+        generation: u64,
+        node_rank: u32,
+        outbox: RelayOutbox,
+    ) -> Result<Registration, Status> {
+        let mut st = self.lock();
+        let id = self.id.clone();
+        let g = self.running(&mut st, generation)?;
+        let num_nodes = g.nodes.len() as u32;
+        let world_size = g.ranks.len() as u32;
+        let Some(node) = g.nodes.get_mut(node_rank as usize) else {
+            return Err(Status::invalid_argument(format!(
+                "node rank {node_rank} is outside job '{id}' generation {generation} ({num_nodes} nodes)"
+            )));
+        };
+        if node.relay.as_ref().is_some_and(|r| !r.is_closed()) {
+            return Err(Status::already_exists(format!(
+                "node {node_rank} of job '{id}' generation {generation} already has a relay"
+            )));
+        }
+        if let Some(f) = &g.failure {
+            let _ = outbox.send(Ok(pb::RelayEvent {
+                kind: Some(pb::relay_event::Kind::Failed(f.to_error(&id, generation))),
+            }));
+        }
+        g.nodes[node_rank as usize].relay = Some(outbox);
+        Ok(Registration {
+            node_rank,
+            num_nodes,
+            world_size,
+        })
+    }
+
+    /// A relay's aggregated entry: every rank in `groups` enters global barrier `seq`. All
+    /// ranks are checked before any is recorded; the answer goes to the relay (once for the
+    /// node).
+    pub fn barrier_group(
+        self: &Arc<Self>,
+        generation: u64,
+        node_rank: u32,
+        seq: u64,
+        groups: Vec<(String, Vec<u32>)>,
+        timeout: Option<Duration>,
+        outbox: &RelayOutbox,
+    ) {
+        let mut st = self.lock();
+        let id = self.id.clone();
+        let reply_now = |err: pb::BarrierError| {
+            let _ = outbox.send(Ok(relay_result(seq, Some(err))));
+        };
+        let g = match self.running(&mut st, generation) {
+            Ok(g) => g,
+            Err(status) => return reply_now(simple_error(ErrKind::StaleGeneration, status.message().to_owned())),
+        };
+        if let Some(f) = &g.failure {
+            return reply_now(f.to_error(&id, generation));
+        }
+        let idx = Scope::Global.index();
+        let mut seen = std::collections::HashSet::new();
+        for (_, ranks) in &groups {
+            for &rank in ranks {
+                let problem = match g.ranks.get(rank as usize) {
+                    None => Some(format!("rank {rank} is outside the world ({})", g.ranks.len())),
+                    Some(slot) if slot.node_rank != node_rank => {
+                        Some(format!("rank {rank} is on node {}, not on the relay's node {node_rank}", slot.node_rank))
+                    }
+                    Some(slot) if slot.state != RankState::Running => {
+                        Some(format!("rank {rank} has no live session ({:?})", slot.state))
+                    }
+                    Some(slot) if slot.waiting[idx] || !(seq == slot.seq[idx] + 1 || (seq == slot.seq[idx] && slot.done[idx] < seq)) => {
+                        Some(format!("rank {rank} is at global barrier #{} and cannot enter #{seq}", slot.seq[idx]))
+                    }
+                    Some(_) if !seen.insert(rank) => Some(format!("rank {rank} is named twice")),
+                    Some(_) => None,
+                };
+                if let Some(problem) = problem {
+                    return reply_now(simple_error(
+                        ErrKind::Unspecified,
+                        format!("relay of node {node_rank} entered global barrier #{seq} for job '{id}' generation {generation}: {problem}"),
+                    ));
+                }
+            }
+        }
+        let key = BarrierKey {
+            scope: Scope::Global,
+            node_rank: 0,
+            seq,
+        };
+        if let Some(err) = g.left_error(&key, &id) {
+            return reply_now(err);
+        }
+        let token = g.next_token;
+        g.next_token += 1;
+        let expected = g.ranks.len() as u32;
+        let now = Instant::now();
+        for (_, ranks) in &groups {
+            for &rank in ranks {
+                let slot = &mut g.ranks[rank as usize];
+                slot.seq[idx] = seq;
+                slot.waiting[idx] = true;
+                slot.last_seen = now;
+            }
+        }
+        let b = g.barriers.entry(key).or_insert_with(|| Barrier {
+            expected,
+            names: vec![],
+            arrivals: vec![],
+            first_at: now,
+            diverged: false,
+        });
+        for (name, ranks) in groups {
+            let name_idx = match b.names.iter().position(|n| *n == name) {
+                Some(i) => i,
+                None => {
+                    b.names.push(name);
+                    b.names.len() - 1
+                }
+            };
+            b.arrivals.extend(ranks.into_iter().map(|rank| Arrival {
+                rank,
+                name: name_idx,
+                token,
+                relayed: true,
+            }));
+        }
+        self.settle(g, key, timeout, token);
     }
 
     /// Marks `rank` failed and fails its generation (if it is the first failure): every
@@ -932,6 +1126,7 @@ impl Job {
         tracing::warn!(job = %id, generation, "{}", f.describe(&id, generation));
         let err = f.to_error(&id, generation);
         g.fail_all_barriers(&err);
+        g.relays_failed(&err);
         drop(st);
         self.notify();
     }

@@ -15,11 +15,10 @@ pub use config::Config;
 pub use store::{MemoryStore, Store};
 
 use muster_proto::v1 as pb;
-use service::{Coordinator, OpsService, RendezvousService, SessionService, ValuesService};
+use service::{Coordinator, OpsService, RelayService, RendezvousService, SessionService, ValuesService};
 use std::future::Future;
 use std::sync::Arc;
 use tokio::net::TcpListener;
-use tokio_stream::wrappers::TcpListenerStream;
 
 /// Serves the coordinator on `listener` with an in-memory store until `shutdown` completes.
 pub async fn serve(
@@ -75,6 +74,10 @@ pub async fn serve_with_store(
                 .max_decoding_message_size(max),
         )
         .add_service(
+            pb::relay_server::RelayServer::new(RelayService(Arc::clone(&coordinator)))
+                .max_decoding_message_size(max),
+        )
+        .add_service(
             pb::key_value_server::KeyValueServer::new(values.clone())
                 .max_decoding_message_size(max),
         )
@@ -89,7 +92,11 @@ pub async fn serve_with_store(
         .add_service(
             pb::ops_server::OpsServer::new(OpsService(coordinator)).max_decoding_message_size(max),
         )
-        .serve_with_incoming_shutdown(TcpListenerStream::new(listener), shutdown)
+        .serve_with_incoming_shutdown(
+            // TCP_NODELAY on every accepted connection: barrier results are small writes.
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            shutdown,
+        )
         .await?;
     tracing::info!("coordinator stopped");
     Ok(())

@@ -27,6 +27,9 @@ struct Args {
     /// Default join timeout of a rendezvous round [default: 600000].
     #[arg(long)]
     join_timeout_ms: Option<u64>,
+    /// Runtime threads: 1 runs everything on one thread, 0 means one per core [default: 0].
+    #[arg(long, default_value_t = 0)]
+    worker_threads: usize,
     /// Log filter (tracing's EnvFilter syntax), also read from RUST_LOG [default: info].
     #[arg(long)]
     log: Option<String>,
@@ -69,7 +72,15 @@ fn main() -> ExitCode {
             return ExitCode::from(EX_USAGE);
         }
     };
-    let runtime = match tokio::runtime::Runtime::new() {
+    let runtime = match args.worker_threads {
+        1 => tokio::runtime::Builder::new_current_thread().enable_all().build(),
+        0 => tokio::runtime::Builder::new_multi_thread().enable_all().build(),
+        n => tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(n)
+            .enable_all()
+            .build(),
+    };
+    let runtime = match runtime {
         Ok(r) => r,
         Err(e) => {
             eprintln!("muster-coordinator: cannot start the runtime: {e}");

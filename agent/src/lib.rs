@@ -1,0 +1,21 @@
+//! muster's per-machine agent: joins a job's rendezvous at the coordinator (or runs one of its
+//! own for a single-node job), starts the node's workers with the environment of
+//! `docs/contract.md`, prefixes and forwards their output, and supervises them: a failed
+//! worker is reported to the coordinator and stops the rest; SIGINT and SIGTERM are forwarded.
+//!
+//! The binary (`main.rs`) only parses the command line ([`cli::parse`]) and calls
+//! [`launch::run`]; tests call both directly.
+
+pub mod cli;
+pub mod env;
+pub mod launch;
+pub mod program;
+pub mod worker;
+
+pub use cli::{LaunchSpec, Parsed, UsageError};
+pub use launch::{LaunchError, Outcome};
+
+/// Exit status for a bad command line (nothing was started).
+pub const USAGE_EXIT: u8 = 2;
+/// Exit status when the launch itself failed (coordinator unreachable, rendezvous refused).
+pub const LAUNCH_ERROR_EXIT: u8 = 1;

@@ -1,0 +1,50 @@
+//! `muster-agent`: parses the command line and runs the launch; all logic is in the library.
+
+use muster_agent::{LAUNCH_ERROR_EXIT, Parsed, USAGE_EXIT, cli, launch};
+use std::process::ExitCode;
+use std::time::Duration;
+
+/// Warnings, but not the embedded coordinator's: the agent reports failures itself.
+const DEFAULT_LOG_FILTER: &str = "warn,muster_coordinator=error";
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER)),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+
+    let path = std::env::var_os("PATH");
+    let spec = match cli::parse(std::env::args_os(), path.as_deref()) {
+        Ok(Parsed::Launch(spec)) => spec,
+        Ok(Parsed::Exit(code)) => return ExitCode::from(u8::try_from(code).unwrap_or(USAGE_EXIT)),
+        Err(e) => {
+            eprintln!("muster-agent: {e}");
+            return ExitCode::from(USAGE_EXIT);
+        }
+    };
+
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("muster-agent: cannot start the async runtime: {e}");
+            return ExitCode::from(LAUNCH_ERROR_EXIT);
+        }
+    };
+    let code = match runtime.block_on(launch::run(spec)) {
+        Ok(outcome) => outcome.exit_code(),
+        Err(e) => {
+            eprintln!("muster-agent: {e}");
+            LAUNCH_ERROR_EXIT
+        }
+    };
+    // Dropping the runtime drops the remaining tasks (the embedded coordinator, and any
+    // worker still held, which kills its process group); do not wait on stragglers.
+    runtime.shutdown_timeout(Duration::from_millis(200));
+    ExitCode::from(code)
+}

@@ -1,0 +1,684 @@
+//! The synchronous, Accelerate-shaped API that training scripts use: ranks, barriers,
+//! main-process-first, compute-once-and-share, NCCL unique ids and the key-value store.
+//!
+//! It owns a small tokio runtime (one worker thread) that runs the session's background task;
+//! each method blocks the calling thread on that runtime. It is therefore meant for
+//! synchronous code: calling it from inside an async runtime panics (as `block_on` does).
+//! Async code uses [`crate::client`] directly.
+
+use std::{
+    collections::{BTreeMap, HashMap},
+    fmt,
+    future::Future,
+    panic::Location,
+    sync::{Mutex, MutexGuard, PoisonError},
+    time::Duration,
+};
+
+use muster_proto::NCCL_UNIQUE_ID_BYTES;
+use serde::{Serialize, de::DeserializeOwned};
+
+use crate::{
+    Error, RankInfo,
+    client::{CasOutcome, Coordinator, Kv, Scope, Session, SessionConfig, SharedValues, UniqueIds},
+};
+
+/// The longest shared-value name the coordinator accepts.
+const MAX_SHARED_NAME: usize = 256;
+/// How long dropping an `Accelerator` waits for `leave` to go through.
+const DROP_LEAVE_GRACE: Duration = Duration::from_secs(2);
+
+/// A training process's handle on the job, modelled on Hugging Face Accelerate's
+/// `Accelerator`: who am I, wait for the others, let the main process go first, share a value,
+/// distribute an NCCL unique id.
+///
+/// Without a coordinator (single-process mode, `MUSTER_COORDINATOR` unset) every call succeeds
+/// locally without any network: barriers return at once, `*_share` runs the closure, the
+/// key-value store is an in-memory map of this process, and fetching a unique id that was never
+/// published, or waiting for a key that is not set, fails with [`Error::NotFound`] instead of
+/// hanging (nothing else could ever publish it).
+///
+/// Dropping it sends `leave` (best effort), so other ranks learn that this one finished;
+/// [`Accelerator::finish`] does the same and reports errors. A drop during a panic skips
+/// `leave`, so the coordinator sees the rank fail at once.
+pub struct Accelerator {
+    info: RankInfo,
+    backend: Backend,
+    /// Per-name call counters for shared values, so that calls from one line in a loop get
+    /// distinct names.
+    share_calls: Mutex<HashMap<String, u64>>,
+}
+
+enum Backend {
+    Local(Mutex<LocalStore>),
+    Remote(Box<Remote>),
+}
+
+/// What single-process mode keeps instead of a coordinator.
+#[derive(Default)]
+struct LocalStore {
+    kv: BTreeMap<String, Vec<u8>>,
+    unique_ids: HashMap<String, [u8; NCCL_UNIQUE_ID_BYTES]>,
+}
+
+struct Remote {
+    /// `None` once finished.
+    session: Option<Session>,
+    kv: Kv,
+    unique_ids: UniqueIds,
+    shared: SharedValues,
+    /// `None` only while dropping. Declared last so the clients above drop first.
+    runtime: Option<tokio::runtime::Runtime>,
+}
+
+impl fmt::Debug for Accelerator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Accelerator")
+            .field("info", &self.info)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Accelerator {
+    /// Reads the `MUSTER_*` environment, connects to the coordinator and registers this rank
+    /// (or runs as a single process when there is no `MUSTER_COORDINATOR`).
+    pub fn from_env() -> Result<Self, Error> {
+        Self::new(RankInfo::from_env()?)
+    }
+
+    /// Builds an accelerator for `info` (a coordinator address means connect and register).
+    /// Checks that the coordinator's view of the generation matches `info`.
+    pub fn new(info: RankInfo) -> Result<Self, Error> {
+        info.validate()?;
+        let Some(addr) = info.coordinator.clone() else {
+            return Ok(Self::with_backend(info, Backend::Local(Mutex::default())));
+        };
+        if tokio::runtime::Handle::try_current().is_ok() {
+            return Err(Error::Usage(
+                "Accelerator blocks on its own runtime and cannot be created inside an async \
+                 runtime; use muster::client::Session from async code"
+                    .to_owned(),
+            ));
+        }
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("muster-sdk")
+            .enable_all()
+            .build()
+            .map_err(|e| Error::Config(format!("cannot start the muster SDK runtime: {e}")))?;
+        let config = SessionConfig {
+            job_id: info.job_id.clone(),
+            generation: info.generation,
+            rank: info.rank,
+            pid: std::process::id(),
+            host: info.host.clone(),
+        };
+        let session = runtime.block_on(async {
+            let coordinator = Coordinator::connect(&addr).await?;
+            Session::attach(&coordinator, config).await
+        })?;
+        let registration = *session.registration();
+        let expected = (info.world_size, info.node_rank, info.num_nodes);
+        let got = (
+            registration.world_size,
+            registration.node_rank,
+            registration.num_nodes,
+        );
+        // A coordinator that leaves these at zero has no opinion.
+        if registration.world_size != 0 && expected != got {
+            return Err(Error::Config(format!(
+                "the environment says rank {} is on node {} of {} with {} ranks in all, but the \
+                 coordinator at {addr} says node {} of {} with {} ranks",
+                info.rank, info.node_rank, info.num_nodes, info.world_size, got.1, got.2, got.0
+            )));
+        }
+        let remote = Remote {
+            kv: session.kv(),
+            unique_ids: session.unique_ids(),
+            shared: session.shared_values(),
+            session: Some(session),
+            runtime: Some(runtime),
+        };
+        Ok(Self::with_backend(info, Backend::Remote(Box::new(remote))))
+    }
+
+    fn with_backend(info: RankInfo, backend: Backend) -> Self {
+        Self {
+            info,
+            backend,
+            share_calls: Mutex::default(),
+        }
+    }
+
+    /// Where this process sits in the job.
+    pub fn info(&self) -> &RankInfo {
+        &self.info
+    }
+
+    /// Whether there is a coordinator (several processes) rather than single-process mode.
+    pub fn is_distributed(&self) -> bool {
+        self.info.is_distributed()
+    }
+
+    /// This process's global rank (Accelerate's `process_index`).
+    pub fn process_index(&self) -> usize {
+        self.info.rank as usize
+    }
+
+    /// This process's rank on its node (Accelerate's `local_process_index`).
+    pub fn local_process_index(&self) -> usize {
+        self.info.local_rank as usize
+    }
+
+    /// The number of processes in the job (Accelerate's `num_processes`).
+    pub fn num_processes(&self) -> usize {
+        self.info.world_size as usize
+    }
+
+    /// The number of processes on this node (the local world size).
+    pub fn local_num_processes(&self) -> usize {
+        self.info.local_world_size as usize
+    }
+
+    /// This node's rank (Accelerate's `machine_rank`).
+    pub fn node_rank(&self) -> usize {
+        self.info.node_rank as usize
+    }
+
+    /// The number of nodes (Accelerate's `num_machines`).
+    pub fn num_nodes(&self) -> usize {
+        self.info.num_nodes as usize
+    }
+
+    /// Whether this is global rank 0, the one process that saves checkpoints and logs.
+    pub fn is_main_process(&self) -> bool {
+        self.info.rank == 0
+    }
+
+    /// Whether this is local rank 0, the one process per machine for machine-local work
+    /// (downloads into a local cache, printing).
+    pub fn is_local_main_process(&self) -> bool {
+        self.info.local_rank == 0
+    }
+
+    /// Whether this is the last global rank.
+    pub fn is_last_process(&self) -> bool {
+        self.info.rank + 1 == self.info.world_size
+    }
+
+    /// The restart round this process belongs to (from 1).
+    pub fn generation(&self) -> u64 {
+        self.info.generation
+    }
+
+    /// The job id.
+    pub fn job_id(&self) -> &str {
+        &self.info.job_id
+    }
+
+    /// How many times the job has been restarted (0 in the first generation); a script can
+    /// use it to resume from its last checkpoint.
+    pub fn restart_count(&self) -> u32 {
+        self.info.restart_count
+    }
+
+    /// The async session underneath (`None` in single-process mode), for code that mixes this
+    /// API with [`crate::client`].
+    pub fn session(&self) -> Option<&Session> {
+        match &self.backend {
+            Backend::Remote(remote) => remote.session.as_ref(),
+            Backend::Local(_) => None,
+        }
+    }
+
+    /// Blocks until every process reaches this call (Accelerate's `wait_for_everyone`). The
+    /// barrier is named after the caller's `file:line`, so ranks arriving from different lines
+    /// get [`Error::Diverged`] instead of a silent mismatch.
+    #[track_caller]
+    pub fn wait_for_everyone(&self) -> Result<(), Error> {
+        let name = call_site(Location::caller());
+        self.barrier(Scope::Global, &name, None)
+    }
+
+    /// [`Accelerator::wait_for_everyone`] under an explicit name (for barriers reached from
+    /// different lines on purpose).
+    pub fn wait_for_everyone_named(&self, name: &str) -> Result<(), Error> {
+        self.barrier(Scope::Global, name, None)
+    }
+
+    /// [`Accelerator::wait_for_everyone`] that gives up after `timeout` with an
+    /// [`Error::Timeout`] listing the ranks (and hosts) that had not arrived. Calling it again
+    /// from the same line retries the same barrier.
+    #[track_caller]
+    pub fn wait_for_everyone_timeout(&self, timeout: Duration) -> Result<(), Error> {
+        let name = call_site(Location::caller());
+        self.barrier(Scope::Global, &name, Some(timeout))
+    }
+
+    /// Blocks until every process of this node reaches this call.
+    #[track_caller]
+    pub fn wait_for_local(&self) -> Result<(), Error> {
+        let name = call_site(Location::caller());
+        self.barrier(Scope::Node, &name, None)
+    }
+
+    fn barrier(&self, scope: Scope, name: &str, timeout: Option<Duration>) -> Result<(), Error> {
+        match &self.backend {
+            Backend::Local(_) => Ok(()),
+            Backend::Remote(remote) => {
+                let session = remote.session()?;
+                remote.block_on(session.barrier(scope, name, timeout))
+            }
+        }
+    }
+
+    /// Runs `f` on the main process first, then on every other process (Accelerate's
+    /// `main_process_first`): the others wait at a barrier while the main process runs `f`, and
+    /// run `f` themselves once it is done — typically to load what the main process cached.
+    /// Every process runs `f`; if the main process fails inside `f`, the others get its
+    /// failure instead of running `f`.
+    #[track_caller]
+    pub fn main_process_first<T>(&self, f: impl FnOnce() -> T) -> Result<T, Error> {
+        let name = call_site(Location::caller());
+        self.goes_first(Scope::Global, self.is_main_process(), &name, f)
+    }
+
+    /// Like [`Accelerator::main_process_first`] per node: the local main process of each node
+    /// runs `f` first, then the other processes of that node.
+    #[track_caller]
+    pub fn local_main_process_first<T>(&self, f: impl FnOnce() -> T) -> Result<T, Error> {
+        let name = call_site(Location::caller());
+        self.goes_first(Scope::Node, self.is_local_main_process(), &name, f)
+    }
+
+    fn goes_first<T>(
+        &self,
+        scope: Scope,
+        first: bool,
+        name: &str,
+        f: impl FnOnce() -> T,
+    ) -> Result<T, Error> {
+        if first {
+            let value = f();
+            self.barrier(scope, name, None)?;
+            Ok(value)
+        } else {
+            self.barrier(scope, name, None)?;
+            Ok(f())
+        }
+    }
+
+    /// Computes `f` once on the main process and hands its result to every process: the others
+    /// never call `f`, they receive the main process's value (as JSON, through the
+    /// coordinator) — for results that are cheap to send but expensive to compute. The others
+    /// wait as long as it takes, unless the generation fails, in which case they get the
+    /// failure. Calls are told apart by call site and by a per-call-site counter, so every
+    /// process must make the same calls in the same order.
+    #[track_caller]
+    pub fn main_process_first_share<T>(&self, f: impl FnOnce() -> T) -> Result<T, Error>
+    where
+        T: Serialize + DeserializeOwned,
+    {
+        let name = format!("global/{}", call_site(Location::caller()));
+        self.share(name, self.is_main_process(), f)
+    }
+
+    /// Like [`Accelerator::main_process_first_share`] per node: each node's local main
+    /// process computes `f` and shares it with the processes of its node.
+    #[track_caller]
+    pub fn local_main_process_first_share<T>(&self, f: impl FnOnce() -> T) -> Result<T, Error>
+    where
+        T: Serialize + DeserializeOwned,
+    {
+        let name = format!(
+            "node{}/{}",
+            self.info.node_rank,
+            call_site(Location::caller())
+        );
+        self.share(name, self.is_local_main_process(), f)
+    }
+
+    fn share<T>(&self, name: String, publisher: bool, f: impl FnOnce() -> T) -> Result<T, Error>
+    where
+        T: Serialize + DeserializeOwned,
+    {
+        let Backend::Remote(remote) = &self.backend else {
+            return Ok(f());
+        };
+        let name = shared_value_name(&name, self.next_share_call(&name));
+        let what = || format!("shared value '{name}'");
+        if publisher {
+            let value = f();
+            let bytes = serde_json::to_vec(&value).map_err(|source| Error::Serialization {
+                what: what(),
+                source,
+            })?;
+            remote.block_on(remote.shared.publish(&name, bytes))?;
+            Ok(value)
+        } else {
+            let bytes = remote.block_on(remote.shared.fetch(&name, None))?;
+            serde_json::from_slice(&bytes).map_err(|source| Error::Serialization {
+                what: what(),
+                source,
+            })
+        }
+    }
+
+    fn next_share_call(&self, name: &str) -> u64 {
+        let mut calls = lock(&self.share_calls);
+        let count = calls.entry(name.to_owned()).or_insert(0);
+        *count += 1;
+        *count
+    }
+
+    /// Runs `f` only on the main process (Accelerate's `on_main_process`).
+    pub fn on_main_process<T>(&self, f: impl FnOnce() -> T) -> Option<T> {
+        self.is_main_process().then(f)
+    }
+
+    /// Runs `f` only on each node's local main process.
+    pub fn on_local_main_process<T>(&self, f: impl FnOnce() -> T) -> Option<T> {
+        self.is_local_main_process().then(f)
+    }
+
+    /// Runs `f` only on the last process.
+    pub fn on_last_process<T>(&self, f: impl FnOnce() -> T) -> Option<T> {
+        self.is_last_process().then(f)
+    }
+
+    /// Runs `f` only on global rank `index`.
+    pub fn on_process<T>(&self, index: usize, f: impl FnOnce() -> T) -> Option<T> {
+        (self.process_index() == index).then(f)
+    }
+
+    /// Runs `f` only on local rank `index` of each node.
+    pub fn on_local_process<T>(&self, index: usize, f: impl FnOnce() -> T) -> Option<T> {
+        (self.local_process_index() == index).then(f)
+    }
+
+    /// Prints a line once per machine (on the local main process), like Accelerate's
+    /// `accelerator.print`; see also [`crate::print!`].
+    pub fn print(&self, args: fmt::Arguments<'_>) {
+        if self.is_local_main_process() {
+            println!("{args}");
+        }
+    }
+
+    /// Publishes the NCCL unique id of `communicator` (from its root rank) for this generation.
+    pub fn publish_nccl_unique_id(
+        &self,
+        communicator: &str,
+        id: &[u8; NCCL_UNIQUE_ID_BYTES],
+    ) -> Result<(), Error> {
+        match &self.backend {
+            Backend::Local(store) => {
+                let mut store = lock(store);
+                match store.unique_ids.get(communicator) {
+                    Some(existing) if existing != id => {
+                        Err(Error::Rpc(tonic::Status::already_exists(format!(
+                            "unique id '{communicator}' was already published with other bytes"
+                        ))))
+                    }
+                    _ => {
+                        store.unique_ids.insert(communicator.to_owned(), *id);
+                        Ok(())
+                    }
+                }
+            }
+            Backend::Remote(remote) => remote.block_on(remote.unique_ids.publish(communicator, id)),
+        }
+    }
+
+    /// Fetches the NCCL unique id of `communicator`, waiting until its root publishes it (or
+    /// the generation fails).
+    pub fn fetch_nccl_unique_id(
+        &self,
+        communicator: &str,
+    ) -> Result<[u8; NCCL_UNIQUE_ID_BYTES], Error> {
+        match &self.backend {
+            Backend::Local(store) => lock(store).unique_ids.get(communicator).copied().ok_or_else(|| {
+                Error::NotFound {
+                    what: format!(
+                        "NCCL unique id '{communicator}' (single-process mode: nothing else can publish it)"
+                    ),
+                }
+            }),
+            Backend::Remote(remote) => remote.block_on(remote.unique_ids.fetch(communicator, None)),
+        }
+    }
+
+    /// The job's key-value store, with blocking methods.
+    pub fn kv(&self) -> KvStore<'_> {
+        KvStore { accelerator: self }
+    }
+
+    /// Ends this process's part in the job cleanly (sends `leave`), so that ranks still waiting
+    /// on it get a clear error rather than waiting; reports a failure to do so.
+    pub fn finish(mut self) -> Result<(), Error> {
+        match &mut self.backend {
+            Backend::Local(_) => Ok(()),
+            Backend::Remote(remote) => match remote.session.take() {
+                Some(session) => remote.block_on(session.leave()),
+                None => Ok(()),
+            },
+        }
+    }
+}
+
+impl Drop for Accelerator {
+    fn drop(&mut self) {
+        let Backend::Remote(remote) = &mut self.backend else {
+            return;
+        };
+        let session = remote.session.take();
+        let Some(runtime) = remote.runtime.take() else {
+            return;
+        };
+        let in_async_context = tokio::runtime::Handle::try_current().is_ok();
+        match session {
+            // During a panic, skip `leave`: the stream just ends, and the coordinator marks
+            // this rank failed at once.
+            Some(session) if !std::thread::panicking() && !in_async_context => {
+                let left = runtime.block_on(async {
+                    tokio::time::timeout(DROP_LEAVE_GRACE, session.leave()).await
+                });
+                if let Ok(Err(e)) = left {
+                    tracing::debug!(error = %e, "leave on drop failed");
+                }
+            }
+            session => drop(session),
+        }
+        if in_async_context {
+            // Blocking on the runtime's shutdown is not allowed here.
+            runtime.shutdown_background();
+        }
+    }
+}
+
+impl Remote {
+    fn block_on<F: Future>(&self, future: F) -> F::Output {
+        match &self.runtime {
+            Some(runtime) => runtime.block_on(future),
+            // Only `Drop` takes the runtime, after which no method runs.
+            None => unreachable!("the muster runtime is gone only while dropping"),
+        }
+    }
+
+    fn session(&self) -> Result<&Session, Error> {
+        self.session
+            .as_ref()
+            .ok_or_else(|| Error::Usage("this process already finished its session".to_owned()))
+    }
+}
+
+/// Blocking access to the job's key-value store (TCPStore parity). In single-process mode it is
+/// an in-memory map of this process.
+#[derive(Debug, Clone, Copy)]
+pub struct KvStore<'a> {
+    accelerator: &'a Accelerator,
+}
+
+/// Where a key-value call goes.
+enum Target<'a> {
+    Local(MutexGuard<'a, LocalStore>),
+    Remote(&'a Remote),
+}
+
+impl KvStore<'_> {
+    fn target(&self) -> Target<'_> {
+        match &self.accelerator.backend {
+            Backend::Local(store) => Target::Local(lock(store)),
+            Backend::Remote(remote) => Target::Remote(remote),
+        }
+    }
+
+    /// Sets `key`, replacing any value.
+    pub fn set(&self, key: &str, value: impl Into<Vec<u8>>) -> Result<(), Error> {
+        match self.target() {
+            Target::Local(mut store) => {
+                store.kv.insert(key.to_owned(), value.into());
+                Ok(())
+            }
+            Target::Remote(remote) => remote.block_on(remote.kv.set(key, value)),
+        }
+    }
+
+    /// The value of `key`, or `None` if it is not set.
+    pub fn get(&self, key: &str) -> Result<Option<Vec<u8>>, Error> {
+        match self.target() {
+            Target::Local(store) => Ok(store.kv.get(key).cloned()),
+            Target::Remote(remote) => remote.block_on(remote.kv.get(key)),
+        }
+    }
+
+    /// The value of `key`, waiting up to `wait` for another process to set it. In
+    /// single-process mode a missing key fails at once with [`Error::NotFound`].
+    pub fn get_wait(&self, key: &str, wait: Duration) -> Result<Vec<u8>, Error> {
+        match self.target() {
+            Target::Local(store) => store.kv.get(key).cloned().ok_or_else(|| Error::NotFound {
+                what: format!("key '{key}' (single-process mode: nothing else can set it)"),
+            }),
+            Target::Remote(remote) => remote.block_on(remote.kv.get_wait(key, wait)),
+        }
+    }
+
+    /// Adds `delta` to the counter at `key` (absent counts as 0) and returns the new value.
+    pub fn add(&self, key: &str, delta: i64) -> Result<i64, Error> {
+        let mut store = match self.target() {
+            Target::Local(store) => store,
+            Target::Remote(remote) => return remote.block_on(remote.kv.add(key, delta)),
+        };
+        let current = match store.kv.get(key) {
+            None => 0,
+            Some(bytes) => std::str::from_utf8(bytes)
+                .ok()
+                .and_then(|text| text.parse::<i64>().ok())
+                .ok_or_else(|| {
+                    Error::Rpc(tonic::Status::invalid_argument(format!(
+                        "key '{key}' does not hold a decimal integer"
+                    )))
+                })?,
+        };
+        let value = current.checked_add(delta).ok_or_else(|| {
+            Error::Rpc(tonic::Status::out_of_range(format!(
+                "counter '{key}' overflows"
+            )))
+        })?;
+        store
+            .kv
+            .insert(key.to_owned(), value.to_string().into_bytes());
+        Ok(value)
+    }
+
+    /// Sets `key` to `desired` only if its value is `expected` (`None`: only if the key does
+    /// not exist), atomically.
+    pub fn compare_and_set(
+        &self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: impl Into<Vec<u8>>,
+    ) -> Result<CasOutcome, Error> {
+        match self.target() {
+            Target::Local(mut store) => {
+                let swapped = store.kv.get(key).map(Vec::as_slice) == expected;
+                if swapped {
+                    store.kv.insert(key.to_owned(), desired.into());
+                }
+                Ok(CasOutcome {
+                    swapped,
+                    current: store.kv.get(key).cloned(),
+                })
+            }
+            Target::Remote(remote) => {
+                remote.block_on(remote.kv.compare_and_set(key, expected, desired))
+            }
+        }
+    }
+
+    /// Deletes `key`; says whether it existed.
+    pub fn delete(&self, key: &str) -> Result<bool, Error> {
+        match self.target() {
+            Target::Local(mut store) => Ok(store.kv.remove(key).is_some()),
+            Target::Remote(remote) => remote.block_on(remote.kv.delete(key)),
+        }
+    }
+
+    /// The keys and values under `prefix`, in key order.
+    pub fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, Error> {
+        match self.target() {
+            Target::Local(store) => Ok(store
+                .kv
+                .range(prefix.to_owned()..)
+                .take_while(|(key, _)| key.starts_with(prefix))
+                .map(|(key, value)| (key.clone(), value.clone()))
+                .collect()),
+            Target::Remote(remote) => remote.block_on(remote.kv.list(prefix)),
+        }
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The barrier and shared-value name of a call site. Every rank runs the same binary, so the
+/// same line gives the same name everywhere.
+fn call_site(location: &Location<'_>) -> String {
+    format!("{}:{}", location.file(), location.line())
+}
+
+/// `<scope>/<file:line>#<n>`, shortened from the left (keeping the scope) when it would exceed
+/// what the coordinator accepts.
+fn shared_value_name(name: &str, call: u64) -> String {
+    let full = format!("{name}#{call}");
+    if full.len() <= MAX_SHARED_NAME {
+        return full;
+    }
+    let (scope, _) = full.split_once('/').unwrap_or(("", ""));
+    let keep = MAX_SHARED_NAME - scope.len() - "/...".len();
+    let mut start = full.len() - keep;
+    while !full.is_char_boundary(start) {
+        start += 1;
+    }
+    format!("{scope}/...{}", &full[start..])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn long_shared_names_keep_scope_and_tail() {
+        assert_eq!(
+            shared_value_name("global/src/a.rs:3", 2),
+            "global/src/a.rs:3#2"
+        );
+        let long = format!("node12/{}/train.rs:77", "deep/".repeat(80));
+        let short = shared_value_name(&long, 1);
+        assert!(short.len() <= MAX_SHARED_NAME, "{}", short.len());
+        assert!(short.starts_with("node12/..."), "{short}");
+        assert!(short.ends_with("/train.rs:77#1"), "{short}");
+        let wide = format!("global/{}:1", "é".repeat(200));
+        assert!(shared_value_name(&wide, 3).len() <= MAX_SHARED_NAME);
+    }
+}

@@ -1,0 +1,43 @@
+//! muster's worker SDK: what a distributed training process uses to learn its rank, wait for
+//! the other ranks, let the main process go first, share values and NCCL unique ids, and use a
+//! job-wide key-value store — Hugging Face Accelerate's process model on top of muster's
+//! coordinator.
+//!
+//! - [`Accelerator`] is the synchronous, Accelerate-shaped API for training scripts, built from
+//!   the `MUSTER_*` environment that `muster-agent` sets ([`RankInfo`]). Without a
+//!   coordinator it runs as a single process and every call succeeds locally.
+//! - [`client`] is the async core ([`client::Coordinator`], [`client::Session`] and typed
+//!   wrappers over the key-value, unique-id and shared-value services), for async code and for
+//!   benchmarks that simulate many ranks in one process.
+//! - [`Error`] is the one error type; its messages name the rank, node, host or barrier at
+//!   fault.
+//!
+//! ```no_run
+//! let accelerator = muster::Accelerator::from_env()?;
+//! let vocabulary: Vec<String> =
+//!     accelerator.main_process_first_share(|| vec!["hello".to_owned(), "world".to_owned()])?;
+//! accelerator.wait_for_everyone()?;
+//! muster::print!(accelerator, "rank {} has {} words", accelerator.process_index(), vocabulary.len());
+//! accelerator.finish()?;
+//! # Ok::<(), muster::Error>(())
+//! ```
+
+pub mod accelerator;
+pub mod client;
+pub mod env;
+pub mod error;
+
+pub use accelerator::{Accelerator, KvStore};
+pub use client::{CasOutcome, Scope};
+pub use env::RankInfo;
+pub use error::{Error, RankLocation};
+pub use muster_proto::NCCL_UNIQUE_ID_BYTES;
+
+/// Prints a formatted line once per machine (on the local main process), like Accelerate's
+/// `accelerator.print`: `muster::print!(accelerator, "loss {loss:.3}")`.
+#[macro_export]
+macro_rules! print {
+    ($accelerator:expr, $($arg:tt)*) => {
+        $accelerator.print(::std::format_args!($($arg)*))
+    };
+}
