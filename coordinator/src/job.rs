@@ -871,7 +871,13 @@ impl Job {
 
     /// After arrivals were added to barrier `key`: reports divergence, releases a complete
     /// barrier, or arms the timeout of the wait `token`.
-    fn settle(self: &Arc<Self>, g: &mut Gen, key: BarrierKey, timeout: Option<Duration>, token: u64) {
+    fn settle(
+        self: &Arc<Self>,
+        g: &mut Gen,
+        key: BarrierKey,
+        timeout: Option<Duration>,
+        token: u64,
+    ) {
         let generation = g.generation;
         let b = g.barriers.get(&key).expect("settle follows an arrival");
         let complete = b.arrivals.len() as u32 >= b.expected;
@@ -910,8 +916,9 @@ impl Job {
         let Some(b) = g.barriers.get_mut(&key) else {
             return;
         };
-        let (withdrawn, kept): (Vec<Arrival>, Vec<Arrival>) =
-            std::mem::take(&mut b.arrivals).into_iter().partition(|a| a.token == token);
+        let (withdrawn, kept): (Vec<Arrival>, Vec<Arrival>) = std::mem::take(&mut b.arrivals)
+            .into_iter()
+            .partition(|a| a.token == token);
         b.arrivals = kept;
         let Some(first) = withdrawn.first() else {
             return;
@@ -929,7 +936,12 @@ impl Job {
             g.ranks[w.rank as usize].waiting[key.scope.index()] = false;
         }
         let who = if relayed {
-            format!("ranks {}..={} (node {})", rank, withdrawn[withdrawn.len() - 1].rank, g.ranks[rank as usize].node_rank)
+            format!(
+                "ranks {}..={} (node {})",
+                rank,
+                withdrawn[withdrawn.len() - 1].rank,
+                g.ranks[rank as usize].node_rank
+            )
         } else {
             format!("rank {rank}")
         };
@@ -948,7 +960,10 @@ impl Job {
         };
         tracing::warn!(job = %self.id, generation, "{}", err.message);
         if relayed {
-            g.relay_send(g.ranks[rank as usize].node_rank, relay_result(key.seq, Some(err)));
+            g.relay_send(
+                g.ranks[rank as usize].node_rank,
+                relay_result(key.seq, Some(err)),
+            );
         } else {
             g.send(rank, result(key.scope, key.seq, Some(err)));
         }
@@ -956,12 +971,15 @@ impl Job {
 
     /// Registers the relay of node `node_rank`: from now on its agent may enter global
     /// barriers for the node's ranks, and hears of the generation's failure.
+    /// Sends `registered` (then `failed`, if the generation already failed) under the lock,
+    /// so no event can overtake them.
     pub fn relay_register(
         &self,
         generation: u64,
         node_rank: u32,
         outbox: RelayOutbox,
-    ) -> Result<Registration, Status> {
+        heartbeat_interval: Duration,
+    ) -> Result<(), Status> {
         let mut st = self.lock();
         let id = self.id.clone();
         let g = self.running(&mut st, generation)?;
@@ -977,17 +995,21 @@ impl Job {
                 "node {node_rank} of job '{id}' generation {generation} already has a relay"
             )));
         }
+        let _ = outbox.send(Ok(pb::RelayEvent {
+            kind: Some(pb::relay_event::Kind::Registered(pb::Registered {
+                heartbeat_interval_ms: heartbeat_interval.as_millis() as u64,
+                world_size,
+                node_rank,
+                num_nodes,
+            })),
+        }));
         if let Some(f) = &g.failure {
             let _ = outbox.send(Ok(pb::RelayEvent {
                 kind: Some(pb::relay_event::Kind::Failed(f.to_error(&id, generation))),
             }));
         }
         g.nodes[node_rank as usize].relay = Some(outbox);
-        Ok(Registration {
-            node_rank,
-            num_nodes,
-            world_size,
-        })
+        Ok(())
     }
 
     /// A relay's aggregated entry: every rank in `groups` enters global barrier `seq`. All
@@ -1009,7 +1031,12 @@ impl Job {
         };
         let g = match self.running(&mut st, generation) {
             Ok(g) => g,
-            Err(status) => return reply_now(simple_error(ErrKind::StaleGeneration, status.message().to_owned())),
+            Err(status) => {
+                return reply_now(simple_error(
+                    ErrKind::StaleGeneration,
+                    status.message().to_owned(),
+                ));
+            }
         };
         if let Some(f) = &g.failure {
             return reply_now(f.to_error(&id, generation));
@@ -1019,15 +1046,27 @@ impl Job {
         for (_, ranks) in &groups {
             for &rank in ranks {
                 let problem = match g.ranks.get(rank as usize) {
-                    None => Some(format!("rank {rank} is outside the world ({})", g.ranks.len())),
-                    Some(slot) if slot.node_rank != node_rank => {
-                        Some(format!("rank {rank} is on node {}, not on the relay's node {node_rank}", slot.node_rank))
-                    }
-                    Some(slot) if slot.state != RankState::Running => {
-                        Some(format!("rank {rank} has no live session ({:?})", slot.state))
-                    }
-                    Some(slot) if slot.waiting[idx] || !(seq == slot.seq[idx] + 1 || (seq == slot.seq[idx] && slot.done[idx] < seq)) => {
-                        Some(format!("rank {rank} is at global barrier #{} and cannot enter #{seq}", slot.seq[idx]))
+                    None => Some(format!(
+                        "rank {rank} is outside the world ({})",
+                        g.ranks.len()
+                    )),
+                    Some(slot) if slot.node_rank != node_rank => Some(format!(
+                        "rank {rank} is on node {}, not on the relay's node {node_rank}",
+                        slot.node_rank
+                    )),
+                    Some(slot) if slot.state != RankState::Running => Some(format!(
+                        "rank {rank} has no live session ({:?})",
+                        slot.state
+                    )),
+                    Some(slot)
+                        if slot.waiting[idx]
+                            || !(seq == slot.seq[idx] + 1
+                                || (seq == slot.seq[idx] && slot.done[idx] < seq)) =>
+                    {
+                        Some(format!(
+                            "rank {rank} is at global barrier #{} and cannot enter #{seq}",
+                            slot.seq[idx]
+                        ))
                     }
                     Some(_) if !seen.insert(rank) => Some(format!("rank {rank} is named twice")),
                     Some(_) => None,
@@ -1035,7 +1074,9 @@ impl Job {
                 if let Some(problem) = problem {
                     return reply_now(simple_error(
                         ErrKind::Unspecified,
-                        format!("relay of node {node_rank} entered global barrier #{seq} for job '{id}' generation {generation}: {problem}"),
+                        format!(
+                            "relay of node {node_rank} entered global barrier #{seq} for job '{id}' generation {generation}: {problem}"
+                        ),
                     ));
                 }
             }

@@ -15,7 +15,9 @@ pub use config::Config;
 pub use store::{MemoryStore, Store};
 
 use muster_proto::v1 as pb;
-use service::{Coordinator, OpsService, RelayService, RendezvousService, SessionService, ValuesService};
+use service::{
+    Coordinator, OpsService, RelayService, RendezvousService, SessionService, ValuesService,
+};
 use std::future::Future;
 use std::sync::Arc;
 use tokio::net::TcpListener;

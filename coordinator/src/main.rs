@@ -73,8 +73,12 @@ fn main() -> ExitCode {
         }
     };
     let runtime = match args.worker_threads {
-        1 => tokio::runtime::Builder::new_current_thread().enable_all().build(),
-        0 => tokio::runtime::Builder::new_multi_thread().enable_all().build(),
+        1 => tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build(),
+        0 => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build(),
         n => tokio::runtime::Builder::new_multi_thread()
             .worker_threads(n)
             .enable_all()

@@ -373,8 +373,16 @@ async fn session_loop(
             },
         }
     };
+    if !reason.starts_with("no heartbeat") {
+        // A process that exited is usually reported by its agent within milliseconds, with the
+        // exit status and stderr: give that report a moment to arrive and name the cause.
+        tokio::time::sleep(AGENT_REPORT_GRACE).await;
+    }
     job.fail_rank(generation, rank, reason, false);
 }
+
+/// How long a session that ended without leave waits for its agent's more precise report.
+const AGENT_REPORT_GRACE: Duration = Duration::from_millis(150);
 
 // --------------------------------------------------------------------------------------------
 // Relay
@@ -392,27 +400,32 @@ impl pb::relay_server::Relay for RelayService {
 
     async fn attach(&self, request: Request<Streaming<pb::RelayMessage>>) -> Rpc<RelayStream> {
         let mut inbound = request.into_inner();
-        let first = match tokio::time::timeout(self.0.config.heartbeat_timeout, inbound.message()).await {
-            Err(_) => return Err(Status::deadline_exceeded("no register message within the heartbeat timeout")),
+        let first = match tokio::time::timeout(self.0.config.heartbeat_timeout, inbound.message())
+            .await
+        {
+            Err(_) => {
+                return Err(Status::deadline_exceeded(
+                    "no register message within the heartbeat timeout",
+                ));
+            }
             Ok(Err(status)) => return Err(status),
             Ok(Ok(None)) => return Err(Status::invalid_argument("relay ended before register")),
             Ok(Ok(Some(m))) => m,
         };
         let Some(pb::relay_message::Kind::Register(reg)) = first.kind else {
-            return Err(Status::invalid_argument("the first relay message must be register"));
+            return Err(Status::invalid_argument(
+                "the first relay message must be register",
+            ));
         };
         let job = self.0.job(&reg.job_id)?;
         let generation = model::generation(reg.generation)?;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let info = job.relay_register(generation, reg.node_rank, tx.clone())?;
-        let _ = tx.send(Ok(pb::RelayEvent {
-            kind: Some(pb::relay_event::Kind::Registered(pb::Registered {
-                heartbeat_interval_ms: self.0.config.heartbeat_interval().as_millis() as u64,
-                world_size: info.world_size,
-                node_rank: info.node_rank,
-                num_nodes: info.num_nodes,
-            })),
-        }));
+        job.relay_register(
+            generation,
+            reg.node_rank,
+            tx.clone(),
+            self.0.config.heartbeat_interval(),
+        )?;
         let node_rank = reg.node_rank;
         // Task policy: one per relay; ends with the stream. A relay that goes away needs no
         // action here: its workers' own sessions report their ends.
@@ -425,15 +438,21 @@ impl pb::relay_server::Relay for RelayService {
                             .into_iter()
                             .map(|g| Ok((model::label("barrier name", &g.name, 512)?, g.ranks)))
                             .collect::<Result<Vec<_>, Invalid>>()
-                            .and_then(|groups| Ok((groups, model::wait("timeout_ms", e.timeout_ms)?)));
+                            .and_then(|groups| {
+                                Ok((groups, model::wait("timeout_ms", e.timeout_ms)?))
+                            });
                         match checked {
-                            Ok((groups, timeout)) => job.barrier_group(generation, node_rank, e.seq, groups, timeout, &tx),
+                            Ok((groups, timeout)) => job
+                                .barrier_group(generation, node_rank, e.seq, groups, timeout, &tx),
                             Err(err) => {
                                 let _ = tx.send(Ok(pb::RelayEvent {
                                     kind: Some(pb::relay_event::Kind::Barrier(pb::BarrierResult {
                                         scope: Scope::Global.to_wire(),
                                         seq: e.seq,
-                                        error: Some(pb::BarrierError { message: err.0, ..Default::default() }),
+                                        error: Some(pb::BarrierError {
+                                            message: err.0,
+                                            ..Default::default()
+                                        }),
                                     })),
                                 }));
                             }
@@ -441,7 +460,9 @@ impl pb::relay_server::Relay for RelayService {
                     }
                     Some(pb::relay_message::Kind::Heartbeat(_)) => {}
                     Some(pb::relay_message::Kind::Register(_)) | None => {
-                        let _ = tx.send(Err(Status::invalid_argument("register may only be the first relay message")));
+                        let _ = tx.send(Err(Status::invalid_argument(
+                            "register may only be the first relay message",
+                        )));
                         break;
                     }
                 }

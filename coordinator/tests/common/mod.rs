@@ -222,3 +222,83 @@ pub async fn describe(ch: &Channel, job: &str) -> pb::DescribeJobResponse {
         .unwrap()
         .into_inner()
 }
+
+/// A node's relay at the wire level.
+pub struct RawRelay {
+    tx: mpsc::Sender<pb::RelayMessage>,
+    rx: Streaming<pb::RelayEvent>,
+}
+
+impl RawRelay {
+    pub async fn attach(
+        ch: &Channel,
+        job: &str,
+        generation: u64,
+        node_rank: u32,
+    ) -> Result<RawRelay, Status> {
+        let (tx, rx) = mpsc::channel(16);
+        tx.send(pb::RelayMessage {
+            kind: Some(pb::relay_message::Kind::Register(pb::RelayRegister {
+                job_id: job.into(),
+                generation,
+                node_rank,
+            })),
+        })
+        .await
+        .unwrap();
+        let mut stream = pb::relay_client::RelayClient::new(ch.clone())
+            .attach(ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        let first = stream
+            .message()
+            .await?
+            .ok_or_else(|| Status::internal("no registered"))?;
+        assert!(
+            matches!(first.kind, Some(pb::relay_event::Kind::Registered(_))),
+            "{first:?}"
+        );
+        Ok(RawRelay { tx, rx: stream })
+    }
+
+    pub async fn enter(&self, seq: u64, groups: &[(&str, &[u32])], timeout_ms: u64) {
+        let groups = groups
+            .iter()
+            .map(|(name, ranks)| pb::BarrierName {
+                name: (*name).into(),
+                ranks: ranks.to_vec(),
+            })
+            .collect();
+        self.tx
+            .send(pb::RelayMessage {
+                kind: Some(pb::relay_message::Kind::Enter(pb::GroupEnter {
+                    seq,
+                    groups,
+                    timeout_ms,
+                })),
+            })
+            .await
+            .unwrap();
+    }
+
+    pub async fn event(&mut self) -> pb::relay_event::Kind {
+        tokio::time::timeout(Duration::from_secs(20), self.rx.message())
+            .await
+            .expect("no relay event within 20 s")
+            .expect("stream error")
+            .expect("stream ended")
+            .kind
+            .expect("empty event")
+    }
+
+    /// The next barrier result for `seq`: None on success.
+    pub async fn result(&mut self, seq: u64) -> Option<pb::BarrierError> {
+        match self.event().await {
+            pb::relay_event::Kind::Barrier(b) => {
+                assert_eq!(b.seq, seq);
+                b.error
+            }
+            other => panic!("expected a barrier result, got {other:?}"),
+        }
+    }
+}

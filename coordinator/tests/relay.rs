@@ -1,0 +1,156 @@
+//! Relayed global barriers: an agent enters one group per node; the coordinator answers once
+//! per node and pushes generation failures.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+mod common;
+use common::*;
+use muster_proto::v1 as pb;
+use pb::BarrierScope::Global;
+use pb::barrier_error::Kind;
+use std::time::{Duration, Instant};
+
+#[tokio::test]
+async fn relayed_groups_and_direct_sessions_meet_at_one_barrier() {
+    let s = start_default().await;
+    form(&s.channel, "mix", 2, 2).await;
+    let mut ranks = attach_all(&s.channel, "mix", 1, 4).await;
+    let mut relay = RawRelay::attach(&s.channel, "mix", 1, 0).await.unwrap();
+    for seq in 1..=20u64 {
+        relay.enter(seq, &[("loop", &[0, 1])], 0).await;
+        for r in ranks.iter_mut().skip(2) {
+            r.enter(Global, "loop", 0).await;
+        }
+        assert_eq!(relay.result(seq).await, None, "seq {seq}");
+        for r in ranks.iter_mut().skip(2) {
+            assert_eq!(r.result().await, None);
+        }
+    }
+    let d = describe(&s.channel, "mix").await;
+    assert_eq!(d.ranks[0].global_seq, 20);
+}
+
+#[tokio::test]
+async fn bad_groups_are_rejected_whole_and_change_nothing() {
+    let s = start_default().await;
+    form(&s.channel, "badgroup", 2, 2).await;
+    let _ranks = attach_all(&s.channel, "badgroup", 1, 3).await; // rank 3 never registers
+    let mut relay0 = RawRelay::attach(&s.channel, "badgroup", 1, 0)
+        .await
+        .unwrap();
+    let mut relay1 = RawRelay::attach(&s.channel, "badgroup", 1, 1)
+        .await
+        .unwrap();
+    for (groups, needle) in [
+        (vec![("b", vec![0u32, 2])], "rank 2 is on node 1"),
+        (vec![("b", vec![0, 0])], "named twice"),
+        (vec![("b", vec![0, 9])], "outside the world"),
+    ] {
+        let groups: Vec<(&str, &[u32])> = groups.iter().map(|(n, r)| (*n, r.as_slice())).collect();
+        relay0.enter(1, &groups, 0).await;
+        let e = relay0.result(1).await.unwrap();
+        assert!(
+            e.message.contains(needle),
+            "{} should contain {needle}",
+            e.message
+        );
+    }
+    relay1.enter(1, &[("b", &[2, 3])], 0).await;
+    let e = relay1.result(1).await.unwrap();
+    assert!(
+        e.message.contains("rank 3 has no live session"),
+        "{}",
+        e.message
+    );
+    // Nothing was recorded: no barrier is pending and rank 0 can still enter #1.
+    assert!(describe(&s.channel, "badgroup").await.barriers.is_empty());
+    assert!(
+        RawRelay::attach(&s.channel, "badgroup", 1, 0)
+            .await
+            .is_err(),
+        "a second relay for node 0"
+    );
+    assert!(
+        RawRelay::attach(&s.channel, "badgroup", 1, 5)
+            .await
+            .is_err(),
+        "a relay for a node outside"
+    );
+}
+
+#[tokio::test]
+async fn divergence_inside_a_group_errors_everyone() {
+    let s = start_default().await;
+    form(&s.channel, "gdiv", 2, 2).await;
+    let mut ranks = attach_all(&s.channel, "gdiv", 1, 4).await;
+    let mut relay = RawRelay::attach(&s.channel, "gdiv", 1, 0).await.unwrap();
+    ranks[2].enter(Global, "a.rs:1", 0).await;
+    relay
+        .enter(1, &[("a.rs:1", &[0]), ("b.rs:2", &[1])], 0)
+        .await;
+    let e = relay.result(1).await.unwrap();
+    assert_eq!(e.kind, Kind::Diverged as i32);
+    assert!(
+        e.message.contains("[a.rs:1: ranks 2,0]") && e.message.contains("[b.rs:2: ranks 1]"),
+        "{}",
+        e.message
+    );
+    let e = ranks[2].result().await.unwrap();
+    assert_eq!(e.kind, Kind::Diverged as i32);
+    // The late rank gets the same verdict.
+    ranks[3].enter(Global, "a.rs:1", 0).await;
+    assert_eq!(ranks[3].result().await.unwrap().kind, Kind::Diverged as i32);
+}
+
+#[tokio::test]
+async fn a_group_timeout_withdraws_the_group_which_may_retry() {
+    let s = start_default().await;
+    form(&s.channel, "gto", 2, 2).await;
+    let mut ranks = attach_all(&s.channel, "gto", 1, 4).await;
+    let mut relay = RawRelay::attach(&s.channel, "gto", 1, 0).await.unwrap();
+    relay.enter(1, &[("b", &[0, 1])], 200).await;
+    let e = relay.result(1).await.unwrap();
+    assert_eq!(e.kind, Kind::Timeout as i32);
+    assert_eq!(e.missing.iter().map(|m| m.rank).collect::<Vec<_>>(), [2, 3]);
+    assert!(e.message.contains("ranks 0..=1 (node 0)"), "{}", e.message);
+    relay.enter(1, &[("b", &[0, 1])], 0).await;
+    for r in ranks.iter_mut().skip(2) {
+        r.enter(Global, "b", 0).await;
+    }
+    assert_eq!(relay.result(1).await, None);
+    for r in ranks.iter_mut().skip(2) {
+        assert_eq!(r.result().await, None);
+    }
+}
+
+#[tokio::test]
+async fn relays_hear_of_a_failure_at_once_even_with_nothing_pending() {
+    let s = start_default().await;
+    form(&s.channel, "gfail", 2, 2).await;
+    let mut ranks = attach_all(&s.channel, "gfail", 1, 4).await;
+    let mut relay0 = RawRelay::attach(&s.channel, "gfail", 1, 0).await.unwrap();
+    let mut relay1 = RawRelay::attach(&s.channel, "gfail", 1, 1).await.unwrap();
+    relay0.enter(1, &[("b", &[0, 1])], 0).await;
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let t = Instant::now();
+    ranks.pop().unwrap().kill();
+    // Node 0's pending group fails, and both relays get the failure event.
+    let e = relay0.result(1).await.unwrap();
+    assert_eq!((e.kind, e.rank), (Kind::RankFailed as i32, 3));
+    for relay in [&mut relay0, &mut relay1] {
+        match relay.event().await {
+            pb::relay_event::Kind::Failed(e) => {
+                assert!(e.message.contains("rank 3 (node 1"), "{}", e.message)
+            }
+            other => panic!("expected failed, got {other:?}"),
+        }
+    }
+    assert!(t.elapsed() < Duration::from_secs(2));
+    // A relay registering after the failure hears of it straight away.
+    drop(relay0);
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let mut late = RawRelay::attach(&s.channel, "gfail", 1, 0).await.unwrap();
+    assert!(matches!(
+        late.event().await,
+        pb::relay_event::Kind::Failed(_)
+    ));
+}
