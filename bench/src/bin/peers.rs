@@ -152,6 +152,8 @@ fn main() -> anyhow::Result<()> {
     let dir = std::env::temp_dir().join(format!("muster-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let trivial = dir.join("trivial.py");
+    // torchrun starts workers with its own interpreter; every launcher here uses that one.
+    let python = venv.join("bin/python3");
     std::fs::write(
         &trivial,
         "import os\nprint('rank', os.environ.get('RANK'))\n",
@@ -160,20 +162,17 @@ fn main() -> anyhow::Result<()> {
         "\n## Launch overhead (wall time of the whole launch; median of {} runs)\n",
         args.launch_runs
     );
-    println!("| workers | muster-agent launch | torchrun | direct spawn | muster / torchrun |");
+    println!(
+        "| workers | muster-agent launch | torchrun | direct spawn (no launcher) | muster / torchrun |"
+    );
     println!("| --- | --- | --- | --- | --- |");
     for &n in &args.launch_procs {
         let (mut m, mut t, mut d) = (vec![], vec![], vec![]);
         for _ in 0..args.launch_runs {
             m.push(
                 run(Command::new(&agent)
-                    .args([
-                        "launch",
-                        "--nproc-per-node",
-                        &n.to_string(),
-                        "--",
-                        "python3",
-                    ])
+                    .args(["launch", "--nproc-per-node", &n.to_string(), "--"])
+                    .arg(&python)
                     .arg(&trivial))?
                 .1,
             );
@@ -183,7 +182,7 @@ fn main() -> anyhow::Result<()> {
                     .arg(&trivial))?
                 .1,
             );
-            d.push(direct(n, &trivial)?);
+            d.push(direct(n, &python, &trivial)?);
         }
         let (m, t, d) = (
             quantile(&mut m, 0.5),
@@ -203,11 +202,11 @@ fn main() -> anyhow::Result<()> {
 }
 
 /// Spawns `n` workers directly and waits for all: the floor any launcher adds to.
-fn direct(n: u32, script: &Path) -> anyhow::Result<f64> {
+fn direct(n: u32, python: &Path, script: &Path) -> anyhow::Result<f64> {
     let t = Instant::now();
     let children: Vec<_> = (0..n)
         .map(|r| {
-            Command::new("python3")
+            Command::new(python)
                 .arg(script)
                 .env("RANK", r.to_string())
                 .stdout(Stdio::null())
