@@ -121,6 +121,26 @@ where
     }
 }
 
+/// Reads the first message of a stream (`what`: "session" or "relay"), which must come within
+/// `within`.
+async fn first_message<T: prost::Message + Default>(
+    inbound: &mut Streaming<T>,
+    within: Duration,
+    what: &str,
+) -> Result<T, Status> {
+    match tokio::time::timeout(within, inbound.message()).await {
+        Err(_) => Err(Status::deadline_exceeded(format!(
+            "no register message within the heartbeat timeout ({:.1}s) on a new {what}",
+            within.as_secs_f64()
+        ))),
+        Ok(Err(status)) => Err(status),
+        Ok(Ok(None)) => Err(Status::invalid_argument(format!(
+            "{what} ended before register"
+        ))),
+        Ok(Ok(Some(m))) => Ok(m),
+    }
+}
+
 fn deadline(field: &str, ms: u64) -> Result<Option<Instant>, Status> {
     Ok(model::wait(field, ms)?.map(|d| Instant::now() + d))
 }
@@ -268,16 +288,7 @@ impl pb::session_server::Session for SessionService {
     async fn attach(&self, request: Request<Streaming<pb::WorkerMessage>>) -> Rpc<AttachStream> {
         let hb = self.0.config.heartbeat_timeout;
         let mut inbound = request.into_inner();
-        let first = match tokio::time::timeout(hb, inbound.message()).await {
-            Err(_) => {
-                return Err(Status::deadline_exceeded(
-                    "no register message within the heartbeat timeout",
-                ));
-            }
-            Ok(Err(status)) => return Err(status),
-            Ok(Ok(None)) => return Err(Status::invalid_argument("session ended before register")),
-            Ok(Ok(Some(m))) => m,
-        };
+        let first = first_message(&mut inbound, hb, "session").await?;
         let Some(pb::worker_message::Kind::Register(reg)) = first.kind else {
             return Err(Status::invalid_argument(
                 "the first session message must be register",
@@ -400,18 +411,7 @@ impl pb::relay_server::Relay for RelayService {
 
     async fn attach(&self, request: Request<Streaming<pb::RelayMessage>>) -> Rpc<RelayStream> {
         let mut inbound = request.into_inner();
-        let first = match tokio::time::timeout(self.0.config.heartbeat_timeout, inbound.message())
-            .await
-        {
-            Err(_) => {
-                return Err(Status::deadline_exceeded(
-                    "no register message within the heartbeat timeout",
-                ));
-            }
-            Ok(Err(status)) => return Err(status),
-            Ok(Ok(None)) => return Err(Status::invalid_argument("relay ended before register")),
-            Ok(Ok(Some(m))) => m,
-        };
+        let first = first_message(&mut inbound, self.0.config.heartbeat_timeout, "relay").await?;
         let Some(pb::relay_message::Kind::Register(reg)) = first.kind else {
             return Err(Status::invalid_argument(
                 "the first relay message must be register",
