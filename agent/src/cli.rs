@@ -66,6 +66,14 @@ pub struct LaunchArgs {
     #[arg(long, value_name = "N", default_value_t = 0, alias = "max_restarts")]
     pub max_restarts: u32,
 
+    /// Do not run the node relay. By default the agent relays its workers' barriers: they send
+    /// them over a local Unix socket (MUSTER_AGENT_SOCKET), node barriers complete in the agent
+    /// and each global barrier costs the coordinator one message per node. With this flag each
+    /// worker sends its barriers over its own coordinator session (slower; for comparison and
+    /// debugging).
+    #[arg(long)]
+    pub no_relay: bool,
+
     /// The program to run and its arguments, after `--`.
     #[arg(value_name = "PROGRAM", trailing_var_arg = true)]
     pub command: Vec<OsString>,
@@ -100,6 +108,8 @@ pub struct LaunchSpec {
     pub grace_period: Duration,
     /// `--max-restarts` (always 0 for now).
     pub max_restarts: u32,
+    /// Whether to run the node relay (not `--no-relay`).
+    pub relay: bool,
     /// The worker program, resolved on `PATH`.
     pub program: Program,
 }
@@ -266,6 +276,7 @@ impl LaunchArgs {
             host: self.host,
             grace_period: Duration::from_millis(self.grace_period_ms),
             max_restarts: self.max_restarts,
+            relay: !self.no_relay,
             program,
         })
     }
@@ -331,7 +342,7 @@ mod tests {
             .chain(args.split_whitespace().map(str::to_owned));
         let got = match parse(argv, Some(OsStr::new("/usr/bin:/bin"))) {
             Ok(Parsed::Launch(s)) => Ok(format!(
-                "n={} nodes={}:{} rank={:?} coord={:?} job={} grace={}ms prog={} args={:?}",
+                "n={} nodes={}:{} rank={:?} coord={:?} job={} grace={}ms relay={} prog={} args={:?}",
                 s.nproc_per_node,
                 s.nodes.min,
                 s.nodes.max,
@@ -343,6 +354,7 @@ mod tests {
                     &s.job_id
                 },
                 s.grace_period.as_millis(),
+                s.relay,
                 s.program.name.to_string_lossy(),
                 s.program.args,
             )),
@@ -358,32 +370,44 @@ mod tests {
         check(
             "--nproc-per-node 4 -- sh -c true",
             Ok(
-                r#"n=4 nodes=1:1 rank=None coord=None job=<fresh> grace=5000ms prog=sh args=["-c", "true"]"#,
+                r#"n=4 nodes=1:1 rank=None coord=None job=<fresh> grace=5000ms relay=true prog=sh args=["-c", "true"]"#,
             ),
         );
         check(
             "--nproc_per_node=2 --grace-period-ms 10 --job-id a.b-c_1 sh",
-            Ok(r#"n=2 nodes=1:1 rank=None coord=None job=a.b-c_1 grace=10ms prog=sh args=[]"#),
+            Ok(
+                r#"n=2 nodes=1:1 rank=None coord=None job=a.b-c_1 grace=10ms relay=true prog=sh args=[]"#,
+            ),
         );
         check(
             "--nproc-per-node 1 --nnodes 2:4 --node-rank 3 --coordinator 10.0.0.1:29470 --job-id j -- sh -x --flag",
             Ok(
-                r#"n=1 nodes=2:4 rank=Some(3) coord=Some("10.0.0.1:29470") job=j grace=5000ms prog=sh args=["-x", "--flag"]"#,
+                r#"n=1 nodes=2:4 rank=Some(3) coord=Some("10.0.0.1:29470") job=j grace=5000ms relay=true prog=sh args=["-x", "--flag"]"#,
             ),
         );
         check(
             "--nproc-per-node 1 --nnodes 2 --coordinator [::1]:1 --job-id j -- /bin/sh",
             Ok(
-                r#"n=1 nodes=2:2 rank=None coord=Some("[::1]:1") job=j grace=5000ms prog=/bin/sh args=[]"#,
+                r#"n=1 nodes=2:2 rank=None coord=Some("[::1]:1") job=j grace=5000ms relay=true prog=/bin/sh args=[]"#,
             ),
         );
         check(
             "--nproc-per-node 1 --max-restarts 0 -- sh",
-            Ok(r#"n=1 nodes=1:1 rank=None coord=None job=<fresh> grace=5000ms prog=sh args=[]"#),
+            Ok(
+                r#"n=1 nodes=1:1 rank=None coord=None job=<fresh> grace=5000ms relay=true prog=sh args=[]"#,
+            ),
+        );
+        check(
+            "--nproc-per-node 1 --no-relay -- sh",
+            Ok(
+                r#"n=1 nodes=1:1 rank=None coord=None job=<fresh> grace=5000ms relay=false prog=sh args=[]"#,
+            ),
         );
         check(
             "--nproc-per-node 1 --node-rank 0 -- sh",
-            Ok(r#"n=1 nodes=1:1 rank=Some(0) coord=None job=<fresh> grace=5000ms prog=sh args=[]"#),
+            Ok(
+                r#"n=1 nodes=1:1 rank=Some(0) coord=None job=<fresh> grace=5000ms relay=true prog=sh args=[]"#,
+            ),
         );
     }
 

@@ -32,6 +32,8 @@ pub struct NodeAssignment {
     pub master_addr: String,
     /// A free port on node rank 0's host, the same for every worker of the job.
     pub master_port: u16,
+    /// The node relay's socket (`MUSTER_AGENT_SOCKET`), when the agent runs one.
+    pub agent_socket: Option<String>,
 }
 
 /// The variables to set for local rank `local_rank`, on top of the agent's own environment.
@@ -55,6 +57,11 @@ pub fn worker_env(
         ("MUSTER_NUM_NODES", node.num_nodes.to_string()),
         ("MUSTER_RESTART_COUNT", node.restart_count.to_string()),
         ("MUSTER_HOST", node.host.clone()),
+    ];
+    if let Some(socket) = &node.agent_socket {
+        env.push((crate::relay::SOCKET_ENV, socket.clone()));
+    }
+    env.extend([
         ("RANK", rank.to_string()),
         ("LOCAL_RANK", local_rank.to_string()),
         ("WORLD_SIZE", node.world_size.to_string()),
@@ -70,7 +77,7 @@ pub fn worker_env(
         ("TORCHELASTIC_MAX_RESTARTS", node.max_restarts.to_string()),
         ("TORCHELASTIC_RUN_ID", node.job_id.clone()),
         ("TORCHELASTIC_USE_AGENT_STORE", "False".to_owned()),
-    ];
+    ]);
     for (name, default) in [
         ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         ("OMP_NUM_THREADS", "1"),
@@ -101,6 +108,7 @@ mod tests {
             host: "node-b".into(),
             master_addr: "node-a".into(),
             master_port: 29500,
+            agent_socket: Some("/tmp/muster-1-2/relay.sock".into()),
         }
     }
 
@@ -126,6 +134,7 @@ mod tests {
             "MUSTER_COORDINATOR=10.0.0.1:29470 MUSTER_JOB_ID=job7 MUSTER_GENERATION=3 MUSTER_RANK=5
              MUSTER_LOCAL_RANK=1 MUSTER_WORLD_SIZE=6 MUSTER_LOCAL_WORLD_SIZE=2 MUSTER_NODE_RANK=1
              MUSTER_NUM_NODES=2 MUSTER_RESTART_COUNT=2 MUSTER_HOST=node-b
+             MUSTER_AGENT_SOCKET=/tmp/muster-1-2/relay.sock
              RANK=5 LOCAL_RANK=1 WORLD_SIZE=6 LOCAL_WORLD_SIZE=2 GROUP_RANK=1 GROUP_WORLD_SIZE=2
              ROLE_RANK=5 ROLE_NAME=default ROLE_WORLD_SIZE=6 MASTER_ADDR=node-a MASTER_PORT=29500
              TORCHELASTIC_RESTART_COUNT=2 TORCHELASTIC_MAX_RESTARTS=0 TORCHELASTIC_RUN_ID=job7
@@ -149,6 +158,7 @@ mod tests {
             host: "127.0.0.1".into(),
             master_addr: "127.0.0.1".into(),
             master_port: 1234,
+            agent_socket: None,
         };
         let common = "MUSTER_COORDINATOR=127.0.0.1:40000 MUSTER_JOB_ID=j MUSTER_GENERATION=1
              MUSTER_RANK=0 MUSTER_LOCAL_RANK=0 MUSTER_WORLD_SIZE=1 MUSTER_LOCAL_WORLD_SIZE=1

@@ -9,6 +9,7 @@
 
 use crate::cli::LaunchSpec;
 use crate::env::{NodeAssignment, worker_env};
+use crate::relay::Relay;
 use crate::worker::{Exit, Worker};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
@@ -105,7 +106,7 @@ pub enum LaunchError {
 }
 
 /// An error and its sources, `: `-separated (tonic's transport errors say little alone).
-fn chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(s) = source {
@@ -152,9 +153,38 @@ pub async fn run(spec: LaunchSpec) -> Result<Outcome, LaunchError> {
     };
     tracing::debug!(?node, "rendezvous closed");
 
-    Ok(Supervisor::new(&spec, channel, node, signals)
+    // The relay lives exactly as long as this generation's workers: dropping it (below, or
+    // on any early return) stops its thread and removes its socket directory.
+    let mut node = node;
+    let relay = if spec.relay {
+        start_relay(&node).await
+    } else {
+        None
+    };
+    node.agent_socket = relay.as_ref().map(|r| r.socket().to_owned());
+    let outcome = Supervisor::new(&spec, channel, node, signals)
         .run(started)
-        .await)
+        .await;
+    drop(relay);
+    Ok(outcome)
+}
+
+/// Starts the node relay; if it cannot start, says why and returns `None`: the workers then
+/// send their barriers over their own coordinator sessions, which is slower but equivalent.
+async fn start_relay(node: &NodeAssignment) -> Option<Relay> {
+    match Relay::start(node).await {
+        Ok(relay) => {
+            tracing::debug!(socket = relay.socket(), "node relay started");
+            Some(relay)
+        }
+        Err(e) => {
+            eprintln!(
+                "muster-agent: job {}: node relay unavailable ({e}); workers send their barriers to the coordinator directly",
+                node.job_id
+            );
+            None
+        }
+    }
 }
 
 /// How a wait before the workers start ended.
@@ -279,6 +309,7 @@ async fn join(
         host: host.to_owned(),
         master_addr: answer.master_host,
         master_port,
+        agent_socket: None,
     };
     Ok(node)
 }

@@ -2,6 +2,9 @@
 //! own for a single-node job), starts the node's workers with the environment of
 //! `docs/contract.md`, prefixes and forwards their output, and supervises them: a failed
 //! worker is reported to the coordinator and stops the rest; SIGINT and SIGTERM are forwarded.
+//! Unless told otherwise (`--no-relay`), it also relays its workers' barriers ([`relay`]):
+//! node barriers complete in the agent and a global barrier costs the coordinator one message
+//! per node.
 //!
 //! The binary (`main.rs`) only parses the command line ([`cli::parse`]) and calls
 //! [`launch::run`]; tests call both directly.
@@ -10,6 +13,7 @@ pub mod cli;
 pub mod env;
 pub mod launch;
 pub mod program;
+pub mod relay;
 pub mod worker;
 
 pub use cli::{LaunchSpec, Parsed, UsageError};

@@ -27,6 +27,7 @@ fn help_mentions_the_launch_flags() {
         "--nnodes",
         "--node-rank",
         "--grace-period-ms",
+        "--no-relay",
     ] {
         assert!(help.contains(flag), "{flag} missing from\n{help}");
     }

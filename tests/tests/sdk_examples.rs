@@ -15,38 +15,40 @@ fn example(name: &str) -> Option<PathBuf> {
 }
 
 fn launch(n: u32, program: &Path, args: &[&str]) -> Agent {
+    launch_with(&[], n, program, args)
+}
+
+/// `muster-agent launch <flags> --nproc-per-node N --job-id sdk -- PROGRAM ARGS`.
+fn launch_with(flags: &[&str], n: u32, program: &Path, args: &[&str]) -> Agent {
     let n = n.to_string();
     let program = program.to_str().expect("a UTF-8 target path");
-    let mut all = vec![
-        "launch",
-        "--nproc-per-node",
-        &n,
-        "--job-id",
-        "sdk",
-        "--",
-        program,
-    ];
+    let mut all = vec!["launch"];
+    all.extend_from_slice(flags);
+    all.extend_from_slice(&["--nproc-per-node", &n, "--job-id", "sdk", "--", program]);
     all.extend_from_slice(args);
     Agent::start(&all)
 }
 
 #[test]
 fn barrier_loop_with_four_ranks() {
-    let Some(bin) = example("barrier_loop") else {
-        return;
-    };
-    let run = launch(4, &bin, &["--iters", "50", "--warmup", "5"]).finish(SLOW);
-    assert_eq!(run.code(), Some(0), "{}", run.dump());
-    for rank in 0..4 {
-        let lines = run.rank_stdout(rank);
-        assert_eq!(lines.len(), 1, "rank {rank}\n{}", run.dump());
-        assert!(
-            lines[0].starts_with(&format!("rank={rank} iters=50 p50_us=")),
-            "{}",
-            run.dump()
-        );
+    // Through the agent's node relay (the default), then through each rank's session.
+    for flags in [&[][..], &["--no-relay"][..]] {
+        let Some(bin) = example("barrier_loop") else {
+            return;
+        };
+        let run = launch_with(flags, 4, &bin, &["--iters", "50", "--warmup", "5"]).finish(SLOW);
+        assert_eq!(run.code(), Some(0), "{flags:?}\n{}", run.dump());
+        for rank in 0..4 {
+            let lines = run.rank_stdout(rank);
+            assert_eq!(lines.len(), 1, "rank {rank} {flags:?}\n{}", run.dump());
+            assert!(
+                lines[0].starts_with(&format!("rank={rank} iters=50 p50_us=")),
+                "{flags:?}\n{}",
+                run.dump()
+            );
+        }
+        eprintln!("barrier_loop {flags:?}: {}", run.stdout.join(" | "));
     }
-    eprintln!("barrier_loop: {}", run.stdout.join(" | "));
 }
 
 #[test]

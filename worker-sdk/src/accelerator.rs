@@ -4,6 +4,9 @@
 //! It owns a small tokio runtime (one worker thread) that runs the session's background task;
 //! each method blocks the calling thread on that runtime. It is therefore meant for
 //! synchronous code: calling it from inside an async runtime panics (as `block_on` does).
+//! Barriers are the exception under `muster-agent`: with `MUSTER_AGENT_SOCKET` set they go to
+//! the agent's relay with blocking socket I/O on the calling thread ([`crate::relay`]) and
+//! never touch the runtime.
 //! Async code uses [`crate::client`] directly.
 
 use std::{
@@ -21,6 +24,7 @@ use serde::{Serialize, de::DeserializeOwned};
 use crate::{
     Error, RankInfo,
     client::{CasOutcome, Coordinator, Kv, Scope, Session, SessionConfig, SharedValues, UniqueIds},
+    relay::RelayConn,
 };
 
 /// The longest shared-value name the coordinator accepts.
@@ -64,6 +68,9 @@ struct LocalStore {
 struct Remote {
     /// `None` once finished.
     session: Option<Session>,
+    /// The agent's relay, which carries every barrier when present. `None` without
+    /// `MUSTER_AGENT_SOCKET`, and once finished.
+    relay: Option<RelayConn>,
     kv: Kv,
     unique_ids: UniqueIds,
     shared: SharedValues,
@@ -132,11 +139,17 @@ impl Accelerator {
                 info.rank, info.node_rank, info.num_nodes, info.world_size, got.1, got.2, got.0
             )));
         }
+        // After the session: the coordinator accepts relayed entries only of registered ranks.
+        let relay = match &info.agent_socket {
+            Some(path) => Some(RelayConn::connect(path, session.config())?),
+            None => None,
+        };
         let remote = Remote {
             kv: session.kv(),
             unique_ids: session.unique_ids(),
             shared: session.shared_values(),
             session: Some(session),
+            relay,
             runtime: Some(runtime),
         };
         Ok(Self::with_backend(info, Backend::Remote(Box::new(remote))))
@@ -223,7 +236,9 @@ impl Accelerator {
     }
 
     /// The async session underneath (`None` in single-process mode), for code that mixes this
-    /// API with [`crate::client`].
+    /// API with [`crate::client`]. Under an agent relay (`MUSTER_AGENT_SOCKET`) this
+    /// accelerator's barriers go through the relay; do not also call
+    /// [`Session::barrier`] on this session, since the ranks of a node must all use one path.
     pub fn session(&self) -> Option<&Session> {
         match &self.backend {
             Backend::Remote(remote) => remote.session.as_ref(),
@@ -267,7 +282,10 @@ impl Accelerator {
             Backend::Local(_) => Ok(()),
             Backend::Remote(remote) => {
                 let session = remote.session()?;
-                remote.block_on(session.barrier(scope, name, timeout))
+                match &remote.relay {
+                    Some(relay) => relay.barrier(scope, name, timeout),
+                    None => remote.block_on(session.barrier(scope, name, timeout)),
+                }
             }
         }
     }
@@ -457,10 +475,13 @@ impl Accelerator {
     pub fn finish(mut self) -> Result<(), Error> {
         match &mut self.backend {
             Backend::Local(_) => Ok(()),
-            Backend::Remote(remote) => match remote.session.take() {
-                Some(session) => remote.block_on(session.leave()),
-                None => Ok(()),
-            },
+            Backend::Remote(remote) => {
+                remote.leave_relay();
+                match remote.session.take() {
+                    Some(session) => remote.block_on(session.leave()),
+                    None => Ok(()),
+                }
+            }
         }
     }
 }
@@ -470,14 +491,18 @@ impl Drop for Accelerator {
         let Backend::Remote(remote) = &mut self.backend else {
             return;
         };
+        // During a panic, skip `leave` on both: the connections just end, and the agent and
+        // the coordinator mark this rank failed at once.
+        if !std::thread::panicking() {
+            remote.leave_relay();
+        }
+        remote.relay = None;
         let session = remote.session.take();
         let Some(runtime) = remote.runtime.take() else {
             return;
         };
         let in_async_context = tokio::runtime::Handle::try_current().is_ok();
         match session {
-            // During a panic, skip `leave`: the stream just ends, and the coordinator marks
-            // this rank failed at once.
             Some(session) if !std::thread::panicking() && !in_async_context => {
                 let left = runtime.block_on(async {
                     tokio::time::timeout(DROP_LEAVE_GRACE, session.leave()).await
@@ -501,6 +526,17 @@ impl Remote {
             Some(runtime) => runtime.block_on(future),
             // Only `Drop` takes the runtime, after which no method runs.
             None => unreachable!("the muster runtime is gone only while dropping"),
+        }
+    }
+
+    /// Tells the agent's relay (if any) that this rank leaves, and closes it. Best effort: the
+    /// coordinator session's `leave` is what ends the rank, and a relay that is already gone
+    /// has nobody left to tell.
+    fn leave_relay(&mut self) {
+        if let Some(relay) = self.relay.take()
+            && let Err(e) = relay.leave()
+        {
+            tracing::debug!(error = %e, "leave on the agent relay failed");
         }
     }
 

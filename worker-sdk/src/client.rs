@@ -126,21 +126,21 @@ pub enum Scope {
 }
 
 impl Scope {
-    fn index(self) -> usize {
+    pub(crate) fn index(self) -> usize {
         match self {
             Scope::Global => 0,
             Scope::Node => 1,
         }
     }
 
-    fn to_proto(self) -> BarrierScope {
+    pub(crate) fn to_proto(self) -> BarrierScope {
         match self {
             Scope::Global => BarrierScope::Global,
             Scope::Node => BarrierScope::Node,
         }
     }
 
-    fn from_proto(scope: i32) -> Option<Self> {
+    pub(crate) fn from_proto(scope: i32) -> Option<Self> {
         match BarrierScope::try_from(scope) {
             Ok(BarrierScope::Global) => Some(Scope::Global),
             Ok(BarrierScope::Node) => Some(Scope::Node),
@@ -629,7 +629,7 @@ impl Slot {
 /// Whether a barrier result uses up its sequence number. A timeout does not (the same seq may
 /// be entered again), nor does a rejection of the entry itself (unspecified kind: a malformed
 /// or misnumbered entry the coordinator did not record); everything else does.
-fn consumes_seq(error: Option<&pb::BarrierError>) -> bool {
+pub(crate) fn consumes_seq(error: Option<&pb::BarrierError>) -> bool {
     match error.map(|e| BarrierErrorKind::try_from(e.kind)) {
         None => true,
         Some(Ok(BarrierErrorKind::Timeout | BarrierErrorKind::Unspecified) | Err(_)) => false,
@@ -647,7 +647,8 @@ fn name_hash(name: &str) -> u64 {
     hasher.finish()
 }
 
-fn barrier_error(error: pb::BarrierError, scope: Scope, name: &str, seq: u64) -> Error {
+/// The SDK's error for a failed barrier: one mapping for the session and the relay paths.
+pub(crate) fn barrier_error(error: pb::BarrierError, scope: Scope, name: &str, seq: u64) -> Error {
     Error::from_barrier_error(error, || format!("{scope} barrier '{name}' (seq {seq})"))
 }
 

@@ -1,6 +1,8 @@
 //! Reads a worker's place in the job from the `MUSTER_*` environment that `muster-agent` sets
 //! (see `docs/contract.md`), validated once so that nothing later has to second-guess it.
 
+use std::path::PathBuf;
+
 use crate::Error;
 
 /// The job id used in single-process mode, where there is no coordinator to name a job.
@@ -34,6 +36,10 @@ pub struct RankInfo {
     pub restart_count: u32,
     /// The host this node advertises (shown in other ranks' error messages).
     pub host: String,
+    /// The agent's relay socket (`MUSTER_AGENT_SOCKET`): when set, barriers go to the agent
+    /// over it instead of through the coordinator session. `None` without an agent relay
+    /// (`muster-agent launch --no-relay`, or a rank started by hand).
+    pub agent_socket: Option<PathBuf>,
 }
 
 impl RankInfo {
@@ -51,13 +57,14 @@ impl RankInfo {
             num_nodes: 1,
             restart_count: 0,
             host: local_hostname(),
+            agent_socket: None,
         }
     }
 
     /// Reads the process environment. No `MUSTER_COORDINATOR` means single-process mode (the
     /// other `MUSTER_*` variables are then ignored); with it, every variable of the contract
     /// must be present and well-formed (`MUSTER_RESTART_COUNT` defaults to 0 and `MUSTER_HOST`
-    /// to this machine's hostname).
+    /// to this machine's hostname; `MUSTER_AGENT_SOCKET` is optional).
     pub fn from_env() -> Result<Self, Error> {
         Self::from_lookup(|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))
     }
@@ -87,6 +94,15 @@ impl RankInfo {
                 }
                 Some(host) => host,
                 None => local_hostname(),
+            },
+            agent_socket: match lookup("MUSTER_AGENT_SOCKET") {
+                Some(path) if path.trim().is_empty() => {
+                    return Err(Error::Config(
+                        "MUSTER_AGENT_SOCKET is set but empty".to_owned(),
+                    ));
+                }
+                Some(path) => Some(PathBuf::from(path)),
+                None => None,
             },
         };
         info.validate()?;
@@ -235,6 +251,7 @@ mod tests {
         ("MUSTER_NUM_NODES", "2"),
         ("MUSTER_RESTART_COUNT", "2"),
         ("MUSTER_HOST", "node-b"),
+        ("MUSTER_AGENT_SOCKET", "/tmp/muster-7-ab/relay.sock"),
     ];
 
     /// Parses VALID with `changes` applied (`None` removes the variable) and compares the
@@ -287,6 +304,7 @@ mod tests {
                         num_nodes: 2,
                         restart_count: 2,
                         host: "node-b".into(),
+                        agent_socket: Some("/tmp/muster-7-ab/relay.sock".into()),
                     }
                 )
             }),
@@ -298,6 +316,10 @@ mod tests {
         check(
             &[("MUSTER_HOST", None)],
             Ok(|info| assert!(!info.host.is_empty())),
+        );
+        check(
+            &[("MUSTER_AGENT_SOCKET", None)],
+            Ok(|info| assert_eq!(info.agent_socket, None)),
         );
         check(
             &[("MUSTER_RANK", Some(" 7 "))],
@@ -379,6 +401,10 @@ mod tests {
                 "MUSTER_JOB_ID is set but empty",
             ),
             (&[("MUSTER_HOST", Some(""))], "MUSTER_HOST is set but empty"),
+            (
+                &[("MUSTER_AGENT_SOCKET", Some(" "))],
+                "MUSTER_AGENT_SOCKET is set but empty",
+            ),
             (&[("MUSTER_NUM_NODES", None)], "MUSTER_NUM_NODES is not set"),
             (&[("MUSTER_GENERATION", Some("0"))], "MUSTER_GENERATION=0"),
             (

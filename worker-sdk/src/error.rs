@@ -69,11 +69,12 @@ pub enum Error {
         message: String,
     },
 
-    /// The coordinator could not be reached, or the session stream to it broke. Every pending
-    /// and later call of the session fails with this.
-    #[error("no connection to the muster coordinator at {addr}: {}", describe(.source.as_ref()))]
+    /// The coordinator could not be reached, or the session stream to it broke; or the same for
+    /// the agent's relay socket, through which barriers go under `muster-agent`. Every pending
+    /// and later call of the session (or barrier, for the relay) fails with this.
+    #[error("no connection to {}: {}", peer(.addr), describe(.source.as_ref()))]
     Connection {
-        /// The coordinator's `host:port`.
+        /// The coordinator's `host:port`, or the path of the agent's relay socket.
         addr: String,
         /// The underlying transport error or status (shared: one broken stream fails many
         /// waiters).
@@ -192,6 +193,15 @@ fn describe(error: &(dyn StdError + 'static)) -> String {
         next = error.source();
     }
     parts.join(": ")
+}
+
+/// Names the other end of a connection: the agent's relay socket (a path) or the coordinator.
+fn peer(addr: &str) -> String {
+    if addr.starts_with('/') {
+        format!("the muster agent's relay socket {addr}")
+    } else {
+        format!("the muster coordinator at {addr}")
+    }
 }
 
 fn missing_suffix(missing: &[RankLocation]) -> String {
@@ -368,6 +378,17 @@ mod tests {
         let got = Error::from_status(tonic::Status::unavailable("refused"), addr, String::new);
         assert!(matches!(&got, Error::Connection { addr, .. } if addr == "coord:29470"));
         assert!(got.to_string().contains("coord:29470"), "{got}");
+
+        // A path is the agent's relay socket.
+        let got = Error::Connection {
+            addr: "/tmp/muster-1-ab/relay.sock".into(),
+            source: Arc::new(std::io::Error::from(std::io::ErrorKind::ConnectionRefused)),
+        };
+        assert_eq!(
+            got.to_string(),
+            "no connection to the muster agent's relay socket /tmp/muster-1-ab/relay.sock: \
+             connection refused"
+        );
 
         let got = Error::from_status(tonic::Status::deadline_exceeded("5 s"), addr, || {
             "key 'k'".into()

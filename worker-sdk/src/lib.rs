@@ -6,6 +6,9 @@
 //! - [`Accelerator`] is the synchronous, Accelerate-shaped API for training scripts, built from
 //!   the `MUSTER_*` environment that `muster-agent` sets ([`RankInfo`]). Without a
 //!   coordinator it runs as a single process and every call succeeds locally.
+//! - [`relay`] carries the barriers of a worker launched by `muster-agent` to the agent over
+//!   a local socket (`MUSTER_AGENT_SOCKET`), so that a node's barriers cost the coordinator one
+//!   message per node.
 //! - [`client`] is the async core ([`client::Coordinator`], [`client::Session`] and typed
 //!   wrappers over the key-value, unique-id and shared-value services), for async code and for
 //!   benchmarks that simulate many ranks in one process.
@@ -26,6 +29,7 @@ pub mod accelerator;
 pub mod client;
 pub mod env;
 pub mod error;
+pub mod relay;
 
 pub use accelerator::{Accelerator, KvStore};
 pub use client::{CasOutcome, Scope};

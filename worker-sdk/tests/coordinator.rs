@@ -117,6 +117,7 @@ fn rank_infos(addr: &str, nodes: &[pb::JoinResponse]) -> Vec<RankInfo> {
                 num_nodes: node.num_nodes,
                 restart_count: node.restart_count,
                 host: HOST.to_owned(),
+                agent_socket: None,
             })
         })
         .collect()

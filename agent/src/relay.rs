@@ -1,0 +1,761 @@
+//! The node relay: the workers of this node send their barrier entries to the agent over a
+//! Unix socket (`MUSTER_AGENT_SOCKET`) instead of their coordinator sessions. Node barriers
+//! complete here; a global barrier goes to the coordinator as one `GroupEnter` per node on the
+//! relay's own stream (`Relay.Attach`), and its one answer is fanned out to the node's ranks.
+//! The ranks' coordinator sessions still carry registration, liveness and everything that is
+//! not a barrier. The protocol is in `docs/contract.md` ("Node relay").
+//!
+//! # Threads and tasks
+//!
+//! The relay runs on an OS thread of its own ("muster-relay") with a `current_thread` tokio
+//! runtime and a `LocalSet`: a worker's entry, the barrier bookkeeping and the writes of the
+//! answers all happen on that one thread, with no cross-thread wakeup anywhere on the path.
+//! The barrier state ([`hub::Hub`]) sits in an `Rc<RefCell<..>>` that is borrowed for the
+//! span of one synchronous call, never across an `.await`. Answers are written straight to the
+//! workers' sockets with non-blocking writes (a worker has at most one answer per scope
+//! outstanding, so the socket buffer never fills in practice; when it does, the rest waits in
+//! a per-connection backlog that a flush task drains). Worker sockets are registered for
+//! readability only, so that a worker reading its answer does not wake this thread.
+//!
+//! Tasks (all on the relay thread, all dropped when the relay stops):
+//! - "relay-accept": accepts worker connections; on an accept error, logs and retries.
+//! - "relay-conn" (one per worker): reads frames; ends with the connection (a close without
+//!   `leave` marks the rank dead).
+//! - "relay-flush" (only when a write would block): drains one connection's backlog.
+//! - "relay-timer": answers waits whose timeout passed.
+//! - "relay-coordinator": reads the coordinator's answers; when the stream breaks, every worker
+//!   connection is closed with a farewell saying so.
+
+mod hub;
+
+use crate::env::NodeAssignment;
+use crate::launch::chain;
+use futures::channel::mpsc::{UnboundedSender, unbounded};
+use hub::{Hub, Sink, farewell};
+use muster_proto::v1 as pb;
+use muster_proto::v1::relay_client::RelayClient;
+use prost::Message;
+use std::cell::{Cell, RefCell};
+use std::io;
+use std::io::{Read, Write};
+use std::os::unix::fs::DirBuilderExt;
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+use tokio::io::Interest;
+use tokio::io::unix::AsyncFd;
+use tokio::net::UnixListener;
+use tokio::sync::{Notify, oneshot};
+use tokio::task::{AbortHandle, spawn_local};
+use tonic::Streaming;
+use tonic::transport::Endpoint;
+
+/// The variable that tells a worker where its agent's relay socket is.
+pub const SOCKET_ENV: &str = "MUSTER_AGENT_SOCKET";
+/// The largest frame body either side accepts (bigger ones end the connection).
+pub const MAX_FRAME: usize = 64 * 1024;
+/// How long [`Relay::start`] waits for the relay to reach the coordinator.
+pub const START_TIMEOUT: Duration = Duration::from_secs(5);
+/// The relay socket's file name inside its private directory.
+const SOCKET_NAME: &str = "relay.sock";
+/// The initial size of a connection's read buffer (entries are a few dozen bytes).
+const READ_CHUNK: usize = 4096;
+/// How often a connection's unwritten backlog is retried.
+const FLUSH_RETRY: Duration = Duration::from_millis(1);
+
+/// Why the relay could not start. The agent then runs its workers without it (their barriers
+/// go through their coordinator sessions).
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    /// The private socket directory could not be created.
+    #[error("cannot create a private directory under {}: {source}", .base.display())]
+    Dir {
+        /// The temporary directory it was created in.
+        base: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The socket path is not UTF-8, so it cannot be passed in the environment as text.
+    #[error("the relay socket path {} is not UTF-8", .0.display())]
+    Path(PathBuf),
+    /// Binding the socket failed (a path longer than a Unix socket allows, ...).
+    #[error("cannot listen on {}: {source}", .path.display())]
+    Listen {
+        /// The socket path.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The relay thread or its runtime could not be started.
+    #[error("cannot start the relay thread: {0}")]
+    Thread(#[source] io::Error),
+    /// The coordinator could not be reached.
+    #[error("cannot reach the coordinator at {addr}: {why}")]
+    Connect {
+        /// The coordinator's address.
+        addr: String,
+        /// Why.
+        why: String,
+    },
+    /// The coordinator refused the relay (an older coordinator without `Relay`, a stale
+    /// generation, a second relay for the node).
+    #[error("the coordinator at {addr} refused the relay of node {node_rank}: {why}")]
+    Attach {
+        /// The coordinator's address.
+        addr: String,
+        /// The node.
+        node_rank: u32,
+        /// The coordinator's answer.
+        why: String,
+    },
+    /// The relay did not get going within [`START_TIMEOUT`].
+    #[error("the relay did not start within {:.1}s", START_TIMEOUT.as_secs_f64())]
+    Timeout,
+    /// The relay thread ended before saying whether it started.
+    #[error("the relay thread ended unexpectedly")]
+    Ended,
+}
+
+/// A running relay. Dropping it stops the relay thread (waiting for it) and removes the socket
+/// directory.
+#[derive(Debug)]
+pub struct Relay {
+    dir: PathBuf,
+    socket: String,
+    stop: Option<oneshot::Sender<()>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Relay {
+    /// Starts the relay of `node`'s generation on a thread of its own: creates the socket in a
+    /// fresh private directory (mode 0700) under the temporary directory, connects
+    /// `Relay.Attach` to the coordinator and registers the node. Returns once workers may
+    /// connect.
+    pub async fn start(node: &NodeAssignment) -> Result<Self, RelayError> {
+        let dir = private_dir()?;
+        // From here on, dropping `relay` cleans up.
+        let mut relay = Relay {
+            socket: String::new(),
+            dir,
+            stop: None,
+            thread: None,
+        };
+        let path = relay.dir.join(SOCKET_NAME);
+        relay.socket = path
+            .to_str()
+            .ok_or_else(|| RelayError::Path(path.clone()))?
+            .to_owned();
+        let listener = std::os::unix::net::UnixListener::bind(&path)
+            .and_then(|l| l.set_nonblocking(true).map(|()| l))
+            .map_err(|source| RelayError::Listen {
+                path: path.clone(),
+                source,
+            })?;
+        let (ready_tx, ready_rx) = oneshot::channel();
+        let (stop_tx, stop_rx) = oneshot::channel();
+        relay.stop = Some(stop_tx);
+        let node = node.clone();
+        relay.thread = Some(
+            std::thread::Builder::new()
+                .name("muster-relay".to_owned())
+                .spawn(move || relay_thread(node, listener, ready_tx, stop_rx))
+                .map_err(RelayError::Thread)?,
+        );
+        match tokio::time::timeout(START_TIMEOUT, ready_rx).await {
+            Ok(Ok(Ok(()))) => Ok(relay),
+            Ok(Ok(Err(e))) => Err(e),
+            Ok(Err(_)) => Err(RelayError::Ended),
+            Err(_) => Err(RelayError::Timeout),
+        }
+    }
+
+    /// The socket workers connect to (the value of `MUSTER_AGENT_SOCKET`).
+    pub fn socket(&self) -> &str {
+        &self.socket
+    }
+}
+
+impl Drop for Relay {
+    /// Stops the relay thread (it ends at its next wakeup, within microseconds), waits for it,
+    /// and removes the socket directory.
+    fn drop(&mut self) {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        if let Some(thread) = self.thread.take()
+            && thread.join().is_err()
+        {
+            tracing::warn!("the relay thread panicked");
+        }
+        if let Err(e) = std::fs::remove_dir_all(&self.dir) {
+            tracing::debug!(dir = %self.dir.display(), %e, "cannot remove the relay directory");
+        }
+    }
+}
+
+/// The relay thread: a `current_thread` runtime and a `LocalSet` running the relay until
+/// `stop` (or until it fails to start, after saying why on `ready`); every task of the relay
+/// is dropped with them.
+fn relay_thread(
+    node: NodeAssignment,
+    listener: std::os::unix::net::UnixListener,
+    ready: oneshot::Sender<Result<(), RelayError>>,
+    stop: oneshot::Receiver<()>,
+) {
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(e) => {
+            let _ = ready.send(Err(RelayError::Thread(e)));
+            return;
+        }
+    };
+    let tasks = tokio::task::LocalSet::new();
+    tasks.block_on(&runtime, async move {
+        tokio::select! {
+            _ = stop => {}
+            () = relay_main(node, listener, ready) => {}
+        }
+    });
+}
+
+/// Creates `<tmp>/muster-<pid>-<random>` with mode 0700.
+fn private_dir() -> Result<PathBuf, RelayError> {
+    let base = std::env::temp_dir();
+    let mut last = io::Error::other("no attempt");
+    for _ in 0..16 {
+        let dir = base.join(format!(
+            "muster-{}-{:016x}",
+            std::process::id(),
+            random_u64()
+        ));
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => return Ok(dir),
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => last = e,
+            Err(e) => {
+                last = e;
+                break;
+            }
+        }
+    }
+    Err(RelayError::Dir { base, source: last })
+}
+
+/// 64 random bits from the standard library's per-process hash keys and the clock.
+fn random_u64() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or_default(),
+    );
+    h.finish()
+}
+
+/// Encodes `msg` as one frame (4-byte little-endian length, then the message) into `out`,
+/// replacing what was there.
+pub fn encode_frame(msg: &impl Message, out: &mut Vec<u8>) {
+    out.clear();
+    let len = msg.encoded_len();
+    out.reserve(4 + len);
+    out.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_le_bytes());
+    msg.encode(out).expect("a Vec grows as needed");
+}
+
+/// The first complete frame at the start of `buf`: `Ok(Some((body, frame length)))`, `Ok(None)`
+/// when more bytes are needed, or `Err(length)` for a frame over [`MAX_FRAME`].
+pub fn split_frame(buf: &[u8]) -> Result<Option<(&[u8], usize)>, usize> {
+    let Some(head) = buf.first_chunk::<4>() else {
+        return Ok(None);
+    };
+    let len = u32::from_le_bytes(*head) as usize;
+    if len > MAX_FRAME {
+        return Err(len);
+    }
+    Ok(buf.get(4..4 + len).map(|body| (body, 4 + len)))
+}
+
+/// The relay's state: the barrier hub and the wires its answers go out on.
+struct State {
+    hub: Hub,
+    wires: Wires,
+}
+
+type Shared = Rc<RefCell<State>>;
+
+/// Attaches to the coordinator, then serves workers forever (returns only if it could not
+/// start, after saying why on `ready`).
+async fn relay_main(
+    node: NodeAssignment,
+    listener: std::os::unix::net::UnixListener,
+    ready: oneshot::Sender<Result<(), RelayError>>,
+) {
+    let started = attach(&node).await.and_then(|attached| {
+        UnixListener::from_std(listener)
+            .map(|listener| (attached, listener))
+            .map_err(|source| RelayError::Listen {
+                path: PathBuf::from(SOCKET_NAME),
+                source,
+            })
+    });
+    let ((to_coordinator, inbound, early), listener) = match started {
+        Ok(started) => started,
+        Err(e) => {
+            let _ = ready.send(Err(e));
+            return;
+        }
+    };
+    let timer = Rc::new(Notify::new());
+    let state: Shared = Rc::new(RefCell::new(State {
+        hub: Hub::new(&node),
+        wires: Wires {
+            conns: (0..node.local_world_size).map(|_| None).collect(),
+            frame: Vec::with_capacity(256),
+            coordinator: to_coordinator,
+            timer: Rc::clone(&timer),
+        },
+    }));
+    {
+        let st = &mut *state.borrow_mut();
+        for event in early {
+            st.hub.on_event(event, &mut st.wires);
+        }
+    }
+    spawn_local(timer_loop(Rc::clone(&state), timer));
+    spawn_local(coordinator_loop(
+        Rc::clone(&state),
+        inbound,
+        node.coordinator.clone(),
+    ));
+    let _ = ready.send(Ok(()));
+    accept_loop(state, listener).await;
+}
+
+type Attached = (
+    UnboundedSender<pb::RelayMessage>,
+    Streaming<pb::RelayEvent>,
+    Vec<pb::RelayEvent>,
+);
+
+/// Opens `Relay.Attach` and registers the node. Returns the outbound sender, the inbound
+/// stream, and the events that came before `registered` (a `failed` one, if the generation
+/// already failed).
+async fn attach(node: &NodeAssignment) -> Result<Attached, RelayError> {
+    let addr = &node.coordinator;
+    let connect_error = |why: String| RelayError::Connect {
+        addr: addr.clone(),
+        why,
+    };
+    let attach_error = |why: String| RelayError::Attach {
+        addr: addr.clone(),
+        node_rank: node.node_rank,
+        why,
+    };
+    let channel = Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|e| connect_error(chain(&e)))?
+        .tcp_nodelay(true)
+        .connect_timeout(Duration::from_secs(2))
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .map_err(|e| connect_error(chain(&e)))?;
+    let (tx, rx) = unbounded();
+    let _ = tx.unbounded_send(pb::RelayMessage {
+        kind: Some(pb::relay_message::Kind::Register(pb::RelayRegister {
+            job_id: node.job_id.clone(),
+            generation: node.generation,
+            node_rank: node.node_rank,
+        })),
+    });
+    let mut inbound = RelayClient::new(channel)
+        .attach(rx)
+        .await
+        .map_err(|status| attach_error(status.message().to_owned()))?
+        .into_inner();
+    let mut early = Vec::new();
+    loop {
+        match inbound.message().await {
+            Ok(Some(pb::RelayEvent {
+                kind: Some(pb::relay_event::Kind::Registered(_)),
+            })) => return Ok((tx, inbound, early)),
+            Ok(Some(event)) => early.push(event),
+            Ok(None) => return Err(attach_error("the stream ended before `registered`".into())),
+            Err(status) => return Err(attach_error(status.message().to_owned())),
+        }
+    }
+}
+
+/// Task "relay-accept": one "relay-conn" task per worker connection.
+async fn accept_loop(state: Shared, listener: UnixListener) {
+    loop {
+        match listener.accept().await {
+            Ok((stream, _)) => {
+                // Readable interest only: with EPOLLOUT registered too, every read of an answer
+                // by a worker (which frees space in this socket's send buffer) would wake this
+                // thread for nothing.
+                let fd = match stream.into_std().and_then(watch_readable) {
+                    Ok(fd) => fd,
+                    Err(e) => {
+                        tracing::warn!(%e, "the relay cannot watch a worker connection");
+                        continue;
+                    }
+                };
+                let conn = Rc::new(Conn {
+                    fd,
+                    backlog: RefCell::new(Vec::new()),
+                    flushing: Cell::new(false),
+                    reader: RefCell::new(None),
+                });
+                let task = spawn_local(serve_conn(Rc::clone(&state), Rc::clone(&conn)));
+                *conn.reader.borrow_mut() = Some(task.abort_handle());
+            }
+            Err(e) => {
+                tracing::warn!(%e, "the relay cannot accept a worker connection");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    }
+}
+
+/// Registers a worker socket with the runtime for readability only.
+///
+/// tokio 1.54 deprecates the safe `AsyncFd` constructors because a generic `AsRawFd` type may
+/// close or swap its descriptor behind the registration (tokio PR #8587); the replacement is
+/// `unsafe`, which this workspace denies. A `std::os::unix::net::UnixStream` owns its
+/// descriptor and never changes it, which is exactly the condition the unsafe constructor
+/// asks for, so the safe one is sound here.
+#[allow(deprecated)]
+fn watch_readable(
+    stream: std::os::unix::net::UnixStream,
+) -> io::Result<AsyncFd<std::os::unix::net::UnixStream>> {
+    AsyncFd::with_interest(stream, Interest::READABLE)
+}
+
+/// Task "relay-timer": sleeps until the earliest wait deadline and answers the expired waits.
+async fn timer_loop(state: Shared, wake: Rc<Notify>) {
+    loop {
+        let next = state.borrow_mut().hub.arm();
+        match next {
+            Some(at) => {
+                tokio::select! {
+                    () = tokio::time::sleep_until(at.into()) => {
+                        let st = &mut *state.borrow_mut();
+                        st.hub.expire(Instant::now(), &mut st.wires);
+                    }
+                    () = wake.notified() => {}
+                }
+            }
+            None => wake.notified().await,
+        }
+    }
+}
+
+/// Task "relay-coordinator": hands the coordinator's events to the hub; when the stream ends or
+/// breaks, closes every worker connection with a farewell naming the coordinator.
+async fn coordinator_loop(state: Shared, mut inbound: Streaming<pb::RelayEvent>, addr: String) {
+    let why = loop {
+        match inbound.message().await {
+            Ok(Some(event)) => {
+                let st = &mut *state.borrow_mut();
+                st.hub.on_event(event, &mut st.wires);
+            }
+            Ok(None) => break "the coordinator ended the stream".to_owned(),
+            Err(status) => break format!("{:?}: {}", status.code(), status.message()),
+        }
+    };
+    tracing::warn!(%addr, %why, "the node relay lost its coordinator stream");
+    let st = &mut *state.borrow_mut();
+    st.hub.coordinator_lost(
+        format!("the node relay lost its stream to the coordinator at {addr}: {why}"),
+        &mut st.wires,
+    );
+}
+
+/// One worker connection as the writers see it.
+struct Conn {
+    /// The socket, non-blocking, registered for readability only.
+    fd: AsyncFd<std::os::unix::net::UnixStream>,
+    /// Bytes that could not be written yet, in order; written before anything newer.
+    backlog: RefCell<Vec<u8>>,
+    /// Whether a "relay-flush" task is draining the backlog.
+    flushing: Cell<bool>,
+    /// The "relay-conn" task reading this connection.
+    reader: RefCell<Option<AbortHandle>>,
+}
+
+impl Conn {
+    /// Writes one frame without waiting: straight to the socket, or behind the backlog.
+    fn send(self: &Rc<Self>, frame: &[u8]) {
+        let mut backlog = self.backlog.borrow_mut();
+        if backlog.is_empty() {
+            match self.fd.get_ref().write(frame) {
+                Ok(n) if n == frame.len() => return,
+                Ok(n) => backlog.extend_from_slice(&frame[n..]),
+                Err(e) if retry_write(&e) => backlog.extend_from_slice(frame),
+                // The connection is broken; its reader sees that and reports it.
+                Err(_) => return,
+            }
+        } else {
+            backlog.extend_from_slice(frame);
+        }
+        if !self.flushing.replace(true) {
+            spawn_local(flush(Rc::clone(self)));
+        }
+    }
+
+    /// Stops reading; the socket closes once the backlog is written (or at once).
+    fn close(&self) {
+        if let Some(reader) = self.reader.borrow_mut().take() {
+            reader.abort();
+        }
+    }
+}
+
+/// Whether a failed non-blocking write may succeed later.
+fn retry_write(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+    )
+}
+
+/// Task "relay-flush": writes a connection's backlog as the socket accepts it; ends when it is
+/// empty or the connection breaks. It retries every [`FLUSH_RETRY`] rather than waiting for
+/// writability, which the socket is not registered for: a worker has at most one answer per
+/// scope outstanding, so a full socket buffer means a worker that stopped reading.
+async fn flush(conn: Rc<Conn>) {
+    loop {
+        tokio::time::sleep(FLUSH_RETRY).await;
+        let mut backlog = conn.backlog.borrow_mut();
+        match conn.fd.get_ref().write(&backlog) {
+            Ok(n) => {
+                backlog.drain(..n);
+                if backlog.is_empty() {
+                    break;
+                }
+            }
+            Err(e) if retry_write(&e) => {}
+            Err(_) => {
+                backlog.clear();
+                break;
+            }
+        }
+    }
+    conn.flushing.set(false);
+}
+
+/// The relay's side of the [`Sink`]: worker sockets and the coordinator stream.
+struct Wires {
+    /// Each local rank's connection, once registered.
+    conns: Vec<Option<Rc<Conn>>>,
+    /// The encoded frame being sent (reused).
+    frame: Vec<u8>,
+    coordinator: UnboundedSender<pb::RelayMessage>,
+    timer: Rc<Notify>,
+}
+
+impl Sink for Wires {
+    fn workers(&mut self, to: &[u32], msg: &pb::CoordinatorMessage) {
+        encode_frame(msg, &mut self.frame);
+        for &local in to {
+            if let Some(Some(conn)) = self.conns.get(local as usize) {
+                conn.send(&self.frame);
+            }
+        }
+    }
+
+    fn coordinator(&mut self, msg: pb::RelayMessage) {
+        // A closed stream is reported by "relay-coordinator".
+        let _ = self.coordinator.unbounded_send(msg);
+    }
+
+    fn close(&mut self, local: u32, why: &str) {
+        if let Some(conn) = self.conns.get_mut(local as usize).and_then(Option::take) {
+            encode_frame(&farewell(why), &mut self.frame);
+            conn.send(&self.frame);
+            conn.close();
+        }
+    }
+
+    fn wake_timer(&mut self) {
+        self.timer.notify_one();
+    }
+}
+
+/// Where a worker connection stands.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Peer {
+    /// Connected, `register` not yet received.
+    New,
+    /// Registered as this local rank.
+    Rank(u32),
+    /// Sent `leave`; nothing more is expected.
+    Left,
+}
+
+/// Task "relay-conn": reads one worker's frames and hands them to the hub. A connection that
+/// ends while registered and not left marks its rank dead.
+async fn serve_conn(state: Shared, conn: Rc<Conn>) {
+    let mut input = InBuf::default();
+    let mut peer = Peer::New;
+    let why = 'conn: loop {
+        let mut ready = match conn.fd.readable().await {
+            Ok(ready) => ready,
+            Err(e) => break format!("lost its connection to the agent ({e})"),
+        };
+        let space = input.space();
+        let room = space.len();
+        match ready.try_io(|fd| fd.get_ref().read(space)) {
+            Ok(Ok(0)) => {
+                break "lost its connection to the agent (process exited or was killed)".into();
+            }
+            Ok(Ok(n)) => {
+                input.end += n;
+                if n < room {
+                    // A short read drained the socket: skip the read that would only say
+                    // WouldBlock (new input raises readiness again).
+                    ready.clear_ready();
+                }
+            }
+            Ok(Err(e)) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Ok(Err(e)) => break format!("lost its connection to the agent ({e})"),
+            Err(_would_block) => continue,
+        }
+        loop {
+            let (body, used) = match split_frame(input.data()) {
+                Ok(Some(frame)) => frame,
+                Ok(None) => break,
+                Err(len) => {
+                    break 'conn format!(
+                        "sent a frame of {len} bytes to the agent (the limit is {MAX_FRAME})"
+                    );
+                }
+            };
+            let msg = match pb::WorkerMessage::decode(body) {
+                Ok(msg) => msg,
+                Err(e) => break 'conn format!("sent a malformed frame to the agent ({e})"),
+            };
+            input.consume(used);
+            if let Err(why) = handle(&state, &conn, &mut peer, msg) {
+                break 'conn why;
+            }
+            if peer == Peer::Left {
+                return;
+            }
+        }
+    };
+    let Peer::Rank(local) = peer else {
+        return;
+    };
+    let st = &mut *state.borrow_mut();
+    if let Some(slot) = st.wires.conns.get_mut(local as usize) {
+        *slot = None;
+    }
+    st.hub.lost(local, &why, Instant::now(), &mut st.wires);
+}
+
+/// A connection's received bytes not yet decoded: `buf[start..end]`.
+struct InBuf {
+    buf: Vec<u8>,
+    start: usize,
+    end: usize,
+}
+
+impl Default for InBuf {
+    fn default() -> Self {
+        Self {
+            buf: vec![0; READ_CHUNK],
+            start: 0,
+            end: 0,
+        }
+    }
+}
+
+impl InBuf {
+    fn data(&self) -> &[u8] {
+        &self.buf[self.start..self.end]
+    }
+
+    fn consume(&mut self, n: usize) {
+        self.start += n;
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+    }
+
+    /// Free room after the data: moves the data to the front, or grows the buffer when the
+    /// data fills it (a frame longer than the buffer; frames are at most [`MAX_FRAME`]).
+    fn space(&mut self) -> &mut [u8] {
+        if self.end == self.buf.len() {
+            if self.start > 0 {
+                self.buf.copy_within(self.start..self.end, 0);
+                self.end -= self.start;
+                self.start = 0;
+            } else {
+                self.buf.resize(self.buf.len() * 2, 0);
+            }
+        }
+        &mut self.buf[self.end..]
+    }
+}
+
+/// Handles one worker message. An error ends the connection (and, for a registered rank,
+/// marks it dead with that reason).
+fn handle(
+    state: &Shared,
+    conn: &Rc<Conn>,
+    peer: &mut Peer,
+    msg: pb::WorkerMessage,
+) -> Result<(), String> {
+    use pb::worker_message::Kind;
+    let st = &mut *state.borrow_mut();
+    match (*peer, msg.kind) {
+        (Peer::Rank(local), Some(Kind::Barrier(entry))) => {
+            st.hub.enter(local, entry, Instant::now(), &mut st.wires);
+        }
+        (Peer::Rank(local), Some(Kind::Leave(_))) => {
+            st.hub.leave(local, &mut st.wires);
+            if let Some(slot) = st.wires.conns.get_mut(local as usize) {
+                *slot = None;
+            }
+            *peer = Peer::Left;
+        }
+        (_, Some(Kind::Heartbeat(_))) => {}
+        (Peer::New, Some(Kind::Register(reg))) => match st.hub.register(&reg) {
+            Ok(local) => {
+                encode_frame(&st.hub.registered(), &mut st.wires.frame);
+                conn.send(&st.wires.frame);
+                st.wires.conns[local as usize] = Some(Rc::clone(conn));
+                *peer = Peer::Rank(local);
+            }
+            Err(why) => {
+                tracing::warn!(rank = reg.rank, %why, "the relay refused a worker");
+                encode_frame(&farewell(&why), &mut st.wires.frame);
+                conn.send(&st.wires.frame);
+                *peer = Peer::Left;
+            }
+        },
+        (Peer::New, _) => {
+            encode_frame(
+                &farewell("the first message must be `register`"),
+                &mut st.wires.frame,
+            );
+            conn.send(&st.wires.frame);
+            *peer = Peer::Left;
+        }
+        (Peer::Rank(_), Some(Kind::Register(_))) => {
+            return Err("sent `register` twice to the agent".into());
+        }
+        (Peer::Rank(_), None) => return Err("sent an empty message to the agent".into()),
+        (Peer::Left, _) => {}
+    }
+    Ok(())
+}
