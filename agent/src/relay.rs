@@ -58,6 +58,9 @@ pub const MAX_FRAME: usize = 64 * 1024;
 pub const START_TIMEOUT: Duration = Duration::from_secs(5);
 /// The relay socket's file name inside its private directory.
 const SOCKET_NAME: &str = "relay.sock";
+/// How old a wait held by the relay must be before the coordinator is told of it, and how
+/// often the report is refreshed.
+pub const REPORT_AFTER: Duration = Duration::from_secs(1);
 /// The initial size of a connection's read buffer (entries are a few dozen bytes).
 const READ_CHUNK: usize = 4096;
 /// How often a connection's unwritten backlog is retried.
@@ -328,6 +331,7 @@ async fn relay_main(
         }
     }
     spawn_local(timer_loop(Rc::clone(&state), timer));
+    spawn_local(report_loop(Rc::clone(&state)));
     spawn_local(coordinator_loop(
         Rc::clone(&state),
         inbound,
@@ -454,6 +458,27 @@ async fn timer_loop(state: Shared, wake: Rc<Notify>) {
             }
             None => wake.notified().await,
         }
+    }
+}
+
+/// Task "relay-report": once a second, tells the coordinator which waits this relay holds
+/// that are at least [`REPORT_AFTER`] old (and once more, empty, when none are left), so its
+/// ops view shows who waits where even for barriers that never reach it. Ends with the relay.
+async fn report_loop(state: Shared) {
+    let mut reported = false;
+    loop {
+        tokio::time::sleep(REPORT_AFTER).await;
+        let st = &mut *state.borrow_mut();
+        let barriers = st.hub.waiting_report(Instant::now(), REPORT_AFTER);
+        if barriers.is_empty() && !reported {
+            continue;
+        }
+        reported = !barriers.is_empty();
+        st.wires.coordinator(pb::RelayMessage {
+            kind: Some(pb::relay_message::Kind::Waiting(pb::WaitingReport {
+                barriers,
+            })),
+        });
     }
 }
 

@@ -381,3 +381,72 @@ fn a_missing_socket_is_a_connection_error_at_construction() {
         "{error:?}"
     );
 }
+
+#[test]
+fn the_ops_view_shows_who_waits_in_a_relay_and_who_is_missing() {
+    // A single-node job: every barrier completes in the relay, never at the coordinator.
+    let cluster = Cluster::start("held", &[3]);
+    let addr = cluster.addr.clone();
+    let describe = move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            pb::ops_client::OpsClient::connect(format!("http://{addr}"))
+                .await
+                .unwrap()
+                .describe_job(pb::DescribeJobRequest {
+                    job_id: "held".into(),
+                })
+                .await
+                .unwrap()
+                .into_inner()
+        })
+    };
+    let seen = Arc::new(Mutex::new(None));
+    let cleared = Arc::new(Mutex::new(false));
+    let (seen_in, cleared_in) = (Arc::clone(&seen), Arc::clone(&cleared));
+    cluster.run(move |info| {
+        let rank = info.rank;
+        let accelerator = Accelerator::new(info).unwrap();
+        if rank == 2 {
+            // Ranks 0 and 1 wait; rank 2 looks at the coordinator's view before it joins them.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            let view = loop {
+                let d = describe();
+                if !d.barriers.is_empty() || Instant::now() > deadline {
+                    break d;
+                }
+                std::thread::sleep(Duration::from_millis(100));
+            };
+            *seen_in.lock().unwrap() = Some(view);
+        }
+        accelerator.wait_for_everyone_named("checkpoint").unwrap();
+        if rank == 2 {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while !describe().barriers.is_empty() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            *cleared_in.lock().unwrap() = describe().barriers.is_empty();
+        }
+        accelerator.wait_for_everyone().unwrap();
+        accelerator.finish().unwrap();
+    });
+    let view = seen.lock().unwrap().take().unwrap();
+    assert_eq!(view.barriers.len(), 1, "{view:?}");
+    let b = &view.barriers[0];
+    assert_eq!(b.scope, pb::BarrierScope::Global as i32);
+    assert_eq!(b.names[0].name, "checkpoint");
+    let mut waiting = b.names[0].ranks.clone();
+    waiting.sort_unstable();
+    assert_eq!(waiting, [0, 1]);
+    assert_eq!(b.missing.iter().map(|m| m.rank).collect::<Vec<_>>(), [2]);
+    assert!(b.waiting_ms >= 1000, "{b:?}");
+    assert_eq!(view.ranks[0].state, pb::RankState::Waiting as i32);
+    assert_eq!(view.ranks[2].state, pb::RankState::Running as i32);
+    assert!(
+        *cleared.lock().unwrap(),
+        "the report was not cleared after the barrier"
+    );
+}

@@ -108,6 +108,8 @@ struct NodeSlot {
     rank_offset: u32,
     /// The node's agent, when it relays the node's global barriers.
     relay: Option<RelayOutbox>,
+    /// The relay's latest report of the waits it holds, and when it came.
+    report: Option<(Instant, Vec<pb::BarrierInfo>)>,
 }
 
 struct RankSlot {
@@ -655,6 +657,7 @@ impl Job {
                 local_world_size: j.req.local_world_size,
                 rank_offset: offset,
                 relay: None,
+                report: None,
             });
             for _ in 0..j.req.local_world_size {
                 ranks.push(RankSlot {
@@ -1012,6 +1015,32 @@ impl Job {
         Ok(())
     }
 
+    /// Keeps node `node_rank`'s report of the waits its relay holds (replacing the last one),
+    /// for the ops view. Ranks outside the node are dropped from it.
+    pub fn relay_report(
+        &self,
+        generation: u64,
+        node_rank: u32,
+        mut barriers: Vec<pb::BarrierInfo>,
+    ) {
+        let mut st = self.lock();
+        let Ok(g) = self.running(&mut st, generation) else {
+            return;
+        };
+        let Some(node) = g.nodes.get(node_rank as usize) else {
+            return;
+        };
+        let local = node.rank_offset..node.rank_offset + node.local_world_size;
+        for b in &mut barriers {
+            b.node_rank = node_rank;
+            for n in &mut b.names {
+                n.ranks.retain(|r| local.contains(r));
+            }
+        }
+        g.nodes[node_rank as usize].report =
+            (!barriers.is_empty()).then(|| (Instant::now(), barriers));
+    }
+
     /// A relay's aggregated entry: every rank in `groups` enters global barrier `seq`. All
     /// ranks are checked before any is recorded; the answer goes to the relay (once for the
     /// node).
@@ -1298,6 +1327,27 @@ impl Job {
                         waiting_ms: now.duration_since(b.first_at).as_millis() as u64,
                     })
                     .collect();
+                // Waits held by relays: shown as reported, aged to now, and their ranks as
+                // waiting.
+                for node in &g.nodes {
+                    let Some((at, barriers)) = &node.report else {
+                        continue;
+                    };
+                    let age = now.duration_since(*at).as_millis() as u64;
+                    for b in barriers {
+                        for r in b.names.iter().flat_map(|n| &n.ranks) {
+                            if let Some(info) = resp.ranks.get_mut(*r as usize)
+                                && info.state == pb::RankState::Running as i32
+                            {
+                                info.state = pb::RankState::Waiting as i32;
+                            }
+                        }
+                        resp.barriers.push(pb::BarrierInfo {
+                            waiting_ms: b.waiting_ms + age,
+                            ..b.clone()
+                        });
+                    }
+                }
                 resp.failure = g.failure.as_ref().map(|f| pb::FailureInfo {
                     rank: f.rank,
                     node_rank: f.node_rank,

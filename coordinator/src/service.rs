@@ -392,6 +392,9 @@ async fn session_loop(
     job.fail_rank(generation, rank, reason, false);
 }
 
+/// The most waits one relay report may list.
+const MAX_REPORTED_BARRIERS: usize = 64;
+
 /// How long a session that ended without leave waits for its agent's more precise report.
 const AGENT_REPORT_GRACE: Duration = Duration::from_millis(150);
 
@@ -459,6 +462,12 @@ impl pb::relay_server::Relay for RelayService {
                         }
                     }
                     Some(pb::relay_message::Kind::Heartbeat(_)) => {}
+                    Some(pb::relay_message::Kind::Waiting(report)) => {
+                        // Information for the ops view, capped like any list from the network.
+                        let mut barriers = report.barriers;
+                        barriers.truncate(MAX_REPORTED_BARRIERS);
+                        job.relay_report(generation, node_rank, barriers);
+                    }
                     Some(pb::relay_message::Kind::Register(_)) | None => {
                         let _ = tx.send(Err(Status::invalid_argument(
                             "register may only be the first relay message",

@@ -154,3 +154,57 @@ async fn relays_hear_of_a_failure_at_once_even_with_nothing_pending() {
         pb::relay_event::Kind::Failed(_)
     ));
 }
+
+#[tokio::test]
+async fn waits_a_relay_holds_show_in_the_ops_view_until_cleared() {
+    let s = start_default().await;
+    form(&s.channel, "held", 2, 2).await;
+    let _ranks = attach_all(&s.channel, "held", 1, 4).await;
+    let relay = RawRelay::attach(&s.channel, "held", 1, 1).await.unwrap();
+    let held = pb::BarrierInfo {
+        scope: pb::BarrierScope::Node as i32,
+        node_rank: 1,
+        seq: 4,
+        names: vec![pb::BarrierName {
+            name: "eval.rs:12".into(),
+            ranks: vec![2, 0],
+        }],
+        missing: vec![pb::RankLocation {
+            rank: 3,
+            node_rank: 1,
+            host: "host-n1".into(),
+        }],
+        waiting_ms: 1500,
+    };
+    relay.report(vec![held]).await;
+    let mut d = describe(&s.channel, "held").await;
+    for _ in 0..50 {
+        if !d.barriers.is_empty() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        d = describe(&s.channel, "held").await;
+    }
+    let b = &d.barriers[0];
+    assert_eq!(
+        (b.scope, b.node_rank, b.seq),
+        (pb::BarrierScope::Node as i32, 1, 4)
+    );
+    assert_eq!(
+        b.names[0].ranks,
+        [2],
+        "rank 0 is not on node 1 and must be dropped"
+    );
+    assert_eq!(b.missing[0].rank, 3);
+    assert!(b.waiting_ms >= 1500);
+    assert_eq!(d.ranks[2].state, pb::RankState::Waiting as i32);
+    assert_eq!(d.ranks[3].state, pb::RankState::Running as i32);
+    relay.report(vec![]).await;
+    for _ in 0..50 {
+        if describe(&s.channel, "held").await.barriers.is_empty() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("an empty report did not clear the held waits");
+}

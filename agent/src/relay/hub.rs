@@ -553,6 +553,40 @@ impl Hub {
         }
     }
 
+    /// The waits this hub holds (not handed to the coordinator) whose first rank arrived at
+    /// least `older_than` before `now`: what the coordinator's ops view cannot see otherwise.
+    pub fn waiting_report(&self, now: Instant, older_than: Duration) -> Vec<pb::BarrierInfo> {
+        self.barriers
+            .iter()
+            .filter(|b| !b.sent)
+            .filter_map(|b| {
+                let first = b.arrivals.iter().map(|a| a.entered).min()?;
+                let waited = now.saturating_duration_since(first);
+                (waited >= older_than).then(|| pb::BarrierInfo {
+                    scope: b.scope.to_wire(),
+                    node_rank: self.node_rank,
+                    seq: b.seq,
+                    names: b
+                        .names
+                        .iter()
+                        .enumerate()
+                        .map(|(i, name)| pb::BarrierName {
+                            name: name.clone(),
+                            ranks: b
+                                .arrivals
+                                .iter()
+                                .filter(|a| a.name == i)
+                                .map(|a| self.offset + a.local)
+                                .collect(),
+                        })
+                        .collect(),
+                    missing: self.missing(b, None),
+                    waiting_ms: u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+                })
+            })
+            .collect()
+    }
+
     /// The earliest deadline that [`Hub::expire`] would act on (a wait's timeout, an
     /// unconfirmed death); also what the timer is now armed for.
     pub fn arm(&mut self) -> Option<Instant> {
@@ -1330,5 +1364,55 @@ mod tests {
         }
         assert_eq!(hub.spare.len(), 1);
         assert_eq!(rec.lines.len(), 50);
+    }
+
+    #[test]
+    fn held_waits_are_reported_once_old_enough_and_sent_ones_are_not() {
+        let mut hub = Hub::new(&node());
+        let mut rec = Recorder {
+            lines: Vec::new(),
+            offset: OFFSET,
+        };
+        for rank in OFFSET..OFFSET + 3 {
+            let reg = pb::Register {
+                job_id: "j".into(),
+                generation: 2,
+                rank,
+                pid: 1,
+                host: String::new(),
+            };
+            assert!(hub.register(&reg).is_ok());
+        }
+        let t0 = Instant::now();
+        let enter = |scope: pb::BarrierScope, seq: u64| pb::BarrierEnter {
+            scope: scope as i32,
+            seq,
+            name: "train.rs:9".into(),
+            timeout_ms: 0,
+        };
+        hub.enter(0, enter(pb::BarrierScope::Node, 1), t0, &mut rec);
+        hub.enter(1, enter(pb::BarrierScope::Node, 1), t0, &mut rec);
+        // A global barrier the whole node entered goes to the coordinator: not reported.
+        for local in 0..3 {
+            hub.enter(local, enter(pb::BarrierScope::Global, 1), t0, &mut rec);
+        }
+        assert!(
+            hub.waiting_report(t0, Duration::from_secs(1)).is_empty(),
+            "too young"
+        );
+        let report = hub.waiting_report(t0 + Duration::from_millis(1500), Duration::from_secs(1));
+        assert_eq!(report.len(), 1, "{report:?}");
+        let b = &report[0];
+        assert_eq!(
+            (b.scope, b.node_rank, b.seq),
+            (pb::BarrierScope::Node as i32, 1, 1)
+        );
+        assert_eq!(b.names[0].name, "train.rs:9");
+        assert_eq!(b.names[0].ranks, [OFFSET, OFFSET + 1]);
+        assert_eq!(
+            b.missing.iter().map(|m| m.rank).collect::<Vec<_>>(),
+            [OFFSET + 2]
+        );
+        assert_eq!(b.waiting_ms, 1500);
     }
 }

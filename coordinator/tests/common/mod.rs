@@ -281,6 +281,17 @@ impl RawRelay {
             .unwrap();
     }
 
+    pub async fn report(&self, barriers: Vec<pb::BarrierInfo>) {
+        self.tx
+            .send(pb::RelayMessage {
+                kind: Some(pb::relay_message::Kind::Waiting(pb::WaitingReport {
+                    barriers,
+                })),
+            })
+            .await
+            .unwrap();
+    }
+
     pub async fn event(&mut self) -> pb::relay_event::Kind {
         tokio::time::timeout(Duration::from_secs(20), self.rx.message())
             .await
