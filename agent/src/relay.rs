@@ -25,6 +25,8 @@
 //! - "relay-timer": answers waits whose timeout passed.
 //! - "relay-coordinator": reads the coordinator's answers; when the stream breaks, every worker
 //!   connection is closed with a farewell saying so.
+//! - "relay-report": once a second, reports the waits held here that are a second old to the
+//!   coordinator (for its ops view), and clears the report when none are left.
 
 mod hub;
 

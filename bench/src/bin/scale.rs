@@ -135,6 +135,7 @@ async fn barriers(
     job: &str,
     ranks: u32,
     iters: usize,
+    relayed: bool,
 ) -> anyhow::Result<(f64, f64, f64)> {
     let local = 8.min(ranks);
     let before = coordinator.rss_bytes();
@@ -144,6 +145,11 @@ async fn barriers(
         sessions.push(attach(chs[r as usize % chs.len()].clone(), job, r).await?);
     }
     let per_rank = (coordinator.rss_bytes().saturating_sub(before)) as f64 / f64::from(ranks);
+    if relayed {
+        return relayed_barriers(chs, job, ranks / local, local, sessions, iters)
+            .await
+            .map(|(p50, p99)| (p50, p99, per_rank));
+    }
     let (lat_tx, mut lat_rx) = mpsc::unbounded_channel();
     let mut tasks = vec![];
     for (r, mut s) in sessions.into_iter().enumerate() {
@@ -189,6 +195,94 @@ async fn barriers(
     Ok((quantile(&mut lat, 0.5), quantile(&mut lat, 0.99), per_rank))
 }
 
+/// The same barriers as agents run them: one relay stream per simulated node enters one group
+/// of `local` ranks per barrier; the ranks' sessions only stay alive (heartbeats). Returns
+/// (p50, p99) in microseconds as seen by node 0's relay.
+async fn relayed_barriers(
+    chs: &[Channel],
+    job: &str,
+    nodes: u32,
+    local: u32,
+    sessions: Vec<Rank>,
+    iters: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let keepalive: Vec<_> = sessions
+        .into_iter()
+        .map(|s| {
+            tokio::spawn(async move {
+                loop {
+                    let beat = pb::WorkerMessage {
+                        kind: Some(pb::worker_message::Kind::Heartbeat(pb::Heartbeat {})),
+                    };
+                    if s.tx.send(beat).await.is_err() {
+                        return s;
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            })
+        })
+        .collect();
+    let (lat_tx, mut lat_rx) = mpsc::unbounded_channel();
+    let mut tasks = vec![];
+    for node in 0..nodes {
+        let (tx, rx) = mpsc::channel(4);
+        tx.send(pb::RelayMessage {
+            kind: Some(pb::relay_message::Kind::Register(pb::RelayRegister {
+                job_id: job.into(),
+                generation: 1,
+                node_rank: node,
+            })),
+        })
+        .await?;
+        let mut stream = pb::relay_client::RelayClient::new(chs[node as usize % chs.len()].clone())
+            .attach(ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        stream.message().await?;
+        let ranks: Vec<u32> = (node * local..(node + 1) * local).collect();
+        let lat_tx = lat_tx.clone();
+        tasks.push(tokio::spawn(async move {
+            for seq in 1..=(iters as u64 + 5) {
+                let t = Instant::now();
+                let groups = vec![pb::BarrierName {
+                    name: "bench".into(),
+                    ranks: ranks.clone(),
+                }];
+                tx.send(pb::RelayMessage {
+                    kind: Some(pb::relay_message::Kind::Enter(pb::GroupEnter {
+                        seq,
+                        groups,
+                        timeout_ms: 0,
+                    })),
+                })
+                .await?;
+                let m = stream.message().await?;
+                if let Some(pb::relay_event::Kind::Barrier(b)) = m.and_then(|m| m.kind)
+                    && let Some(e) = b.error
+                {
+                    anyhow::bail!("barrier failed: {}", e.message);
+                }
+                if node == 0 && seq > 5 {
+                    let _ = lat_tx.send(t.elapsed().as_secs_f64() * 1e6);
+                }
+            }
+            anyhow::Ok(())
+        }));
+    }
+    drop(lat_tx);
+    for t in tasks {
+        t.await??;
+    }
+    for k in keepalive {
+        k.abort();
+    }
+    let mut lat = vec![];
+    while let Some(x) = lat_rx.recv().await {
+        lat.push(x);
+    }
+    Ok((quantile(&mut lat, 0.5), quantile(&mut lat, 0.99)))
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -211,18 +305,37 @@ async fn main() -> anyhow::Result<()> {
             quantile(&mut times, 0.5)
         );
     }
+    drop(chs);
+    drop(coordinator);
     println!();
-    println!("| simulated ranks | barrier p50 | barrier p99 | coordinator memory per rank |");
-    println!("| --- | --- | --- | --- |");
+    println!(
+        "| simulated ranks | path | barrier p50 | barrier p99 | coordinator memory per rank |"
+    );
+    println!("| --- | --- | --- | --- | --- |");
     for &r in &args.ranks {
-        let (p50, p99, per_rank) =
-            barriers(&chs, &coordinator, &format!("bar-{r}"), r, args.iters).await?;
-        println!(
-            "| {r} | {:.0} us | {:.0} us | {:.1} KiB |",
-            p50,
-            p99,
-            per_rank / 1024.0
-        );
+        for relayed in [false, true] {
+            // A fresh coordinator per case, so its memory growth is this case's alone.
+            let coordinator = CoordinatorProcess::start()?;
+            let chs = channels(coordinator.addr, args.connections).await?;
+            let (p50, p99, per_rank) = barriers(
+                &chs,
+                &coordinator,
+                &format!("bar-{r}"),
+                r,
+                args.iters,
+                relayed,
+            )
+            .await?;
+            let path = if relayed {
+                "relayed: 1 group per 8-rank node"
+            } else {
+                "1 session per rank"
+            };
+            println!(
+                "| {r} | {path} | {p50:.0} us | {p99:.0} us | {:.1} KiB |",
+                per_rank / 1024.0
+            );
+        }
     }
     Ok(())
 }
