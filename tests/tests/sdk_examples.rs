@@ -105,3 +105,69 @@ fn main_first_with_four_ranks() {
         );
     }
 }
+
+/// The worker process of global rank `rank` among `agent`'s children, from /proc.
+fn worker_pid(agent: i32, rank: u32) -> Option<i32> {
+    let want = format!("RANK={rank}");
+    std::fs::read_dir("/proc").ok()?.find_map(|e| {
+        let pid: i32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let ppid: i32 = stat
+            .rsplit_once(')')?
+            .1
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        (ppid == agent && environ.split(|b| *b == 0).any(|v| v == want.as_bytes())).then_some(pid)
+    })
+}
+
+#[test]
+fn a_worker_killed_mid_barrier_fails_every_other_rank_within_two_seconds() {
+    let Some(bin) = example("barrier_loop") else {
+        return;
+    };
+    let agent = launch(3, &bin, &["--iters", "100000000", "--warmup", "0"]);
+    let deadline = std::time::Instant::now() + SLOW;
+    let victim = loop {
+        if let Some(pid) = worker_pid(agent.pid().as_raw(), 1) {
+            break pid;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "rank 1's process never appeared"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // Let the ranks get well into their barrier loop, then kill rank 1 in the middle of it.
+    std::thread::sleep(Duration::from_millis(500));
+    let killed = std::time::Instant::now();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victim),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("rank 1 can be killed");
+    for rank in [0, 2] {
+        agent.wait_for_lines(muster_tests::Stream::Stderr, 1, SLOW, |l| {
+            l.starts_with(&format!("[rank {rank}] barrier_loop: ")) && l.contains("rank 1")
+        });
+    }
+    let noticed = killed.elapsed();
+    let run = agent.finish(SLOW);
+    assert!(
+        noticed < Duration::from_secs(2),
+        "the others learned after {noticed:?}\n{}",
+        run.dump()
+    );
+    assert_eq!(run.code(), Some(1), "{}", run.dump());
+    assert!(
+        run.stderr
+            .iter()
+            .any(|l| l.contains("rank 1 (local rank 1)") && l.contains("SIGKILL")),
+        "{}",
+        run.dump()
+    );
+    eprintln!("the other ranks learned of rank 1's SIGKILL after {noticed:?}");
+}
