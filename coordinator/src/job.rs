@@ -3,7 +3,7 @@
 //! which is held for microseconds and never across an `.await`; replies go out through
 //! unbounded channels (session outboxes) or oneshots (joiners), so nothing blocks under it.
 
-use crate::model::{JobId, Scope};
+use crate::model::{JobId, Scope, barrier_error as simple_error, list_ranks, scope_name};
 use muster_proto::v1 as pb;
 use pb::barrier_error::Kind as ErrKind;
 use std::collections::HashMap;
@@ -219,28 +219,6 @@ fn stale(job: &JobId, asked: u64, current: u64, open: bool) -> String {
     }
 }
 
-fn list_ranks(ranks: &[pb::RankLocation]) -> String {
-    let mut s = String::new();
-    for (i, r) in ranks.iter().enumerate() {
-        if i == 16 {
-            let _ = write!(s, " and {} more", ranks.len() - 16);
-            break;
-        }
-        if i > 0 {
-            s.push_str(", ");
-        }
-        let _ = write!(s, "{} (node {}, host {})", r.rank, r.node_rank, r.host);
-    }
-    s
-}
-
-fn scope_name(scope: Scope, node_rank: u32) -> String {
-    match scope {
-        Scope::Global => "global barrier".into(),
-        Scope::Node => format!("node {node_rank} barrier"),
-    }
-}
-
 fn result(scope: Scope, seq: u64, error: Option<pb::BarrierError>) -> pb::CoordinatorMessage {
     pb::CoordinatorMessage {
         kind: Some(pb::coordinator_message::Kind::Barrier(pb::BarrierResult {
@@ -258,14 +236,6 @@ fn relay_result(seq: u64, error: Option<pb::BarrierError>) -> pb::RelayEvent {
             seq,
             error,
         })),
-    }
-}
-
-fn simple_error(kind: ErrKind, message: String) -> pb::BarrierError {
-    pb::BarrierError {
-        kind: kind as i32,
-        message,
-        ..Default::default()
     }
 }
 

@@ -181,6 +181,47 @@ impl Scope {
     }
 }
 
+/// How many ranks an error message lists before it says "and N more".
+pub const RANKS_SHOWN: usize = 16;
+
+/// "global barrier" or "node N barrier", for messages.
+pub fn scope_name(scope: Scope, node_rank: u32) -> String {
+    match scope {
+        Scope::Global => "global barrier".into(),
+        Scope::Node => format!("node {node_rank} barrier"),
+    }
+}
+
+/// "3 (node 1, host h), 4 (node 1, host h) and 9 more": ranks with where they run, for
+/// messages (the coordinator's and the agent relay's alike).
+pub fn list_ranks(ranks: &[muster_proto::v1::RankLocation]) -> String {
+    use std::fmt::Write as _;
+    let mut s = String::new();
+    for (i, r) in ranks.iter().enumerate() {
+        if i == RANKS_SHOWN {
+            let _ = write!(s, " and {} more", ranks.len() - RANKS_SHOWN);
+            break;
+        }
+        if i > 0 {
+            s.push_str(", ");
+        }
+        let _ = write!(s, "{} (node {}, host {})", r.rank, r.node_rank, r.host);
+    }
+    s
+}
+
+/// A barrier error with only a kind and a message.
+pub fn barrier_error(
+    kind: muster_proto::v1::barrier_error::Kind,
+    message: String,
+) -> muster_proto::v1::BarrierError {
+    muster_proto::v1::BarrierError {
+        kind: kind as i32,
+        message,
+        ..Default::default()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -22,7 +22,9 @@
 //! - the coordinator's `failed` event fails every pending and later barrier with its error.
 
 use crate::env::NodeAssignment;
-use muster_coordinator::model::{self, Scope};
+use muster_coordinator::model::{
+    self, Scope, barrier_error as simple_error, list_ranks, scope_name,
+};
 use muster_proto::v1 as pb;
 use pb::barrier_error::Kind as ErrKind;
 use std::fmt::Write as _;
@@ -37,8 +39,6 @@ const SPARE_BARRIERS: usize = 8;
 /// How long the relay waits for the coordinator to confirm a local rank's death (its `failed`
 /// event) before failing the node's waits itself.
 pub const DEATH_CONFIRM: Duration = Duration::from_secs(1);
-/// How many ranks a message spells out before it says "and N more".
-const RANKS_SHOWN: usize = 16;
 
 /// Where the hub's answers go. The relay writes them to sockets; tests record them.
 pub trait Sink {
@@ -173,14 +173,6 @@ fn result(scope: i32, seq: u64, error: Option<pb::BarrierError>) -> pb::Coordina
     }
 }
 
-fn simple_error(kind: ErrKind, message: String) -> pb::BarrierError {
-    pb::BarrierError {
-        kind: kind as i32,
-        message,
-        ..Default::default()
-    }
-}
-
 /// Whether a result uses up its seq: a timeout and a rejected entry do not (the same seq may
 /// be entered again); every other result does. The SDK applies the same rule.
 fn consumes_seq(error: Option<&pb::BarrierError>) -> bool {
@@ -189,28 +181,6 @@ fn consumes_seq(error: Option<&pb::BarrierError>) -> bool {
         Some(Ok(ErrKind::Timeout | ErrKind::Unspecified) | Err(_)) => false,
         Some(Ok(_)) => true,
     }
-}
-
-fn scope_name(scope: Scope, node_rank: u32) -> String {
-    match scope {
-        Scope::Global => "global barrier".to_owned(),
-        Scope::Node => format!("node {node_rank} barrier"),
-    }
-}
-
-fn list_ranks(ranks: &[pb::RankLocation]) -> String {
-    let mut s = String::new();
-    for (i, r) in ranks.iter().enumerate() {
-        if i == RANKS_SHOWN {
-            let _ = write!(s, " and {} more", ranks.len() - RANKS_SHOWN);
-            break;
-        }
-        if i > 0 {
-            s.push_str(", ");
-        }
-        let _ = write!(s, "{} (node {}, host {})", r.rank, r.node_rank, r.host);
-    }
-    s
 }
 
 /// The coordinator's rule for call-site names, checked without allocating on the good path.
