@@ -1302,14 +1302,10 @@ mod tests {
         );
     }
 
-    #[test]
-    fn finished_barriers_are_reused() {
+    /// A hub of [`node`] with its three local ranks registered, and a recorder for it.
+    fn registered_hub() -> (Hub, Recorder) {
         let mut hub = Hub::new(&node());
-        let mut rec = Recorder {
-            lines: Vec::new(),
-            offset: OFFSET,
-        };
-        for rank in 4..7 {
+        for rank in OFFSET..OFFSET + 3 {
             let reg = pb::Register {
                 job_id: "j".into(),
                 generation: 2,
@@ -1319,6 +1315,16 @@ mod tests {
             };
             assert!(hub.register(&reg).is_ok());
         }
+        let rec = Recorder {
+            lines: Vec::new(),
+            offset: OFFSET,
+        };
+        (hub, rec)
+    }
+
+    #[test]
+    fn finished_barriers_are_reused() {
+        let (mut hub, mut rec) = registered_hub();
         let now = Instant::now();
         for seq in 1..=50 {
             for local in 0..3 {
@@ -1338,21 +1344,7 @@ mod tests {
 
     #[test]
     fn held_waits_are_reported_once_old_enough_and_sent_ones_are_not() {
-        let mut hub = Hub::new(&node());
-        let mut rec = Recorder {
-            lines: Vec::new(),
-            offset: OFFSET,
-        };
-        for rank in OFFSET..OFFSET + 3 {
-            let reg = pb::Register {
-                job_id: "j".into(),
-                generation: 2,
-                rank,
-                pid: 1,
-                host: String::new(),
-            };
-            assert!(hub.register(&reg).is_ok());
-        }
+        let (mut hub, mut rec) = registered_hub();
         let t0 = Instant::now();
         let enter = |scope: pb::BarrierScope, seq: u64| pb::BarrierEnter {
             scope: scope as i32,
