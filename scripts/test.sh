@@ -4,5 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh
+# PyTorch and Accelerate for tests/tests/interop.rs (skipped with a reason when it cannot install).
+scripts/install-peers.sh >/dev/null
 cargo build --workspace --all-targets
 cargo test --workspace --all-targets "$@"

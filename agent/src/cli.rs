@@ -1,10 +1,21 @@
 //! The command line: clap definitions, and their validation into a [`LaunchSpec`] before
 //! anything is started. Every problem found here is a [`UsageError`]: one line, exit status 2.
+//!
+//! A setting can come from torchrun's flag (muster's own spelling), from Accelerate's spelling
+//! of it, from an Accelerate config file (`--config-file`), or from its default, in that order.
+//! Two flags that set one thing differently are an error naming both; a flag beats the file.
 
+use crate::accelerate_config::{self, AccelerateConfig, ConfigError};
+use crate::env::WorkerOptions;
+use crate::gpu::{self, Discovery, GpuError, GpuIds, GpuMapping, GpuPlan};
 use crate::program::{Program, ProgramError};
+use crate::worker::OutputSpec;
 use clap::{Args, Parser, Subcommand};
 use muster_coordinator::model::{self, JobId};
 use std::ffi::{OsStr, OsString};
+use std::fmt::Display;
+use std::net::Ipv6Addr;
+use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 /// `muster-agent`: one per machine; joins a job's rendezvous and runs the machine's workers.
@@ -17,41 +28,75 @@ pub struct Cli {
 }
 
 /// The agent's subcommands.
+// Parsed once per process: boxing the big flag sets would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
     /// Join a job's rendezvous and run this node's workers until they finish.
     Launch(LaunchArgs),
+    /// Run as this machine's daemon agent: register with the coordinator and run the jobs it
+    /// places here.
+    Serve(crate::daemon::ServeArgs),
+    /// Submit a job to the coordinator's daemon agents.
+    Submit(crate::daemon::SubmitArgs),
+    /// Show the coordinator's jobs and agents, or one job.
+    Status(crate::daemon::StatusArgs),
+    /// Cancel a job: its workers are stopped on every node.
+    Cancel(crate::daemon::CancelArgs),
 }
 
-/// `muster-agent launch`: the flags follow torchrun's where torchrun has one.
+/// The coordinator port a multi-node job's agents dial when only Accelerate's
+/// `main_process_ip` names the main machine.
+pub const DEFAULT_COORDINATOR_PORT: u16 = muster_proto::DEFAULT_COORDINATOR_PORT;
+/// MASTER_PORT as Accelerate and torchrun default it (used to name a derived job id).
+const ACCELERATE_MAIN_PORT: u16 = 29500;
+
+/// `muster-agent launch`: the flags follow torchrun's where torchrun has one (both
+/// `--dash-case` and `--snake_case`), and Accelerate's launch flags are accepted too.
 #[derive(Debug, Args)]
 pub struct LaunchArgs {
-    /// Workers to run on this node.
-    #[arg(long, value_name = "N", alias = "nproc_per_node")]
-    pub nproc_per_node: u32,
+    /// Workers to run on this node: a number, `gpu` (one per GPU), `cpu` (one per CPU core the
+    /// agent may use) or `auto` (`gpu` on a machine with GPUs, else `cpu`). Default: 1, as with
+    /// torchrun, or num_processes / num_machines from --config-file.
+    #[arg(long, value_name = "N", alias = "nproc_per_node", value_parser = parse_nproc)]
+    pub nproc_per_node: Option<Nproc>,
 
-    /// The coordinator's HOST:PORT. Without it the agent runs a coordinator of its own on
-    /// 127.0.0.1 (single-node jobs).
+    /// The coordinator's HOST:PORT. Default: a coordinator of the agent's own on 127.0.0.1
+    /// (single-node jobs); for a multi-node job with a main machine's address (--master-addr,
+    /// --main_process_ip or main_process_ip in --config-file), that address, port 29470.
     #[arg(long, value_name = "HOST:PORT")]
     pub coordinator: Option<String>,
 
     /// The job id (1 to 128 characters of [A-Za-z0-9._-]). Every node of a job gives the same
-    /// one. Default: a fresh id (single-node jobs only).
+    /// one. Default: a fresh id for a single-node job; for a multi-node job with a main
+    /// machine's address, `muster-<ADDR>-<PORT>` from it and the master port (29500 when not
+    /// given), so that every machine of an Accelerate-style launch derives the same one.
     #[arg(long, value_name = "ID", alias = "job_id")]
     pub job_id: Option<String>,
 
-    /// How many nodes the job has: MIN or MIN:MAX.
-    #[arg(long, value_name = "MIN[:MAX]", default_value = "1:1")]
-    pub nnodes: String,
+    /// How many nodes the job has: MIN or MIN:MAX. Default: 1 (or num_machines).
+    #[arg(long, value_name = "MIN[:MAX]")]
+    pub nnodes: Option<String>,
 
-    /// The node rank this node asks for. Default: any free one.
+    /// The node rank this node asks for. Default: any free one (or machine_rank).
     #[arg(long, value_name = "R", alias = "node_rank")]
     pub node_rank: Option<u32>,
 
-    /// The address other nodes reach this node at (MASTER_ADDR when it is node 0). Default:
-    /// the host name (127.0.0.1 with the embedded coordinator).
-    #[arg(long, value_name = "HOST")]
-    pub host: Option<String>,
+    /// The address other nodes reach this node at (MASTER_ADDR when it is node 0): a host name
+    /// or IP address, without a port. Default: the local address that routes to the
+    /// coordinator (127.0.0.1 with the agent's own coordinator).
+    #[arg(
+        long,
+        value_name = "HOST",
+        visible_alias = "host",
+        alias = "advertise_addr"
+    )]
+    pub advertise_addr: Option<String>,
+
+    /// Restarts allowed after a failure, for the whole job: every node's workers are stopped
+    /// and all nodes rendezvous again with fresh ranks. Default: 0 (or max_restarts).
+    #[arg(long, value_name = "N", alias = "max_restarts")]
+    pub max_restarts: Option<u32>,
 
     /// How long workers get between SIGTERM and SIGKILL when they are stopped.
     #[arg(
@@ -62,10 +107,6 @@ pub struct LaunchArgs {
     )]
     pub grace_period_ms: u64,
 
-    /// Restarts allowed after a failure (only 0 for now).
-    #[arg(long, value_name = "N", default_value_t = 0, alias = "max_restarts")]
-    pub max_restarts: u32,
-
     /// Do not run the node relay. By default the agent relays its workers' barriers: they send
     /// them over a local Unix socket (MUSTER_AGENT_SOCKET), node barriers complete in the agent
     /// and each global barrier costs the coordinator one message per node. With this flag each
@@ -74,9 +115,284 @@ pub struct LaunchArgs {
     #[arg(long)]
     pub no_relay: bool,
 
+    /// How long the rendezvous waits for MIN nodes before failing. Default: the
+    /// coordinator's.
+    #[arg(
+        long,
+        value_name = "MS",
+        alias = "join_timeout_ms",
+        help_heading = "Rendezvous"
+    )]
+    pub join_timeout_ms: Option<u64>,
+
+    /// Once MIN nodes have joined, how long the round stays open for more (up to MAX).
+    /// Default: the coordinator's.
+    #[arg(
+        long,
+        value_name = "MS",
+        alias = "last_call_ms",
+        help_heading = "Rendezvous"
+    )]
+    pub last_call_ms: Option<u64>,
+
+    /// torchrun's rendezvous settings, in seconds: join_timeout=S,last_call_timeout=S
+    /// (close_timeout is accepted and has no use here).
+    #[arg(
+        long,
+        value_name = "KEY=VALUE,...",
+        alias = "rdzv_conf",
+        value_parser = parse_rdzv_conf,
+        help_heading = "Rendezvous"
+    )]
+    pub rdzv_conf: Option<RdzvConf>,
+
+    /// How long this node keeps its workers running after losing the coordinator.
+    #[arg(
+        long,
+        value_name = "MS",
+        default_value_t = 10_000,
+        alias = "lease_ms",
+        help_heading = "Rendezvous"
+    )]
+    pub lease_ms: u64,
+
+    /// torchrun's and Accelerate's worker polling period, in seconds: checked, and not needed
+    /// (the agent learns of a worker's exit as it happens).
+    #[arg(
+        long,
+        value_name = "SECS",
+        alias = "monitor_interval",
+        help_heading = "Rendezvous"
+    )]
+    pub monitor_interval: Option<f64>,
+
+    /// MASTER_ADDR for the workers. Default: node rank 0's advertised address.
+    #[arg(
+        long,
+        value_name = "HOST",
+        alias = "master_addr",
+        help_heading = "Rendezvous"
+    )]
+    pub master_addr: Option<String>,
+
+    /// MASTER_PORT for the workers. Default (and 0): a free port on node rank 0.
+    #[arg(
+        long,
+        value_name = "PORT",
+        alias = "master_port",
+        help_heading = "Rendezvous"
+    )]
+    pub master_port: Option<u16>,
+
+    /// The GPUs of this node the workers use: `all`, or a list of indices or GPU-/MIG- UUIDs
+    /// (0,1), which then becomes their CUDA_VISIBLE_DEVICES. Default: all, leaving
+    /// CUDA_VISIBLE_DEVICES as the agent has it.
+    #[arg(
+        long,
+        value_name = "all|ID,...",
+        alias = "gpu_ids",
+        help_heading = "GPUs"
+    )]
+    pub gpu_ids: Option<String>,
+
+    /// How a worker finds its GPU: `local-rank` (every worker sees all the GPUs and uses the
+    /// one at LOCAL_RANK, as under torchrun and Accelerate) or `one-per-process` (each worker
+    /// sees only its own GPU, as device 0; more workers than GPUs is an error).
+    #[arg(
+        long,
+        value_enum,
+        value_name = "MAPPING",
+        default_value_t,
+        alias = "gpu_mapping",
+        help_heading = "GPUs"
+    )]
+    pub gpu_mapping: GpuMapping,
+
+    /// Also write each rank's output to DIR/<job>/attempt_<restart>/rank_<R>/stdout.log and
+    /// stderr.log (R: the global rank).
+    #[arg(long, value_name = "DIR", alias = "log_dir", help_heading = "Output")]
+    pub log_dir: Option<PathBuf>,
+
+    /// Only these local ranks' output reaches the console (as 0 or 0,1); log files still get
+    /// every rank's.
+    #[arg(
+        long,
+        value_name = "R,...",
+        alias = "local_ranks_filter",
+        help_heading = "Output"
+    )]
+    pub local_ranks_filter: Option<String>,
+
+    /// An Accelerate config file (the YAML or JSON `accelerate config` writes): its
+    /// num_processes, num_machines, machine_rank, main_process_ip, main_process_port, gpu_ids,
+    /// mixed_precision, use_cpu, debug, enable_cpu_affinity and max_restarts are used; flags
+    /// override it; what muster cannot honour is named in a warning.
+    #[arg(
+        long,
+        value_name = "PATH",
+        alias = "config_file",
+        help_heading = "Accelerate compatibility"
+    )]
+    pub config_file: Option<PathBuf>,
+
+    /// Processes across all machines (per node: TOTAL / the number of machines).
+    #[arg(
+        long = "num_processes",
+        value_name = "TOTAL",
+        alias = "num-processes",
+        help_heading = "Accelerate compatibility"
+    )]
+    pub num_processes: Option<u32>,
+
+    /// The number of machines (--nnodes N).
+    #[arg(
+        long = "num_machines",
+        value_name = "N",
+        alias = "num-machines",
+        help_heading = "Accelerate compatibility"
+    )]
+    pub num_machines: Option<u32>,
+
+    /// This machine's rank (--node-rank).
+    #[arg(
+        long = "machine_rank",
+        value_name = "R",
+        alias = "machine-rank",
+        help_heading = "Accelerate compatibility"
+    )]
+    pub machine_rank: Option<u32>,
+
+    /// Machine rank 0's address (--master-addr).
+    #[arg(
+        long = "main_process_ip",
+        value_name = "HOST",
+        alias = "main-process-ip",
+        help_heading = "Accelerate compatibility"
+    )]
+    pub main_process_ip: Option<String>,
+
+    /// The port on machine rank 0 (--master-port).
+    #[arg(
+        long = "main_process_port",
+        value_name = "PORT",
+        alias = "main-process-port",
+        help_heading = "Accelerate compatibility"
+    )]
+    pub main_process_port: Option<u16>,
+
+    /// ACCELERATE_MIXED_PRECISION for the workers: no, fp16, bf16 or fp8.
+    #[arg(
+        long,
+        value_name = "MODE",
+        alias = "mixed_precision",
+        value_parser = parse_mixed_precision,
+        help_heading = "Accelerate compatibility"
+    )]
+    pub mixed_precision: Option<String>,
+
+    /// Train on CPU (ACCELERATE_USE_CPU=True).
+    #[arg(
+        long,
+        visible_alias = "use_cpu",
+        alias = "use-cpu",
+        help_heading = "Accelerate compatibility"
+    )]
+    pub cpu: bool,
+
+    /// Accepted for compatibility, no effect: the workers get the distributed environment
+    /// anyway.
+    #[arg(
+        long = "multi_gpu",
+        alias = "multi-gpu",
+        help_heading = "Accelerate compatibility"
+    )]
+    pub multi_gpu: bool,
+
+    /// Accelerate's debug checks in the workers (ACCELERATE_DEBUG_MODE=true).
+    #[arg(long, help_heading = "Accelerate compatibility")]
+    pub debug: bool,
+
+    /// Accelerate pins each worker to the CPUs near its GPU (ACCELERATE_CPU_AFFINITY=1).
+    #[arg(
+        long = "enable_cpu_affinity",
+        alias = "enable-cpu-affinity",
+        help_heading = "Accelerate compatibility"
+    )]
+    pub enable_cpu_affinity: bool,
+
     /// The program to run and its arguments, after `--`.
     #[arg(value_name = "PROGRAM", trailing_var_arg = true)]
     pub command: Vec<OsString>,
+}
+
+/// `--nproc-per-node`: a count, or one of torchrun's words for "as many as there are".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Nproc {
+    /// This many.
+    Count(u32),
+    /// One per GPU.
+    Gpu,
+    /// One per CPU core the agent may use.
+    Cpu,
+    /// `Gpu` on a machine with GPUs, else `Cpu`.
+    Auto,
+}
+
+fn parse_nproc(s: &str) -> Result<Nproc, String> {
+    match s {
+        "gpu" => Ok(Nproc::Gpu),
+        "cpu" => Ok(Nproc::Cpu),
+        "auto" => Ok(Nproc::Auto),
+        n => n
+            .parse()
+            .map(Nproc::Count)
+            .map_err(|_| "expected a number, gpu, cpu or auto".to_owned()),
+    }
+}
+
+fn parse_mixed_precision(s: &str) -> Result<String, String> {
+    accelerate_config::mixed_precision(s)
+}
+
+/// `--rdzv-conf`: the torchrun rendezvous settings muster has a use for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RdzvConf {
+    /// `join_timeout`.
+    pub join_timeout: Option<Duration>,
+    /// `last_call_timeout`.
+    pub last_call: Option<Duration>,
+}
+
+/// Parses `join_timeout=600,last_call_timeout=30,close_timeout=30` (seconds).
+pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, String> {
+    let mut conf = RdzvConf::default();
+    for item in s.split(',').map(str::trim).filter(|i| !i.is_empty()) {
+        let Some((key, value)) = item.split_once('=') else {
+            return Err(format!("'{item}' is not KEY=VALUE"));
+        };
+        let (key, value) = (key.trim(), value.trim());
+        let secs = || {
+            value
+                .parse::<f64>()
+                .ok()
+                .filter(|v| *v >= 0.0)
+                .and_then(|v| Duration::try_from_secs_f64(v).ok())
+                .ok_or_else(|| format!("{key}={value}: expected a number of seconds"))
+        };
+        match key {
+            "join_timeout" => conf.join_timeout = Some(secs()?),
+            "last_call_timeout" => conf.last_call = Some(secs()?),
+            "close_timeout" => {
+                secs()?;
+            }
+            _ => {
+                return Err(format!(
+                    "unknown key '{key}' (muster knows join_timeout, last_call_timeout and close_timeout)"
+                ));
+            }
+        }
+    }
+    Ok(conf)
 }
 
 /// A node count range from `--nnodes`.
@@ -86,6 +402,16 @@ pub struct NodeRange {
     pub min: u32,
     /// Most nodes the rendezvous takes.
     pub max: u32,
+}
+
+impl Display for NodeRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.min == self.max {
+            write!(f, "{}", self.min)
+        } else {
+            write!(f, "{}:{}", self.min, self.max)
+        }
+    }
 }
 
 /// Everything `launch` needs, validated: nothing in here can be wrong in a way the agent
@@ -102,16 +428,53 @@ pub struct LaunchSpec {
     pub nodes: NodeRange,
     /// `--node-rank`, below `nodes.max`.
     pub node_rank: Option<u32>,
-    /// `--host`.
-    pub host: Option<String>,
+    /// `--advertise-addr`: a host name or IP address without a port. `None`: the launch
+    /// finds the local address that routes to the coordinator.
+    pub advertise_addr: Option<String>,
     /// SIGTERM-to-SIGKILL grace period for stopping workers.
     pub grace_period: Duration,
-    /// `--max-restarts` (always 0 for now).
+    /// `--max-restarts`: restarts of the whole job after a failure.
     pub max_restarts: u32,
+    /// How long the rendezvous waits for MIN nodes; `None`: the coordinator's default.
+    pub join_timeout: Option<Duration>,
+    /// How long a round with MIN nodes stays open for more; `None`: the coordinator's default.
+    pub last_call: Option<Duration>,
+    /// How long the node keeps its workers after losing the coordinator.
+    pub lease: Duration,
+    /// MASTER_ADDR instead of node rank 0's address.
+    pub master_addr: Option<String>,
+    /// MASTER_PORT instead of a free port on node rank 0 (never 0).
+    pub master_port: Option<u16>,
+    /// The workers' GPUs.
+    pub gpus: GpuPlan,
+    /// Where the workers' output goes.
+    pub output: OutputSpec,
+    /// ACCELERATE_MIXED_PRECISION (`no`, `fp16`, `bf16`, `fp8`).
+    pub mixed_precision: Option<String>,
+    /// ACCELERATE_USE_CPU=True.
+    pub use_cpu: bool,
+    /// ACCELERATE_DEBUG_MODE=true.
+    pub debug: bool,
+    /// ACCELERATE_CPU_AFFINITY=1.
+    pub cpu_affinity: bool,
     /// Whether to run the node relay (not `--no-relay`).
     pub relay: bool,
     /// The worker program, resolved on `PATH`.
     pub program: Program,
+}
+
+impl LaunchSpec {
+    /// What every worker's environment gets from this launch besides the rendezvous' answer
+    /// (for [`crate::env::worker_env`]).
+    pub fn worker_options(&self) -> WorkerOptions<'_> {
+        WorkerOptions {
+            gpus: &self.gpus,
+            mixed_precision: self.mixed_precision.as_deref(),
+            use_cpu: self.use_cpu,
+            debug: self.debug,
+            cpu_affinity: self.cpu_affinity,
+        }
+    }
 }
 
 /// A problem with the command line; the agent prints `muster-agent: <problem>` and exits 2.
@@ -134,47 +497,97 @@ pub enum UsageError {
     /// `--nnodes` does not parse or makes no sense.
     #[error("--nnodes '{0}' is malformed: {1}")]
     Nnodes(String, &'static str),
-    /// `--node-rank` is not below the most nodes the job can have.
-    #[error(
-        "--node-rank {rank} is out of range for --nnodes {min}:{max} (node ranks are 0..{max})"
-    )]
+    /// The node rank is not below the most nodes the job can have.
+    #[error("{rank} is out of range for {nodes} (node ranks are 0..{max})")]
     NodeRank {
-        /// The requested rank.
-        rank: u32,
-        /// `--nnodes` minimum.
-        min: u32,
-        /// `--nnodes` maximum.
+        /// The requested rank, as given (`--node-rank 3`).
+        rank: String,
+        /// The node count, as given (`--nnodes 2:3`).
+        nodes: String,
+        /// The most nodes.
         max: u32,
     },
-    /// `--max-restarts` above 0.
-    #[error("--max-restarts > 0 is not supported yet")]
-    MaxRestarts,
     /// `--job-id` is not a valid job id.
     #[error("--job-id: {0}")]
     JobId(String),
     /// `--coordinator` is not `host:port`.
     #[error("--coordinator '{0}' is malformed: expected HOST:PORT, as in 10.0.0.1:29470")]
     Coordinator(String),
-    /// `--host` is not a valid host.
-    #[error("--host: {0}")]
-    Host(String),
     /// A multi-node job needs what only the user can give.
-    #[error("--nnodes {0}:{1} needs {2}: every node must name the same one")]
-    MultiNode(u32, u32, &'static str),
+    #[error("{0} needs {1}: every node must name the same one")]
+    MultiNode(String, &'static str),
+    /// Two settings of the same thing disagree.
+    #[error("{0} conflicts with {1}")]
+    Conflict(String, String),
+    /// A flag's value (or a combination) makes no sense; the message names the flag.
+    #[error("{0}")]
+    Invalid(String),
+    /// The Accelerate config file cannot be used.
+    #[error("--config-file '{file}': {error}")]
+    Config {
+        /// The path, as given.
+        file: String,
+        /// What is wrong.
+        error: ConfigError,
+    },
 }
 
 /// What the command line asks for.
+// Made once per process and matched right away: boxing the spec would buy nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug)]
 pub enum Parsed {
     /// Launch a job.
     Launch(LaunchSpec),
+    /// A daemon-mode or operator command (`serve`, `submit`, `status`, `cancel`).
+    Daemon(crate::daemon::Request),
     /// Help or version was asked for (and printed); exit with this status.
     Exit(i32),
 }
 
+/// What validation reads besides the arguments: the agent's environment and machine.
+#[derive(Debug, Clone, Default)]
+pub struct Context<'a> {
+    /// `PATH`, to resolve the program.
+    pub path_var: Option<&'a OsStr>,
+    /// The GPUs found.
+    pub gpus: Discovery,
+    /// The agent's own `CUDA_VISIBLE_DEVICES`.
+    pub cuda_visible_devices: Option<String>,
+    /// CPU cores the agent may use (`--nproc-per-node cpu`).
+    pub cpus: u32,
+}
+
+impl<'a> Context<'a> {
+    /// This process's context, with `PATH` = `path_var`.
+    pub fn of_process(path_var: Option<&'a OsStr>) -> Self {
+        Self {
+            path_var,
+            gpus: gpu::probe(),
+            cuda_visible_devices: std::env::var(gpu::VISIBLE_DEVICES_ENV).ok(),
+            cpus: std::thread::available_parallelism()
+                .map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX)),
+        }
+    }
+}
+
 /// Parses and validates the command line (`args` includes the program name) against the
-/// `PATH` given. Help and version requests are printed here.
+/// `PATH` given and this machine. Help and version requests are printed here, and so are
+/// warnings (`muster-agent: warning: ...` on stderr) when the command line is valid.
 pub fn parse<I, T>(args: I, path_var: Option<&OsStr>) -> Result<Parsed, UsageError>
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let (parsed, warnings) = parse_in(args, &Context::of_process(path_var))?;
+    for w in warnings {
+        eprintln!("muster-agent: warning: {w}");
+    }
+    Ok(parsed)
+}
+
+/// [`parse`] in a given context, returning the warnings instead of printing them.
+pub fn parse_in<I, T>(args: I, ctx: &Context<'_>) -> Result<(Parsed, Vec<String>), UsageError>
 where
     I: IntoIterator<Item = T>,
     T: Into<OsString> + Clone,
@@ -190,19 +603,26 @@ where
                     let code = e.exit_code();
                     // Nothing useful to do when stdout is gone.
                     let _ = e.print();
-                    Ok(Parsed::Exit(code))
+                    Ok((Parsed::Exit(code), Vec::new()))
                 }
                 _ => Err(UsageError::Parse(first_line(&e.to_string()))),
             };
         }
     };
     match cli.command {
-        Command::Launch(args) => args.validate(path_var).map(Parsed::Launch),
+        Command::Launch(args) => args
+            .validate_in(ctx)
+            .map(|(spec, warnings)| (Parsed::Launch(spec), warnings)),
+        Command::Serve(a) => Ok((Parsed::Daemon(crate::daemon::Request::Serve(a)), vec![])),
+        Command::Submit(a) => Ok((Parsed::Daemon(crate::daemon::Request::Submit(a)), vec![])),
+        Command::Status(a) => Ok((Parsed::Daemon(crate::daemon::Request::Status(a)), vec![])),
+        Command::Cancel(a) => Ok((Parsed::Daemon(crate::daemon::Request::Cancel(a)), vec![])),
     }
 }
 
 /// Clap's message on one line, without the `error: ` label, the usage block and the help
-/// hint; a first line ending in `:` keeps the indented lines that complete it.
+/// hint; the indented lines right under the first (a list of missing arguments, the possible
+/// values) are kept.
 fn first_line(message: &str) -> String {
     let mut lines = message.lines();
     let first = lines.next().unwrap_or_default();
@@ -211,75 +631,520 @@ fn first_line(message: &str) -> String {
         .unwrap_or(first)
         .trim()
         .to_owned();
-    if line.ends_with(':') {
-        let more: Vec<&str> = lines
-            .take_while(|l| l.starts_with(char::is_whitespace) && !l.trim().is_empty())
-            .map(str::trim)
-            .collect();
-        line = format!("{line} {}", more.join(", "));
+    let more: Vec<&str> = lines
+        .take_while(|l| l.starts_with(char::is_whitespace) && !l.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    if !more.is_empty() {
+        let separator = if line.ends_with(':') { ", " } else { " " };
+        line = format!("{line} {}", more.join(separator));
     }
     line
 }
 
-impl LaunchArgs {
-    /// Checks everything that can be checked before starting: ranges, formats, and that the
-    /// program resolves on `path_var` to an executable file.
-    pub fn validate(self, path_var: Option<&OsStr>) -> Result<LaunchSpec, UsageError> {
-        if self.nproc_per_node == 0 || self.nproc_per_node > model::MAX_LOCAL_WORLD_SIZE {
-            return Err(UsageError::NprocPerNode(self.nproc_per_node));
+/// A setting's value and how to name where it came from (`--num_machines 2`,
+/// `num_machines 2 in 'accelerate.yaml'`).
+#[derive(Debug, Clone)]
+struct Given<T> {
+    value: T,
+    name: String,
+}
+
+impl<T: PartialEq> Given<T> {
+    fn flag(flag: &str, value: Option<T>, shown: impl Fn(&T) -> String) -> Option<Self> {
+        value.map(|value| Self {
+            name: format!("{flag} {}", shown(&value)),
+            value,
+        })
+    }
+
+    /// The one of two flags given; both and different: a conflict naming both.
+    fn either(a: Option<Self>, b: Option<Self>) -> Result<Option<Self>, UsageError> {
+        match (a, b) {
+            (Some(a), Some(b)) if a.value != b.value => Err(UsageError::Conflict(a.name, b.name)),
+            (a, b) => Ok(a.or(b)),
         }
-        let nodes = parse_nnodes(&self.nnodes)?;
-        if let Some(rank) = self.node_rank
-            && rank >= nodes.max
+    }
+}
+
+/// Names a config file's setting in messages.
+struct FileNamer<'a>(Option<&'a str>);
+
+impl FileNamer<'_> {
+    fn given<T>(
+        &self,
+        key: &str,
+        value: Option<T>,
+        shown: impl Fn(&T) -> String,
+    ) -> Option<Given<T>> {
+        let file = self.0?;
+        value.map(|value| Given {
+            name: format!("{key} {} in '{file}'", shown(&value)),
+            value,
+        })
+    }
+}
+
+impl LaunchArgs {
+    /// Checks everything that can be checked before starting, in this process's context
+    /// (see [`Context::of_process`]); warnings are printed.
+    pub fn validate(self, path_var: Option<&OsStr>) -> Result<LaunchSpec, UsageError> {
+        let (spec, warnings) = self.validate_in(&Context::of_process(path_var))?;
+        for w in warnings {
+            eprintln!("muster-agent: warning: {w}");
+        }
+        Ok(spec)
+    }
+
+    /// Checks everything that can be checked before starting: the config file, ranges,
+    /// formats, conflicts, GPUs against the machine's, and that the program resolves on
+    /// `ctx.path_var` to an executable file. Returns the spec and warnings to print.
+    pub fn validate_in(self, ctx: &Context<'_>) -> Result<(LaunchSpec, Vec<String>), UsageError> {
+        let mut warnings = Vec::new();
+        let shown_file = self
+            .config_file
+            .as_ref()
+            .map(|p| p.to_string_lossy().into_owned());
+        let config = match &self.config_file {
+            Some(path) => {
+                let file = shown_file.clone().unwrap_or_default();
+                let config = accelerate_config::load(path).map_err(|error| UsageError::Config {
+                    file: file.clone(),
+                    error,
+                })?;
+                warnings.extend(
+                    config
+                        .warnings
+                        .iter()
+                        .map(|w| format!("--config-file '{file}': {w}")),
+                );
+                config
+            }
+            None => AccelerateConfig::default(),
+        };
+        let file = FileNamer(shown_file.as_deref());
+        let num = |n: &u32| n.to_string();
+
+        // Nodes.
+        let nnodes = match &self.nnodes {
+            Some(s) => Some(Given {
+                value: parse_nnodes(s)?,
+                name: format!("--nnodes {s}"),
+            }),
+            None => None,
+        };
+        let machines = |n: u32| NodeRange { min: n, max: n };
+        let flag_machines = Given::flag("--num_machines", self.num_machines, num);
+        if let Some(m) = &flag_machines
+            && (m.value == 0 || m.value > model::MAX_NODES)
+        {
+            return Err(UsageError::Invalid(format!(
+                "{} is out of range 1..={}",
+                m.name,
+                model::MAX_NODES
+            )));
+        }
+        let flag_machines = flag_machines.map(|m| Given {
+            value: machines(m.value),
+            name: m.name,
+        });
+        let nodes = Given::either(nnodes, flag_machines)?
+            .or_else(|| {
+                file.given("num_machines", config.num_machines, num)
+                    .map(|g| Given {
+                        value: machines(g.value),
+                        name: g.name,
+                    })
+            })
+            .unwrap_or(Given {
+                value: NodeRange { min: 1, max: 1 },
+                name: "--nnodes 1".to_owned(),
+            });
+
+        // Node rank.
+        let node_rank = Given::either(
+            Given::flag("--node-rank", self.node_rank, num),
+            Given::flag("--machine_rank", self.machine_rank, num),
+        )?
+        .or_else(|| file.given("machine_rank", config.machine_rank, num));
+        if let Some(rank) = &node_rank
+            && rank.value >= nodes.value.max
         {
             return Err(UsageError::NodeRank {
-                rank,
-                min: nodes.min,
-                max: nodes.max,
+                rank: rank.name.clone(),
+                nodes: nodes.name.clone(),
+                max: nodes.value.max,
             });
         }
-        if self.max_restarts > 0 {
-            return Err(UsageError::MaxRestarts);
+
+        // GPUs (before the worker count: `--nproc-per-node gpu` counts them).
+        let gpu_ids = match &self.gpu_ids {
+            Some(s) => Some(Given {
+                value: GpuIds::parse("--gpu-ids", s).map_err(UsageError::Invalid)?,
+                name: format!("--gpu-ids {s}"),
+            }),
+            None => file.given("gpu_ids", config.gpu_ids.clone(), |ids| match ids {
+                GpuIds::All => "all".to_owned(),
+                GpuIds::List(l) => l.join(","),
+            }),
+        };
+        let inherited = ctx.cuda_visible_devices.as_deref();
+        let ids = gpu_ids.as_ref().map_or(GpuIds::All, |g| g.value.clone());
+
+        // Workers per node, and where their output goes.
+        let nproc = self.workers_per_node(&config, &file, &nodes, &ids, ctx)?;
+        let output = self.output(nproc)?;
+
+        // Accelerate's settings.
+        let use_cpu = if self.cpu {
+            Some("--cpu".to_owned())
+        } else if config.use_cpu == Some(true) {
+            file.given("use_cpu", Some(true), bool::to_string)
+                .map(|g| g.name)
+        } else {
+            None
+        };
+        if let (Some(cpu), Some(ids)) = (&use_cpu, &gpu_ids)
+            && matches!(ids.value, GpuIds::List(_))
+        {
+            return Err(UsageError::Conflict(cpu.clone(), ids.name.clone()));
         }
+        let (gpus, gpu_warnings) =
+            GpuPlan::resolve(&ids, self.gpu_mapping, nproc, &ctx.gpus, inherited).map_err(|e| {
+                match (&e, &gpu_ids) {
+                    (GpuError::NoSuchGpu { .. }, Some(ids)) => {
+                        UsageError::Invalid(format!("{}: {e}", ids.name))
+                    }
+                    _ => UsageError::Invalid(e.to_string()),
+                }
+            })?;
+        warnings.extend(gpu_warnings);
+        let mixed_precision = self.mixed_precision.or(config.mixed_precision);
+        let max_restarts = self.max_restarts.or(config.max_restarts).unwrap_or(0);
+        if let Some(secs) = self.monitor_interval
+            && !(secs.is_finite() && secs >= 0.0)
+        {
+            return Err(UsageError::Invalid(format!(
+                "--monitor-interval {secs} is not a number of seconds"
+            )));
+        }
+
+        // Rendezvous timing.
+        let rdzv = self.rdzv_conf.unwrap_or_default();
+        let ms = |d: &Duration| d.as_millis().to_string();
+        let secs = |d: &Duration| d.as_secs_f64().to_string();
+        let join_timeout = Given::either(
+            Given::flag(
+                "--join-timeout-ms",
+                self.join_timeout_ms.map(Duration::from_millis),
+                ms,
+            ),
+            rdzv.join_timeout.map(|d| Given {
+                name: format!("--rdzv-conf join_timeout={}", secs(&d)),
+                value: d,
+            }),
+        )?;
+        let last_call = Given::either(
+            Given::flag(
+                "--last-call-ms",
+                self.last_call_ms.map(Duration::from_millis),
+                ms,
+            ),
+            rdzv.last_call.map(|d| Given {
+                name: format!("--rdzv-conf last_call_timeout={}", secs(&d)),
+                value: d,
+            }),
+        )?;
+        for (wait, least) in [
+            (&join_timeout, Duration::from_millis(1)),
+            (&last_call, Duration::ZERO),
+        ] {
+            if let Some(w) = wait
+                && (w.value < least || w.value > model::MAX_WAIT)
+            {
+                return Err(UsageError::Invalid(format!(
+                    "{} is out of range: {} to {} hours",
+                    w.name,
+                    if least.is_zero() { "0" } else { "1 ms" },
+                    model::MAX_WAIT.as_secs() / 3600
+                )));
+            }
+        }
+        if self.lease_ms == 0 {
+            return Err(UsageError::Invalid(
+                "--lease-ms 0: a node needs some time to keep its workers without the coordinator"
+                    .to_owned(),
+            ));
+        }
+
+        // The main machine.
+        let host = |flag: &str, v: Option<String>| -> Result<Option<Given<String>>, UsageError> {
+            match v {
+                Some(h) => {
+                    plain_host(&h).map_err(|why| UsageError::Invalid(format!("{flag} {why}")))?;
+                    Ok(Given::flag(flag, Some(h), Clone::clone))
+                }
+                None => Ok(None),
+            }
+        };
+        let master_addr = Given::either(
+            host("--master-addr", self.master_addr)?,
+            host("--main_process_ip", self.main_process_ip)?,
+        )?
+        .or_else(|| {
+            file.given(
+                "main_process_ip",
+                config.main_process_ip.clone(),
+                Clone::clone,
+            )
+        });
+        let port = |p: &u16| p.to_string();
+        let master_port = Given::either(
+            Given::flag("--master-port", self.master_port, port),
+            Given::flag("--main_process_port", self.main_process_port, port),
+        )?
+        .or_else(|| file.given("main_process_port", config.main_process_port, port))
+        .map(|p| p.value)
+        .filter(|p| *p != 0);
+
+        // Where the job is coordinated, and under which id.
         if let Some(c) = &self.coordinator
             && !is_host_port(c)
         {
             return Err(UsageError::Coordinator(c.clone()));
         }
-        if let Some(h) = &self.host {
-            model::host("host", h).map_err(|e| UsageError::Host(e.0))?;
-        }
-        if nodes.max > 1 {
-            if self.coordinator.is_none() {
-                return Err(UsageError::MultiNode(nodes.min, nodes.max, "--coordinator"));
+        let multi_node = nodes.value.max > 1;
+        let coordinator = match (&self.coordinator, &master_addr) {
+            (Some(c), _) => Some(c.clone()),
+            (None, Some(addr)) if multi_node => {
+                Some(host_port(&addr.value, DEFAULT_COORDINATOR_PORT))
             }
-            if self.job_id.is_none() {
-                return Err(UsageError::MultiNode(nodes.min, nodes.max, "--job-id"));
+            (None, _) if multi_node => {
+                return Err(UsageError::MultiNode(
+                    nodes.name,
+                    "--coordinator (or the main machine's address: --master-addr, --main_process_ip)",
+                ));
             }
-        }
-        let job_id = match self.job_id {
-            Some(id) => JobId::parse(&id)
+            (None, _) => None,
+        };
+        let job_id = match (self.job_id, &master_addr) {
+            (Some(id), _) => JobId::parse(&id)
                 .map_err(|e| UsageError::JobId(e.0))?
                 .as_str()
                 .to_owned(),
-            None => fresh_job_id(),
+            (None, Some(addr)) if multi_node => {
+                derived_job_id(&addr.value, master_port.unwrap_or(ACCELERATE_MAIN_PORT))
+            }
+            (None, _) if multi_node => {
+                return Err(UsageError::MultiNode(
+                    nodes.name,
+                    "--job-id (or the main machine's address: --master-addr, --main_process_ip)",
+                ));
+            }
+            (None, _) => fresh_job_id(),
         };
+        if let Some(h) = &self.advertise_addr {
+            plain_host(h).map_err(|why| UsageError::Invalid(format!("--advertise-addr {why}")))?;
+        }
+
         let mut command = self.command.into_iter();
         let name = command.next().ok_or(UsageError::NoProgram)?;
-        let program = Program::resolve(name, command.collect(), path_var)?;
-        Ok(LaunchSpec {
-            nproc_per_node: self.nproc_per_node,
-            coordinator: self.coordinator,
+        let program = Program::resolve(name, command.collect(), ctx.path_var)?;
+        let spec = LaunchSpec {
+            nproc_per_node: nproc,
+            coordinator,
             job_id,
-            nodes,
-            node_rank: self.node_rank,
-            host: self.host,
+            nodes: nodes.value,
+            node_rank: node_rank.map(|r| r.value),
+            advertise_addr: self.advertise_addr,
             grace_period: Duration::from_millis(self.grace_period_ms),
-            max_restarts: self.max_restarts,
+            max_restarts,
+            join_timeout: join_timeout.map(|g| g.value),
+            last_call: last_call.map(|g| g.value),
+            lease: Duration::from_millis(self.lease_ms),
+            master_addr: master_addr.map(|g| g.value),
+            master_port,
+            gpus,
+            output,
+            mixed_precision,
+            use_cpu: use_cpu.is_some(),
+            debug: self.debug || config.debug == Some(true),
+            cpu_affinity: self.enable_cpu_affinity || config.enable_cpu_affinity == Some(true),
             relay: !self.no_relay,
             program,
+        };
+        Ok((spec, warnings))
+    }
+
+    /// `--nproc-per-node`, or Accelerate's total (`--num_processes`, `num_processes`) divided
+    /// by the node count; 1 when nothing says.
+    fn workers_per_node(
+        &self,
+        config: &AccelerateConfig,
+        file: &FileNamer<'_>,
+        nodes: &Given<NodeRange>,
+        ids: &GpuIds,
+        ctx: &Context<'_>,
+    ) -> Result<u32, UsageError> {
+        let per_node = |total: &Given<u32>| -> Result<u32, UsageError> {
+            let NodeRange { min, max } = nodes.value;
+            if min != max {
+                return Err(UsageError::Invalid(format!(
+                    "{} is a total across machines: it needs a fixed number of machines, not {}",
+                    total.name, nodes.name
+                )));
+            }
+            if !total.value.is_multiple_of(max) {
+                return Err(UsageError::Invalid(format!(
+                    "{} is not a multiple of {}",
+                    total.name, nodes.name
+                )));
+            }
+            let n = total.value / max;
+            if n == 0 || n > model::MAX_LOCAL_WORLD_SIZE {
+                return Err(UsageError::Invalid(format!(
+                    "{} over {} is {n} workers per node, out of range 1..={}",
+                    total.name,
+                    nodes.name,
+                    model::MAX_LOCAL_WORLD_SIZE
+                )));
+            }
+            Ok(n)
+        };
+        let total = Given::flag("--num_processes", self.num_processes, |n| n.to_string());
+        let Some(nproc) = self.nproc_per_node else {
+            return match total {
+                Some(total) => per_node(&total),
+                None => {
+                    match file.given("num_processes", config.num_processes, |n| n.to_string()) {
+                        Some(total) => per_node(&total),
+                        None => Ok(1),
+                    }
+                }
+            };
+        };
+        let gpus = || gpu::candidates(ids, &ctx.gpus, ctx.cuda_visible_devices.as_deref()).len();
+        let counted = |n: usize, what: &str| {
+            u32::try_from(n).ok().filter(|n| *n > 0).ok_or_else(|| {
+                UsageError::Invalid(format!(
+                    "--nproc-per-node {what}: {}",
+                    match what {
+                        "gpu" => "no GPU found on this machine",
+                        _ => "no CPU core available",
+                    }
+                ))
+            })
+        };
+        let n = match nproc {
+            Nproc::Count(n) => n,
+            Nproc::Gpu => counted(gpus(), "gpu")?,
+            Nproc::Cpu => counted(ctx.cpus as usize, "cpu")?,
+            Nproc::Auto => match gpus() {
+                0 => counted(ctx.cpus as usize, "cpu")?,
+                n => counted(n, "gpu")?,
+            },
+        };
+        if n == 0 || n > model::MAX_LOCAL_WORLD_SIZE {
+            return Err(UsageError::NprocPerNode(n));
+        }
+        if let Some(total) = total {
+            let agrees = nodes.value.min == nodes.value.max
+                && u64::from(n) * u64::from(nodes.value.max) == u64::from(total.value);
+            if !agrees {
+                return Err(UsageError::Conflict(
+                    format!("--nproc-per-node {n}"),
+                    format!("{} (with {})", total.name, nodes.name),
+                ));
+            }
+        }
+        Ok(n)
+    }
+
+    /// `--log-dir` and `--local-ranks-filter`.
+    fn output(&self, nproc: u32) -> Result<OutputSpec, UsageError> {
+        if let Some(dir) = &self.log_dir
+            && dir.exists()
+            && !dir.is_dir()
+        {
+            return Err(UsageError::Invalid(format!(
+                "--log-dir '{}' is not a directory",
+                dir.display()
+            )));
+        }
+        let console_ranks = match &self.local_ranks_filter {
+            None => None,
+            Some(s) => {
+                let mut ranks = Vec::new();
+                for item in s.split(',').map(str::trim) {
+                    let rank = item.parse::<u32>().map_err(|_| {
+                        UsageError::Invalid(format!(
+                            "--local-ranks-filter '{s}': '{item}' is not a local rank"
+                        ))
+                    })?;
+                    if rank >= nproc {
+                        return Err(UsageError::Invalid(format!(
+                            "--local-ranks-filter '{s}': local rank {rank} does not exist (local ranks are 0..{nproc})"
+                        )));
+                    }
+                    ranks.push(rank);
+                }
+                Some(ranks)
+            }
+        };
+        Ok(OutputSpec {
+            log_dir: self.log_dir.clone(),
+            console_ranks,
         })
     }
+}
+
+/// Checks a host name or IP address given without a port (`--advertise-addr`,
+/// `--master-addr`, `main_process_ip`); the error says what is wrong with it.
+pub fn plain_host(s: &str) -> Result<&str, String> {
+    let bad = || format!("'{s}' must be a host name or IP address, without a port");
+    if s.contains(':') {
+        // Only an IPv6 address has colons.
+        return s.parse::<Ipv6Addr>().map(|_| s).map_err(|_| bad());
+    }
+    if s.is_empty() || s.len() > 253 {
+        return Err(format!("'{s}' is not a host name or IP address"));
+    }
+    match s
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')))
+    {
+        Some(c) => Err(format!(
+            "'{s}' is not a host name or IP address (it contains {c:?})"
+        )),
+        None => Ok(s),
+    }
+}
+
+/// `host:port`, with brackets around an IPv6 address.
+fn host_port(host: &str, port: u16) -> String {
+    if host.contains(':') {
+        format!("[{host}]:{port}")
+    } else {
+        format!("{host}:{port}")
+    }
+}
+
+/// The job id every machine of a multi-node launch derives from the main machine's address
+/// and port: `muster-<addr>-<port>`, with characters a job id cannot hold replaced by `-`.
+fn derived_job_id(addr: &str, port: u16) -> String {
+    let addr: String = addr
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    let mut id = format!("muster-{addr}-{port}");
+    id.truncate(128);
+    id
 }
 
 /// Parses `MIN` or `MIN:MAX` with `1 <= MIN <= MAX <= MAX_NODES`.
@@ -332,37 +1197,131 @@ fn fresh_job_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::gpu::GpuInfo;
 
-    /// Parses `args` (after `muster-agent launch`) with `PATH=/usr/bin:/bin` and compares the
-    /// outcome: `Ok(summary)` of the spec, or `Err(message)`.
-    fn check(args: &str, expected: Result<&str, &str>) {
+    /// A machine with `gpus` GPUs (none: no driver at all), 4 CPU cores and
+    /// `PATH=/usr/bin:/bin`.
+    fn machine(gpus: Option<u32>) -> Context<'static> {
+        Context {
+            path_var: Some(OsStr::new("/usr/bin:/bin")),
+            gpus: Discovery {
+                gpus: (0..gpus.unwrap_or(0))
+                    .map(|index| GpuInfo {
+                        index,
+                        name: None,
+                        uuid: None,
+                        bus: None,
+                    })
+                    .collect(),
+                driver_seen: gpus.is_some(),
+            },
+            cuda_visible_devices: None,
+            cpus: 4,
+        }
+    }
+
+    /// The spec in one line: the original fields, then the others only where they differ
+    /// from their defaults, then the warnings.
+    fn summary(s: &LaunchSpec, warnings: &[String]) -> String {
+        let mut out = format!(
+            "n={} nodes={}:{} rank={:?} coord={:?} job={} grace={}ms relay={} prog={} args={:?}",
+            s.nproc_per_node,
+            s.nodes.min,
+            s.nodes.max,
+            s.node_rank,
+            s.coordinator,
+            if s.job_id.starts_with("job-") {
+                "<fresh>"
+            } else {
+                &s.job_id
+            },
+            s.grace_period.as_millis(),
+            s.relay,
+            s.program.name.to_string_lossy(),
+            s.program.args,
+        );
+        let mut add = |part: String| {
+            out.push(' ');
+            out.push_str(&part);
+        };
+        if let Some(a) = &s.advertise_addr {
+            add(format!("advertise={a}"));
+        }
+        if s.max_restarts > 0 {
+            add(format!("restarts={}", s.max_restarts));
+        }
+        if let Some(d) = s.join_timeout {
+            add(format!("join={}ms", d.as_millis()));
+        }
+        if let Some(d) = s.last_call {
+            add(format!("last_call={}ms", d.as_millis()));
+        }
+        if s.lease != Duration::from_secs(10) {
+            add(format!("lease={}ms", s.lease.as_millis()));
+        }
+        if s.master_addr.is_some() || s.master_port.is_some() {
+            add(format!("master={:?}:{:?}", s.master_addr, s.master_port));
+        }
+        if s.gpus != GpuPlan::cpu() {
+            add(format!(
+                "gpus={}{}{}",
+                s.gpus.devices.join(","),
+                if s.gpus.set_visible_devices {
+                    "/set"
+                } else {
+                    ""
+                },
+                if s.gpus.mapping == GpuMapping::OnePerProcess {
+                    "/one-per-process"
+                } else {
+                    ""
+                }
+            ));
+        }
+        if let Some(d) = &s.output.log_dir {
+            add(format!("log_dir={}", d.display()));
+        }
+        if let Some(r) = &s.output.console_ranks {
+            add(format!("console={r:?}"));
+        }
+        if let Some(mp) = &s.mixed_precision {
+            add(format!("mp={mp}"));
+        }
+        for (on, name) in [
+            (s.use_cpu, "cpu"),
+            (s.debug, "debug"),
+            (s.cpu_affinity, "affinity"),
+        ] {
+            if on {
+                add(name.to_owned());
+            }
+        }
+        for w in warnings {
+            add(format!("| warning: {w}"));
+        }
+        out
+    }
+
+    /// Parses `args` (after `muster-agent launch`) on `ctx` and compares the outcome:
+    /// `Ok(summary)` of the spec, or `Err(message)`.
+    fn check_on(ctx: &Context<'_>, args: &str, expected: Result<&str, &str>) {
         let argv = ["muster-agent", "launch"]
             .into_iter()
             .map(str::to_owned)
             .chain(args.split_whitespace().map(str::to_owned));
-        let got = match parse(argv, Some(OsStr::new("/usr/bin:/bin"))) {
-            Ok(Parsed::Launch(s)) => Ok(format!(
-                "n={} nodes={}:{} rank={:?} coord={:?} job={} grace={}ms relay={} prog={} args={:?}",
-                s.nproc_per_node,
-                s.nodes.min,
-                s.nodes.max,
-                s.node_rank,
-                s.coordinator,
-                if s.job_id.starts_with("job-") {
-                    "<fresh>"
-                } else {
-                    &s.job_id
-                },
-                s.grace_period.as_millis(),
-                s.relay,
-                s.program.name.to_string_lossy(),
-                s.program.args,
-            )),
-            Ok(Parsed::Exit(code)) => Ok(format!("exit {code}")),
+        let got = match parse_in(argv, ctx) {
+            Ok((Parsed::Launch(s), warnings)) => Ok(summary(&s, &warnings)),
+            Ok((Parsed::Exit(code), _)) => Ok(format!("exit {code}")),
+            Ok((Parsed::Daemon(r), _)) => Ok(format!("{r:?}")),
             Err(e) => Err(e.to_string()),
         };
         let got = got.as_deref().map_err(String::as_str);
         assert_eq!(got, expected, "muster-agent launch {args}");
+    }
+
+    /// [`check_on`] a machine without GPUs.
+    fn check(args: &str, expected: Result<&str, &str>) {
+        check_on(&machine(None), args, expected);
     }
 
     #[test]
@@ -409,6 +1368,501 @@ mod tests {
                 r#"n=1 nodes=1:1 rank=Some(0) coord=None job=<fresh> grace=5000ms relay=true prog=sh args=[]"#,
             ),
         );
+        // torchrun's default: one worker.
+        check(
+            "-- sh",
+            Ok(
+                r#"n=1 nodes=1:1 rank=None coord=None job=<fresh> grace=5000ms relay=true prog=sh args=[]"#,
+            ),
+        );
+    }
+
+    /// The common prefix of a one-node spec with `n` workers running `sh`.
+    fn one_node(n: u32, rest: &str) -> String {
+        format!(
+            "n={n} nodes=1:1 rank=None coord=None job=<fresh> grace=5000ms relay=true prog=sh args=[]{rest}"
+        )
+    }
+
+    #[test]
+    fn supervision_and_rendezvous_flags() {
+        for (args, rest) in [
+            ("--max-restarts 3", " restarts=3"),
+            ("--max_restarts 2", " restarts=2"),
+            ("--advertise-addr 10.1.2.3", " advertise=10.1.2.3"),
+            ("--host node-a.example", " advertise=node-a.example"),
+            ("--advertise_addr fe80::1", " advertise=fe80::1"),
+            (
+                "--join-timeout-ms 5000 --last-call-ms 0",
+                " join=5000ms last_call=0ms",
+            ),
+            (
+                "--rdzv-conf join_timeout=10,last_call_timeout=2.5,close_timeout=30",
+                " join=10000ms last_call=2500ms",
+            ),
+            // Both forms, agreeing.
+            (
+                "--rdzv_conf join_timeout=10 --join-timeout-ms 10000",
+                " join=10000ms",
+            ),
+            ("--rdzv-conf close_timeout=5", ""),
+            ("--lease-ms 2500", " lease=2500ms"),
+            ("--monitor-interval 0.1", ""),
+            ("--monitor_interval 5", ""),
+            (
+                "--master-addr 10.0.0.9 --master_port 29600",
+                r#" master=Some("10.0.0.9"):Some(29600)"#,
+            ),
+            ("--master-port 0", ""),
+            (
+                "--master_addr h --main_process_ip h --main_process_port 7",
+                r#" master=Some("h"):Some(7)"#,
+            ),
+        ] {
+            check(&format!("{args} -- sh"), Ok(&one_node(1, rest)));
+        }
+    }
+
+    #[test]
+    fn invalid_supervision_and_rendezvous_flags() {
+        for (args, expected) in [
+            (
+                "--advertise-addr 10.0.0.1:5",
+                "--advertise-addr '10.0.0.1:5' must be a host name or IP address, without a port",
+            ),
+            (
+                "--advertise-addr [::1]",
+                "--advertise-addr '[::1]' must be a host name or IP address, without a port",
+            ),
+            (
+                "--master-addr a/b",
+                "--master-addr 'a/b' is not a host name or IP address (it contains '/')",
+            ),
+            (
+                "--join-timeout-ms 5000 --rdzv-conf join_timeout=10",
+                "--join-timeout-ms 5000 conflicts with --rdzv-conf join_timeout=10",
+            ),
+            (
+                "--last-call-ms 1 --rdzv-conf last_call_timeout=0.5",
+                "--last-call-ms 1 conflicts with --rdzv-conf last_call_timeout=0.5",
+            ),
+            (
+                "--rdzv-conf foo=1",
+                "invalid value 'foo=1' for '--rdzv-conf <KEY=VALUE,...>': unknown key 'foo' (muster knows join_timeout, last_call_timeout and close_timeout) (see `muster-agent launch --help`)",
+            ),
+            (
+                "--rdzv-conf join_timeout",
+                "invalid value 'join_timeout' for '--rdzv-conf <KEY=VALUE,...>': 'join_timeout' is not KEY=VALUE (see `muster-agent launch --help`)",
+            ),
+            (
+                "--rdzv-conf join_timeout=soon",
+                "invalid value 'join_timeout=soon' for '--rdzv-conf <KEY=VALUE,...>': join_timeout=soon: expected a number of seconds (see `muster-agent launch --help`)",
+            ),
+            (
+                "--rdzv-conf last_call_timeout=1e30",
+                "invalid value 'last_call_timeout=1e30' for '--rdzv-conf <KEY=VALUE,...>': last_call_timeout=1e30: expected a number of seconds (see `muster-agent launch --help`)",
+            ),
+            (
+                "--join-timeout-ms 0",
+                "--join-timeout-ms 0 is out of range: 1 ms to 24 hours",
+            ),
+            (
+                "--rdzv-conf last_call_timeout=90000",
+                "--rdzv-conf last_call_timeout=90000 is out of range: 0 to 24 hours",
+            ),
+            (
+                "--lease-ms 0",
+                "--lease-ms 0: a node needs some time to keep its workers without the coordinator",
+            ),
+            (
+                "--monitor-interval NaN",
+                "--monitor-interval NaN is not a number of seconds",
+            ),
+            (
+                "--master-addr a --main_process_ip b",
+                "--master-addr a conflicts with --main_process_ip b",
+            ),
+            (
+                "--master-port 1 --main_process_port 2",
+                "--master-port 1 conflicts with --main_process_port 2",
+            ),
+            (
+                "--master-port 70000",
+                "invalid value '70000' for '--master-port <PORT>': 70000 is not in 0..=65535 (see `muster-agent launch --help`)",
+            ),
+        ] {
+            check(&format!("{args} -- sh"), Err(expected));
+        }
+    }
+
+    #[test]
+    fn accelerate_flags() {
+        let multi = r#"n=4 nodes=2:2 rank=Some(1) coord=Some("10.0.0.1:29470") job=muster-10.0.0.1-29501 grace=5000ms relay=true prog=sh args=[] master=Some("10.0.0.1"):Some(29501)"#;
+        for (args, expected) in [
+            ("--num_processes 4", one_node(4, "")),
+            ("--num-processes 2 --multi_gpu", one_node(2, "")),
+            ("--nproc-per-node 4 --num_processes 4", one_node(4, "")),
+            (
+                "--num_processes 8 --num_machines 2 --machine_rank 1 --main_process_ip 10.0.0.1 --main_process_port 29501",
+                multi.to_owned(),
+            ),
+            (
+                "--nproc-per-node 4 --nnodes 2 --num_machines 2 --node-rank 1 --machine_rank 1 --master-addr 10.0.0.1 --master-port 29501",
+                multi.to_owned(),
+            ),
+            (
+                "--nproc-per-node 3 --num_processes 6 --nnodes 2 --coordinator h:1 --job-id j",
+                r#"n=3 nodes=2:2 rank=None coord=Some("h:1") job=j grace=5000ms relay=true prog=sh args=[]"#.to_owned(),
+            ),
+            // The coordinator and job id follow from the main machine's address.
+            (
+                "--nnodes 2 --master-addr node0",
+                r#"n=1 nodes=2:2 rank=None coord=Some("node0:29470") job=muster-node0-29500 grace=5000ms relay=true prog=sh args=[] master=Some("node0"):None"#.to_owned(),
+            ),
+            (
+                "--nnodes 1:2 --main_process_ip fe80::1 --coordinator c:9",
+                r#"n=1 nodes=1:2 rank=None coord=Some("c:9") job=muster-fe80--1-29500 grace=5000ms relay=true prog=sh args=[] master=Some("fe80::1"):None"#.to_owned(),
+            ),
+            (
+                "--nnodes 2 --main_process_ip fe80::1",
+                r#"n=1 nodes=2:2 rank=None coord=Some("[fe80::1]:29470") job=muster-fe80--1-29500 grace=5000ms relay=true prog=sh args=[] master=Some("fe80::1"):None"#.to_owned(),
+            ),
+            (
+                "--mixed-precision BF16 --debug --enable_cpu_affinity",
+                one_node(1, " mp=bf16 debug affinity"),
+            ),
+            ("--mixed_precision no --cpu", one_node(1, " mp=no cpu")),
+            ("--use_cpu", one_node(1, " cpu")),
+            ("--use-cpu --gpu-ids all", one_node(1, " cpu")),
+            ("--nproc-per-node cpu", one_node(4, "")),
+            ("--nproc-per-node auto", one_node(4, "")),
+        ] {
+            check(&format!("{args} -- sh"), Ok(&expected));
+        }
+    }
+
+    #[test]
+    fn invalid_accelerate_flags() {
+        for (args, expected) in [
+            (
+                "--num_processes 6 --num_machines 4 --coordinator h:1 --job-id j",
+                "--num_processes 6 is not a multiple of --num_machines 4",
+            ),
+            (
+                "--nproc-per-node 4 --num_processes 6",
+                "--nproc-per-node 4 conflicts with --num_processes 6 (with --nnodes 1)",
+            ),
+            (
+                "--nproc-per-node 2 --num_processes 4 --nnodes 1:2 --coordinator h:1 --job-id j",
+                "--nproc-per-node 2 conflicts with --num_processes 4 (with --nnodes 1:2)",
+            ),
+            (
+                "--num_processes 4 --nnodes 1:2 --coordinator h:1 --job-id j",
+                "--num_processes 4 is a total across machines: it needs a fixed number of machines, not --nnodes 1:2",
+            ),
+            (
+                "--num_processes 9000",
+                "--num_processes 9000 over --nnodes 1 is 9000 workers per node, out of range 1..=4096",
+            ),
+            (
+                "--num_processes 0",
+                "--num_processes 0 over --nnodes 1 is 0 workers per node, out of range 1..=4096",
+            ),
+            (
+                "--nnodes 1:2 --num_machines 2",
+                "--nnodes 1:2 conflicts with --num_machines 2",
+            ),
+            (
+                "--num_machines 0",
+                "--num_machines 0 is out of range 1..=100000",
+            ),
+            (
+                "--node-rank 0 --machine_rank 1 --nnodes 2 --coordinator h:1 --job-id j",
+                "--node-rank 0 conflicts with --machine_rank 1",
+            ),
+            (
+                "--machine_rank 2 --num_machines 2 --main_process_ip h",
+                "--machine_rank 2 is out of range for --num_machines 2 (node ranks are 0..2)",
+            ),
+            (
+                "--mixed_precision fp32",
+                "invalid value 'fp32' for '--mixed-precision <MODE>': expected one of no, fp16, bf16, fp8, found \"fp32\" (see `muster-agent launch --help`)",
+            ),
+            ("--cpu --gpu-ids 0", "--cpu conflicts with --gpu-ids 0"),
+            (
+                "--nproc-per-node gpu",
+                "--nproc-per-node gpu: no GPU found on this machine",
+            ),
+            (
+                "--nproc-per-node many",
+                "invalid value 'many' for '--nproc-per-node <N>': expected a number, gpu, cpu or auto (see `muster-agent launch --help`)",
+            ),
+        ] {
+            check(&format!("{args} -- sh"), Err(expected));
+        }
+    }
+
+    #[test]
+    fn gpus_and_output() {
+        let two = machine(Some(2));
+        for (args, expected) in [
+            ("", Ok(one_node(1, " gpus=0,1"))),
+            ("--nproc-per-node gpu", Ok(one_node(2, " gpus=0,1"))),
+            ("--nproc-per-node auto", Ok(one_node(2, " gpus=0,1"))),
+            (
+                "--nproc-per-node gpu --gpu-ids 1",
+                Ok(one_node(1, " gpus=1/set")),
+            ),
+            ("--gpu_ids 1,0", Ok(one_node(1, " gpus=1,0/set"))),
+            (
+                "--nproc-per-node 2 --gpu-mapping one-per-process",
+                Ok(one_node(2, " gpus=0,1/set/one-per-process")),
+            ),
+            (
+                "--nproc-per-node 3 --gpu-mapping one-per-process",
+                Err(
+                    "--gpu-mapping one-per-process gives each worker a GPU of its own, but there are 3 workers for 2 GPUs (0,1); run fewer workers, list more GPUs, or use --gpu-mapping local-rank".to_owned(),
+                ),
+            ),
+            (
+                "--gpu-ids 0,3",
+                Err(
+                    "--gpu-ids 0,3: GPU 3 does not exist: this machine has 2 GPUs (indices 0 to 1)"
+                        .to_owned(),
+                ),
+            ),
+            (
+                "--gpu-ids 0,0",
+                Err("--gpu-ids '0,0' lists GPU 0 twice".to_owned()),
+            ),
+            (
+                "--gpu-mapping sideways",
+                Err("invalid value 'sideways' for '--gpu-mapping <MAPPING>' [possible values: local-rank, one-per-process] (see `muster-agent launch --help`)".to_owned()),
+            ),
+            (
+                "--nproc-per-node 2 --log-dir /tmp/muster-logs --local-ranks-filter 1",
+                Ok(one_node(2, " gpus=0,1 log_dir=/tmp/muster-logs console=[1]")),
+            ),
+            (
+                "--nproc-per-node 2 --local_ranks_filter 0,1 --log_dir rel",
+                Ok(one_node(2, " gpus=0,1 log_dir=rel console=[0, 1]")),
+            ),
+            (
+                "--nproc-per-node 2 --local-ranks-filter 2",
+                Err("--local-ranks-filter '2': local rank 2 does not exist (local ranks are 0..2)".to_owned()),
+            ),
+            (
+                "--local-ranks-filter 0,x",
+                Err("--local-ranks-filter '0,x': 'x' is not a local rank".to_owned()),
+            ),
+            (
+                "--log-dir /etc/passwd",
+                Err("--log-dir '/etc/passwd' is not a directory".to_owned()),
+            ),
+        ] {
+            let expected = expected.as_deref().map_err(String::as_str);
+            check_on(&two, &format!("{args} -- sh"), expected);
+        }
+        // No driver: a list is trusted, with a warning; one GPU per process runs on CPU.
+        check(
+            "--gpu-ids 0,1 -- sh",
+            Ok(&one_node(
+                1,
+                " gpus=0,1/set | warning: --gpu-ids 0,1: no NVIDIA GPU found on this machine (no /proc/driver/nvidia/gpus, no /dev/nvidia*); passing the list on as given",
+            )),
+        );
+        check(
+            "--gpu-mapping one-per-process -- sh",
+            Ok(&one_node(
+                1,
+                " gpus=/one-per-process | warning: --gpu-mapping one-per-process: no GPU found on this machine; the workers run without one",
+            )),
+        );
+        // The agent's own CUDA_VISIBLE_DEVICES is what `gpu` counts and one-per-process hands out.
+        let slurm = Context {
+            cuda_visible_devices: Some("2,3".to_owned()),
+            ..machine(Some(4))
+        };
+        check_on(
+            &slurm,
+            "--nproc-per-node gpu --gpu-mapping one-per-process -- sh",
+            Ok(&one_node(2, " gpus=2,3/set/one-per-process")),
+        );
+    }
+
+    /// Writes an Accelerate config file for a test and removes it when dropped.
+    struct ConfigFile(PathBuf);
+
+    impl ConfigFile {
+        fn new(name: &str, text: &str) -> Self {
+            let path = std::env::temp_dir().join(format!(
+                "muster-cli-test-{}-{name}.yaml",
+                std::process::id()
+            ));
+            std::fs::write(&path, text).expect("temp file");
+            Self(path)
+        }
+
+        fn path(&self) -> String {
+            self.0.to_string_lossy().into_owned()
+        }
+    }
+
+    impl Drop for ConfigFile {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+
+    #[test]
+    fn accelerate_config_files() {
+        let single = ConfigFile::new(
+            "single",
+            "compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_GPU
+downcast_bf16: 'no'
+gpu_ids: all
+machine_rank: 0
+main_training_function: main
+mixed_precision: fp16
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+",
+        );
+        let p = single.path();
+        let single_node = |n: u32, rest: &str| {
+            format!(
+                "n={n} nodes=1:1 rank=Some(0) coord=None job=<fresh> grace=5000ms relay=true prog=sh args=[] mp=fp16{rest}"
+            )
+        };
+        check(&format!("--config-file {p} -- sh"), Ok(&single_node(2, "")));
+        // Flags override the file.
+        check(
+            &format!("--config_file {p} --nproc-per-node 3 --mixed-precision bf16 -- sh"),
+            Ok(&single_node(3, "").replace("fp16", "bf16")),
+        );
+        check(
+            &format!("--config-file {p} --num_processes 4 --cpu -- sh"),
+            Ok(&single_node(4, " cpu")),
+        );
+
+        let multi = ConfigFile::new(
+            "multi",
+            "distributed_type: MULTI_GPU
+machine_rank: 1
+main_process_ip: 10.0.0.1
+main_process_port: 29501
+num_machines: 2
+num_processes: 16
+max_restarts: 2
+debug: true
+enable_cpu_affinity: true
+my_key: 1
+",
+        );
+        let p = multi.path();
+        let warning = format!("| warning: --config-file '{p}': unknown key my_key is ignored");
+        check(
+            &format!("--config-file {p} -- sh"),
+            Ok(&format!(
+                r#"n=8 nodes=2:2 rank=Some(1) coord=Some("10.0.0.1:29470") job=muster-10.0.0.1-29501 grace=5000ms relay=true prog=sh args=[] restarts=2 master=Some("10.0.0.1"):Some(29501) debug affinity {warning}"#
+            )),
+        );
+        // A flag's machine count divides the file's total; its rank and address win.
+        check(
+            &format!(
+                "--config-file {p} --num_machines 4 --machine_rank 3 --master-addr m --coordinator c:1 --job-id j --max-restarts 0 -- sh"
+            ),
+            Ok(&format!(
+                r#"n=4 nodes=4:4 rank=Some(3) coord=Some("c:1") job=j grace=5000ms relay=true prog=sh args=[] master=Some("m"):Some(29501) debug affinity {warning}"#
+            )),
+        );
+        check(
+            &format!("--config-file {p} --nnodes 3 -- sh"),
+            Err(&format!(
+                "num_processes 16 in '{p}' is not a multiple of --nnodes 3"
+            )),
+        );
+    }
+
+    #[test]
+    fn bad_accelerate_config_files() {
+        for (name, text, expected) in [
+            (
+                "indivisible",
+                "num_processes: 6\nnum_machines: 4\nmain_process_ip: h\n",
+                "num_processes 6 in '{p}' is not a multiple of num_machines 4 in '{p}'",
+            ),
+            (
+                "rank",
+                "num_machines: 2\nmachine_rank: 2\nmain_process_ip: h\n",
+                "machine_rank 2 in '{p}' is out of range for num_machines 2 in '{p}' (node ranks are 0..2)",
+            ),
+            (
+                "precision",
+                "mixed_precision: fp64\n",
+                "--config-file '{p}': mixed_precision: expected one of no, fp16, bf16, fp8, found \"fp64\"",
+            ),
+            (
+                "procs",
+                "num_processes: -1\n",
+                "--config-file '{p}': num_processes: expected a whole number from 1 to 4294967295, found -1",
+            ),
+            (
+                "multinode",
+                "num_machines: 2\n",
+                "num_machines 2 in '{p}' needs --coordinator (or the main machine's address: --master-addr, --main_process_ip): every node must name the same one",
+            ),
+            (
+                "cpu-gpu",
+                "use_cpu: true\ngpu_ids: 0\n",
+                "use_cpu true in '{p}' conflicts with gpu_ids 0 in '{p}'",
+            ),
+            (
+                "shape",
+                "just text\n",
+                "--config-file '{p}': the file holds \"just text\", not a mapping; expected `key: value` settings as `accelerate config` writes them",
+            ),
+        ] {
+            let file = ConfigFile::new(name, text);
+            let p = file.path();
+            check(
+                &format!("--config-file {p} -- sh"),
+                Err(&expected.replace("{p}", &p)),
+            );
+        }
+        let file = ConfigFile::new("gpus", "gpu_ids: 0,5\n");
+        let p = file.path();
+        check_on(
+            &machine(Some(2)),
+            &format!("--config-file {p} -- sh"),
+            Err(&format!(
+                "gpu_ids 0,5 in '{p}': GPU 5 does not exist: this machine has 2 GPUs (indices 0 to 1)"
+            )),
+        );
+        check(
+            "--config-file /no/such/accelerate.yaml -- sh",
+            Err(
+                "--config-file '/no/such/accelerate.yaml': cannot read it: No such file or directory (os error 2)",
+            ),
+        );
+        let broken = ConfigFile::new("broken", "num_processes: [1, 2\n");
+        let p = broken.path();
+        let argv = ["muster-agent", "launch", "--config-file", &p, "--", "sh"];
+        let Err(e) = parse_in(argv, &machine(None)) else {
+            panic!("invalid YAML accepted");
+        };
+        let message = e.to_string();
+        assert!(
+            message.starts_with(&format!("--config-file '{p}': is not valid YAML: ")),
+            "{message}"
+        );
     }
 
     #[test]
@@ -432,18 +1886,6 @@ mod tests {
         check(
             "--nproc-per-node 4097 -- sh",
             Err("--nproc-per-node 4097 is out of range 1..=4096"),
-        );
-        check(
-            "--nproc-per-node x -- sh",
-            Err(
-                "invalid value 'x' for '--nproc-per-node <N>': invalid digit found in string (see `muster-agent launch --help`)",
-            ),
-        );
-        check(
-            "-- sh",
-            Err(
-                "the following required arguments were not provided: --nproc-per-node <N> (see `muster-agent launch --help`)",
-            ),
         );
         check(
             "--nproc-per-node 1 -- no-such-program-muster-test",
@@ -481,15 +1923,11 @@ mod tests {
         );
         check(
             "--nproc-per-node 1 --node-rank 1 -- sh",
-            Err("--node-rank 1 is out of range for --nnodes 1:1 (node ranks are 0..1)"),
+            Err("--node-rank 1 is out of range for --nnodes 1 (node ranks are 0..1)"),
         );
         check(
             "--nproc-per-node 1 --nnodes 2:3 --node-rank 3 --coordinator h:1 --job-id j -- sh",
             Err("--node-rank 3 is out of range for --nnodes 2:3 (node ranks are 0..3)"),
-        );
-        check(
-            "--nproc-per-node 1 --max-restarts 1 -- sh",
-            Err("--max-restarts > 0 is not supported yet"),
         );
         check(
             "--nproc-per-node 1 --job-id a/b -- sh",
@@ -515,15 +1953,46 @@ mod tests {
         }
         check(
             "--nproc-per-node 1 --nnodes 2 -- sh",
-            Err("--nnodes 2:2 needs --coordinator: every node must name the same one"),
+            Err(
+                "--nnodes 2 needs --coordinator (or the main machine's address: --master-addr, --main_process_ip): every node must name the same one",
+            ),
         );
         check(
             "--nproc-per-node 1 --nnodes 1:2 --coordinator h:1 -- sh",
-            Err("--nnodes 1:2 needs --job-id: every node must name the same one"),
+            Err(
+                "--nnodes 1:2 needs --job-id (or the main machine's address: --master-addr, --main_process_ip): every node must name the same one",
+            ),
         );
         check(
             "--nproc-per-node 1 --bogus -- sh",
             Err("unexpected argument '--bogus' found (see `muster-agent launch --help`)"),
         );
+    }
+
+    #[test]
+    fn rdzv_conf_values() {
+        assert_eq!(parse_rdzv_conf(""), Ok(RdzvConf::default()));
+        assert_eq!(
+            parse_rdzv_conf(" join_timeout = 600 , last_call_timeout=30,close_timeout=30"),
+            Ok(RdzvConf {
+                join_timeout: Some(Duration::from_secs(600)),
+                last_call: Some(Duration::from_secs(30)),
+            })
+        );
+        assert_eq!(
+            parse_rdzv_conf("last_call_timeout=-1"),
+            Err("last_call_timeout=-1: expected a number of seconds".to_owned())
+        );
+    }
+
+    #[test]
+    fn host_names() {
+        for ok in ["a", "node-1.example.com", "10.0.0.1", "::1", "fe80::1:2"] {
+            assert_eq!(plain_host(ok), Ok(ok));
+        }
+        for bad in ["", "a:1", "[::1]", "a b", "fe80::1%eth0"] {
+            assert!(plain_host(bad).is_err(), "{bad} accepted");
+        }
+        assert_eq!(derived_job_id("fe80::1", 29500), "muster-fe80--1-29500");
     }
 }

@@ -1,6 +1,9 @@
-//! The worker environment of `docs/contract.md`: muster's own `MUSTER_*` variables and the
-//! torchrun-compatible set. A pure function of the node's assignment, so that it is tested
-//! without spawning anything.
+//! The worker environment of `docs/contract.md`: muster's own `MUSTER_*` variables, the
+//! torchrun-compatible set, the GPU assignment and Accelerate's `ACCELERATE_*` settings. A pure
+//! function of the node's assignment and the launch's options, so that it is tested without
+//! spawning anything.
+
+use crate::gpu::{GpuMapping, GpuPlan, VISIBLE_DEVICES_ENV};
 
 /// What the agent knows about its node once the rendezvous round has closed: the inputs of
 /// every worker's environment.
@@ -34,14 +37,61 @@ pub struct NodeAssignment {
     pub master_port: u16,
     /// The node relay's socket (`MUSTER_AGENT_SOCKET`), when the agent runs one.
     pub agent_socket: Option<String>,
+    /// The folder of this attempt's worker error files, when the agent has one: each worker
+    /// gets `TORCHELASTIC_ERROR_FILE` (and `MUSTER_ERROR_FILE`) =
+    /// [`crate::error_file::error_path`]`(dir, rank)`.
+    pub error_dir: Option<std::path::PathBuf>,
+}
+
+/// What a launch adds to every worker's environment besides the rendezvous' answer: its GPUs
+/// and Accelerate's settings (see [`crate::cli::LaunchSpec::worker_options`]).
+#[derive(Debug, Clone, Copy)]
+pub struct WorkerOptions<'a> {
+    /// Which GPUs the workers see and use.
+    pub gpus: &'a GpuPlan,
+    /// `ACCELERATE_MIXED_PRECISION` (`no`, `fp16`, `bf16`, `fp8`), when asked for.
+    pub mixed_precision: Option<&'a str>,
+    /// `ACCELERATE_USE_CPU=True` when set.
+    pub use_cpu: bool,
+    /// `ACCELERATE_DEBUG_MODE=true` when set.
+    pub debug: bool,
+    /// `ACCELERATE_CPU_AFFINITY=1` when set.
+    pub cpu_affinity: bool,
+}
+
+impl Default for WorkerOptions<'_> {
+    /// No GPU plan (`CUDA_VISIBLE_DEVICES` passes through) and no Accelerate settings.
+    fn default() -> Self {
+        static NO_GPUS: GpuPlan = GpuPlan {
+            mapping: GpuMapping::LocalRank,
+            devices: Vec::new(),
+            set_visible_devices: false,
+        };
+        Self {
+            gpus: &NO_GPUS,
+            mixed_precision: None,
+            use_cpu: false,
+            debug: false,
+            cpu_affinity: false,
+        }
+    }
 }
 
 /// The variables to set for local rank `local_rank`, on top of the agent's own environment.
 /// `inherited(name)` says whether the agent's environment already has `name`: the
 /// "unless already set" variables are then left as they are.
+///
+/// `TORCHELASTIC_ERROR_FILE` is not one of those: as torchrun does, every worker gets a file of
+/// its own even when the agent inherited the variable, which then names the agent's own error
+/// file (where a launcher above the agent expects the root cause), not the workers'.
+///
+/// `CUDA_VISIBLE_DEVICES` is set only when the GPU plan says so (a `--gpu-ids` list, or one GPU
+/// per process); otherwise the agent's own value passes through. `ACCELERATE_*` variables are
+/// set only when asked for, so that an inherited value survives a plain torchrun-style launch.
 pub fn worker_env(
     node: &NodeAssignment,
     local_rank: u32,
+    options: &WorkerOptions<'_>,
     inherited: impl Fn(&str) -> bool,
 ) -> Vec<(&'static str, String)> {
     let rank = node.rank_offset + local_rank;
@@ -61,6 +111,14 @@ pub fn worker_env(
     if let Some(socket) = &node.agent_socket {
         env.push((crate::relay::SOCKET_ENV, socket.clone()));
     }
+    let error_file = node.error_dir.as_deref().map(|dir| {
+        crate::error_file::error_path(dir, rank)
+            .to_string_lossy()
+            .into_owned()
+    });
+    if let Some(path) = &error_file {
+        env.push(("MUSTER_ERROR_FILE", path.clone()));
+    }
     env.extend([
         ("RANK", rank.to_string()),
         ("LOCAL_RANK", local_rank.to_string()),
@@ -78,6 +136,9 @@ pub fn worker_env(
         ("TORCHELASTIC_RUN_ID", node.job_id.clone()),
         ("TORCHELASTIC_USE_AGENT_STORE", "False".to_owned()),
     ]);
+    if let Some(path) = error_file {
+        env.push(("TORCHELASTIC_ERROR_FILE", path));
+    }
     for (name, default) in [
         ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
         ("OMP_NUM_THREADS", "1"),
@@ -85,6 +146,26 @@ pub fn worker_env(
         if !inherited(name) {
             env.push((name, default.to_owned()));
         }
+    }
+    let gpus = options.gpus;
+    if let Some(visible) = gpus.visible_devices(local_rank) {
+        env.push((VISIBLE_DEVICES_ENV, visible));
+    }
+    if let Some((gpu, index)) = gpus.assigned(local_rank) {
+        env.push(("MUSTER_GPU_IDS", gpu.to_owned()));
+        env.push(("MUSTER_CUDA_DEVICE", index.to_string()));
+    }
+    if let Some(mp) = options.mixed_precision {
+        env.push(("ACCELERATE_MIXED_PRECISION", mp.to_owned()));
+    }
+    if options.use_cpu {
+        env.push(("ACCELERATE_USE_CPU", "True".to_owned()));
+    }
+    if options.debug {
+        env.push(("ACCELERATE_DEBUG_MODE", "true".to_owned()));
+    }
+    if options.cpu_affinity {
+        env.push(("ACCELERATE_CPU_AFFINITY", "1".to_owned()));
     }
     env
 }
@@ -109,15 +190,18 @@ mod tests {
             master_addr: "node-a".into(),
             master_port: 29500,
             agent_socket: Some("/tmp/muster-1-2/relay.sock".into()),
+            error_dir: None,
         }
     }
 
     /// `expected` lists `NAME=value` lines in the order the function returns them.
     fn check(node: &NodeAssignment, local_rank: u32, inherited: &[&str], expected: &str) {
-        let got: Vec<String> = worker_env(node, local_rank, |n| inherited.contains(&n))
-            .into_iter()
-            .map(|(k, v)| format!("{k}={v}"))
-            .collect();
+        let got: Vec<String> = worker_env(node, local_rank, &WorkerOptions::default(), |n| {
+            inherited.contains(&n)
+        })
+        .into_iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect();
         let expected: Vec<&str> = expected.split_whitespace().collect();
         assert_eq!(
             got, expected,
@@ -159,6 +243,7 @@ mod tests {
             master_addr: "127.0.0.1".into(),
             master_port: 1234,
             agent_socket: None,
+            error_dir: None,
         };
         let common = "MUSTER_COORDINATOR=127.0.0.1:40000 MUSTER_JOB_ID=j MUSTER_GENERATION=1
              MUSTER_RANK=0 MUSTER_LOCAL_RANK=0 MUSTER_WORLD_SIZE=1 MUSTER_LOCAL_WORLD_SIZE=1
@@ -190,15 +275,106 @@ mod tests {
     }
 
     #[test]
+    fn every_worker_gets_its_own_error_file() {
+        let n = NodeAssignment {
+            error_dir: Some("/tmp/muster-agent-9-job7/attempt_2".into()),
+            ..node()
+        };
+        for local in 0..n.local_world_size {
+            // Even when the agent inherited one (torchrun does the same).
+            let env = worker_env(&n, local, &WorkerOptions::default(), |name| {
+                name == "TORCHELASTIC_ERROR_FILE"
+            });
+            let get = |k: &str| env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone());
+            let path = format!("/tmp/muster-agent-9-job7/attempt_2/rank_{}.json", 4 + local);
+            assert_eq!(get("TORCHELASTIC_ERROR_FILE"), Some(path.clone()));
+            assert_eq!(get("MUSTER_ERROR_FILE"), Some(path));
+        }
+        let env = worker_env(&node(), 0, &WorkerOptions::default(), |_| false);
+        assert!(
+            !env.iter()
+                .any(|(k, _)| *k == "TORCHELASTIC_ERROR_FILE" || *k == "MUSTER_ERROR_FILE"),
+            "no error folder, no error file"
+        );
+    }
+
+    #[test]
     fn ranks_are_offset_per_node() {
         let n = node();
         for local in 0..n.local_world_size {
-            let env = worker_env(&n, local, |_| false);
+            let env = worker_env(&n, local, &WorkerOptions::default(), |_| false);
             let get = |k: &str| env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone());
             assert_eq!(get("RANK"), Some((4 + local).to_string()));
             assert_eq!(get("MUSTER_RANK"), get("RANK"));
             assert_eq!(get("ROLE_RANK"), get("RANK"));
             assert_eq!(get("LOCAL_RANK"), Some(local.to_string()));
         }
+    }
+
+    /// The variables `worker_env` adds for `options` (after the common ones), per local rank.
+    fn added(options: &WorkerOptions<'_>, local_rank: u32) -> String {
+        let base = worker_env(&node(), local_rank, &WorkerOptions::default(), |_| false).len();
+        worker_env(&node(), local_rank, options, |_| false)
+            .into_iter()
+            .skip(base)
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    #[test]
+    fn gpus_and_accelerate_settings() {
+        let plan = |mapping, devices: &[&str], set| GpuPlan {
+            mapping,
+            devices: devices.iter().map(|d| (*d).to_owned()).collect(),
+            set_visible_devices: set,
+        };
+        // Nothing asked for: nothing added, CUDA_VISIBLE_DEVICES passes through.
+        assert_eq!(added(&WorkerOptions::default(), 1), "");
+        // GPUs discovered (or inherited), local-rank mapping: only muster's variables.
+        let found = plan(GpuMapping::LocalRank, &["0", "1"], false);
+        let options = WorkerOptions {
+            gpus: &found,
+            ..WorkerOptions::default()
+        };
+        assert_eq!(added(&options, 1), "MUSTER_GPU_IDS=1 MUSTER_CUDA_DEVICE=1");
+        // --gpu-ids 2,3: every worker sees both and uses the one at LOCAL_RANK.
+        let listed = plan(GpuMapping::LocalRank, &["2", "3"], true);
+        let options = WorkerOptions {
+            gpus: &listed,
+            ..WorkerOptions::default()
+        };
+        assert_eq!(
+            added(&options, 0),
+            "CUDA_VISIBLE_DEVICES=2,3 MUSTER_GPU_IDS=2 MUSTER_CUDA_DEVICE=0"
+        );
+        assert_eq!(
+            added(&options, 1),
+            "CUDA_VISIBLE_DEVICES=2,3 MUSTER_GPU_IDS=3 MUSTER_CUDA_DEVICE=1"
+        );
+        // One GPU per process: each sees only its own, as device 0.
+        let own = plan(GpuMapping::OnePerProcess, &["2", "3"], true);
+        let options = WorkerOptions {
+            gpus: &own,
+            mixed_precision: Some("bf16"),
+            use_cpu: false,
+            debug: true,
+            cpu_affinity: true,
+        };
+        assert_eq!(
+            added(&options, 1),
+            "CUDA_VISIBLE_DEVICES=3 MUSTER_GPU_IDS=3 MUSTER_CUDA_DEVICE=0 \
+             ACCELERATE_MIXED_PRECISION=bf16 ACCELERATE_DEBUG_MODE=true ACCELERATE_CPU_AFFINITY=1"
+        );
+        // A CPU job with Accelerate's settings.
+        let options = WorkerOptions {
+            mixed_precision: Some("no"),
+            use_cpu: true,
+            ..WorkerOptions::default()
+        };
+        assert_eq!(
+            added(&options, 0),
+            "ACCELERATE_MIXED_PRECISION=no ACCELERATE_USE_CPU=True"
+        );
     }
 }

@@ -1,29 +1,43 @@
 //! `muster-agent launch`: find or start the coordinator, join the job's rendezvous, spawn the
-//! node's workers with the contract's environment, and supervise them until they all exit,
-//! one fails, or the agent is told to stop.
+//! node's workers with the contract's environment, and supervise them, one generation after
+//! another, until they all exit 0, the job fails with no restarts left, or the agent is told
+//! to stop.
+//!
+//! One generation goes: join (the coordinator answers with this node's ranks), start the node
+//! relay and the node's watch stream ([`crate::watch`], its lease), spawn the workers, and
+//! supervise them. It ends when every worker exited 0 (the node tells the coordinator and the
+//! agent exits 0), when a local worker fails (reported to the coordinator with its exit status,
+//! stderr tail and error file), when the coordinator says the generation ended (a failure
+//! elsewhere, a new round, a cancel), when the lease is lost, or on a signal. The coordinator
+//! decides whether the job restarts (it counts restarts per job); on a restart every node joins
+//! again and gets new ranks, a new generation and so a new NCCL unique id.
 //!
 //! Stopping workers always goes the same way: SIGTERM to each worker's process group, the
-//! grace period, then SIGKILL to the groups still alive. After a worker fails, the others
-//! first get [`FAILURE_SETTLE`] to end on their own: they learn of the failure from the
-//! coordinator and can say why they stop before the agent signals them.
+//! grace period, then SIGKILL to the groups still alive. After a failure, the others first get
+//! [`FAILURE_SETTLE`] to end on their own: they learn of the failure from the coordinator and
+//! can say why they stop before the agent signals them.
 
 use crate::cli::LaunchSpec;
 use crate::env::{NodeAssignment, worker_env};
 use crate::relay::Relay;
+use crate::watch::{Watch, WatchEvent};
 use crate::worker::{Exit, Worker};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use muster_proto::v1 as pb;
 use muster_proto::v1::key_value_client::KeyValueClient;
+use muster_proto::v1::ops_client::OpsClient;
 use muster_proto::v1::rendezvous_client::RendezvousClient;
 use nix::sys::signal::Signal;
 use std::fmt::Write as _;
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::pin::Pin;
 use std::time::{Duration, Instant};
 use tokio::net::{TcpListener, TcpSocket};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
 use tonic::transport::{Channel, Endpoint};
 
 /// How long the agent keeps trying to reach a coordinator that is not up yet.
@@ -32,9 +46,12 @@ pub const CONNECT_WINDOW: Duration = Duration::from_secs(10);
 pub const WAITING_NOTICE: Duration = Duration::from_secs(1);
 /// The most time a failure report may take; it is best effort.
 pub const REPORT_TIMEOUT: Duration = Duration::from_secs(1);
-/// After a worker fails, how long the others get to end on their own before SIGTERM (capped
-/// by the grace period).
+/// After a failure, how long the workers get to end on their own before SIGTERM (capped by
+/// the grace period).
 pub const FAILURE_SETTLE: Duration = Duration::from_millis(500);
+/// After a local failure and the workers' end, how long the agent waits for the
+/// coordinator's verdict (restart or not) before deciding alone that the job failed.
+const VERDICT_WAIT: Duration = Duration::from_secs(3);
 /// How long a node other than node 0 waits for node 0's MASTER_PORT.
 const MASTER_PORT_WAIT: Duration = Duration::from_secs(60);
 
@@ -43,18 +60,21 @@ const MASTER_PORT_WAIT: Duration = Duration::from_secs(60);
 pub enum Outcome {
     /// Every worker exited 0.
     Succeeded,
-    /// A worker failed; the others were stopped.
+    /// A worker (or node) failed and no restart was left; the others were stopped.
     Failed,
+    /// An operator cancelled the job.
+    Cancelled,
     /// The agent got this signal and stopped the workers.
     Interrupted(Signal),
 }
 
 impl Outcome {
-    /// 0, 1, or 128 + the signal number (130 for SIGINT, 143 for SIGTERM).
+    /// 0, 1, or 128 + the signal number (130 for SIGINT, 143 for SIGTERM). A cancelled job
+    /// exits 1 too: it did not finish.
     pub fn exit_code(self) -> u8 {
         match self {
             Self::Succeeded => 0,
-            Self::Failed => 1,
+            Self::Failed | Self::Cancelled => 1,
             Self::Interrupted(sig) => u8::try_from(128 + sig as i32).unwrap_or(1),
         }
     }
@@ -119,54 +139,266 @@ pub(crate) fn chain(e: &dyn std::error::Error) -> String {
     text
 }
 
-/// Runs a launch to its end. Prints the agent's status lines (`muster-agent: ...`) on stderr;
-/// the workers' output goes to stdout and stderr under `[rank R] ` prefixes.
+/// What stops a launch from outside: the process's signals (the command line), a
+/// cancellation token (daemon mode), or both.
+pub struct Stops {
+    signals: Option<Signals>,
+    cancel: Option<CancellationToken>,
+}
+
+impl Stops {
+    /// SIGINT, SIGTERM, SIGHUP and SIGQUIT stop the launch.
+    pub fn signals() -> std::io::Result<Self> {
+        Ok(Self {
+            signals: Some(Signals::new()?),
+            cancel: None,
+        })
+    }
+
+    /// Cancelling `token` stops the launch as SIGTERM would.
+    pub fn token(token: CancellationToken) -> Self {
+        Self {
+            signals: None,
+            cancel: Some(token),
+        }
+    }
+
+    /// The next stop request. Cancel-safe. A token counts once: after it fired, only signals
+    /// remain (so that a second request can still mean "kill now").
+    async fn recv(&mut self) -> Signal {
+        let cancelled = async {
+            match &self.cancel {
+                Some(t) => t.cancelled().await,
+                None => std::future::pending().await,
+            }
+        };
+        let signalled = async {
+            match &mut self.signals {
+                Some(s) => s.recv().await,
+                None => std::future::pending().await,
+            }
+        };
+        let sig = tokio::select! {
+            () = cancelled => None,
+            sig = signalled => Some(sig),
+        };
+        match sig {
+            Some(sig) => sig,
+            None => {
+                self.cancel = None;
+                Signal::SIGTERM
+            }
+        }
+    }
+}
+
+/// Runs a launch to its end, stopped by the process's signals. Prints the agent's status
+/// lines (`muster-agent: ...`) on stderr; the workers' output goes to stdout and stderr under
+/// `[rank R] ` prefixes.
 pub async fn run(spec: LaunchSpec) -> Result<Outcome, LaunchError> {
+    let stops = Stops::signals().map_err(LaunchError::Signals)?;
+    run_with(spec, stops).await
+}
+
+/// Runs a launch to its end, stopped by `stops`.
+pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, LaunchError> {
     let started = Instant::now();
-    let mut signals = Signals::new().map_err(LaunchError::Signals)?;
-
-    let (coordinator, default_host) = match &spec.coordinator {
-        Some(addr) => (addr.clone(), hostname()),
-        None => (start_embedded()?, "127.0.0.1".to_owned()),
+    let (coordinator, embedded) = match &spec.coordinator {
+        Some(addr) => (addr.clone(), false),
+        None => (start_embedded()?, true),
     };
-    let host = spec.host.clone().unwrap_or(default_host);
-
-    let job = &spec.job_id;
-    let channel = match waiting(connect(&coordinator), &mut signals, || {
+    let job = spec.job_id.clone();
+    let channel = match waiting(connect(&coordinator), &mut stops, || {
         format!("muster-agent: waiting for the coordinator at {coordinator} (job {job})")
     })
     .await
     {
         Waited::Done(channel) => channel?,
-        Waited::Signal(sig) => return Ok(interrupted_early(job, sig)),
+        Waited::Signal(sig) => return Ok(interrupted_early(&job, sig)),
     };
-    let node = match waiting(join(&spec, channel.clone(), &coordinator, &host), &mut signals, || {
-        format!(
-            "muster-agent: waiting for nodes (job {job}, --nnodes {}:{}, coordinator {coordinator})",
-            spec.nodes.min, spec.nodes.max
-        )
-    })
-    .await
-    {
-        Waited::Done(node) => node?,
-        Waited::Signal(sig) => return Ok(interrupted_early(job, sig)),
+    let host = match (&spec.advertise_addr, embedded) {
+        (Some(h), _) => h.clone(),
+        (None, true) => "127.0.0.1".to_owned(),
+        (None, false) => advertise_default(&coordinator).await,
     };
-    tracing::debug!(?node, "rendezvous closed");
+    let node_id = format!("{}-{}", sanitize(&hostname()), std::process::id());
+    let scratch = Scratch::new(&job);
+    // The last failure the coordinator (or this node) reported: the root cause to print if the
+    // job ends without a restart.
+    let mut last_failure: Option<pb::FailureInfo> = None;
+    let mut failed_at: Option<Instant> = None;
+    loop {
+        let joined = waiting_join(&spec, &channel, &coordinator, &host, &node_id, &mut stops).await;
+        let mut node = match joined {
+            Waited::Done(Ok(node)) => node,
+            Waited::Done(Err(LaunchError::Join { status, .. }))
+                if last_failure.is_some() && status.code() == tonic::Code::FailedPrecondition =>
+            {
+                // The job ended for good while this node was stopping its workers.
+                if let Some(f) = &last_failure {
+                    eprint!("{}", root_cause(&job, f));
+                }
+                eprintln!("muster-agent: job {job}: {}", status.message());
+                return Ok(Outcome::Failed);
+            }
+            Waited::Done(Err(e)) => return Err(e),
+            Waited::Signal(sig) => return Ok(interrupted_early(&job, sig)),
+        };
+        tracing::debug!(?node, "rendezvous closed");
+        node.error_dir = scratch.attempt(node.restart_count);
+        // The relay and the watch live exactly as long as this generation's workers.
+        let relay = if spec.relay {
+            start_relay(&node).await
+        } else {
+            None
+        };
+        node.agent_socket = relay.as_ref().map(|r| r.socket().to_owned());
+        let watch = Watch::start(
+            channel.clone(),
+            pb::NodeAttach {
+                job_id: node.job_id.clone(),
+                generation: node.generation,
+                node_rank: node.node_rank,
+                node_id: node_id.clone(),
+            },
+            spec.lease,
+        );
+        let end = Supervisor::new(&spec, channel.clone(), node, watch, &mut stops, failed_at)
+            .run()
+            .await;
+        drop(relay);
+        match end {
+            End::Succeeded { spawned, watch } => {
+                watch.finish().await;
+                eprintln!(
+                    "muster-agent: job {job}: {} exited 0 in {:.2}s",
+                    workers(spawned),
+                    started.elapsed().as_secs_f64()
+                );
+                return Ok(Outcome::Succeeded);
+            }
+            End::Interrupted { sig, spawned } => {
+                eprintln!(
+                    "muster-agent: job {job}: stopped {} after {}",
+                    workers(spawned),
+                    sig.as_str()
+                );
+                return Ok(Outcome::Interrupted(sig));
+            }
+            End::SpawnFailed(why) => {
+                eprintln!("muster-agent: job {job} failed: {why}");
+                return Ok(Outcome::Failed);
+            }
+            End::LeaseLost(why) => {
+                if let Some(f) = &last_failure {
+                    eprint!("{}", root_cause(&job, f));
+                }
+                eprintln!("muster-agent: job {job} failed: this node lost the coordinator at {coordinator}: {why}; its workers were stopped");
+                return Ok(Outcome::Failed);
+            }
+            End::Ended {
+                verdict,
+                local,
+                at,
+            } => {
+                let failure = verdict
+                    .as_ref()
+                    .and_then(|v| v.failure.clone())
+                    .or(local);
+                if failure.is_some() {
+                    last_failure = failure;
+                }
+                let Some(v) = verdict else {
+                    // The coordinator did not answer: decide alone, the job failed.
+                    if let Some(f) = &last_failure {
+                        eprint!("{}", root_cause(&job, f));
+                    }
+                    eprintln!("muster-agent: job {job}: no word from the coordinator after the failure; not restarting");
+                    return Ok(Outcome::Failed);
+                };
+                let cause = pb::generation_ended::Cause::try_from(v.cause)
+                    .unwrap_or(pb::generation_ended::Cause::Unspecified);
+                if v.rejoin {
+                    eprintln!("muster-agent: job {job}: {}; joining again", v.message);
+                    failed_at = Some(at);
+                    continue;
+                }
+                if cause == pb::generation_ended::Cause::Cancelled {
+                    eprintln!("muster-agent: job {job}: {}; workers stopped", v.message);
+                    return Ok(Outcome::Cancelled);
+                }
+                match &last_failure {
+                    Some(f) => eprint!("{}", root_cause(&job, f)),
+                    None => eprintln!("muster-agent: job {job} failed: {}", v.message),
+                }
+                if v.max_restarts > 0 {
+                    eprintln!(
+                        "muster-agent: job {job}: no restarts left ({} of {} used)",
+                        v.restart_count, v.max_restarts
+                    );
+                }
+                return Ok(Outcome::Failed);
+            }
+        }
+    }
+}
 
-    // The relay lives exactly as long as this generation's workers: dropping it (below, or
-    // on any early return) stops its thread and removes its socket directory.
-    let mut node = node;
-    let relay = if spec.relay {
-        start_relay(&node).await
-    } else {
-        None
+/// Per-attempt folders for the workers' error files, under the system's temporary folder;
+/// removed when the launch ends.
+struct Scratch {
+    root: Option<PathBuf>,
+}
+
+impl Scratch {
+    fn new(job: &str) -> Self {
+        let root = std::env::temp_dir().join(format!(
+            "muster-agent-{}-{}",
+            std::process::id(),
+            sanitize(job)
+        ));
+        match std::fs::create_dir_all(&root) {
+            Ok(()) => Self { root: Some(root) },
+            Err(e) => {
+                tracing::warn!(%e, dir = %root.display(), "no folder for worker error files; workers' structured errors will not be read");
+                Self { root: None }
+            }
+        }
+    }
+
+    /// The folder for restart `n`'s error files (created), if there is a root.
+    fn attempt(&self, n: u32) -> Option<PathBuf> {
+        let dir = self.root.as_ref()?.join(format!("attempt_{n}"));
+        std::fs::create_dir_all(&dir).ok().map(|()| dir)
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        if let Some(root) = &self.root {
+            let _ = std::fs::remove_dir_all(root);
+        }
+    }
+}
+
+/// The local address that routes to the coordinator: a UDP socket "connected" to it sends
+/// nothing but makes the kernel pick the outgoing interface's address, which is the one the
+/// coordinator and the other nodes can reach. Falls back to the host name.
+pub async fn advertise_default(coordinator: &str) -> String {
+    let route = async {
+        let target = tokio::net::lookup_host(coordinator).await.ok()?.next()?;
+        let bind: SocketAddr = if target.is_ipv6() {
+            "[::]:0".parse().ok()?
+        } else {
+            "0.0.0.0:0".parse().ok()?
+        };
+        let socket = tokio::net::UdpSocket::bind(bind).await.ok()?;
+        socket.connect(target).await.ok()?;
+        Some(socket.local_addr().ok()?.ip().to_string())
     };
-    node.agent_socket = relay.as_ref().map(|r| r.socket().to_owned());
-    let outcome = Supervisor::new(&spec, channel, node, signals)
-        .run(started)
-        .await;
-    drop(relay);
-    Ok(outcome)
+    match tokio::time::timeout(Duration::from_secs(2), route).await {
+        Ok(Some(ip)) => ip,
+        _ => hostname(),
+    }
 }
 
 /// Starts the node relay; if it cannot start, says why and returns `None`: the workers then
@@ -193,11 +425,11 @@ enum Waited<T> {
     Signal(Signal),
 }
 
-/// Awaits `fut` unless a stopping signal comes first; prints `notice()` once if it takes
-/// longer than [`WAITING_NOTICE`].
+/// Awaits `fut` unless a stop request comes first; prints `notice()` once if it takes longer
+/// than [`WAITING_NOTICE`].
 async fn waiting<T>(
     fut: impl Future<Output = T>,
-    signals: &mut Signals,
+    stops: &mut Stops,
     notice: impl FnOnce() -> String,
 ) -> Waited<T> {
     tokio::pin!(fut);
@@ -207,10 +439,55 @@ async fn waiting<T>(
     loop {
         tokio::select! {
             out = &mut fut => return Waited::Done(out),
-            sig = signals.recv() => return Waited::Signal(sig),
+            sig = stops.recv() => return Waited::Signal(sig),
             () = &mut timer, if notice.is_some() => {
                 if let Some(text) = notice.take() {
                     eprintln!("{}", text());
+                }
+            }
+        }
+    }
+}
+
+/// Joins the round unless a stop request comes first. While the round stays open past
+/// [`WAITING_NOTICE`], prints one status line each time the number of joined nodes changes
+/// ("waiting for nodes: 1/2 joined").
+async fn waiting_join(
+    spec: &LaunchSpec,
+    channel: &Channel,
+    coordinator: &str,
+    host: &str,
+    node_id: &str,
+    stops: &mut Stops,
+) -> Waited<Result<NodeAssignment, LaunchError>> {
+    let fut = join(spec, channel.clone(), coordinator, host, node_id);
+    tokio::pin!(fut);
+    let mut ops = OpsClient::new(channel.clone());
+    let mut tick = tokio::time::interval_at(
+        tokio::time::Instant::now() + WAITING_NOTICE,
+        WAITING_NOTICE,
+    );
+    let mut shown = None;
+    let job = &spec.job_id;
+    loop {
+        tokio::select! {
+            out = &mut fut => return Waited::Done(out),
+            sig = stops.recv() => return Waited::Signal(sig),
+            _ = tick.tick() => {
+                let joined = ops
+                    .describe_job(pb::DescribeJobRequest { job_id: job.clone() })
+                    .await
+                    .ok()
+                    .and_then(|r| r.into_inner().summary)
+                    .map(|s| s.nodes_waiting);
+                if joined != shown {
+                    shown = joined;
+                    let (min, max) = (spec.nodes.min, spec.nodes.max);
+                    let wanted = if min == max { min.to_string() } else { format!("{min}:{max}") };
+                    eprintln!(
+                        "muster-agent: waiting for nodes: {}/{wanted} joined (job {job}, coordinator {coordinator})",
+                        joined.map_or_else(|| "?".to_owned(), |n| n.to_string())
+                    );
                 }
             }
         }
@@ -259,18 +536,21 @@ async fn join(
     channel: Channel,
     coordinator: &str,
     host: &str,
+    node_id: &str,
 ) -> Result<NodeAssignment, LaunchError> {
+    let millis = |d: Option<Duration>| d.map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
     let request = pb::JoinRequest {
         job_id: spec.job_id.clone(),
-        node_id: format!("{}-{}", sanitize(&hostname()), std::process::id()),
+        node_id: node_id.to_owned(),
         host: host.to_owned(),
         local_world_size: spec.nproc_per_node,
         requested_node_rank: spec.node_rank,
         config: Some(pb::RendezvousConfig {
             min_nodes: spec.nodes.min,
             max_nodes: spec.nodes.max,
-            last_call_ms: 0,
-            join_timeout_ms: 0,
+            last_call_ms: millis(spec.last_call),
+            join_timeout_ms: millis(spec.join_timeout),
+            max_restarts: Some(spec.max_restarts),
         }),
     };
     let join_error = |status| LaunchError::Join {
@@ -288,13 +568,15 @@ async fn join(
             answer.local_world_size, spec.nproc_per_node
         ))));
     }
-    let master_port =
-        master_port(&channel, &answer)
+    let master_port = match spec.master_port {
+        Some(port) => port,
+        None => master_port(&channel, &answer)
             .await
             .map_err(|why| LaunchError::MasterPort {
                 job: spec.job_id.clone(),
                 why,
-            })?;
+            })?,
+    };
     let node = NodeAssignment {
         coordinator: coordinator.to_owned(),
         job_id: answer.job_id,
@@ -305,11 +587,12 @@ async fn join(
         local_world_size: answer.local_world_size,
         world_size: answer.world_size,
         restart_count: answer.restart_count,
-        max_restarts: spec.max_restarts,
+        max_restarts: answer.max_restarts,
         host: host.to_owned(),
-        master_addr: answer.master_host,
+        master_addr: spec.master_addr.clone().unwrap_or(answer.master_host),
         master_port,
         agent_socket: None,
+        error_dir: None,
     };
     Ok(node)
 }
@@ -437,48 +720,101 @@ impl Stop {
 
 type ExitFuture = Pin<Box<dyn Future<Output = Exit> + Send>>;
 
-/// Runs the node's workers and decides the outcome.
+/// How one generation ended for this node.
+enum End {
+    /// Every worker exited 0.
+    Succeeded { spawned: usize, watch: Watch },
+    /// A stop request; the workers were stopped.
+    Interrupted { sig: Signal, spawned: usize },
+    /// A worker could not be started.
+    SpawnFailed(String),
+    /// The coordinator was not heard for the lease; the workers were stopped.
+    LeaseLost(String),
+    /// The generation ended (a failure here or elsewhere, a new round, a cancel) and the
+    /// workers were stopped. `verdict` is the coordinator's last word (None if it never
+    /// came), `local` this node's own failure, `at` when the end was first seen here.
+    Ended {
+        verdict: Option<pb::GenerationEnded>,
+        local: Option<pb::FailureInfo>,
+        at: Instant,
+    },
+}
+
+/// Runs one generation's workers on this node and decides how it ended.
 struct Supervisor<'a> {
     spec: &'a LaunchSpec,
     node: NodeAssignment,
     client: RendezvousClient<Channel>,
-    signals: Signals,
+    stops: &'a mut Stops,
+    watch: Watch,
     workers: Vec<Worker>,
     exits: FuturesUnordered<ExitFuture>,
     stop: Stop,
-    /// The first failure: the job's root cause.
-    failure: Option<Exit>,
-    /// Set when a worker could not even be started.
+    /// This node's first failure, as reported to the coordinator.
+    local: Option<pb::FailureInfo>,
+    /// The coordinator's word on how the generation ended.
+    verdict: Option<pb::GenerationEnded>,
+    /// When the end was first seen here.
+    ended_at: Option<Instant>,
     spawn_error: Option<String>,
     interrupted: Option<Signal>,
+    lease_lost: Option<String>,
     report: Option<JoinHandle<()>>,
+    /// When the previous generation failed (to report how long the restart took).
+    failed_at: Option<Instant>,
 }
 
 impl<'a> Supervisor<'a> {
-    fn new(spec: &'a LaunchSpec, channel: Channel, node: NodeAssignment, signals: Signals) -> Self {
+    fn new(
+        spec: &'a LaunchSpec,
+        channel: Channel,
+        node: NodeAssignment,
+        watch: Watch,
+        stops: &'a mut Stops,
+        failed_at: Option<Instant>,
+    ) -> Self {
         Self {
             spec,
             node,
             client: RendezvousClient::new(channel),
-            signals,
+            stops,
+            watch,
             workers: Vec::with_capacity(spec.nproc_per_node as usize),
             exits: FuturesUnordered::new(),
             stop: Stop::No,
-            failure: None,
+            local: None,
+            verdict: None,
+            ended_at: None,
             spawn_error: None,
             interrupted: None,
+            lease_lost: None,
             report: None,
+            failed_at,
         }
     }
 
-    async fn run(mut self, started: Instant) -> Outcome {
+    async fn run(mut self) -> End {
         self.spawn_all();
         let spawned = self.workers.len();
+        if let Some(at) = self.failed_at
+            && self.spawn_error.is_none()
+        {
+            eprintln!(
+                "muster-agent: job {}: generation {} (restart {}) running {} on node {}, {:.0} ms after the failure",
+                self.spec.job_id,
+                self.node.generation,
+                self.node.restart_count,
+                workers(spawned),
+                self.node.node_rank,
+                at.elapsed().as_secs_f64() * 1000.0
+            );
+        }
         while !self.exits.is_empty() {
             let deadline = self.stop.deadline();
             tokio::select! {
                 Some(exit) = self.exits.next() => self.on_exit(exit),
-                sig = self.signals.recv() => self.on_signal(sig),
+                sig = self.stops.recv() => self.on_signal(sig),
+                event = self.watch.next() => self.on_watch(event),
                 () = sleep_until(deadline), if deadline.is_some() => self.on_deadline(),
             }
         }
@@ -486,37 +822,61 @@ impl<'a> Supervisor<'a> {
             // The task bounds itself by REPORT_TIMEOUT.
             let _ = report.await;
         }
-        let job = &self.spec.job_id;
         if let Some(sig) = self.interrupted {
-            eprintln!(
-                "muster-agent: job {job}: stopped {} after {}",
-                workers(spawned),
-                sig.as_str()
-            );
-            return Outcome::Interrupted(sig);
+            return End::Interrupted { sig, spawned };
         }
-        if let Some(failure) = &self.failure {
-            eprint!("{}", failure_summary(job, failure));
-            return Outcome::Failed;
+        if let Some(why) = self.lease_lost.take() {
+            return End::LeaseLost(why);
         }
-        if let Some(why) = &self.spawn_error {
-            eprintln!("muster-agent: job {job} failed: {why}");
-            return Outcome::Failed;
+        if let Some(why) = self.spawn_error.take() {
+            return End::SpawnFailed(why);
         }
-        eprintln!(
-            "muster-agent: job {job}: {} exited 0 in {:.2}s",
-            workers(spawned),
-            started.elapsed().as_secs_f64()
-        );
-        Outcome::Succeeded
+        let Some(at) = self.ended_at else {
+            return End::Succeeded {
+                spawned,
+                watch: self.watch,
+            };
+        };
+        // A local failure: the coordinator's verdict (restart or not) follows the report.
+        let want_precise = self.local.is_some();
+        let deadline = tokio::time::Instant::now() + VERDICT_WAIT;
+        while self.verdict.is_none()
+            || (want_precise
+                && self.verdict.as_ref().is_some_and(|v| {
+                    v.cause == pb::generation_ended::Cause::Failed as i32 && v.failure.is_none()
+                }))
+        {
+            tokio::select! {
+                event = self.watch.next() => match event {
+                    WatchEvent::Ended(v) => self.verdict = Some(v),
+                    WatchEvent::Lost(_) => break,
+                },
+                sig = self.stops.recv() => return End::Interrupted { sig, spawned },
+                () = tokio::time::sleep_until(deadline) => break,
+            }
+        }
+        End::Ended {
+            verdict: self.verdict,
+            local: self.local,
+            at,
+        }
     }
 
     fn spawn_all(&mut self) {
         let inherited = |name: &str| std::env::var_os(name).is_some();
         for local_rank in 0..self.spec.nproc_per_node {
             let rank = self.node.rank_offset + local_rank;
-            let env = worker_env(&self.node, local_rank, inherited);
-            match Worker::spawn(&self.spec.program, &env, rank, local_rank) {
+            let env = worker_env(
+                &self.node,
+                local_rank,
+                &self.spec.worker_options(),
+                inherited,
+            );
+            let output = self
+                .spec
+                .output
+                .for_attempt(&self.node.job_id, self.node.restart_count);
+            match Worker::spawn(&self.spec.program, &env, rank, local_rank, &output) {
                 Ok((worker, exit)) => {
                     self.workers.push(worker);
                     self.exits.push(Box::pin(exit));
@@ -538,12 +898,13 @@ impl<'a> Supervisor<'a> {
             return;
         }
         let stopping = !matches!(self.stop, Stop::No);
-        if stopping || self.interrupted.is_some() || self.failure.is_some() {
+        if stopping || self.interrupted.is_some() || self.local.is_some() {
             // A consequence of the first failure or of our own signals.
             tracing::debug!(rank = exit.rank, reason = %exit.reason(), "worker ended while stopping");
             return;
         }
         let running = self.workers.iter().filter(|w| !w.exited()).count();
+        let info = self.failure_info(&exit);
         if running > 0 {
             eprintln!(
                 "muster-agent: rank {} (local rank {}) {}; stopping the other {}",
@@ -553,8 +914,81 @@ impl<'a> Supervisor<'a> {
                 workers(running)
             );
         }
-        self.report = Some(self.report_failure(&exit));
-        self.failure = Some(exit);
+        self.report = Some(self.report_failure(&exit, &info));
+        self.local = Some(info);
+        self.ended_at.get_or_insert_with(Instant::now);
+        self.settle();
+    }
+
+    /// This node's view of a worker's failure, with its error file when it left one.
+    fn failure_info(&self, exit: &Exit) -> pb::FailureInfo {
+        let error = self
+            .node
+            .error_dir
+            .as_deref()
+            .and_then(|dir| crate::error_file::read(&crate::error_file::error_path(dir, exit.rank)));
+        let (error_message, error_traceback) = match error {
+            Some(e) => (e.message, e.traceback.unwrap_or_default()),
+            None => (String::new(), String::new()),
+        };
+        pb::FailureInfo {
+            rank: exit.rank,
+            node_rank: self.node.node_rank,
+            host: self.node.host.clone(),
+            reason: exit.reason(),
+            generation: self.node.generation,
+            exit_code: exit.code(),
+            signal: exit.signal(),
+            error_message,
+            error_traceback,
+            stderr_tail: exit.stderr_tail.join("\n"),
+            node_id: String::new(),
+        }
+    }
+
+    fn on_watch(&mut self, event: WatchEvent) {
+        match event {
+            WatchEvent::Ended(v) => {
+                let first = self.verdict.is_none();
+                let cause = pb::generation_ended::Cause::try_from(v.cause)
+                    .unwrap_or(pb::generation_ended::Cause::Unspecified);
+                if first && self.local.is_none() {
+                    let running = self.workers.iter().filter(|w| !w.exited()).count();
+                    eprintln!(
+                        "muster-agent: job {}: {}; stopping {} on this node",
+                        self.spec.job_id,
+                        v.message,
+                        workers(running)
+                    );
+                }
+                self.verdict = Some(v);
+                self.ended_at.get_or_insert_with(Instant::now);
+                if matches!(self.stop, Stop::No) {
+                    match cause {
+                        // The workers hear of a failure from the coordinator and may end on
+                        // their own, saying why.
+                        pb::generation_ended::Cause::Failed => self.settle(),
+                        _ => self.stop_all(),
+                    }
+                }
+            }
+            WatchEvent::Lost(why) => {
+                if self.lease_lost.is_none() && self.interrupted.is_none() {
+                    eprintln!(
+                        "muster-agent: job {}: {why}; stopping the workers",
+                        self.spec.job_id
+                    );
+                    self.lease_lost = Some(why);
+                    if matches!(self.stop, Stop::No | Stop::Settling(_)) {
+                        self.stop_all();
+                    }
+                }
+            }
+        }
+    }
+
+    /// Gives the workers [`FAILURE_SETTLE`] (capped by the grace period) to end on their own.
+    fn settle(&mut self) {
         let settle = FAILURE_SETTLE.min(self.spec.grace_period);
         self.stop = Stop::Settling(tokio::time::Instant::now() + settle);
     }
@@ -614,16 +1048,18 @@ impl<'a> Supervisor<'a> {
     }
 
     /// Tells the coordinator (best effort, bounded by [`REPORT_TIMEOUT`]).
-    fn report_failure(&self, exit: &Exit) -> JoinHandle<()> {
+    fn report_failure(&self, exit: &Exit, info: &pb::FailureInfo) -> JoinHandle<()> {
         let mut client = self.client.clone();
         let request = pb::ReportFailureRequest {
             job_id: self.node.job_id.clone(),
             generation: self.node.generation,
             rank: exit.rank,
-            reason: exit.reason(),
-            exit_code: exit.code(),
-            signal: exit.signal(),
-            stderr_tail: exit.stderr_tail.join("\n"),
+            reason: info.reason.clone(),
+            exit_code: info.exit_code,
+            signal: info.signal,
+            stderr_tail: info.stderr_tail.clone(),
+            error_message: info.error_message.clone(),
+            error_traceback: info.error_traceback.clone(),
         };
         // Task "report-failure": on error, log and continue (the coordinator also learns of
         // the failure from the worker's session); awaited, bounded, before the agent exits.
@@ -635,6 +1071,39 @@ impl<'a> Supervisor<'a> {
             }
         })
     }
+}
+
+/// The lines printed when a job fails for good: the root cause (the generation's first
+/// failure, wherever it happened), its error, and its last stderr lines.
+fn root_cause(job: &str, f: &pb::FailureInfo) -> String {
+    let mut text = if f.node_id.is_empty() {
+        format!(
+            "muster-agent: job {job} failed: rank {} (node {}, host {}) {}\n",
+            f.rank, f.node_rank, f.host, f.reason
+        )
+    } else {
+        format!("muster-agent: job {job} failed: {}\n", f.reason)
+    };
+    if !f.error_message.is_empty() {
+        let _ = writeln!(text, "muster-agent: error: {}", f.error_message.trim_end());
+    }
+    if !f.error_traceback.is_empty() {
+        let _ = writeln!(text, "muster-agent: traceback of rank {}:", f.rank);
+        for line in f.error_traceback.lines() {
+            let _ = writeln!(text, "    {line}");
+        }
+    }
+    if f.node_id.is_empty() {
+        if f.stderr_tail.is_empty() {
+            let _ = writeln!(text, "muster-agent: rank {} wrote nothing to stderr", f.rank);
+        } else {
+            let _ = writeln!(text, "muster-agent: last stderr lines of rank {}:", f.rank);
+            for line in f.stderr_tail.lines() {
+                let _ = writeln!(text, "    {line}");
+            }
+        }
+    }
+    text
 }
 
 async fn sleep_until(deadline: Option<tokio::time::Instant>) {
@@ -651,33 +1120,6 @@ fn workers(n: usize) -> String {
     } else {
         format!("{n} workers")
     }
-}
-
-/// The lines printed when a job fails: the root cause, then its last stderr lines.
-fn failure_summary(job: &str, failure: &Exit) -> String {
-    let mut text = format!(
-        "muster-agent: job {job} failed: rank {} (local rank {}) {}\n",
-        failure.rank,
-        failure.local_rank,
-        failure.reason()
-    );
-    if failure.stderr_tail.is_empty() {
-        let _ = writeln!(
-            text,
-            "muster-agent: rank {} wrote nothing to stderr",
-            failure.rank
-        );
-    } else {
-        let _ = writeln!(
-            text,
-            "muster-agent: last stderr lines of rank {}:",
-            failure.rank
-        );
-        for line in &failure.stderr_tail {
-            let _ = writeln!(text, "    {line}");
-        }
-    }
-    text
 }
 
 /// This machine's host name ("localhost" if it cannot be read).
@@ -705,8 +1147,6 @@ fn sanitize(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::os::unix::process::ExitStatusExt;
-    use std::process::ExitStatus;
 
     #[test]
     fn exit_codes() {
@@ -718,22 +1158,40 @@ mod tests {
 
     #[test]
     fn summaries() {
-        let exit = |raw, tail: &[&str]| Exit {
+        let info = |tail: &str, err: &str| pb::FailureInfo {
             rank: 5,
-            local_rank: 1,
-            status: Ok(ExitStatus::from_raw(raw)),
-            stderr_tail: tail.iter().map(|s| (*s).to_owned()).collect(),
+            node_rank: 1,
+            host: "h1".into(),
+            reason: "exited with status 3".into(),
+            stderr_tail: tail.into(),
+            error_message: err.into(),
+            ..Default::default()
         };
         assert_eq!(
-            failure_summary("j", &exit(3 << 8, &["Traceback", "boom"])),
-            "muster-agent: job j failed: rank 5 (local rank 1) exited with status 3\n\
+            root_cause("j", &info("Traceback\nboom", "ValueError: boom")),
+            "muster-agent: job j failed: rank 5 (node 1, host h1) exited with status 3\n\
+             muster-agent: error: ValueError: boom\n\
              muster-agent: last stderr lines of rank 5:\n    Traceback\n    boom\n"
         );
         assert_eq!(
-            failure_summary("j", &exit(9, &[])),
-            "muster-agent: job j failed: rank 5 (local rank 1) killed by signal 9 (SIGKILL)\n\
+            root_cause("j", &info("", "")),
+            "muster-agent: job j failed: rank 5 (node 1, host h1) exited with status 3\n\
              muster-agent: rank 5 wrote nothing to stderr\n"
         );
+        let lost = pb::FailureInfo {
+            node_id: "n1".into(),
+            reason: "node 1 (host h1, agent n1) was lost: its agent disconnected".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            root_cause("j", &lost),
+            "muster-agent: job j failed: node 1 (host h1, agent n1) was lost: its agent disconnected\n"
+        );
+    }
+
+    #[tokio::test]
+    async fn advertise_address_routes_to_the_coordinator() {
+        assert_eq!(advertise_default("127.0.0.1:29470").await, "127.0.0.1");
     }
 
     #[test]

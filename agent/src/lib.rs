@@ -9,11 +9,17 @@
 //! The binary (`main.rs`) only parses the command line ([`cli::parse`]) and calls
 //! [`launch::run`]; tests call both directly.
 
+pub mod accelerate_config;
 pub mod cli;
+pub mod daemon;
 pub mod env;
+pub mod error_file;
+pub mod gpu;
+pub mod guard;
 pub mod launch;
 pub mod program;
 pub mod relay;
+pub mod watch;
 pub mod worker;
 
 pub use cli::{LaunchSpec, Parsed, UsageError};

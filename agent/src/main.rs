@@ -8,6 +8,10 @@ use std::time::Duration;
 const DEFAULT_LOG_FILTER: &str = "warn,muster_coordinator=error";
 
 fn main() -> ExitCode {
+    // `muster-agent __guard PID` is the agent's guardian process (guard.rs), not a command.
+    if let Some(code) = muster_agent::guard::dispatch() {
+        return code;
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env()
@@ -19,6 +23,27 @@ fn main() -> ExitCode {
     let path = std::env::var_os("PATH");
     let spec = match cli::parse(std::env::args_os(), path.as_deref()) {
         Ok(Parsed::Launch(spec)) => spec,
+        Ok(Parsed::Daemon(request)) => {
+            let runtime = match tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    eprintln!("muster-agent: cannot start the async runtime: {e}");
+                    return ExitCode::from(LAUNCH_ERROR_EXIT);
+                }
+            };
+            let code = match runtime.block_on(muster_agent::daemon::run(request)) {
+                Ok(code) => code,
+                Err(e) => {
+                    eprintln!("muster-agent: {e}");
+                    LAUNCH_ERROR_EXIT
+                }
+            };
+            runtime.shutdown_timeout(Duration::from_millis(200));
+            return ExitCode::from(code);
+        }
         Ok(Parsed::Exit(code)) => return ExitCode::from(u8::try_from(code).unwrap_or(USAGE_EXIT)),
         Err(e) => {
             eprintln!("muster-agent: {e}");

@@ -14,6 +14,9 @@ pub struct Program {
     pub path: PathBuf,
     /// Its arguments.
     pub args: Vec<OsString>,
+    /// Extra environment for every worker (a submitted job's `env`), on top of the agent's
+    /// own; muster's variables (`docs/contract.md`) are set after these and win.
+    pub env: Vec<(String, String)>,
 }
 
 /// Why a program cannot be run.
@@ -69,7 +72,12 @@ impl Program {
             .find(|candidate| is_executable(candidate))
             .ok_or(ProgramError::NotInPath(shown))?
         };
-        Ok(Self { name, path, args })
+        Ok(Self {
+            name,
+            path,
+            args,
+            env: Vec::new(),
+        })
     }
 }
 

@@ -1,13 +1,16 @@
 //! One worker process: spawned in a process group of its own with its environment, its output
-//! pumped line by line to the agent's stdout and stderr under a `[rank R] ` prefix, signalled
-//! as a group, and killed (the whole group) if the agent drops it while it still runs.
+//! pumped line by line to the agent's stdout and stderr under a `[rank R] ` prefix (and to
+//! per-rank log files with `--log-dir`), signalled as a group, and killed (the whole group) if
+//! the agent drops it while it still runs.
 
 use crate::program::Program;
 use nix::sys::signal::{Signal, killpg};
 use nix::unistd::Pid;
 use std::collections::VecDeque;
+use std::fs::File;
 use std::io::Write;
 use std::os::unix::process::ExitStatusExt;
+use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -89,6 +92,88 @@ pub fn signal_name(sig: i32) -> String {
     Signal::try_from(sig).map_or_else(|_| format!("signal {sig}"), |s| s.as_str().to_owned())
 }
 
+/// Where workers' output goes (`--log-dir`, `--local-ranks-filter`): validated once, then
+/// turned into an [`AttemptOutput`] for each generation's workers.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct OutputSpec {
+    /// Per-rank log files under `DIR/<job>/attempt_<restart>/rank_<R>/{stdout,stderr}.log`, as
+    /// torchrun's `--log-dir` (but named by global rank, so nodes can share one folder).
+    pub log_dir: Option<PathBuf>,
+    /// The local ranks whose output reaches the console (prefixed); `None`: all of them. Log
+    /// files and the stderr tail kept for failure reports are not filtered.
+    pub console_ranks: Option<Vec<u32>>,
+}
+
+impl OutputSpec {
+    /// The output of one generation: `restart_count` names its log folder.
+    pub fn for_attempt(&self, job_id: &str, restart_count: u32) -> AttemptOutput<'_> {
+        AttemptOutput {
+            spec: self,
+            dir: self.attempt_dir(job_id, restart_count),
+        }
+    }
+
+    /// `DIR/<job>/attempt_<restart_count>`, when there is a log folder.
+    pub fn attempt_dir(&self, job_id: &str, restart_count: u32) -> Option<PathBuf> {
+        // A job id is [A-Za-z0-9._-]; one made only of dots must not climb out of DIR.
+        let job = if job_id.bytes().all(|b| b == b'.') {
+            format!("job{job_id}")
+        } else {
+            job_id.to_owned()
+        };
+        self.log_dir
+            .as_ref()
+            .map(|d| d.join(job).join(format!("attempt_{restart_count}")))
+    }
+
+    /// Whether local rank `local_rank`'s output reaches the console.
+    pub fn on_console(&self, local_rank: u32) -> bool {
+        self.console_ranks
+            .as_ref()
+            .is_none_or(|ranks| ranks.contains(&local_rank))
+    }
+}
+
+/// [`OutputSpec`] for one generation's workers (what [`Worker::spawn`] takes).
+#[derive(Debug, Clone)]
+pub struct AttemptOutput<'a> {
+    spec: &'a OutputSpec,
+    dir: Option<PathBuf>,
+}
+
+impl AttemptOutput<'_> {
+    /// The rank's folder of log files, when there is one.
+    pub fn rank_dir(&self, rank: u32) -> Option<PathBuf> {
+        self.dir.as_ref().map(|d| d.join(format!("rank_{rank}")))
+    }
+
+    /// Creates the rank's log folder and its (truncated) `stdout.log` and `stderr.log`.
+    fn open_logs(&self, rank: u32) -> std::io::Result<Option<(Log, Log)>> {
+        let Some(dir) = self.rank_dir(rank) else {
+            return Ok(None);
+        };
+        let context = |path: &Path, e: std::io::Error| {
+            std::io::Error::new(e.kind(), format!("cannot create {}: {e}", path.display()))
+        };
+        std::fs::create_dir_all(&dir).map_err(|e| context(&dir, e))?;
+        let open = |name: &str| {
+            let path = dir.join(name);
+            match File::create(&path) {
+                Ok(file) => Ok(Log { file, path }),
+                Err(e) => Err(context(&path, e)),
+            }
+        };
+        Ok(Some((open("stdout.log")?, open("stderr.log")?)))
+    }
+}
+
+/// An open log file and its path (for the message if writing to it fails).
+#[derive(Debug)]
+struct Log {
+    file: File,
+    path: PathBuf,
+}
+
 /// Where a pumped stream goes.
 #[derive(Debug, Clone, Copy)]
 enum Sink {
@@ -100,18 +185,24 @@ type Tail = Arc<Mutex<VecDeque<String>>>;
 
 impl Worker {
     /// Spawns one worker: its own process group, stdin from /dev/null, stdout and stderr piped
-    /// into pump tasks. Returns the handle and a future that resolves when the worker has
-    /// exited and its output has been written out (bounded by [`OUTPUT_DRAIN`]); the future
-    /// is `'static` so that the supervisor can poll many at once.
+    /// into pump tasks that write to the console (unless `output` filters the rank out) and to
+    /// the rank's log files (created first, so a folder that cannot be written is an error
+    /// before anything runs). Returns the handle and a future that resolves when the worker
+    /// has exited and its output has been written out (bounded by [`OUTPUT_DRAIN`]); the
+    /// future is `'static` so that the supervisor can poll many at once.
     pub fn spawn(
         program: &Program,
         env: &[(&'static str, String)],
         rank: u32,
         local_rank: u32,
+        output: &AttemptOutput<'_>,
     ) -> std::io::Result<(Self, impl Future<Output = Exit> + Send + 'static)> {
+        let (out_log, err_log) = output.open_logs(rank)?.unzip();
+        let console = output.spec.on_console(local_rank);
         let mut child = Command::new(&program.path)
             .arg0(&program.name)
             .args(&program.args)
+            .envs(program.env.iter().map(|(k, v)| (k, v)))
             .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -124,6 +215,7 @@ impl Worker {
             .and_then(|p| i32::try_from(p).ok())
             .ok_or_else(|| std::io::Error::other("the spawned worker has no pid"))?;
         let pid = Pid::from_raw(raw_pid);
+        crate::guard::register(pid);
         let prefix: Arc<[u8]> = format!("[rank {rank}] ").into_bytes().into();
         let tail: Tail = Arc::new(Mutex::new(VecDeque::with_capacity(STDERR_TAIL_LINES)));
         let mut pumps = Vec::with_capacity(2);
@@ -131,7 +223,8 @@ impl Worker {
             pumps.push(tokio::spawn(pump(
                 out,
                 Arc::clone(&prefix),
-                Sink::Stdout,
+                console.then_some(Sink::Stdout),
+                out_log,
                 None,
             )));
         }
@@ -139,7 +232,8 @@ impl Worker {
             pumps.push(tokio::spawn(pump(
                 err,
                 prefix,
-                Sink::Stderr,
+                console.then_some(Sink::Stderr),
+                err_log,
                 Some(Arc::clone(&tail)),
             )));
         }
@@ -210,6 +304,8 @@ async fn wait(
             p.abort();
         }
     }
+    // Reaped and drained (or its group killed): nothing is left for the guardian to kill.
+    crate::guard::unregister(pid);
     let stderr_tail = tail
         .lock()
         .map(|t| t.iter().cloned().collect())
@@ -222,13 +318,22 @@ async fn wait(
     }
 }
 
-/// Copies `src` line by line to `sink`, each line prefixed and written whole under the
-/// stream's lock; lines already buffered are batched into one write. Keeps the last lines in
-/// `tail` when given. Ends at end of file or on a read error.
-async fn pump(src: impl AsyncRead + Unpin, prefix: Arc<[u8]>, sink: Sink, tail: Option<Tail>) {
+/// Copies `src` line by line to `sink` (when given), each line prefixed and written whole
+/// under the stream's lock, and to `log` (when given) as it came; lines already buffered are
+/// batched into one write. Keeps the last lines in `tail` when given, whatever is shown. Ends
+/// at end of file or on a read error. The log file is written with blocking calls, like the
+/// console: both are local, buffered writes of up to 64 KiB.
+async fn pump(
+    src: impl AsyncRead + Unpin,
+    prefix: Arc<[u8]>,
+    sink: Option<Sink>,
+    mut log: Option<Log>,
+    tail: Option<Tail>,
+) {
     let mut reader = BufReader::with_capacity(64 * 1024, src);
     let mut line = Vec::with_capacity(256);
     let mut out = Vec::with_capacity(4096);
+    let mut raw = Vec::with_capacity(if log.is_some() { 4096 } else { 0 });
     loop {
         line.clear();
         match reader.read_until(b'\n', &mut line).await {
@@ -242,19 +347,43 @@ async fn pump(src: impl AsyncRead + Unpin, prefix: Arc<[u8]>, sink: Sink, tail: 
         if line.last() != Some(&b'\n') {
             line.push(b'\n');
         }
-        out.extend_from_slice(&prefix);
-        out.extend_from_slice(&line);
+        if sink.is_some() {
+            out.extend_from_slice(&prefix);
+            out.extend_from_slice(&line);
+        }
+        if log.is_some() {
+            raw.extend_from_slice(&line);
+        }
         if let Some(tail) = &tail {
             remember(tail, &line);
         }
-        if out.len() >= 64 * 1024 || !reader.buffer().contains(&b'\n') {
-            write(sink, &out);
-            out.clear();
+        if out.len().max(raw.len()) >= 64 * 1024 || !reader.buffer().contains(&b'\n') {
+            flush(sink, &mut out, &mut log, &mut raw);
         }
     }
-    if !out.is_empty() {
-        write(sink, &out);
+    flush(sink, &mut out, &mut log, &mut raw);
+}
+
+/// Writes out and empties the pending console and log bytes. A log file that fails is closed
+/// (with one message) so that the worker's output keeps flowing to the console.
+fn flush(sink: Option<Sink>, out: &mut Vec<u8>, log: &mut Option<Log>, raw: &mut Vec<u8>) {
+    if let Some(sink) = sink
+        && !out.is_empty()
+    {
+        write(sink, out);
     }
+    out.clear();
+    if let Some(Log { file, path }) = log
+        && !raw.is_empty()
+        && let Err(e) = file.write_all(raw)
+    {
+        eprintln!(
+            "muster-agent: cannot write {}: {e}; the rest of this output is not logged there",
+            path.display()
+        );
+        *log = None;
+    }
+    raw.clear();
 }
 
 /// Writes whole lines to the agent's stdout or stderr. A closed or failing stream loses the

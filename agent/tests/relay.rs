@@ -163,6 +163,7 @@ fn assignment(addr: &str, n: &pb::JoinResponse) -> NodeAssignment {
         master_addr: HOST.to_owned(),
         master_port: 1,
         agent_socket: None,
+        error_dir: None,
     }
 }
 

@@ -19,6 +19,9 @@ pub type Outbox = mpsc::UnboundedSender<Result<pb::CoordinatorMessage, Status>>;
 /// Where a relaying agent's answers go.
 pub type RelayOutbox = mpsc::UnboundedSender<Result<pb::RelayEvent, Status>>;
 
+/// Where a node's watch events go (its agent's `Rendezvous.Watch` stream).
+pub type NodeOutbox = mpsc::UnboundedSender<Result<pb::NodeEvent, Status>>;
+
 /// How a job's rounds are formed (validated `RendezvousConfig`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RoundConfig {
@@ -30,6 +33,8 @@ pub struct RoundConfig {
     pub last_call: Duration,
     /// How long a round may stay open.
     pub join_timeout: Duration,
+    /// Restarts allowed after failed generations.
+    pub max_restarts: u32,
 }
 
 /// A validated join.
@@ -58,14 +63,68 @@ pub struct Failure {
     pub reason: String,
     /// Whether the reason came from the agent (exit status) rather than a dropped session.
     precise: bool,
+    /// What the agent reported beyond the reason.
+    pub detail: FailureDetail,
+    /// The failed node's id, for a node-level failure (a lost agent).
+    pub node_id: String,
+}
+
+/// What an agent reports about a worker's end beyond the one-line reason.
+#[derive(Debug, Clone, Default)]
+pub struct FailureDetail {
+    /// The exit code, when the worker exited.
+    pub exit_code: Option<i32>,
+    /// The signal number, when a signal ended it.
+    pub signal: Option<i32>,
+    /// Its structured error (error file) message and traceback.
+    pub error_message: String,
+    /// The traceback of that error.
+    pub error_traceback: String,
+    /// Its last stderr lines.
+    pub stderr_tail: String,
+}
+
+/// Why a job is over for good.
+#[derive(Debug, Clone)]
+enum Done {
+    /// A generation failed with no restarts left.
+    Failed(String),
+    /// An operator cancelled it.
+    Cancelled(String),
 }
 
 impl Failure {
     fn describe(&self, job: &JobId, generation: u64) -> String {
-        format!(
+        let mut text = format!(
             "rank {} (node {}, host {}) of job '{job}' generation {generation} failed: {}",
             self.rank, self.node_rank, self.host, self.reason
-        )
+        );
+        let d = &self.detail;
+        if !d.error_message.is_empty() {
+            let _ = write!(text, "; error: {}", d.error_message.trim_end());
+        }
+        if !d.stderr_tail.is_empty() {
+            let n = d.stderr_tail.chars().count();
+            let tail: String = d.stderr_tail.chars().skip(n.saturating_sub(2048)).collect();
+            let _ = write!(text, "; last stderr: {}", tail.trim_end());
+        }
+        text
+    }
+
+    fn to_info(&self, generation: u64) -> pb::FailureInfo {
+        pb::FailureInfo {
+            rank: self.rank,
+            node_rank: self.node_rank,
+            host: self.host.clone(),
+            reason: self.reason.clone(),
+            generation,
+            exit_code: self.detail.exit_code,
+            signal: self.detail.signal,
+            error_message: self.detail.error_message.clone(),
+            error_traceback: self.detail.error_traceback.clone(),
+            stderr_tail: self.detail.stderr_tail.clone(),
+            node_id: self.node_id.clone(),
+        }
     }
 
     fn to_error(&self, job: &JobId, generation: u64) -> pb::BarrierError {
@@ -110,6 +169,10 @@ struct NodeSlot {
     relay: Option<RelayOutbox>,
     /// The relay's latest report of the waits it holds, and when it came.
     report: Option<(Instant, Vec<pb::BarrierInfo>)>,
+    /// The agent's watch stream (its lease), and which attach it was (a reconnect replaces it).
+    watch: Option<(u64, NodeOutbox)>,
+    /// Every worker of the node exited 0.
+    finished: bool,
 }
 
 struct RankSlot {
@@ -156,6 +219,8 @@ struct Gen {
     ranks: Vec<RankSlot>,
     barriers: HashMap<BarrierKey, Barrier>,
     failure: Option<Failure>,
+    /// The event sent to watchers when the generation ended (and to those who attach later).
+    ended: Option<pb::GenerationEnded>,
     left: u32,
     next_token: u64,
 }
@@ -168,9 +233,13 @@ enum Phase {
 struct JobState {
     config: RoundConfig,
     generation: u64,
-    rounds_closed: u32,
+    /// Restarts after failed generations so far.
+    restarts: u32,
     next_round_seq: u64,
     phase: Phase,
+    /// Set when the job is over for good; joins are refused with this.
+    done: Option<Done>,
+    next_watch: u64,
 }
 
 /// A job: its lock-protected state plus a change signal for waiters of published values.
@@ -317,6 +386,18 @@ impl Gen {
         }
     }
 
+    /// Sends `ended` to every node's watcher and keeps it for watchers that attach later.
+    fn end(&mut self, ended: pb::GenerationEnded) {
+        for node in &self.nodes {
+            if let Some((_, w)) = &node.watch {
+                let _ = w.send(Ok(pb::NodeEvent {
+                    kind: Some(pb::node_event::Kind::Ended(ended.clone())),
+                }));
+            }
+        }
+        self.ended = Some(ended);
+    }
+
     /// Tells every relaying agent that the generation is over, with `error`.
     fn relays_failed(&self, error: &pb::BarrierError) {
         for n in 0..self.nodes.len() {
@@ -399,8 +480,10 @@ impl Job {
             state: Mutex::new(JobState {
                 config,
                 generation: 1,
-                rounds_closed: 0,
+                restarts: 0,
                 next_round_seq: 1,
+                done: None,
+                next_watch: 1,
                 phase: Phase::Open(OpenRound {
                     seq: 0,
                     joiners: vec![],
@@ -442,6 +525,21 @@ impl Job {
     ) -> Result<(u64, oneshot::Receiver<Result<pb::JoinResponse, Status>>), Status> {
         let mut st = self.lock();
         let config = st.config;
+        match &st.done {
+            Some(Done::Failed(why)) => {
+                return Err(Status::failed_precondition(format!(
+                    "job '{}' is over: {why}; start it again under a new job id",
+                    self.id
+                )));
+            }
+            Some(Done::Cancelled(why)) => {
+                return Err(Status::failed_precondition(format!(
+                    "job '{}' was cancelled: {why}",
+                    self.id
+                )));
+            }
+            None => {}
+        }
         if let Some(r) = req.requested
             && r >= config.max_nodes
         {
@@ -563,17 +661,32 @@ impl Job {
 
     fn open_next_round(&self, st: &mut JobState) {
         let old = st.generation;
+        let (restarts, max_restarts) = (st.restarts, st.config.max_restarts);
+        let mut restart = false;
         if let Phase::Running(g) = &mut st.phase {
-            let err = simple_error(
-                ErrKind::StaleGeneration,
-                format!(
-                    "generation {old} of job '{}' was superseded by generation {}: a node joined a new rendezvous round",
-                    self.id,
-                    old + 1
-                ),
+            let message = format!(
+                "generation {old} of job '{}' was superseded by generation {}: a node joined a new rendezvous round",
+                self.id,
+                old + 1
             );
+            let err = simple_error(ErrKind::StaleGeneration, message.clone());
             g.fail_all_barriers(&err);
             g.relays_failed(&err);
+            restart = g.failure.is_some();
+            if g.ended.is_none() {
+                g.end(pb::GenerationEnded {
+                    generation: old,
+                    cause: pb::generation_ended::Cause::Superseded as i32,
+                    rejoin: true,
+                    failure: None,
+                    message,
+                    restart_count: restarts,
+                    max_restarts,
+                });
+            }
+        }
+        if restart {
+            st.restarts += 1;
         }
         st.generation += 1;
         st.phase = Phase::Open(OpenRound {
@@ -628,6 +741,8 @@ impl Job {
                 rank_offset: offset,
                 relay: None,
                 report: None,
+                watch: None,
+                finished: false,
             });
             for _ in 0..j.req.local_world_size {
                 ranks.push(RankSlot {
@@ -646,7 +761,8 @@ impl Job {
         }
         let world_size = offset;
         let generation = st.generation;
-        let restart_count = st.rounds_closed;
+        let restart_count = st.restarts;
+        let max_restarts = st.config.max_restarts;
         let master_host = nodes.first().map(|n| n.host.clone()).unwrap_or_default();
         for (node_rank, j) in joiners.into_iter().enumerate() {
             let node = &nodes[node_rank];
@@ -660,16 +776,17 @@ impl Job {
                 world_size,
                 master_host: master_host.clone(),
                 restart_count,
+                max_restarts,
             }));
         }
         tracing::info!(job = %self.id, generation, nodes = n, world_size, "rendezvous round closed");
-        st.rounds_closed += 1;
         st.phase = Phase::Running(Gen {
             generation,
             nodes,
             ranks,
             barriers: HashMap::new(),
             failure: None,
+            ended: None,
             left: 0,
             next_token: 1,
         });
@@ -1126,49 +1243,267 @@ impl Job {
     }
 
     /// Marks `rank` failed and fails its generation (if it is the first failure): every
-    /// pending barrier of the generation gets an error naming the rank. `precise` reasons
-    /// (from the agent: exit status, signal) replace a first reason that was only "session
-    /// lost".
-    pub fn fail_rank(&self, generation: u64, rank: u32, reason: String, precise: bool) {
+    /// pending barrier of the generation gets an error naming the rank, and every node's agent
+    /// learns whether to restart. A `detail` (from the agent: exit status, signal, error file)
+    /// replaces a first reason that was only "session lost".
+    pub fn fail_rank(
+        &self,
+        generation: u64,
+        rank: u32,
+        reason: String,
+        detail: Option<FailureDetail>,
+    ) {
         let mut st = self.lock();
-        let id = self.id.clone();
         let Ok(g) = self.running(&mut st, generation) else {
             return;
         };
         let Some(slot) = g.ranks.get_mut(rank as usize) else {
             return;
         };
+        let precise = detail.is_some();
         if slot.state == RankState::Left && !precise {
             return;
         }
         slot.state = RankState::Failed;
         slot.outbox = None;
-        let loc = g.location(rank);
-        match &mut g.failure {
-            Some(f) => {
-                if f.rank == rank && precise && !f.precise {
-                    f.reason = reason;
-                    f.precise = true;
+        if let Some(f) = &mut g.failure {
+            if f.rank == rank && precise && !f.precise {
+                f.reason = reason;
+                f.precise = true;
+                f.detail = detail.unwrap_or_default();
+                // Tell the agents again: they print the most precise reason they heard.
+                if let Some(ended) = &g.ended
+                    && ended.cause == pb::generation_ended::Cause::Failed as i32
+                {
+                    let mut ended = ended.clone();
+                    ended.failure = Some(f.to_info(generation));
+                    g.end(ended);
                 }
-                return;
             }
-            None => {
-                g.failure = Some(Failure {
-                    rank,
-                    node_rank: loc.node_rank,
-                    host: loc.host,
-                    reason,
-                    precise,
+            return;
+        }
+        let loc = g.location(rank);
+        let failure = Failure {
+            rank,
+            node_rank: loc.node_rank,
+            host: loc.host,
+            reason,
+            precise,
+            detail: detail.unwrap_or_default(),
+            node_id: String::new(),
+        };
+        self.fail_generation(&mut st, generation, failure);
+    }
+
+    /// A node's agent went away or went silent while its ranks ran: fails the generation
+    /// naming the node (and its first live rank).
+    pub fn node_lost(&self, generation: u64, node_rank: u32, watch_id: u64, why: &str) {
+        let mut st = self.lock();
+        let Ok(g) = self.running(&mut st, generation) else {
+            return;
+        };
+        let Some(node) = g.nodes.get_mut(node_rank as usize) else {
+            return;
+        };
+        if node.watch.as_ref().is_some_and(|(id, _)| *id != watch_id) {
+            // A newer stream of the same agent replaced this one.
+            return;
+        }
+        // Dropping the outbox ends the stream's answers.
+        node.watch = None;
+        if node.finished {
+            return;
+        }
+        let range = node.rank_offset..node.rank_offset + node.local_world_size;
+        let Some(rank) = range.clone().find(|r| {
+            matches!(
+                g.ranks[*r as usize].state,
+                RankState::Pending | RankState::Running
+            )
+        }) else {
+            return;
+        };
+        let node_id = node.node_id.clone();
+        let host = node.host.clone();
+        for r in range {
+            let slot = &mut g.ranks[r as usize];
+            if matches!(slot.state, RankState::Pending | RankState::Running) {
+                slot.state = RankState::Failed;
+                slot.outbox = None;
+            }
+        }
+        if g.failure.is_some() {
+            return;
+        }
+        let failure = Failure {
+            rank,
+            node_rank,
+            host: host.clone(),
+            reason: format!("node {node_rank} (host {host}, agent {node_id}) was lost: {why}"),
+            precise: true,
+            detail: FailureDetail::default(),
+            node_id,
+        };
+        self.fail_generation(&mut st, generation, failure);
+    }
+
+    /// Records the generation's first failure, fails its waits, tells the agents whether to
+    /// restart, and marks the job over when no restart is left. Takes the lock's guard and
+    /// releases it.
+    fn fail_generation(&self, st: &mut MutexGuard<'_, JobState>, generation: u64, f: Failure) {
+        let (restarts, max_restarts) = (st.restarts, st.config.max_restarts);
+        let rejoin = restarts < max_restarts;
+        let id = self.id.clone();
+        let text = f.describe(&id, generation);
+        if !rejoin {
+            st.done = Some(Done::Failed(if max_restarts == 0 {
+                text.clone()
+            } else {
+                format!("{text} (no restarts left: {restarts} of {max_restarts} used)")
+            }));
+        }
+        let Ok(g) = self.running(st, generation) else {
+            return;
+        };
+        tracing::warn!(job = %id, generation, rejoin, "{text}");
+        let err = f.to_error(&id, generation);
+        let info = f.to_info(generation);
+        g.failure = Some(f);
+        g.fail_all_barriers(&err);
+        g.relays_failed(&err);
+        let message = if rejoin {
+            format!(
+                "{text}; restarting (restart {} of {max_restarts})",
+                restarts + 1
+            )
+        } else if max_restarts == 0 {
+            text
+        } else {
+            format!("{text}; no restarts left ({restarts} of {max_restarts} used)")
+        };
+        g.end(pb::GenerationEnded {
+            generation,
+            cause: pb::generation_ended::Cause::Failed as i32,
+            rejoin,
+            failure: Some(info),
+            message,
+            restart_count: restarts,
+            max_restarts,
+        });
+        self.notify();
+    }
+
+    /// Attaches a node's watch stream (replacing an earlier one of the same node). Answers
+    /// `attached`, then at once `ended` if the generation has already ended. Returns the
+    /// attach's id, which [`Job::node_lost`] takes.
+    pub fn watch(
+        &self,
+        generation: u64,
+        node_rank: u32,
+        node_id: &str,
+        outbox: NodeOutbox,
+        attached: pb::NodeAttached,
+    ) -> Result<u64, Status> {
+        let mut st = self.lock();
+        let watch_id = st.next_watch;
+        st.next_watch += 1;
+        let id = self.id.clone();
+        let g = self.running(&mut st, generation)?;
+        let Some(node) = g.nodes.get_mut(node_rank as usize) else {
+            return Err(Status::invalid_argument(format!(
+                "node rank {node_rank} is outside job '{id}' generation {generation} ({} nodes)",
+                g.nodes.len()
+            )));
+        };
+        if node.node_id != node_id {
+            return Err(Status::permission_denied(format!(
+                "node rank {node_rank} of job '{id}' generation {generation} is node '{}', not '{node_id}'",
+                node.node_id
+            )));
+        }
+        let _ = outbox.send(Ok(pb::NodeEvent {
+            kind: Some(pb::node_event::Kind::Attached(attached)),
+        }));
+        if let Some(ended) = &g.ended {
+            let _ = outbox.send(Ok(pb::NodeEvent {
+                kind: Some(pb::node_event::Kind::Ended(ended.clone())),
+            }));
+        }
+        node.watch = Some((watch_id, outbox));
+        Ok(watch_id)
+    }
+
+    /// A node's workers all exited 0: its ranks count as left (workers that never opened a
+    /// session included), and its watch stream may end without failing anything.
+    pub fn node_finished(&self, generation: u64, node_rank: u32) {
+        let mut st = self.lock();
+        let id = self.id.clone();
+        let Ok(g) = self.running(&mut st, generation) else {
+            return;
+        };
+        let Some(node) = g.nodes.get_mut(node_rank as usize) else {
+            return;
+        };
+        node.finished = true;
+        let range = node.rank_offset..node.rank_offset + node.local_world_size;
+        let mut newly_left = false;
+        for r in range {
+            let slot = &mut g.ranks[r as usize];
+            if matches!(slot.state, RankState::Pending | RankState::Running) {
+                slot.state = RankState::Left;
+                slot.outbox = None;
+                g.left += 1;
+                newly_left = true;
+            }
+        }
+        if newly_left {
+            let keys: Vec<BarrierKey> = g.barriers.keys().copied().collect();
+            for key in keys {
+                if let Some(err) = g.left_error(&key, &id) {
+                    let b = g.barriers.remove(&key).expect("key listed above");
+                    g.fail_barrier(key, b, &err);
+                }
+            }
+        }
+        drop(st);
+        self.notify();
+    }
+
+    /// Cancels the job: joiners of an open round and every wait of the running generation
+    /// get an error, the agents are told to stop, and later joins are refused.
+    pub fn cancel(&self, why: &str) -> bool {
+        let mut st = self.lock();
+        if st.done.is_some() {
+            return false;
+        }
+        st.done = Some(Done::Cancelled(why.to_owned()));
+        let (generation, restarts, max_restarts) =
+            (st.generation, st.restarts, st.config.max_restarts);
+        let message = format!("job '{}' was cancelled: {why}", self.id);
+        match &mut st.phase {
+            Phase::Open(round) => {
+                for j in round.joiners.drain(..) {
+                    let _ = j.reply.send(Err(Status::aborted(message.clone())));
+                }
+            }
+            Phase::Running(g) => {
+                let err = simple_error(ErrKind::Cancelled, message.clone());
+                g.fail_all_barriers(&err);
+                g.relays_failed(&err);
+                g.end(pb::GenerationEnded {
+                    generation,
+                    cause: pb::generation_ended::Cause::Cancelled as i32,
+                    rejoin: false,
+                    failure: None,
+                    message,
+                    restart_count: restarts,
+                    max_restarts,
                 });
             }
         }
-        let f = g.failure.clone().expect("set above");
-        tracing::warn!(job = %id, generation, "{}", f.describe(&id, generation));
-        let err = f.to_error(&id, generation);
-        g.fail_all_barriers(&err);
-        g.relays_failed(&err);
         drop(st);
         self.notify();
+        true
     }
 
     /// `rank` ends its session cleanly.
@@ -1213,11 +1548,12 @@ impl Job {
             max_nodes: st.config.max_nodes,
             last_call_ms: st.config.last_call.as_millis() as u64,
             join_timeout_ms: st.config.join_timeout.as_millis() as u64,
+            max_restarts: Some(st.config.max_restarts),
         };
         let mut resp = pb::DescribeJobResponse {
             summary: Some(self.summary_locked(&st)),
             config: Some(config),
-            restart_count: st.rounds_closed.saturating_sub(1),
+            restart_count: st.restarts,
             ..Default::default()
         };
         match &st.phase {
@@ -1318,12 +1654,7 @@ impl Job {
                         });
                     }
                 }
-                resp.failure = g.failure.as_ref().map(|f| pb::FailureInfo {
-                    rank: f.rank,
-                    node_rank: f.node_rank,
-                    host: f.host.clone(),
-                    reason: f.reason.clone(),
-                });
+                resp.failure = g.failure.as_ref().map(|f| f.to_info(g.generation));
             }
         }
         resp
@@ -1339,17 +1670,26 @@ impl Job {
         let mut s = pb::JobSummary {
             job_id: self.id.to_string(),
             generation: st.generation,
+            restart_count: st.restarts,
+            max_restarts: st.config.max_restarts,
+            done: st.done.is_some(),
             ..Default::default()
         };
         match &st.phase {
             Phase::Open(round) => {
-                s.state = pb::RoundState::Open as i32;
+                s.state = if matches!(st.done, Some(Done::Cancelled(_))) {
+                    pb::RoundState::Cancelled
+                } else {
+                    pb::RoundState::Open
+                } as i32;
                 s.nodes_waiting = round.joiners.len() as u32;
             }
             Phase::Running(g) => {
                 s.num_nodes = g.nodes.len() as u32;
                 s.world_size = g.ranks.len() as u32;
-                s.state = if g.failure.is_some() {
+                s.state = if matches!(st.done, Some(Done::Cancelled(_))) {
+                    pb::RoundState::Cancelled
+                } else if g.failure.is_some() {
                     pb::RoundState::Failed
                 } else if g.left as usize == g.ranks.len() {
                     pb::RoundState::Finished

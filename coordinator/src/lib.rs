@@ -8,6 +8,7 @@
 pub mod config;
 pub mod job;
 pub mod model;
+pub mod pool;
 pub mod service;
 pub mod store;
 
@@ -16,7 +17,8 @@ pub use store::{MemoryStore, Store};
 
 use muster_proto::v1 as pb;
 use service::{
-    Coordinator, OpsService, RelayService, RendezvousService, SessionService, ValuesService,
+    AgentsService, Coordinator, OpsService, RelayService, RendezvousService, SessionService,
+    ValuesService,
 };
 use std::future::Future;
 use std::sync::Arc;
@@ -89,6 +91,10 @@ pub async fn serve_with_store(
         )
         .add_service(
             pb::shared_values_server::SharedValuesServer::new(values)
+                .max_decoding_message_size(max),
+        )
+        .add_service(
+            pb::agents_server::AgentsServer::new(AgentsService(Arc::clone(&coordinator)))
                 .max_decoding_message_size(max),
         )
         .add_service(

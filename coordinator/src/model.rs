@@ -10,6 +10,8 @@ use tonic::Status;
 pub const MAX_LOCAL_WORLD_SIZE: u32 = 4096;
 /// Largest number of nodes a job may have.
 pub const MAX_NODES: u32 = 100_000;
+/// Largest restart budget a job may ask for.
+pub const MAX_RESTARTS: u32 = 10_000;
 /// Largest timeout a caller may ask for (one day): anything longer is a mistake.
 pub const MAX_WAIT: Duration = Duration::from_secs(24 * 3600);
 

@@ -3,8 +3,9 @@
 //! and in [`Values`] (key-value store, unique ids, shared values over the [`Store`]).
 
 use crate::config::Config;
-use crate::job::{Job, JoinReq, Outbox, RoundConfig};
+use crate::job::{FailureDetail, Job, JoinReq, Outbox, RoundConfig};
 use crate::model::{self, Invalid, JobId, Scope};
+use crate::pool::{self, Pool};
 use crate::store::{Store, StoreError};
 use muster_proto::v1 as pb;
 use std::collections::HashMap;
@@ -26,6 +27,9 @@ pub struct Coordinator {
     config: Config,
     store: Arc<dyn Store>,
     jobs: Mutex<HashMap<JobId, Arc<Job>>>,
+    /// Daemon agents and submitted jobs.
+    pool: Pool,
+    next_job: std::sync::atomic::AtomicU64,
 }
 
 impl Coordinator {
@@ -35,7 +39,30 @@ impl Coordinator {
             config,
             store,
             jobs: Mutex::new(HashMap::new()),
+            pool: Pool::default(),
+            next_job: std::sync::atomic::AtomicU64::new(1),
         })
+    }
+
+    /// Creates a job record for a submitted job, so that the ops view shows it before any
+    /// node joins; its agents' joins then agree with this configuration.
+    fn create_job(&self, spec: &pb::JobSpec) -> Result<(), Status> {
+        let id = JobId::parse(&spec.job_id)?;
+        let mut jobs = self.jobs();
+        if jobs.contains_key(&id) {
+            return Err(Status::already_exists(format!(
+                "job '{id}' already exists (launched or submitted before)"
+            )));
+        }
+        let config = RoundConfig {
+            min_nodes: spec.min_nodes,
+            max_nodes: spec.max_nodes,
+            last_call: self.config.last_call,
+            join_timeout: self.config.join_timeout,
+            max_restarts: spec.max_restarts,
+        };
+        jobs.insert(id.clone(), Job::new(id, config));
+        Ok(())
     }
 
     fn jobs(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, Arc<Job>>> {
@@ -54,8 +81,21 @@ impl Coordinator {
         c: Option<pb::RendezvousConfig>,
     ) -> Result<Option<RoundConfig>, Invalid> {
         let Some(c) = c else { return Ok(None) };
-        if c.min_nodes == 0 && c.max_nodes == 0 && c.last_call_ms == 0 && c.join_timeout_ms == 0 {
+        if c.min_nodes == 0
+            && c.max_nodes == 0
+            && c.last_call_ms == 0
+            && c.join_timeout_ms == 0
+            && c.max_restarts.is_none()
+        {
             return Ok(None);
+        }
+        if let Some(n) = c.max_restarts
+            && n > model::MAX_RESTARTS
+        {
+            return Err(Invalid(format!(
+                "max_restarts ({n}) is above the limit of {}",
+                model::MAX_RESTARTS
+            )));
         }
         let min_nodes = c.min_nodes.max(1);
         let max_nodes = if c.max_nodes == 0 {
@@ -81,6 +121,7 @@ impl Coordinator {
                 .unwrap_or(self.config.last_call),
             join_timeout: model::wait("join_timeout_ms", c.join_timeout_ms)?
                 .unwrap_or(self.config.join_timeout),
+            max_restarts: c.max_restarts.unwrap_or(0),
         }))
     }
 }
@@ -141,6 +182,12 @@ async fn first_message<T: prost::Message + Default>(
     }
 }
 
+/// The last `max` characters of `s` (what an agent reports may be long; the end matters).
+fn clip(s: &str, max: usize) -> String {
+    let n = s.chars().count();
+    s.chars().skip(n.saturating_sub(max)).collect()
+}
+
 fn deadline(field: &str, ms: u64) -> Result<Option<Instant>, Status> {
     Ok(model::wait(field, ms)?.map(|d| Instant::now() + d))
 }
@@ -148,6 +195,8 @@ fn deadline(field: &str, ms: u64) -> Result<Option<Instant>, Status> {
 // --------------------------------------------------------------------------------------------
 // Rendezvous
 // --------------------------------------------------------------------------------------------
+
+type WatchStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::NodeEvent, Status>> + Send>>;
 
 /// `muster.v1.Rendezvous`.
 #[derive(Clone)]
@@ -189,26 +238,32 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
             },
             requested: r.requested_node_rank,
         };
+        let restarts_unset = r.config.as_ref().is_none_or(|c| c.max_restarts.is_none());
         let config = self.0.round_config(r.config)?;
         let job = {
             let mut jobs = self.0.jobs();
             match jobs.get(&id) {
                 Some(job) => {
                     let have = job.config();
-                    if let Some(c) = config
-                        && c != have
-                    {
-                        return Err(Status::failed_precondition(format!(
-                            "job '{id}' exists with min_nodes={} max_nodes={} last_call_ms={} join_timeout_ms={}; this join asks for {}:{} {} {}",
-                            have.min_nodes,
-                            have.max_nodes,
-                            have.last_call.as_millis(),
-                            have.join_timeout.as_millis(),
-                            c.min_nodes,
-                            c.max_nodes,
-                            c.last_call.as_millis(),
-                            c.join_timeout.as_millis()
-                        )));
+                    if let Some(mut c) = config {
+                        if restarts_unset {
+                            c.max_restarts = have.max_restarts;
+                        }
+                        if c != have {
+                            return Err(Status::failed_precondition(format!(
+                                "job '{id}' exists with min_nodes={} max_nodes={} last_call_ms={} join_timeout_ms={} max_restarts={}; this join asks for {}:{} {} {} {}",
+                                have.min_nodes,
+                                have.max_nodes,
+                                have.last_call.as_millis(),
+                                have.join_timeout.as_millis(),
+                                have.max_restarts,
+                                c.min_nodes,
+                                c.max_nodes,
+                                c.last_call.as_millis(),
+                                c.join_timeout.as_millis(),
+                                c.max_restarts
+                            )));
+                        }
                     }
                     Arc::clone(job)
                 }
@@ -218,6 +273,7 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
                         max_nodes: 1,
                         last_call: self.0.config.last_call,
                         join_timeout: self.0.config.join_timeout,
+                        max_restarts: 0,
                     });
                     let job = Job::new(id.clone(), c);
                     jobs.insert(id, Arc::clone(&job));
@@ -243,6 +299,64 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
         answer?.map(Response::new)
     }
 
+    type WatchStream = WatchStream;
+
+    async fn watch(&self, request: Request<Streaming<pb::NodeMessage>>) -> Rpc<WatchStream> {
+        let hb = self.0.config.heartbeat_timeout;
+        let mut inbound = request.into_inner();
+        let first = first_message(&mut inbound, hb, "node watch").await?;
+        let Some(pb::node_message::Kind::Attach(a)) = first.kind else {
+            return Err(Status::invalid_argument(
+                "the first node watch message must be attach",
+            ));
+        };
+        let job = self.0.job(&a.job_id)?;
+        let generation = model::generation(a.generation)?;
+        let node_id = model::node_id(&a.node_id)?;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let attached = pb::NodeAttached {
+            heartbeat_interval_ms: self.0.config.heartbeat_interval().as_millis() as u64,
+            heartbeat_timeout_ms: hb.as_millis() as u64,
+        };
+        let watch_id = job.watch(generation, a.node_rank, &node_id, tx.clone(), attached)?;
+        let node_rank = a.node_rank;
+        // Task "node-watch", one per attached agent: it is the node's lease. It ends with the
+        // stream; if the node's ranks still run then, the generation fails naming the node.
+        tokio::spawn(async move {
+            use pb::node_message::Kind;
+            let why = loop {
+                match tokio::time::timeout(hb, inbound.message()).await {
+                    Err(_) => {
+                        break format!(
+                            "no heartbeat from its agent for {:.1}s (agent stopped, hung or partitioned)",
+                            hb.as_secs_f64()
+                        );
+                    }
+                    Ok(Err(status)) => {
+                        break format!("its agent's stream broke: {}", status.message());
+                    }
+                    Ok(Ok(None)) => break "its agent disconnected".to_owned(),
+                    Ok(Ok(Some(msg))) => match msg.kind {
+                        Some(Kind::Heartbeat(_)) => {
+                            let _ = tx.send(Ok(pb::NodeEvent {
+                                kind: Some(pb::node_event::Kind::Heartbeat(pb::Heartbeat {})),
+                            }));
+                        }
+                        Some(Kind::Finished(_)) => job.node_finished(generation, node_rank),
+                        Some(Kind::Attach(_)) | None => {
+                            let _ = tx.send(Err(Status::invalid_argument(
+                                "attach may only be the first node watch message",
+                            )));
+                            break "protocol error on its watch stream".to_owned();
+                        }
+                    },
+                }
+            };
+            job.node_lost(generation, node_rank, watch_id, &why);
+        });
+        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+    }
+
     async fn report_failure(
         &self,
         request: Request<pb::ReportFailureRequest>,
@@ -252,20 +366,14 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
         let generation = model::generation(r.generation)?;
         job.check_member(generation, r.rank)?;
         let reason = model::label("reason", &r.reason, 4096)?;
-        let mut reason = reason;
-        if !r.stderr_tail.is_empty() {
-            let tail: String = r
-                .stderr_tail
-                .chars()
-                .rev()
-                .take(2048)
-                .collect::<Vec<_>>()
-                .into_iter()
-                .rev()
-                .collect();
-            reason = format!("{reason}; last stderr: {}", tail.trim_end());
-        }
-        job.fail_rank(generation, r.rank, reason, true);
+        let detail = FailureDetail {
+            exit_code: r.exit_code,
+            signal: r.signal,
+            error_message: clip(&r.error_message, 4096),
+            error_traceback: clip(&r.error_traceback, 16384),
+            stderr_tail: clip(&r.stderr_tail, 8192),
+        };
+        job.fail_rank(generation, r.rank, reason, Some(detail));
         Ok(Response::new(pb::ReportFailureResponse {}))
     }
 }
@@ -389,7 +497,7 @@ async fn session_loop(
         // exit status and stderr: give that report a moment to arrive and name the cause.
         tokio::time::sleep(AGENT_REPORT_GRACE).await;
     }
-    job.fail_rank(generation, rank, reason, false);
+    job.fail_rank(generation, rank, reason, None);
 }
 
 /// The most waits one relay report may list.
@@ -848,5 +956,121 @@ impl pb::ops_server::Ops for OpsService {
     ) -> Rpc<pb::DescribeJobResponse> {
         let job = self.0.job(&request.into_inner().job_id)?;
         Ok(Response::new(job.describe()))
+    }
+
+    async fn submit_job(
+        &self,
+        request: Request<pb::SubmitJobRequest>,
+    ) -> Rpc<pb::SubmitJobResponse> {
+        let spec = request
+            .into_inner()
+            .spec
+            .ok_or_else(|| Status::invalid_argument("spec is missing"))?;
+        let spec = pool::check_spec(spec, || {
+            let n = self
+                .0
+                .next_job
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            format!("job-{t}-{n}")
+        })?;
+        let job_id = spec.job_id.clone();
+        let agents = self.0.pool.submit(spec, |spec| self.0.create_job(spec))?;
+        Ok(Response::new(pb::SubmitJobResponse { job_id, agents }))
+    }
+
+    async fn cancel_job(
+        &self,
+        request: Request<pb::CancelJobRequest>,
+    ) -> Rpc<pb::CancelJobResponse> {
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        let reason = if r.reason.is_empty() {
+            "cancelled by an operator".to_owned()
+        } else {
+            model::label("reason", &r.reason, 1024)?
+        };
+        let cancelled = job.cancel(&reason);
+        self.0.pool.cancel(&r.job_id, &reason);
+        Ok(Response::new(pb::CancelJobResponse { cancelled }))
+    }
+
+    async fn list_agents(&self, _: Request<pb::ListAgentsRequest>) -> Rpc<pb::ListAgentsResponse> {
+        Ok(Response::new(pb::ListAgentsResponse {
+            agents: self.0.pool.list(),
+        }))
+    }
+}
+
+// --------------------------------------------------------------------------------------------
+// Daemon agents
+// --------------------------------------------------------------------------------------------
+
+/// `muster.v1.Agents`.
+#[derive(Clone)]
+pub struct AgentsService(pub Arc<Coordinator>);
+
+type AgentStream =
+    Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::AgentCommand, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::agents_server::Agents for AgentsService {
+    type ServeStream = AgentStream;
+
+    async fn serve(&self, request: Request<Streaming<pb::AgentMessage>>) -> Rpc<AgentStream> {
+        let hb = self.0.config.heartbeat_timeout;
+        let mut inbound = request.into_inner();
+        let first = first_message(&mut inbound, hb, "agent stream").await?;
+        let Some(pb::agent_message::Kind::Register(info)) = first.kind else {
+            return Err(Status::invalid_argument(
+                "the first agent message must be register",
+            ));
+        };
+        pool::check_machine(&info)?;
+        let agent_id = info.agent_id.clone();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let _ = tx.send(Ok(pb::AgentCommand {
+            kind: Some(pb::agent_command::Kind::Registered(pb::AgentRegistered {
+                heartbeat_interval_ms: self.0.config.heartbeat_interval().as_millis() as u64,
+                heartbeat_timeout_ms: hb.as_millis() as u64,
+            })),
+        }));
+        let conn = self.0.pool.register(info, tx.clone());
+        let coordinator = Arc::clone(&self.0);
+        // Task "agent-stream", one per daemon agent: its lease. Ends with the stream (or its
+        // silence past the heartbeat timeout), which takes the agent out of the pool.
+        tokio::spawn(async move {
+            use pb::agent_message::Kind;
+            let why = loop {
+                match tokio::time::timeout(hb, inbound.message()).await {
+                    Err(_) => break format!("no heartbeat for {:.1}s", hb.as_secs_f64()),
+                    Ok(Err(status)) => break format!("stream broke: {}", status.message()),
+                    Ok(Ok(None)) => break "disconnected".to_owned(),
+                    Ok(Ok(Some(msg))) => {
+                        coordinator.pool.touch(&agent_id, conn);
+                        match msg.kind {
+                            Some(Kind::Heartbeat(_)) => {
+                                let _ = tx.send(Ok(pb::AgentCommand {
+                                    kind: Some(pb::agent_command::Kind::Heartbeat(
+                                        pb::Heartbeat {},
+                                    )),
+                                }));
+                            }
+                            Some(Kind::Update(u)) => coordinator.pool.job_ended(&agent_id, &u),
+                            Some(Kind::Register(_)) | None => {
+                                let _ = tx.send(Err(Status::invalid_argument(
+                                    "register may only be the first agent message",
+                                )));
+                                break "protocol error".to_owned();
+                            }
+                        }
+                    }
+                }
+            };
+            coordinator.pool.unregister(&agent_id, conn, &why);
+        });
+        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
     }
 }

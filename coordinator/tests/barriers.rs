@@ -106,6 +106,7 @@ async fn agent_report_gives_the_precise_reason() {
             exit_code: Some(3),
             signal: None,
             stderr_tail: "Traceback: boom\n".into(),
+            ..Default::default()
         })
         .await
         .unwrap();

@@ -13,6 +13,9 @@
 //! once with `cargo build`. A binary that exists is used as it is: after changing the agent or
 //! the SDK, run `cargo test --workspace` (or build them) rather than `-p muster-tests` alone.
 
+pub mod coordinator;
+pub mod netns;
+
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};

@@ -88,8 +88,10 @@ impl fmt::Debug for Accelerator {
 
 impl Accelerator {
     /// Reads the `MUSTER_*` environment, connects to the coordinator and registers this rank
-    /// (or runs as a single process when there is no `MUSTER_COORDINATOR`).
+    /// (or runs as a single process when there is no `MUSTER_COORDINATOR`). Installs the panic
+    /// hook that writes the worker's error file ([`crate::install_error_hook`]) first.
     pub fn from_env() -> Result<Self, Error> {
+        crate::install_error_hook();
         Self::new(RankInfo::from_env()?)
     }
 

@@ -56,6 +56,13 @@ pub enum Error {
         message: String,
     },
 
+    /// An operator cancelled the job; the process should exit (its agent stops it anyway).
+    #[error("job cancelled: {message}")]
+    Cancelled {
+        /// The coordinator's description (names the job and the reason).
+        message: String,
+    },
+
     /// A rank of the barrier already left the job cleanly, so the barrier can never complete.
     #[error("{}", about_rank(*.rank, *.node_rank, .host, "has already left the job", .message))]
     RankLeft {
@@ -250,6 +257,9 @@ impl Error {
                 host: error.host,
                 message: error.message,
             },
+            Ok(BarrierErrorKind::Cancelled) => Error::Cancelled {
+                message: error.message,
+            },
             Ok(BarrierErrorKind::Unspecified) => Error::Protocol(format!(
                 "the coordinator rejected {}: {}",
                 what(),
@@ -331,6 +341,7 @@ mod tests {
              rank 4 (node 2, host host-2), rank 5 (node 2, host host-2)",
         );
         check(BarrierErrorKind::StaleGeneration, "stale generation: why");
+        check(BarrierErrorKind::Cancelled, "job cancelled: why");
         check(
             BarrierErrorKind::RankLeft,
             "rank 3 (node 1, host host-b) has already left the job: why",

@@ -12,6 +12,9 @@
 //! - [`client`] is the async core ([`client::Coordinator`], [`client::Session`] and typed
 //!   wrappers over the key-value, unique-id and shared-value services), for async code and for
 //!   benchmarks that simulate many ranks in one process.
+//! - [`install_error_hook`] and [`record_error`] hand a fatal error (a panic's message and
+//!   backtrace) to the agent in the JSON file PyTorch's `@record` writes
+//!   (`TORCHELASTIC_ERROR_FILE`), so the agent reports it as the root cause.
 //! - [`Error`] is the one error type; its messages name the rank, node, host or barrier at
 //!   fault.
 //!
@@ -29,12 +32,14 @@ pub mod accelerator;
 pub mod client;
 pub mod env;
 pub mod error;
+pub mod error_file;
 pub mod relay;
 
 pub use accelerator::{Accelerator, KvStore};
 pub use client::{CasOutcome, Scope};
 pub use env::RankInfo;
 pub use error::{Error, RankLocation};
+pub use error_file::{install_error_hook, record_error};
 pub use muster_proto::NCCL_UNIQUE_ID_BYTES;
 
 /// Prints a formatted line once per machine (on the local main process), like Accelerate's

@@ -829,6 +829,7 @@ mod tests {
             master_addr: "host-a".into(),
             master_port: 1,
             agent_socket: None,
+            error_dir: None,
         }
     }
 

@@ -39,6 +39,7 @@ fn join_req(job: &str, node: u32, local: u32, nodes: u32) -> pb::JoinRequest {
             max_nodes: nodes,
             last_call_ms: 0,
             join_timeout_ms: 600_000,
+            max_restarts: None,
         }),
     }
 }

@@ -63,6 +63,7 @@ pub fn join_req(job: &str, node: &str, local: u32, min: u32, max: u32) -> pb::Jo
             max_nodes: max,
             last_call_ms: 200,
             join_timeout_ms: 60_000,
+            max_restarts: None,
         }),
     }
 }

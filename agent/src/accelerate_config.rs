@@ -1,0 +1,609 @@
+//! Accelerate's config file (`accelerate config` writes it, `accelerate launch --config_file`
+//! reads it), read by `muster-agent launch --config-file`: every key is checked, the ones muster
+//! honours are returned, the ones it cannot honour are named in warnings, and a value of the
+//! wrong kind is an error naming the key.
+//!
+//! The file is read as a YAML tree (YAML 1.2, so JSON files, which `accelerate config default`
+//! writes, are read too). Booleans also take PyYAML's YAML 1.1 spellings (`yes`, `no`, `on`,
+//! `off`), since Accelerate reads these files with PyYAML.
+
+use crate::gpu::GpuIds;
+use muster_coordinator::model;
+use yaml_rust2::{Yaml, YamlLoader};
+
+/// The settings of an Accelerate config file that muster honours; `None` where the file does
+/// not say (or says `null`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct AccelerateConfig {
+    /// `num_processes`: processes across all machines.
+    pub num_processes: Option<u32>,
+    /// `num_machines`.
+    pub num_machines: Option<u32>,
+    /// `machine_rank`: this machine's node rank.
+    pub machine_rank: Option<u32>,
+    /// `main_process_ip`: machine rank 0's address (MASTER_ADDR).
+    pub main_process_ip: Option<String>,
+    /// `main_process_port` (MASTER_PORT); 0 asks for a free one.
+    pub main_process_port: Option<u16>,
+    /// `gpu_ids`.
+    pub gpu_ids: Option<GpuIds>,
+    /// `mixed_precision`, lower case: `no`, `fp16`, `bf16` or `fp8`.
+    pub mixed_precision: Option<String>,
+    /// `use_cpu`.
+    pub use_cpu: Option<bool>,
+    /// `debug` (ACCELERATE_DEBUG_MODE).
+    pub debug: Option<bool>,
+    /// `enable_cpu_affinity` (ACCELERATE_CPU_AFFINITY).
+    pub enable_cpu_affinity: Option<bool>,
+    /// `max_restarts`.
+    pub max_restarts: Option<u32>,
+    /// `monitor_interval`, in seconds: checked, not used (muster learns of exits at once).
+    pub monitor_interval: Option<f64>,
+    /// What the file asks for that muster ignores, one line each, naming the key.
+    pub warnings: Vec<String>,
+}
+
+/// Why a config file cannot be used. The caller names the file.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// The file cannot be read.
+    #[error("cannot read it: {0}")]
+    Read(String),
+    /// Not YAML (or JSON).
+    #[error("is not valid YAML: {0}")]
+    Yaml(String),
+    /// YAML, but not one mapping of settings.
+    #[error("{0}; expected `key: value` settings as `accelerate config` writes them")]
+    Shape(String),
+    /// A value of the wrong kind or out of range.
+    #[error("{key}: {why}")]
+    Invalid {
+        /// The key.
+        key: String,
+        /// What is wrong with its value.
+        why: String,
+    },
+}
+
+/// Mixed precision modes Accelerate knows.
+pub const MIXED_PRECISION: [&str; 4] = ["no", "fp16", "bf16", "fp8"];
+
+/// Checks a mixed precision mode (`--mixed-precision`, the `mixed_precision` key), returning
+/// it in lower case.
+pub fn mixed_precision(s: &str) -> Result<String, String> {
+    let lower = s.trim().to_ascii_lowercase();
+    if MIXED_PRECISION.contains(&lower.as_str()) {
+        Ok(lower)
+    } else {
+        Err(format!(
+            "expected one of {}, found {s:?}",
+            MIXED_PRECISION.join(", ")
+        ))
+    }
+}
+
+/// Reads and checks the file at `path`.
+pub fn load(path: &std::path::Path) -> Result<AccelerateConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read(e.to_string()))?;
+    parse(&text)
+}
+
+/// Checks the text of a config file.
+pub fn parse(text: &str) -> Result<AccelerateConfig, ConfigError> {
+    let docs = YamlLoader::load_from_str(text).map_err(|e| ConfigError::Yaml(e.to_string()))?;
+    let root = match docs.as_slice() {
+        [] => return Err(ConfigError::Shape("the file is empty".to_owned())),
+        [root] => root,
+        more => {
+            return Err(ConfigError::Shape(format!(
+                "the file holds {} YAML documents",
+                more.len()
+            )));
+        }
+    };
+    let Yaml::Hash(settings) = root else {
+        return Err(ConfigError::Shape(format!(
+            "the file holds {}, not a mapping",
+            shown(root)
+        )));
+    };
+    let mut config = AccelerateConfig::default();
+    for (key, value) in settings {
+        let Yaml::String(key) = key else {
+            config
+                .warnings
+                .push(format!("key {} is not a setting name; ignored", shown(key)));
+            continue;
+        };
+        read_setting(&mut config, key, value)?;
+    }
+    Ok(config)
+}
+
+/// Settings muster cannot honour: a warning when they ask for something.
+const IGNORED_SECTIONS: [&str; 9] = [
+    "deepspeed_config",
+    "fsdp_config",
+    "megatron_lm_config",
+    "dynamo_config",
+    "ipex_config",
+    "mpirun_config",
+    "fp8_config",
+    "parallelism_config",
+    "sagemaker_config",
+];
+
+fn read_setting(config: &mut AccelerateConfig, key: &str, value: &Yaml) -> Result<(), ConfigError> {
+    let v = Value { key, value };
+    match key {
+        "num_processes" => config.num_processes = v.int(1, u64::from(u32::MAX))?,
+        "num_machines" => config.num_machines = v.int(1, u64::from(model::MAX_NODES))?,
+        "machine_rank" => config.machine_rank = v.int(0, u64::from(model::MAX_NODES) - 1)?,
+        "max_restarts" => config.max_restarts = v.int(0, u64::from(u32::MAX))?,
+        "main_process_port" => config.main_process_port = v.int(0, u64::from(u16::MAX))?,
+        "main_process_ip" => {
+            config.main_process_ip = match v.string()? {
+                Some("") | None => None,
+                Some(s) => Some(
+                    crate::cli::plain_host(s)
+                        .map_err(|why| v.invalid(&why))?
+                        .to_owned(),
+                ),
+            };
+        }
+        "gpu_ids" => config.gpu_ids = v.gpu_ids()?,
+        "mixed_precision" => {
+            config.mixed_precision = match value {
+                // PyYAML reads an unquoted `no` as false.
+                Yaml::Boolean(false) => Some("no".to_owned()),
+                _ => match v.string()? {
+                    Some(s) => Some(mixed_precision(s).map_err(|why| v.invalid(&why))?),
+                    None => None,
+                },
+            };
+        }
+        "use_cpu" => config.use_cpu = v.boolean()?,
+        "debug" => config.debug = v.boolean()?,
+        "enable_cpu_affinity" => config.enable_cpu_affinity = v.boolean()?,
+        "monitor_interval" => config.monitor_interval = v.seconds()?,
+        "distributed_type" => {
+            if let Some(t) = v.string()?
+                && !["NO", "MULTI_CPU", "MULTI_GPU"].contains(&t.to_ascii_uppercase().as_str())
+            {
+                config.warnings.push(format!(
+                    "distributed_type {t} is not supported and is ignored: the workers get the plain torch.distributed environment, as with MULTI_GPU or MULTI_CPU"
+                ));
+            }
+        }
+        "compute_environment" => {
+            if let Some(e) = v.string()?
+                && !e.eq_ignore_ascii_case("LOCAL_MACHINE")
+            {
+                config.warnings.push(format!(
+                    "compute_environment {e} is ignored: muster runs the processes on the machines its agents run on"
+                ));
+            }
+        }
+        // Accepted and checked; nothing for muster to do with them.
+        "rdzv_backend" | "main_training_function" => {
+            v.string()?;
+        }
+        "same_network" => {
+            v.boolean()?;
+        }
+        "downcast_bf16" => {
+            // `accelerate config` writes 'no' / 'yes'; newer versions write booleans.
+            if !matches!(value, Yaml::String(_)) {
+                v.boolean()?;
+            }
+        }
+        _ if key.starts_with("tpu_") || IGNORED_SECTIONS.contains(&key) => {
+            if asks_for_something(key, value) {
+                config.warnings.push(format!(
+                    "{key} is ignored: muster launches plain torch.distributed processes (no TPU, DeepSpeed, FSDP or Megatron-LM launcher)"
+                ));
+            }
+        }
+        _ => config
+            .warnings
+            .push(format!("unknown key {key} is ignored")),
+    }
+    Ok(())
+}
+
+/// Whether an ignored setting holds more than the defaults `accelerate config` writes
+/// (`tpu_env: []`, `tpu_use_cluster: false`, `fsdp_config: {}`, `dynamo_backend: 'NO'`).
+fn asks_for_something(key: &str, value: &Yaml) -> bool {
+    match value {
+        Yaml::Null | Yaml::Boolean(false) => false,
+        Yaml::String(s) => !s.is_empty(),
+        Yaml::Array(a) => !a.is_empty(),
+        Yaml::Hash(h) if key == "dynamo_config" => h.iter().any(|(k, v)| {
+            !(k.as_str() == Some("dynamo_backend")
+                && v.as_str().is_some_and(|b| b.eq_ignore_ascii_case("no")))
+        }),
+        Yaml::Hash(h) => !h.is_empty(),
+        _ => true,
+    }
+}
+
+/// A value as an error message shows it.
+fn shown(v: &Yaml) -> String {
+    match v {
+        Yaml::String(s) => format!("{s:?}"),
+        Yaml::Integer(i) => i.to_string(),
+        Yaml::Real(r) => r.clone(),
+        Yaml::Boolean(b) => b.to_string(),
+        Yaml::Array(_) => "a list".to_owned(),
+        Yaml::Hash(_) => "a mapping".to_owned(),
+        Yaml::Null => "null".to_owned(),
+        Yaml::Alias(_) | Yaml::BadValue => "an unreadable value".to_owned(),
+    }
+}
+
+/// One setting's value, with its key for errors.
+struct Value<'a> {
+    key: &'a str,
+    value: &'a Yaml,
+}
+
+impl<'a> Value<'a> {
+    fn invalid(&self, why: &str) -> ConfigError {
+        ConfigError::Invalid {
+            key: self.key.to_owned(),
+            why: why.to_owned(),
+        }
+    }
+
+    fn int<T: TryFrom<u64>>(&self, min: u64, max: u64) -> Result<Option<T>, ConfigError> {
+        let bad = || {
+            self.invalid(&format!(
+                "expected a whole number from {min} to {max}, found {}",
+                shown(self.value)
+            ))
+        };
+        match self.value {
+            Yaml::Null => Ok(None),
+            Yaml::Integer(i) => {
+                let n = u64::try_from(*i).map_err(|_| bad())?;
+                if n < min || n > max {
+                    return Err(bad());
+                }
+                T::try_from(n).map(Some).map_err(|_| bad())
+            }
+            _ => Err(bad()),
+        }
+    }
+
+    fn boolean(&self) -> Result<Option<bool>, ConfigError> {
+        match self.value {
+            Yaml::Null => Ok(None),
+            Yaml::Boolean(b) => Ok(Some(*b)),
+            Yaml::String(s) => match s.to_ascii_lowercase().as_str() {
+                "true" | "yes" | "y" | "on" => Ok(Some(true)),
+                "false" | "no" | "n" | "off" => Ok(Some(false)),
+                _ => Err(self.not_bool()),
+            },
+            _ => Err(self.not_bool()),
+        }
+    }
+
+    fn not_bool(&self) -> ConfigError {
+        self.invalid(&format!(
+            "expected true or false, found {}",
+            shown(self.value)
+        ))
+    }
+
+    fn string(&self) -> Result<Option<&'a str>, ConfigError> {
+        match self.value {
+            Yaml::Null => Ok(None),
+            Yaml::String(s) => Ok(Some(s)),
+            v => Err(self.invalid(&format!("expected a string, found {}", shown(v)))),
+        }
+    }
+
+    fn seconds(&self) -> Result<Option<f64>, ConfigError> {
+        let secs = match self.value {
+            Yaml::Null => return Ok(None),
+            Yaml::Integer(i) => Some(*i as f64),
+            Yaml::Real(r) => r.parse::<f64>().ok(),
+            _ => None,
+        };
+        match secs {
+            Some(s) if s.is_finite() && s >= 0.0 => Ok(Some(s)),
+            _ => Err(self.invalid(&format!(
+                "expected a number of seconds, found {}",
+                shown(self.value)
+            ))),
+        }
+    }
+
+    fn gpu_ids(&self) -> Result<Option<GpuIds>, ConfigError> {
+        let ids = match self.value {
+            Yaml::Null => return Ok(None),
+            Yaml::String(s) => GpuIds::parse(self.key, s),
+            Yaml::Integer(i) => GpuIds::parse(self.key, &i.to_string()),
+            Yaml::Array(items) => {
+                let items: Option<Vec<String>> = items
+                    .iter()
+                    .map(|i| match i {
+                        Yaml::Integer(i) => Some(i.to_string()),
+                        Yaml::String(s) => Some(s.clone()),
+                        _ => None,
+                    })
+                    .collect();
+                match items {
+                    Some(items) => {
+                        let shown = items.join(",");
+                        let refs: Vec<&str> = items.iter().map(String::as_str).collect();
+                        GpuIds::from_items(self.key, &shown, &refs)
+                    }
+                    None => Err("a list of GPU indices".to_owned()),
+                }
+            }
+            v => Err(shown(v)),
+        };
+        // GpuIds's messages start with the key already; strip it, the error adds it back.
+        ids.map(Some).map_err(|why| {
+            let why = why
+                .strip_prefix(self.key)
+                .map_or(why.as_str(), str::trim_start)
+                .to_owned();
+            self.invalid(&format!(
+                "expected `all` or GPU indices as in \"0,1\": {why}"
+            ))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Parses `yaml` and renders what was read (settings that are `Some`, then warnings), or
+    /// the error.
+    fn check(yaml: &str, expected: &str) {
+        let got = match parse(yaml) {
+            Ok(c) => {
+                let mut parts = Vec::new();
+                let mut add = |name: &str, v: Option<String>| {
+                    if let Some(v) = v {
+                        parts.push(format!("{name}={v}"));
+                    }
+                };
+                add("procs", c.num_processes.map(|v| v.to_string()));
+                add("machines", c.num_machines.map(|v| v.to_string()));
+                add("rank", c.machine_rank.map(|v| v.to_string()));
+                add("ip", c.main_process_ip.clone());
+                add("port", c.main_process_port.map(|v| v.to_string()));
+                add(
+                    "gpus",
+                    c.gpu_ids.as_ref().map(|g| match g {
+                        GpuIds::All => "all".to_owned(),
+                        GpuIds::List(l) => l.join(","),
+                    }),
+                );
+                add("mp", c.mixed_precision.clone());
+                add("cpu", c.use_cpu.map(|v| v.to_string()));
+                add("debug", c.debug.map(|v| v.to_string()));
+                add("affinity", c.enable_cpu_affinity.map(|v| v.to_string()));
+                add("restarts", c.max_restarts.map(|v| v.to_string()));
+                add("monitor", c.monitor_interval.map(|v| v.to_string()));
+                for w in &c.warnings {
+                    parts.push(format!("warning: {w}"));
+                }
+                parts.join(" | ")
+            }
+            Err(e) => format!("error: {e}"),
+        };
+        assert_eq!(got, expected, "\n{yaml}");
+    }
+
+    #[test]
+    fn what_accelerate_config_writes() {
+        // A single machine with two GPUs, as in `accelerate config`'s own output.
+        check(
+            "compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_GPU
+downcast_bf16: 'no'
+gpu_ids: all
+machine_rank: 0
+main_training_function: main
+mixed_precision: fp16
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+tpu_env: []
+tpu_use_cluster: false
+tpu_use_sudo: false
+use_cpu: false
+",
+            "procs=2 | machines=1 | rank=0 | gpus=all | mp=fp16 | cpu=false",
+        );
+        // Two machines.
+        check(
+            "distributed_type: MULTI_GPU
+machine_rank: 1
+main_process_ip: 10.0.0.1
+main_process_port: 29501
+num_machines: 2
+num_processes: 16
+gpu_ids: 0,1,2,3,4,5,6,7
+mixed_precision: bf16
+max_restarts: 3
+monitor_interval: 0.5
+",
+            "procs=16 | machines=2 | rank=1 | ip=10.0.0.1 | port=29501 | gpus=0,1,2,3,4,5,6,7 | mp=bf16 | restarts=3 | monitor=0.5",
+        );
+        // `accelerate config default` writes JSON.
+        check(
+            r#"{
+  "compute_environment": "LOCAL_MACHINE",
+  "debug": false,
+  "distributed_type": "MULTI_GPU",
+  "downcast_bf16": false,
+  "enable_cpu_affinity": false,
+  "machine_rank": 0,
+  "main_training_function": "main",
+  "mixed_precision": "no",
+  "num_machines": 1,
+  "num_processes": 8,
+  "rdzv_backend": "static",
+  "same_network": false,
+  "tpu_use_cluster": false,
+  "tpu_use_sudo": false,
+  "use_cpu": false
+}"#,
+            "procs=8 | machines=1 | rank=0 | mp=no | cpu=false | debug=false | affinity=false",
+        );
+        // A CPU job; nulls are as good as absent; PyYAML's booleans.
+        check(
+            "distributed_type: MULTI_CPU
+use_cpu: yes
+debug: On
+num_processes: 4
+main_process_ip: null
+main_process_port: ~
+mixed_precision: NO
+fsdp_config: {}
+deepspeed_config: {}
+dynamo_config:
+  dynamo_backend: 'NO'
+",
+            "procs=4 | mp=no | cpu=true | debug=true",
+        );
+        check("gpu_ids: 3", "gpus=3");
+        check("gpu_ids: [0, 2]", "gpus=0,2");
+        check("gpu_ids: \"1, 0\"", "gpus=1,0");
+        check("main_process_port: 0", "port=0");
+        check("mixed_precision: false", "mp=no");
+        check("monitor_interval: 1", "monitor=1");
+    }
+
+    #[test]
+    fn ignored_and_unknown_keys_warn() {
+        check(
+            "num_processes: 2
+fsdp_config:
+  fsdp_sharding_strategy: FULL_SHARD
+distributed_type: FSDP
+tpu_name: my-tpu
+compute_environment: AMAZON_SAGEMAKER
+my_setting: 3
+dynamo_config:
+  dynamo_backend: INDUCTOR
+",
+            "procs=2 \
+             | warning: fsdp_config is ignored: muster launches plain torch.distributed processes (no TPU, DeepSpeed, FSDP or Megatron-LM launcher) \
+             | warning: distributed_type FSDP is not supported and is ignored: the workers get the plain torch.distributed environment, as with MULTI_GPU or MULTI_CPU \
+             | warning: tpu_name is ignored: muster launches plain torch.distributed processes (no TPU, DeepSpeed, FSDP or Megatron-LM launcher) \
+             | warning: compute_environment AMAZON_SAGEMAKER is ignored: muster runs the processes on the machines its agents run on \
+             | warning: unknown key my_setting is ignored \
+             | warning: dynamo_config is ignored: muster launches plain torch.distributed processes (no TPU, DeepSpeed, FSDP or Megatron-LM launcher)",
+        );
+        check("1: x", "warning: key 1 is not a setting name; ignored");
+    }
+
+    #[test]
+    fn bad_values_name_the_key() {
+        for (yaml, expected) in [
+            (
+                "num_processes: two",
+                "num_processes: expected a whole number from 1 to 4294967295, found \"two\"",
+            ),
+            (
+                "num_processes: 0",
+                "num_processes: expected a whole number from 1 to 4294967295, found 0",
+            ),
+            (
+                "num_processes: 2.5",
+                "num_processes: expected a whole number from 1 to 4294967295, found 2.5",
+            ),
+            (
+                "num_machines: -1",
+                "num_machines: expected a whole number from 1 to 100000, found -1",
+            ),
+            (
+                "machine_rank: [0]",
+                "machine_rank: expected a whole number from 0 to 99999, found a list",
+            ),
+            (
+                "main_process_port: 70000",
+                "main_process_port: expected a whole number from 0 to 65535, found 70000",
+            ),
+            (
+                "main_process_ip: 10.0.0.1:29500",
+                "main_process_ip: '10.0.0.1:29500' must be a host name or IP address, without a port",
+            ),
+            (
+                "main_process_ip: 5",
+                "main_process_ip: expected a string, found 5",
+            ),
+            (
+                "mixed_precision: fp32",
+                "mixed_precision: expected one of no, fp16, bf16, fp8, found \"fp32\"",
+            ),
+            (
+                "use_cpu: maybe",
+                "use_cpu: expected true or false, found \"maybe\"",
+            ),
+            ("debug: 1", "debug: expected true or false, found 1"),
+            (
+                "gpu_ids: cuda0",
+                "gpu_ids: expected `all` or GPU indices as in \"0,1\": 'cuda0': 'cuda0' is not a GPU index or a GPU-/MIG- UUID",
+            ),
+            (
+                "gpu_ids: [0, 0]",
+                "gpu_ids: expected `all` or GPU indices as in \"0,1\": '0,0' lists GPU 0 twice",
+            ),
+            (
+                "gpu_ids: {a: 1}",
+                "gpu_ids: expected `all` or GPU indices as in \"0,1\": a mapping",
+            ),
+            (
+                "max_restarts: -2",
+                "max_restarts: expected a whole number from 0 to 4294967295, found -2",
+            ),
+            (
+                "monitor_interval: fast",
+                "monitor_interval: expected a number of seconds, found \"fast\"",
+            ),
+            (
+                "monitor_interval: -1",
+                "monitor_interval: expected a number of seconds, found -1",
+            ),
+            (
+                "distributed_type: 3",
+                "distributed_type: expected a string, found 3",
+            ),
+            (
+                "same_network: sometimes",
+                "same_network: expected true or false, found \"sometimes\"",
+            ),
+        ] {
+            check(yaml, &format!("error: {expected}"));
+        }
+    }
+
+    #[test]
+    fn files_that_are_not_settings() {
+        check(
+            "",
+            "error: the file is empty; expected `key: value` settings as `accelerate config` writes them",
+        );
+        check(
+            "- a\n- b\n",
+            "error: the file holds a list, not a mapping; expected `key: value` settings as `accelerate config` writes them",
+        );
+        check(
+            "a: 1\n---\nb: 2\n",
+            "error: the file holds 2 YAML documents; expected `key: value` settings as `accelerate config` writes them",
+        );
+        let Err(ConfigError::Yaml(why)) = parse("num_processes: [1, 2\n") else {
+            panic!("invalid YAML accepted");
+        };
+        assert!(why.contains("line"), "{why}");
+    }
+}

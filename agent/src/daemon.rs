@@ -1,0 +1,598 @@
+//! Daemon mode: `muster-agent serve` registers this machine with the coordinator (host name,
+//! address, CPU count, GPUs found, labels), keeps a lease on its `Agents.Serve` stream, and
+//! runs the jobs the coordinator places here, each exactly as `muster-agent launch` would
+//! (joining the job's rendezvous as one node, restarting with it, stopping on cancel). Also the
+//! operator's side: `muster-agent submit`, `status` and `cancel`, thin clients of `Ops`.
+//!
+//! Tasks:
+//! - "serve-job" (one per job placed here): runs the launch; when it ends, its outcome goes to
+//!   the coordinator as a `JobUpdate`. On shutdown, cancelled (workers stopped gracefully) and
+//!   awaited, bounded by the grace period.
+//! - The stream to the coordinator is driven by [`serve`] itself; when it breaks, the agent
+//!   registers again with backoff, and the jobs it runs go on (their own watches carry their
+//!   leases).
+
+use crate::cli::{LaunchSpec, Parsed};
+use crate::launch::{self, Outcome, Stops};
+use clap::Args;
+use muster_proto::v1 as pb;
+use muster_proto::v1::agents_client::AgentsClient;
+use muster_proto::v1::ops_client::OpsClient;
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::time::Duration;
+use tokio::signal::unix::{SignalKind, signal};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tonic::transport::{Channel, Endpoint};
+
+/// A daemon-mode or operator command.
+#[derive(Debug, Clone)]
+pub enum Request {
+    /// `serve`.
+    Serve(ServeArgs),
+    /// `submit`.
+    Submit(SubmitArgs),
+    /// `status`.
+    Status(StatusArgs),
+    /// `cancel`.
+    Cancel(CancelArgs),
+}
+
+/// Runs a daemon-mode or operator command; returns the exit status, or a one-line error.
+pub async fn run(request: Request) -> Result<u8, String> {
+    match request {
+        Request::Serve(a) => serve(a).await,
+        Request::Submit(a) => submit(a).await,
+        Request::Status(a) => status(a).await,
+        Request::Cancel(a) => cancel(a).await,
+    }
+}
+
+/// `muster-agent serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// The coordinator's HOST:PORT.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub coordinator: String,
+    /// Labels of this machine, `key=value` (repeat the flag or separate with commas); jobs
+    /// select machines by them.
+    #[arg(long = "labels", alias = "label", value_name = "K=V[,K=V]", value_delimiter = ',')]
+    pub labels: Vec<String>,
+    /// This agent's id in the pool. Default: host name and process id.
+    #[arg(long, value_name = "ID")]
+    pub agent_id: Option<String>,
+    /// The address other nodes reach this machine at. Default: the local address that routes
+    /// to the coordinator.
+    #[arg(long, value_name = "HOST")]
+    pub advertise_addr: Option<String>,
+    /// How long workers get between SIGTERM and SIGKILL when a job is stopped, unless the job
+    /// says otherwise.
+    #[arg(long, value_name = "MS", default_value_t = 5000)]
+    pub grace_period_ms: u64,
+}
+
+/// `muster-agent submit`.
+#[derive(Debug, Clone, Args)]
+pub struct SubmitArgs {
+    /// The coordinator's HOST:PORT.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub coordinator: String,
+    /// The job id. Default: the coordinator picks one.
+    #[arg(long, value_name = "ID")]
+    pub job_id: Option<String>,
+    /// How many nodes: MIN or MIN:MAX.
+    #[arg(long, value_name = "MIN[:MAX]", default_value = "1")]
+    pub nnodes: String,
+    /// Workers per node.
+    #[arg(long, value_name = "N")]
+    pub nproc_per_node: u32,
+    /// Restarts allowed after a failure.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub max_restarts: u32,
+    /// Extra environment for the workers, `NAME=VALUE` (repeatable).
+    #[arg(long = "env", value_name = "NAME=VALUE")]
+    pub env: Vec<String>,
+    /// Only machines with these labels, `key=value` (repeatable or comma-separated).
+    #[arg(long = "selector", value_name = "K=V[,K=V]", value_delimiter = ',')]
+    pub selector: Vec<String>,
+    /// SIGTERM-to-SIGKILL grace when workers are stopped (0: the agents' default).
+    #[arg(long, value_name = "MS", default_value_t = 0)]
+    pub grace_period_ms: u64,
+    /// Wait until the job ends and exit 0 only if it finished.
+    #[arg(long)]
+    pub wait: bool,
+    /// The program and its arguments, after `--`.
+    #[arg(value_name = "PROGRAM", trailing_var_arg = true, required = true)]
+    pub command: Vec<String>,
+}
+
+/// `muster-agent status`.
+#[derive(Debug, Clone, Args)]
+pub struct StatusArgs {
+    /// The coordinator's HOST:PORT.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub coordinator: String,
+    /// A job to describe. Without it: every job and every daemon agent.
+    pub job_id: Option<String>,
+}
+
+/// `muster-agent cancel`.
+#[derive(Debug, Clone, Args)]
+pub struct CancelArgs {
+    /// The coordinator's HOST:PORT.
+    #[arg(long, value_name = "HOST:PORT")]
+    pub coordinator: String,
+    /// The job to cancel.
+    pub job_id: String,
+    /// Why (shown to the job's agents and workers).
+    #[arg(long, default_value = "cancelled by an operator")]
+    pub reason: String,
+}
+
+/// Parses `key=value` items; the error names the flag and the item.
+pub fn pairs(flag: &str, items: &[String]) -> Result<HashMap<String, String>, String> {
+    let mut out = HashMap::new();
+    for item in items.iter().filter(|i| !i.is_empty()) {
+        let Some((k, v)) = item.split_once('=') else {
+            return Err(format!("{flag} '{item}' is malformed: expected KEY=VALUE"));
+        };
+        if k.is_empty() {
+            return Err(format!("{flag} '{item}' has an empty key"));
+        }
+        out.insert(k.to_owned(), v.to_owned());
+    }
+    Ok(out)
+}
+
+/// Parses `MIN` or `MIN:MAX`.
+fn node_range(s: &str) -> Result<(u32, u32), String> {
+    let bad = |why: &str| format!("--nnodes '{s}' is malformed: {why}");
+    let (min, max) = match s.split_once(':') {
+        Some((a, b)) => (a, b),
+        None => (s, s),
+    };
+    let min: u32 = min.parse().map_err(|_| bad("MIN is not a number"))?;
+    let max: u32 = max.parse().map_err(|_| bad("MAX is not a number"))?;
+    if min == 0 || max < min {
+        return Err(bad("expected 1 <= MIN <= MAX"));
+    }
+    Ok((min, max))
+}
+
+async fn connect(addr: &str) -> Result<Channel, String> {
+    let endpoint = Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|e| format!("bad coordinator address '{addr}': {e}"))?
+        .connect_timeout(Duration::from_secs(2))
+        .tcp_nodelay(true);
+    endpoint
+        .connect()
+        .await
+        .map_err(|e| format!("cannot reach the coordinator at {addr}: {}", launch::chain(&e)))
+}
+
+/// `muster-agent submit`: prints the job id and where it runs; with `--wait`, follows it to
+/// its end. Returns the exit status.
+pub async fn submit(args: SubmitArgs) -> Result<u8, String> {
+    let (min, max) = node_range(&args.nnodes)?;
+    let env = pairs("--env", &args.env)?;
+    let selector = pairs("--selector", &args.selector)?;
+    let (program, rest) = args
+        .command
+        .split_first()
+        .ok_or("no program to run: give it after `--`")?;
+    let channel = connect(&args.coordinator).await?;
+    let mut ops = OpsClient::new(channel);
+    let spec = pb::JobSpec {
+        job_id: args.job_id.clone().unwrap_or_default(),
+        program: program.clone(),
+        args: rest.to_vec(),
+        env,
+        min_nodes: min,
+        max_nodes: max,
+        nproc_per_node: args.nproc_per_node,
+        max_restarts: args.max_restarts,
+        node_selector: selector,
+        grace_period_ms: args.grace_period_ms,
+    };
+    let answer = ops
+        .submit_job(pb::SubmitJobRequest { spec: Some(spec) })
+        .await
+        .map_err(|s| format!("submit refused: {}", s.message()))?
+        .into_inner();
+    println!(
+        "job {} submitted to {}",
+        answer.job_id,
+        answer.agents.join(", ")
+    );
+    if !args.wait {
+        return Ok(0);
+    }
+    let mut last = String::new();
+    loop {
+        let d = ops
+            .describe_job(pb::DescribeJobRequest {
+                job_id: answer.job_id.clone(),
+            })
+            .await
+            .map_err(|s| format!("cannot follow job {}: {}", answer.job_id, s.message()))?
+            .into_inner();
+        let line = status_line(&d);
+        if line != last {
+            println!("{line}");
+            last = line;
+        }
+        let summary = d.summary.unwrap_or_default();
+        let state = pb::RoundState::try_from(summary.state).unwrap_or_default();
+        if state == pb::RoundState::Finished {
+            return Ok(0);
+        }
+        if summary.done {
+            return Ok(1);
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// One line for a job: state, generation, nodes and restarts, and its failure if any.
+fn status_line(d: &pb::DescribeJobResponse) -> String {
+    let s = d.summary.clone().unwrap_or_default();
+    let state = pb::RoundState::try_from(s.state)
+        .unwrap_or_default()
+        .as_str_name()
+        .trim_start_matches("ROUND_STATE_")
+        .to_lowercase();
+    let mut line = format!(
+        "job {}: {state}{}, generation {}, {} nodes, {} workers, restarts {}/{}",
+        s.job_id,
+        if s.done { " (over)" } else { "" },
+        s.generation,
+        s.num_nodes,
+        s.world_size,
+        s.restart_count,
+        s.max_restarts
+    );
+    if state == "open" {
+        line.push_str(&format!(", {} nodes waiting", s.nodes_waiting));
+    }
+    if let Some(f) = &d.failure {
+        line.push_str(&format!(
+            "; failure: rank {} (node {}, host {}) {}",
+            f.rank, f.node_rank, f.host, f.reason
+        ));
+    }
+    line
+}
+
+/// `muster-agent status`.
+pub async fn status(args: StatusArgs) -> Result<u8, String> {
+    let channel = connect(&args.coordinator).await?;
+    let mut ops = OpsClient::new(channel);
+    if let Some(job) = args.job_id {
+        let d = ops
+            .describe_job(pb::DescribeJobRequest { job_id: job })
+            .await
+            .map_err(|s| s.message().to_owned())?
+            .into_inner();
+        println!("{}", status_line(&d));
+        for n in &d.nodes {
+            println!(
+                "  node {} {} ({}): {} workers from rank {}",
+                n.node_rank, n.node_id, n.host, n.local_world_size, n.rank_offset
+            );
+        }
+        return Ok(0);
+    }
+    let jobs = ops
+        .list_jobs(pb::ListJobsRequest {})
+        .await
+        .map_err(|s| s.message().to_owned())?
+        .into_inner();
+    for s in jobs.jobs {
+        println!(
+            "{}",
+            status_line(&pb::DescribeJobResponse {
+                summary: Some(s),
+                ..Default::default()
+            })
+        );
+    }
+    let agents = ops
+        .list_agents(pb::ListAgentsRequest {})
+        .await
+        .map_err(|s| s.message().to_owned())?
+        .into_inner();
+    for a in agents.agents {
+        let m = a.machine.unwrap_or_default();
+        let mut labels: Vec<String> = m.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        labels.sort();
+        println!(
+            "agent {} on {} ({}): {} cpus, {} gpus, labels [{}], jobs [{}], seen {} ms ago",
+            m.agent_id,
+            m.hostname,
+            m.address,
+            m.cpus,
+            m.gpus.len(),
+            labels.join(","),
+            a.jobs.join(","),
+            a.last_seen_ms_ago
+        );
+    }
+    Ok(0)
+}
+
+/// `muster-agent cancel`.
+pub async fn cancel(args: CancelArgs) -> Result<u8, String> {
+    let channel = connect(&args.coordinator).await?;
+    let answer = OpsClient::new(channel)
+        .cancel_job(pb::CancelJobRequest {
+            job_id: args.job_id.clone(),
+            reason: args.reason,
+        })
+        .await
+        .map_err(|s| format!("cancel refused: {}", s.message()))?
+        .into_inner();
+    if answer.cancelled {
+        println!("job {} cancelled", args.job_id);
+    } else {
+        println!("job {} was already over", args.job_id);
+    }
+    Ok(0)
+}
+
+/// The `launch` command line equivalent to a placed job, parsed by the same code as the
+/// command line (so a job placed here is validated exactly like a launch).
+fn launch_spec(
+    args: &ServeArgs,
+    spec: &pb::JobSpec,
+    path: Option<&std::ffi::OsStr>,
+) -> Result<LaunchSpec, String> {
+    let grace = if spec.grace_period_ms > 0 {
+        spec.grace_period_ms
+    } else {
+        args.grace_period_ms
+    };
+    let mut argv: Vec<OsString> = vec![
+        "muster-agent".into(),
+        "launch".into(),
+        "--coordinator".into(),
+        args.coordinator.clone().into(),
+        "--job-id".into(),
+        spec.job_id.clone().into(),
+        "--nnodes".into(),
+        format!("{}:{}", spec.min_nodes, spec.max_nodes.max(spec.min_nodes)).into(),
+        "--nproc-per-node".into(),
+        spec.nproc_per_node.to_string().into(),
+        "--max-restarts".into(),
+        spec.max_restarts.to_string().into(),
+        "--grace-period-ms".into(),
+        grace.to_string().into(),
+    ];
+    if let Some(a) = &args.advertise_addr {
+        argv.push("--advertise-addr".into());
+        argv.push(a.clone().into());
+    }
+    argv.push("--".into());
+    argv.push(spec.program.clone().into());
+    argv.extend(spec.args.iter().map(OsString::from));
+    let mut launch = match crate::cli::parse(argv, path).map_err(|e| e.to_string())? {
+        Parsed::Launch(spec) => spec,
+        Parsed::Exit(_) | Parsed::Daemon(_) => {
+            return Err("the job's command line is not a launch".to_owned());
+        }
+    };
+    let mut env: Vec<(String, String)> = spec.env.clone().into_iter().collect();
+    env.sort();
+    launch.program.env = env;
+    Ok(launch)
+}
+
+/// What a finished job tells the coordinator.
+fn update(job_id: &str, result: &Result<Outcome, String>) -> pb::AgentMessage {
+    let (outcome, message) = match result {
+        Ok(Outcome::Succeeded) => (pb::JobOutcome::Succeeded, "every worker exited 0".to_owned()),
+        Ok(Outcome::Cancelled) => (pb::JobOutcome::Cancelled, "cancelled".to_owned()),
+        Ok(Outcome::Failed) => (pb::JobOutcome::Failed, "failed".to_owned()),
+        Ok(Outcome::Interrupted(sig)) => (
+            pb::JobOutcome::Cancelled,
+            format!("stopped by {}", sig.as_str()),
+        ),
+        Err(e) => (pb::JobOutcome::Failed, e.clone()),
+    };
+    pb::AgentMessage {
+        kind: Some(pb::agent_message::Kind::Update(pb::JobUpdate {
+            job_id: job_id.to_owned(),
+            outcome: outcome as i32,
+            message,
+        })),
+    }
+}
+
+/// `muster-agent serve`: runs until SIGTERM or SIGINT, then stops its jobs' workers
+/// gracefully and exits 0.
+pub async fn serve(args: ServeArgs) -> Result<u8, String> {
+    let labels = pairs("--labels", &args.labels)?;
+    let hostname = nix::unistd::gethostname()
+        .ok()
+        .and_then(|h| h.into_string().ok())
+        .unwrap_or_else(|| "localhost".to_owned());
+    let agent_id = args
+        .agent_id
+        .clone()
+        .unwrap_or_else(|| format!("{hostname}-{}", std::process::id()));
+    let address = match &args.advertise_addr {
+        Some(a) => a.clone(),
+        None => launch::advertise_default(&args.coordinator).await,
+    };
+    let info = pb::MachineInfo {
+        agent_id: agent_id.clone(),
+        hostname,
+        address,
+        cpus: std::thread::available_parallelism().map_or(1, |n| n.get() as u32),
+        gpus: crate::gpu::discover()
+            .into_iter()
+            .map(|g| pb::GpuInfo {
+                index: g.index,
+                name: g.name.unwrap_or_default(),
+            })
+            .collect(),
+        labels,
+    };
+    let mut term = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
+    let mut int = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
+    let path = std::env::var_os("PATH");
+    let shutdown = CancellationToken::new();
+    let mut jobs: HashMap<String, (CancellationToken, tokio::task::JoinHandle<()>)> =
+        HashMap::new();
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(String, Result<Outcome, String>)>();
+    // Updates not yet delivered (the stream may be down when a job ends).
+    let mut pending: Vec<pb::AgentMessage> = vec![];
+    let mut backoff = Duration::from_millis(100);
+    let mut announced = false;
+    'connect: loop {
+        let opened = async {
+            let channel = connect(&args.coordinator).await?;
+            let (out, out_rx) = mpsc::channel::<pb::AgentMessage>(64);
+            let _ = out
+                .send(pb::AgentMessage {
+                    kind: Some(pb::agent_message::Kind::Register(info.clone())),
+                })
+                .await;
+            let stream = AgentsClient::new(channel)
+                .serve(tokio_stream::wrappers::ReceiverStream::new(out_rx))
+                .await
+                .map_err(|s| format!("registration refused: {}", s.message()))?
+                .into_inner();
+            Ok::<_, String>((out, stream))
+        };
+        let (out, mut stream) = tokio::select! {
+            r = opened => match r {
+                Ok(pair) => pair,
+                Err(e) => {
+                    eprintln!("muster-agent: {e}; retrying in {} ms", backoff.as_millis());
+                    tokio::select! {
+                        () = tokio::time::sleep(backoff) => {}
+                        _ = term.recv() => break 'connect,
+                        _ = int.recv() => break 'connect,
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    continue;
+                }
+            },
+            _ = term.recv() => break 'connect,
+            _ = int.recv() => break 'connect,
+        };
+        backoff = Duration::from_millis(100);
+        if !announced {
+            eprintln!(
+                "muster-agent: serving as {} ({}, {} cpus, {} gpus) for coordinator {}",
+                agent_id,
+                info.address,
+                info.cpus,
+                info.gpus.len(),
+                args.coordinator
+            );
+            announced = true;
+        }
+        for msg in pending.drain(..) {
+            let _ = out.send(msg).await;
+        }
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tokio::select! {
+                msg = stream.message() => match msg {
+                    Ok(Some(cmd)) => match cmd.kind {
+                        Some(pb::agent_command::Kind::Registered(r)) => {
+                            let every = Duration::from_millis(r.heartbeat_interval_ms.max(50));
+                            tick = tokio::time::interval(every);
+                        }
+                        Some(pb::agent_command::Kind::Start(s)) => {
+                            let Some(spec) = s.spec else { continue };
+                            let job_id = spec.job_id.clone();
+                            if jobs.contains_key(&job_id) {
+                                continue;
+                            }
+                            eprintln!("muster-agent: starting job {job_id}: {} {}", spec.program, spec.args.join(" "));
+                            match launch_spec(&args, &spec, path.as_deref()) {
+                                Ok(launch_spec) => {
+                                    let token = shutdown.child_token();
+                                    let stops = Stops::token(token.clone());
+                                    let tx = done_tx.clone();
+                                    let id = job_id.clone();
+                                    // Task "serve-job": see the module doc.
+                                    let handle = tokio::spawn(async move {
+                                        let result = launch::run_with(launch_spec, stops)
+                                            .await
+                                            .map_err(|e| e.to_string());
+                                        let _ = tx.send((id, result));
+                                    });
+                                    jobs.insert(job_id, (token, handle));
+                                }
+                                Err(e) => {
+                                    eprintln!("muster-agent: job {job_id} cannot start here: {e}");
+                                    let _ = out.send(update(&job_id, &Err(e))).await;
+                                }
+                            }
+                        }
+                        Some(pb::agent_command::Kind::Stop(s)) => {
+                            if let Some((token, _)) = jobs.get(&s.job_id) {
+                                eprintln!("muster-agent: stopping job {}: {}", s.job_id, s.reason);
+                                token.cancel();
+                            }
+                        }
+                        Some(pb::agent_command::Kind::Heartbeat(_)) | None => {}
+                    },
+                    Ok(None) | Err(_) => {
+                        eprintln!("muster-agent: lost the coordinator at {}; registering again", args.coordinator);
+                        continue 'connect;
+                    }
+                },
+                Some((job_id, result)) = done_rx.recv() => {
+                    jobs.remove(&job_id);
+                    let msg = update(&job_id, &result);
+                    if out.send(msg.clone()).await.is_err() {
+                        pending.push(msg);
+                    }
+                }
+                _ = tick.tick() => {
+                    let _ = out.try_send(pb::AgentMessage {
+                        kind: Some(pb::agent_message::Kind::Heartbeat(pb::Heartbeat {})),
+                    });
+                }
+                _ = term.recv() => break 'connect,
+                _ = int.recv() => break 'connect,
+            }
+        }
+    }
+    // Shutdown: stop every job's workers gracefully and wait for them (bounded).
+    shutdown.cancel();
+    let wait = Duration::from_millis(args.grace_period_ms) + Duration::from_secs(3);
+    for (job_id, (_, handle)) in jobs {
+        if tokio::time::timeout(wait, handle).await.is_err() {
+            eprintln!("muster-agent: job {job_id} did not stop within {} ms", wait.as_millis());
+        }
+    }
+    eprintln!("muster-agent: agent {agent_id} stopped");
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn pairs_and_ranges() {
+        let p = pairs("--labels", &["a=1".into(), "b=x=y".into()]).unwrap();
+        assert_eq!(p["a"], "1");
+        assert_eq!(p["b"], "x=y");
+        assert_eq!(
+            pairs("--labels", &["nokey".into()]).unwrap_err(),
+            "--labels 'nokey' is malformed: expected KEY=VALUE"
+        );
+        assert_eq!(node_range("2").unwrap(), (2, 2));
+        assert_eq!(node_range("1:3").unwrap(), (1, 3));
+        assert!(node_range("3:1").unwrap_err().contains("MIN <= MAX"));
+        assert!(node_range("x").unwrap_err().contains("not a number"));
+    }
+}

@@ -1,0 +1,186 @@
+//! Side-by-side restart benchmark, in one run: the time from a worker's death to every worker
+//! of the new generation running, for `muster-agent launch` and `torchrun` with the same
+//! failing Python worker (local rank 1 exits 3 on the first attempt; the others wait), for one
+//! node of 8 workers and for 3 nodes on this machine (3 agents against one rendezvous: a
+//! `muster-coordinator` for muster, torchrun's c10d store for torchrun). Each worker appends
+//! `start <restart> <wall-ns>` to a shared file when it starts; the failing one appends
+//! `death <wall-ns>` just before it exits. Runs alternate between muster and torchrun; figures
+//! are medians over rounds.
+//!
+//! Needs release builds (`cargo build --release -p muster-agent -p muster-coordinator -p
+//! muster-bench`) and the peers' venv (`scripts/install-peers.sh`).
+//!
+//! `target/release/restart [--rounds 5] [--procs 8] [--nodes 3 --node-procs 2]`
+
+use anyhow::{Context, bail};
+use clap::Parser;
+use muster_bench::{CoordinatorProcess, bin_dir, quantile};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+#[derive(Parser)]
+struct Args {
+    /// Rounds per launcher and shape; medians are over rounds.
+    #[arg(long, default_value_t = 5)]
+    rounds: usize,
+    /// Workers of the single-node case.
+    #[arg(long, default_value_t = 8)]
+    procs: u32,
+    /// Nodes of the multi-node case.
+    #[arg(long, default_value_t = 3)]
+    nodes: u32,
+    /// Workers per node in the multi-node case.
+    #[arg(long, default_value_t = 2)]
+    node_procs: u32,
+    /// The peers' venv.
+    #[arg(long, env = "MUSTER_PEERS_VENV")]
+    venv: Option<PathBuf>,
+}
+
+const WORKER: &str = r#"
+import os, sys, time
+restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+log = os.environ["RESTART_BENCH_LOG"]
+def note(line):
+    with open(log, "a") as f:
+        f.write(line + "\n")
+note(f"start {restart} {time.time_ns()}")
+if restart == 0:
+    if os.environ.get("RANK") == "1":
+        time.sleep(1.0)
+        note(f"death {time.time_ns()}")
+        sys.exit(3)
+    time.sleep(120)
+"#;
+
+/// Milliseconds from the death to the last start of generation 1 (the restart), from the log.
+fn restart_ms(log: &Path, workers: u32) -> anyhow::Result<f64> {
+    let text = std::fs::read_to_string(log).with_context(|| format!("reading {}", log.display()))?;
+    let mut death = None;
+    let mut starts = vec![];
+    for line in text.lines() {
+        let parts: Vec<&str> = line.split(' ').collect();
+        match parts.as_slice() {
+            ["death", t] => death = Some(t.parse::<u128>()?),
+            ["start", "1", t] => starts.push(t.parse::<u128>()?),
+            _ => {}
+        }
+    }
+    let death = death.context("no death line")?;
+    if starts.len() != workers as usize {
+        bail!(
+            "{} of {workers} workers of the new generation started:\n{text}",
+            starts.len()
+        );
+    }
+    let last = starts.into_iter().max().unwrap_or(death);
+    Ok((last.saturating_sub(death)) as f64 / 1e6)
+}
+
+fn wait_all(children: Vec<Child>, what: &str) -> anyhow::Result<()> {
+    for mut c in children {
+        let status = c.wait()?;
+        if !status.success() {
+            bail!("{what} exited with {status}");
+        }
+    }
+    Ok(())
+}
+
+fn free_port() -> anyhow::Result<u16> {
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    let venv = args.venv.clone().unwrap_or_else(|| {
+        PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/muster-peers")
+    });
+    let torchrun = venv.join("bin/torchrun");
+    let python = venv.join("bin/python3");
+    anyhow::ensure!(
+        torchrun.exists(),
+        "no torchrun at {}: run scripts/install-peers.sh",
+        torchrun.display()
+    );
+    let agent = bin_dir().join("muster-agent");
+    anyhow::ensure!(agent.exists(), "missing {}: build with --release first", agent.display());
+    let dir = std::env::temp_dir().join(format!("muster-restart-bench-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let worker = dir.join("worker.py");
+    std::fs::write(&worker, WORKER)?;
+
+    println!(
+        "## Restart time (a worker's death to every worker of the new generation running; median of {} rounds)\n",
+        args.rounds
+    );
+    println!("| shape | muster-agent | torchrun | muster / torchrun |");
+    println!("| --- | --- | --- | --- |");
+    let shapes = [(1, args.procs), (args.nodes, args.node_procs)];
+    for (nodes, per_node) in shapes {
+        let workers = nodes * per_node;
+        let (mut m, mut t) = (vec![], vec![]);
+        for round in 0..args.rounds {
+            let log = dir.join(format!("muster-{nodes}-{round}.log"));
+            let coordinator = if nodes > 1 {
+                Some(CoordinatorProcess::start()?)
+            } else {
+                None
+            };
+            let children = (0..nodes)
+                .map(|_| {
+                    let mut cmd = Command::new(&agent);
+                    cmd.args(["launch", "--nproc-per-node", &per_node.to_string()]);
+                    cmd.args(["--max-restarts", "1", "--grace-period-ms", "3000"]);
+                    if let Some(c) = &coordinator {
+                        cmd.args(["--coordinator", &c.addr.to_string()]);
+                        cmd.args(["--job-id", &format!("bench-{round}"), "--nnodes", &nodes.to_string()]);
+                    }
+                    cmd.arg("--").arg(&python).arg(&worker);
+                    cmd.env("RESTART_BENCH_LOG", &log)
+                        .stdout(Stdio::null())
+                        .stderr(Stdio::null())
+                        .spawn()
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            wait_all(children, "muster-agent")?;
+            m.push(restart_ms(&log, workers)?);
+            drop(coordinator);
+
+            let log = dir.join(format!("torch-{nodes}-{round}.log"));
+            let port = free_port()?;
+            let children = (0..nodes)
+                .map(|_| {
+                    let mut cmd = Command::new(&torchrun);
+                    cmd.args(["--nproc-per-node", &per_node.to_string(), "--max-restarts", "1"]);
+                    if nodes > 1 {
+                        cmd.args(["--nnodes", &nodes.to_string(), "--rdzv-backend", "c10d"]);
+                        cmd.args(["--rdzv-endpoint", &format!("127.0.0.1:{port}")]);
+                        cmd.args(["--rdzv-id", &format!("bench-{round}")]);
+                    }
+                    cmd.arg(&worker);
+                    cmd.env("RESTART_BENCH_LOG", &log)
+                        .env("OMP_NUM_THREADS", "1")
+                        .stdout(Stdio::null())
+                        .stderr(Stdio::null())
+                        .spawn()
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            wait_all(children, "torchrun")?;
+            t.push(restart_ms(&log, workers)?);
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        let (m, t) = (quantile(&mut m, 0.5), quantile(&mut t, 0.5));
+        let shape = if nodes == 1 {
+            format!("1 node, {workers} workers")
+        } else {
+            format!("{nodes} nodes x {per_node} workers")
+        };
+        println!("| {shape} | {m:.0} ms | {t:.0} ms | {:.3}x |", m / t);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}

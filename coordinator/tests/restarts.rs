@@ -1,0 +1,341 @@
+//! Generations ending and restarting: the node watch stream (lease and news), the per-job
+//! restart budget, failures reported by agents and lost nodes.
+#![allow(clippy::unwrap_used, missing_docs)]
+
+mod common;
+
+use common::*;
+use muster_coordinator::Config;
+use muster_proto::v1 as pb;
+use pb::generation_ended::Cause;
+use pb::rendezvous_client::RendezvousClient;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::transport::Channel;
+use tonic::{Code, Status, Streaming};
+
+/// A node agent's watch stream at the wire level.
+struct RawWatch {
+    tx: Option<mpsc::Sender<pb::NodeMessage>>,
+    rx: Streaming<pb::NodeEvent>,
+}
+
+impl RawWatch {
+    async fn attach(
+        ch: &Channel,
+        job: &str,
+        generation: u64,
+        node_rank: u32,
+        node_id: &str,
+    ) -> Result<RawWatch, Status> {
+        let (tx, rx) = mpsc::channel(16);
+        tx.send(pb::NodeMessage {
+            kind: Some(pb::node_message::Kind::Attach(pb::NodeAttach {
+                job_id: job.into(),
+                generation,
+                node_rank,
+                node_id: node_id.into(),
+            })),
+        })
+        .await
+        .unwrap();
+        let mut stream = RendezvousClient::new(ch.clone())
+            .watch(ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        let first = stream
+            .message()
+            .await?
+            .ok_or_else(|| Status::internal("no attached"))?;
+        assert!(
+            matches!(first.kind, Some(pb::node_event::Kind::Attached(_))),
+            "{first:?}"
+        );
+        Ok(RawWatch {
+            tx: Some(tx),
+            rx: stream,
+        })
+    }
+
+    async fn send(&self, kind: pb::node_message::Kind) {
+        self.tx
+            .as_ref()
+            .unwrap()
+            .send(pb::NodeMessage { kind: Some(kind) })
+            .await
+            .unwrap();
+    }
+
+    /// The next `ended` event (heartbeat answers skipped).
+    async fn ended(&mut self) -> pb::GenerationEnded {
+        loop {
+            let msg = tokio::time::timeout(Duration::from_secs(20), self.rx.message())
+                .await
+                .expect("no node event within 20 s")
+                .expect("stream error")
+                .expect("stream ended");
+            if let Some(pb::node_event::Kind::Ended(e)) = msg.kind {
+                return e;
+            }
+        }
+    }
+
+    async fn nothing_within(&mut self, d: Duration) {
+        if let Ok(m) = tokio::time::timeout(d, self.rx.message()).await {
+            panic!("unexpected node event: {m:?}");
+        }
+    }
+}
+
+fn restart_req(job: &str, node: &str, nodes: u32, max_restarts: u32) -> pb::JoinRequest {
+    let mut r = join_req(job, node, 1, nodes, nodes);
+    if let Some(c) = &mut r.config {
+        c.max_restarts = Some(max_restarts);
+    }
+    r
+}
+
+/// Forms `nodes` single-worker nodes n0..; returns answers by node rank and node ids.
+async fn form_budget(
+    ch: &Channel,
+    job: &str,
+    nodes: u32,
+    max_restarts: u32,
+) -> Vec<(pb::JoinResponse, String)> {
+    let handles: Vec<_> = (0..nodes)
+        .map(|i| {
+            let id = format!("n{i}");
+            (
+                id.clone(),
+                spawn_join(ch, restart_req(job, &id, nodes, max_restarts)),
+            )
+        })
+        .collect();
+    let mut out = vec![];
+    for (id, h) in handles {
+        out.push((h.await.unwrap().unwrap(), id));
+    }
+    out.sort_by_key(|(r, _)| r.node_rank);
+    out
+}
+
+async fn report(ch: &Channel, job: &str, generation: u64, rank: u32, code: i32) {
+    RendezvousClient::new(ch.clone())
+        .report_failure(pb::ReportFailureRequest {
+            job_id: job.into(),
+            generation,
+            rank,
+            reason: format!("exited with status {code}"),
+            exit_code: Some(code),
+            stderr_tail: "Traceback\nValueError: boom".into(),
+            error_message: "ValueError: boom".into(),
+            error_traceback: "File \"train.py\", line 3".into(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn failures_restart_the_job_until_the_budget_is_spent() {
+    let s = start_default().await;
+    let job = "budget";
+    let mut generation = 1;
+    for attempt in 0..=2u32 {
+        let nodes = form_budget(&s.channel, job, 2, 2).await;
+        assert_eq!(nodes[0].0.generation, generation);
+        assert_eq!(
+            nodes[0].0.restart_count, attempt,
+            "TORCHELASTIC_RESTART_COUNT"
+        );
+        assert_eq!(nodes[0].0.max_restarts, 2);
+        let mut w0 = RawWatch::attach(&s.channel, job, generation, 0, &nodes[0].1)
+            .await
+            .unwrap();
+        let mut w1 = RawWatch::attach(&s.channel, job, generation, 1, &nodes[1].1)
+            .await
+            .unwrap();
+        report(&s.channel, job, generation, 1, 7).await;
+        for w in [&mut w0, &mut w1] {
+            let e = w.ended().await;
+            assert_eq!(e.cause, Cause::Failed as i32);
+            assert_eq!(e.rejoin, attempt < 2, "{e:?}");
+            let f = e.failure.unwrap();
+            assert_eq!((f.rank, f.node_rank, f.exit_code), (1, 1, Some(7)));
+            assert_eq!(f.error_message, "ValueError: boom");
+            assert!(f.stderr_tail.ends_with("ValueError: boom"));
+            assert_eq!(f.generation, generation);
+            assert!(e.message.contains("exited with status 7"), "{}", e.message);
+        }
+        generation += 1;
+    }
+    // Budget spent: the job is over and says why.
+    let refused = RendezvousClient::new(s.channel.clone())
+        .join(restart_req(job, "n0", 2, 2))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition);
+    assert!(
+        refused.message().contains("no restarts left") && refused.message().contains("rank 1"),
+        "{}",
+        refused.message()
+    );
+    let d = describe(&s.channel, job).await;
+    let summary = d.summary.unwrap();
+    assert!(summary.done);
+    assert_eq!((summary.restart_count, summary.max_restarts), (2, 2));
+    assert_eq!(d.failure.unwrap().error_message, "ValueError: boom");
+}
+
+#[tokio::test]
+async fn a_membership_change_supersedes_without_using_the_budget() {
+    let s = start_default().await;
+    let job = "elastic";
+    let nodes = form_budget(&s.channel, job, 1, 0).await;
+    let mut w = RawWatch::attach(&s.channel, job, 1, 0, &nodes[0].1)
+        .await
+        .unwrap();
+    let next = spawn_join(&s.channel, restart_req(job, "n9", 1, 0));
+    let e = w.ended().await;
+    assert_eq!(e.cause, Cause::Superseded as i32);
+    assert!(e.rejoin);
+    let second = next.await.unwrap().unwrap();
+    assert_eq!((second.generation, second.restart_count), (2, 0));
+}
+
+#[tokio::test]
+async fn a_late_watcher_hears_the_end_at_once_and_strangers_are_refused() {
+    let s = start_default().await;
+    let job = "late";
+    let nodes = form_budget(&s.channel, job, 2, 1).await;
+    let stranger = RawWatch::attach(&s.channel, job, 1, 0, "someone-else").await;
+    assert_eq!(stranger.err().unwrap().code(), Code::PermissionDenied);
+    let outside = RawWatch::attach(&s.channel, job, 1, 5, "n0").await;
+    assert_eq!(outside.err().unwrap().code(), Code::InvalidArgument);
+    let stale = RawWatch::attach(&s.channel, job, 7, 0, "n0").await;
+    assert_eq!(stale.err().unwrap().code(), Code::FailedPrecondition);
+    report(&s.channel, job, 1, 0, 1).await;
+    let mut w = RawWatch::attach(&s.channel, job, 1, 1, &nodes[1].1)
+        .await
+        .unwrap();
+    let e = w.ended().await;
+    assert!(e.rejoin);
+    assert_eq!(e.failure.unwrap().rank, 0);
+}
+
+#[tokio::test]
+async fn a_dropped_watch_fails_the_generation_naming_the_node() {
+    let s = start_default().await;
+    let job = "dropped";
+    let nodes = form_budget(&s.channel, job, 2, 0).await;
+    let mut w0 = RawWatch::attach(&s.channel, job, 1, 0, &nodes[0].1)
+        .await
+        .unwrap();
+    let w1 = RawWatch::attach(&s.channel, job, 1, 1, &nodes[1].1)
+        .await
+        .unwrap();
+    let t = Instant::now();
+    drop(w1);
+    let e = w0.ended().await;
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    assert!(!e.rejoin);
+    let f = e.failure.unwrap();
+    assert_eq!((f.node_rank, f.node_id.as_str()), (1, "n1"));
+    assert!(
+        f.reason.contains("node 1") && f.reason.contains("disconnected"),
+        "{}",
+        f.reason
+    );
+}
+
+#[tokio::test]
+async fn a_silent_node_is_declared_dead_after_the_heartbeat_timeout() {
+    let s = start(Config {
+        heartbeat_timeout: Duration::from_millis(600),
+        ..Config::default()
+    })
+    .await;
+    let job = "silent";
+    let nodes = form_budget(&s.channel, job, 2, 0).await;
+    let w0 = RawWatch::attach(&s.channel, job, 1, 0, &nodes[0].1)
+        .await
+        .unwrap();
+    // Node 1 attaches and then says nothing; node 0 keeps heartbeating.
+    let _w1 = RawWatch::attach(&s.channel, job, 1, 1, &nodes[1].1)
+        .await
+        .unwrap();
+    let t = Instant::now();
+    let beat = async {
+        loop {
+            w0.send(pb::node_message::Kind::Heartbeat(pb::Heartbeat {}))
+                .await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let ended = async {
+        let d = loop {
+            let d = describe(&s.channel, job).await;
+            if d.failure.is_some() {
+                break d;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        d.failure.unwrap()
+    };
+    let f = tokio::select! {
+        f = ended => f,
+        () = beat => unreachable!(),
+    };
+    let waited = t.elapsed();
+    assert!(
+        waited >= Duration::from_millis(500) && waited < Duration::from_secs(3),
+        "{waited:?}"
+    );
+    assert_eq!(f.node_rank, 1, "{f:?}");
+    assert!(f.reason.contains("no heartbeat"), "{}", f.reason);
+}
+
+#[tokio::test]
+async fn a_finished_node_may_go_away() {
+    let s = start_default().await;
+    let job = "finished";
+    let nodes = form_budget(&s.channel, job, 2, 0).await;
+    let mut w0 = RawWatch::attach(&s.channel, job, 1, 0, &nodes[0].1)
+        .await
+        .unwrap();
+    let mut w1 = RawWatch::attach(&s.channel, job, 1, 1, &nodes[1].1)
+        .await
+        .unwrap();
+    w1.send(pb::node_message::Kind::Finished(pb::NodeFinished {}))
+        .await;
+    w1.tx.take();
+    // The coordinator ends the finished node's stream, and nobody hears of a failure.
+    let end = tokio::time::timeout(Duration::from_secs(5), w1.rx.message())
+        .await
+        .unwrap();
+    assert!(matches!(end, Ok(None)), "{end:?}");
+    w0.nothing_within(Duration::from_millis(300)).await;
+    let d = describe(&s.channel, job).await;
+    assert!(d.failure.is_none());
+    let left = d
+        .ranks
+        .iter()
+        .filter(|r| r.state == pb::RankState::Left as i32)
+        .count();
+    assert_eq!(left, 1);
+}
+
+#[tokio::test]
+async fn a_second_join_must_agree_on_the_budget() {
+    let s = start_default().await;
+    let first = spawn_join(&s.channel, restart_req("agree", "n0", 2, 3));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let e = RendezvousClient::new(s.channel.clone())
+        .join(restart_req("agree", "n1", 2, 1))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition);
+    assert!(e.message().contains("max_restarts=3"), "{}", e.message());
+    first.abort();
+}

@@ -1,0 +1,48 @@
+//! A real `muster-coordinator` process on a free loopback port, for tests whose agents need a
+//! coordinator of their own (several agents of one job, daemon mode). Killed on drop.
+
+use std::process::{Child, Command, Stdio};
+
+/// A running coordinator process.
+#[derive(Debug)]
+pub struct Coordinator {
+    child: Child,
+    /// Its `127.0.0.1:PORT`.
+    pub addr: String,
+}
+
+impl Coordinator {
+    /// Starts `muster-coordinator --listen 127.0.0.1:<free port> <extra>`, and waits until it
+    /// accepts connections.
+    pub fn start(extra: &[&str]) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        let addr = format!("127.0.0.1:{port}");
+        let bin = crate::profile_dir().join("muster-coordinator");
+        let child = Command::new(&bin)
+            .arg("--listen")
+            .arg(&addr)
+            .args(extra)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {} ({e}): build the workspace first", bin.display()));
+        for _ in 0..200 {
+            if std::net::TcpStream::connect(&addr).is_ok() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        Self { child, addr }
+    }
+}
+
+impl Drop for Coordinator {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

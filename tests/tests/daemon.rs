@@ -1,0 +1,188 @@
+//! Daemon mode end to end: real `muster-agent serve` processes register with a real
+//! coordinator; `muster-agent submit` starts a job on them, `status` shows it, `cancel` stops
+//! it on every node, and an agent that registers while a job runs below its most nodes joins
+//! it (an elastic membership change).
+
+use muster_tests::coordinator::Coordinator;
+use muster_tests::{Agent, SLOW, Stream, agent_bin};
+use std::process::{Command, Output};
+use std::time::{Duration, Instant};
+
+fn cli(args: &[&str]) -> Output {
+    Command::new(agent_bin())
+        .args(args)
+        .output()
+        .expect("muster-agent runs")
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}\n--- stdout\n{}--- stderr\n{}",
+        o.status,
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+fn serve(c: &Coordinator, id: &str, labels: &str) -> Agent {
+    let agent = Agent::start(&[
+        "serve",
+        "--coordinator",
+        &c.addr,
+        "--agent-id",
+        id,
+        "--labels",
+        labels,
+        "--grace-period-ms",
+        "1000",
+    ]);
+    agent.wait_for_lines(Stream::Stderr, 1, SLOW, |l| l.contains("serving as"));
+    agent
+}
+
+/// Polls `status` until its output contains `want`.
+fn wait_status(c: &Coordinator, job: Option<&str>, want: &str) -> String {
+    let deadline = Instant::now() + SLOW;
+    loop {
+        let mut args = vec!["status", "--coordinator", &c.addr];
+        args.extend(job);
+        let out = cli(&args);
+        let s = String::from_utf8_lossy(&out.stdout).into_owned();
+        if s.contains(want) {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "status never showed {want:?}:\n{s}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+#[test]
+fn submitted_job_runs_on_registered_agents_and_finishes() {
+    let c = Coordinator::start(&[]);
+    let a = serve(&c, "agent-a", "pool=x");
+    let b = serve(&c, "agent-b", "pool=x");
+    let listing = wait_status(&c, None, "agent agent-b");
+    assert!(listing.contains("agent agent-a"), "{listing}");
+    assert!(listing.contains("labels [pool=x]"), "{listing}");
+    let out = cli(&[
+        "submit",
+        "--coordinator",
+        &c.addr,
+        "--job-id",
+        "sub1",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--selector",
+        "pool=x",
+        "--env",
+        "GREETING=hello",
+        "--wait",
+        "--",
+        "sh",
+        "-c",
+        "echo $GREETING rank=$RANK world=$WORLD_SIZE",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("job sub1 submitted to agent-a, agent-b"), "{stdout}");
+    assert!(stdout.contains("job sub1: finished"), "{stdout}");
+    drop((a, b));
+}
+
+#[test]
+fn submit_without_enough_agents_is_refused_and_names_the_counts() {
+    let c = Coordinator::start(&[]);
+    let _a = serve(&c, "only", "gpu=no");
+    let out = cli(&[
+        "submit",
+        "--coordinator",
+        &c.addr,
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{}", text(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("needs at least 2 idle agents; 1 registered, 1 match, 1 of them idle"),
+        "{err}"
+    );
+}
+
+#[test]
+fn cancel_stops_the_workers_on_every_node() {
+    let c = Coordinator::start(&[]);
+    let a = serve(&c, "agent-a", "pool=y");
+    let b = serve(&c, "agent-b", "pool=y");
+    let out = cli(&[
+        "submit",
+        "--coordinator",
+        &c.addr,
+        "--job-id",
+        "long",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--max-restarts",
+        "3",
+        "--",
+        "sh",
+        "-c",
+        "echo running rank=$RANK; exec sleep 60",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    for agent in [&a, &b] {
+        agent.wait_for_lines(Stream::Stdout, 1, SLOW, |l| l.contains("running rank="));
+    }
+    wait_status(&c, Some("long"), "running");
+    let t = Instant::now();
+    let out = cli(&["cancel", "--coordinator", &c.addr, "long"]);
+    assert!(out.status.success(), "{}", text(&out));
+    for agent in [&a, &b] {
+        agent.wait_for_lines(Stream::Stderr, 1, SLOW, |l| {
+            l.contains("job long") && l.contains("was cancelled")
+        });
+    }
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    let s = wait_status(&c, Some("long"), "cancelled");
+    assert!(s.contains("(over)"), "{s}");
+    // The agents are idle again: a new job can use both.
+    wait_status(&c, None, "jobs [], seen");
+}
+
+#[test]
+fn a_late_agent_joins_a_running_elastic_job() {
+    // A short last call: the first round closes with one node soon after it joins.
+    let c = Coordinator::start(&["--last-call-ms", "300"]);
+    let a = serve(&c, "agent-a", "pool=z");
+    let out = cli(&[
+        "submit",
+        "--coordinator",
+        &c.addr,
+        "--job-id",
+        "elastic",
+        "--nnodes",
+        "1:2",
+        "--nproc-per-node",
+        "1",
+        "--",
+        "sh",
+        "-c",
+        "echo world=$WORLD_SIZE gen=$MUSTER_GENERATION; exec sleep 60",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    a.wait_for_lines(Stream::Stdout, 1, SLOW, |l| l.contains("world=1"));
+    let b = serve(&c, "agent-b", "pool=z");
+    // The new node's join supersedes generation 1; both nodes run generation 2 with 2 ranks.
+    for agent in [&a, &b] {
+        agent.wait_for_lines(Stream::Stdout, 1, SLOW, |l| l.contains("world=2 gen=2"));
+    }
+    let out = cli(&["cancel", "--coordinator", &c.addr, "elastic"]);
+    assert!(out.status.success(), "{}", text(&out));
+}

@@ -1,0 +1,150 @@
+//! Unmodified PyTorch and Accelerate scripts (`tests/python/`) under the real
+//! `muster-agent launch`, 2 processes on CPU: the torchrun environment contract is enough for
+//! `init_process_group("gloo", init_method="env://")`, DDP and Accelerate's `Accelerator()`.
+//!
+//! They need the peers' virtual environment (PyTorch, Accelerate): `$MUSTER_PEERS_VENV`, else
+//! `~/.cache/muster-peers`, made by `scripts/install-peers.sh` (which `scripts/test.sh` runs).
+//! Without it each test prints `skipped: ...` and passes.
+
+use muster_tests::{Agent, Finished, workspace_root};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// torch's import alone takes seconds on a 2-core machine; both ranks import it at once.
+const PYTHON_LIMIT: Duration = Duration::from_secs(90);
+
+/// The peers' Python, if its venv has torch and accelerate; otherwise prints why the test is
+/// skipped. Looks for the packages' files instead of importing them (an import costs seconds).
+fn peers_python() -> Option<PathBuf> {
+    let venv = std::env::var_os("MUSTER_PEERS_VENV")
+        .map(PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache/muster-peers"))
+        });
+    let Some(venv) = venv else {
+        eprintln!(
+            "skipped: neither MUSTER_PEERS_VENV nor HOME is set (run scripts/install-peers.sh)"
+        );
+        return None;
+    };
+    let python = venv.join("bin/python");
+    if !python.exists() {
+        eprintln!(
+            "skipped: {} does not exist (run scripts/install-peers.sh)",
+            python.display()
+        );
+        return None;
+    }
+    let has = |package: &str| {
+        std::fs::read_dir(venv.join("lib"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .any(|dir| {
+                dir.path()
+                    .join("site-packages")
+                    .join(package)
+                    .join("__init__.py")
+                    .exists()
+            })
+    };
+    for package in ["torch", "accelerate"] {
+        if !has(package) {
+            eprintln!(
+                "skipped: the venv {} has no {package} (run scripts/install-peers.sh)",
+                venv.display()
+            );
+            return None;
+        }
+    }
+    Some(python)
+}
+
+/// `muster-agent launch <flags> --nproc-per-node 2 --job-id JOB -- PYTHON tests/python/SCRIPT`.
+fn launch(
+    python: &std::path::Path,
+    script: &str,
+    job: &str,
+    flags: &[&str],
+    env: &[(&str, &str)],
+) -> Finished {
+    let python = python.to_str().expect("a UTF-8 venv path");
+    let script = workspace_root().join("tests/python").join(script);
+    let script = script.to_str().expect("a UTF-8 checkout path");
+    let mut args = vec!["launch"];
+    args.extend_from_slice(flags);
+    args.extend_from_slice(&[
+        "--nproc-per-node",
+        "2",
+        "--job-id",
+        job,
+        "--",
+        python,
+        script,
+    ]);
+    let run = Agent::start_with_env(&args, env).finish(PYTHON_LIMIT);
+    eprintln!("{script}: {:?}", run.elapsed);
+    run
+}
+
+#[test]
+fn a_plain_pytorch_ddp_script_runs_under_the_agent() {
+    let Some(python) = peers_python() else {
+        return;
+    };
+    let run = launch(&python, "torch_ddp.py", "interop-torch", &[], &[]);
+    assert_eq!(run.code(), Some(0), "{}", run.dump());
+    for rank in 0..2 {
+        let expected = format!(
+            "torch_ddp rank={rank} world=2 local_rank={rank} restart_count=0 \
+             run_id=interop-torch all_reduce=3 params_in_sync=True"
+        );
+        assert_eq!(run.rank_stdout(rank), [expected], "{}", run.dump());
+    }
+}
+
+#[test]
+fn a_plain_accelerate_script_runs_under_the_agent_with_bf16() {
+    let Some(python) = peers_python() else {
+        return;
+    };
+    // On a machine without GPUs Accelerate runs one process per rank, each alone (world 1),
+    // unless ACCELERATE_USE_CPU says to use gloo on the CPU.
+    let run = launch(
+        &python,
+        "accelerate_script.py",
+        "interop-accelerate",
+        &[],
+        &[
+            ("ACCELERATE_MIXED_PRECISION", "bf16"),
+            ("ACCELERATE_USE_CPU", "True"),
+        ],
+    );
+    assert_eq!(run.code(), Some(0), "{}", run.dump());
+    for rank in 0..2 {
+        let lines = run.rank_stdout(rank);
+        let expected = format!(
+            "accelerate rank={rank} world=2 local={rank} main={} distributed_type=MULTI_CPU \
+             gathered=[1, 11] mixed_precision=bf16",
+            if rank == 0 { "True" } else { "False" }
+        );
+        assert!(
+            lines.contains(&expected.as_str()),
+            "{expected:?}\n{}",
+            run.dump()
+        );
+    }
+    // main_process_first: the main process's block ends before the other's begins.
+    let position = |needle: &str| {
+        run.stdout
+            .iter()
+            .position(|l| l.ends_with(needle))
+            .unwrap_or_else(|| panic!("no {needle:?}\n{}", run.dump()))
+    };
+    assert!(
+        position("accelerate rank=0 main_process_first done")
+            < position("accelerate rank=1 main_process_first start"),
+        "{}",
+        run.dump()
+    );
+}

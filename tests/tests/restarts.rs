@@ -1,0 +1,221 @@
+//! End-to-end restarts with the real `muster-agent launch`: a job whose worker fails on the
+//! first attempts restarts with a new generation and new ranks until it succeeds or its
+//! budget (`--max-restarts`, counted by the coordinator) is spent, and then prints the root
+//! cause. Also several agents of one job on this machine (a coordinator of their own), where a
+//! failure on one node restarts every node.
+
+use muster_tests::coordinator::Coordinator;
+use muster_tests::{Agent, SLOW};
+use std::time::Duration;
+
+/// Local rank 1 fails (exit 3, after a line on stderr) while the restart count is below
+/// `fail_until`; every other worker waits long enough to be stopped by the failure.
+fn flaky(fail_until: u32) -> String {
+    format!(
+        "echo start rank=$RANK gen=$MUSTER_GENERATION restart=$TORCHELASTIC_RESTART_COUNT muster_restart=$MUSTER_RESTART_COUNT max=$TORCHELASTIC_MAX_RESTARTS; \
+         if [ \"$LOCAL_RANK\" = 1 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" -lt {fail_until} ]; then \
+           echo \"boom on attempt $TORCHELASTIC_RESTART_COUNT\" >&2; exit 3; fi; \
+         if [ \"$TORCHELASTIC_RESTART_COUNT\" -lt {fail_until} ]; then exec sleep 30; fi; \
+         echo done rank=$RANK"
+    )
+}
+
+fn launch(n: u32, max_restarts: u32, script: &str) -> Agent {
+    let n = n.to_string();
+    let m = max_restarts.to_string();
+    Agent::start(&[
+        "launch",
+        "--nproc-per-node",
+        &n,
+        "--max-restarts",
+        &m,
+        "--grace-period-ms",
+        "2000",
+        "--",
+        "sh",
+        "-c",
+        script,
+    ])
+}
+
+#[test]
+fn a_job_that_fails_twice_succeeds_on_its_third_generation() {
+    let run = launch(2, 2, &flaky(2)).finish(SLOW);
+    assert_eq!(run.code(), Some(0), "{}", run.dump());
+    for rank in 0..2 {
+        let lines = run.rank_stdout(rank);
+        let starts: Vec<&&str> = lines.iter().filter(|l| l.starts_with("start")).collect();
+        assert_eq!(
+            starts,
+            [
+                &&*format!("start rank={rank} gen=1 restart=0 muster_restart=0 max=2"),
+                &&*format!("start rank={rank} gen=2 restart=1 muster_restart=1 max=2"),
+                &&*format!("start rank={rank} gen=3 restart=2 muster_restart=2 max=2"),
+            ],
+            "{}",
+            run.dump()
+        );
+        assert!(
+            lines.contains(&&*format!("done rank={rank}")),
+            "{}",
+            run.dump()
+        );
+    }
+    let restarts = run
+        .stderr
+        .iter()
+        .filter(|l| l.contains("joining again"))
+        .count();
+    assert_eq!(restarts, 2, "{}", run.dump());
+    assert!(
+        run.stderr
+            .iter()
+            .any(|l| l.contains("generation 3 (restart 2) running 2 workers")
+                && l.contains("ms after the failure")),
+        "{}",
+        run.dump()
+    );
+}
+
+#[test]
+fn with_too_few_restarts_the_root_cause_is_printed() {
+    let run = launch(2, 1, &flaky(2)).finish(SLOW);
+    assert_eq!(run.code(), Some(1), "{}", run.dump());
+    let gens = run
+        .rank_stdout(0)
+        .iter()
+        .filter(|l| l.starts_with("start"))
+        .count();
+    assert_eq!(gens, 2, "exactly two generations ran\n{}", run.dump());
+    let text = run.stderr.join("\n");
+    assert!(
+        text.contains("job failed: rank 1 (node 0, host 127.0.0.1) exited with status 3")
+            || text.contains("failed: rank 1 (node 0, host 127.0.0.1) exited with status 3"),
+        "{}",
+        run.dump()
+    );
+    assert!(text.contains("boom on attempt 1"), "{}", run.dump());
+    assert!(text.contains("no restarts left (1 of 1 used)"), "{}", run.dump());
+}
+
+#[test]
+fn max_restarts_zero_fails_at_once_with_the_root_cause() {
+    let run = launch(2, 0, &flaky(1)).finish(SLOW);
+    assert_eq!(run.code(), Some(1), "{}", run.dump());
+    let text = run.stderr.join("\n");
+    assert!(
+        text.contains("rank 1 (node 0, host 127.0.0.1) exited with status 3"),
+        "{}",
+        run.dump()
+    );
+    assert!(
+        !text.contains("joining again"),
+        "no restart with --max-restarts 0\n{}",
+        run.dump()
+    );
+}
+
+#[test]
+fn a_failure_on_one_node_restarts_every_node() {
+    let c = Coordinator::start(&[]);
+    let node = |rank: &str| {
+        Agent::start(&[
+            "launch",
+            "--coordinator",
+            &c.addr,
+            "--job-id",
+            "two-nodes",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--nproc-per-node",
+            "2",
+            "--max-restarts",
+            "1",
+            "--grace-period-ms",
+            "2000",
+            "--",
+            "sh",
+            "-c",
+            // Global rank 3 (node 1, local rank 1) fails on the first attempt only.
+            "echo start rank=$RANK gen=$MUSTER_GENERATION restart=$TORCHELASTIC_RESTART_COUNT; \
+             if [ \"$RANK\" = 3 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then exit 5; fi; \
+             if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then exec sleep 30; fi; echo done",
+        ])
+    };
+    let a = node("0");
+    let b = node("1");
+    let (ra, rb) = (a.finish(SLOW), b.finish(SLOW));
+    assert_eq!(ra.code(), Some(0), "{}", ra.dump());
+    assert_eq!(rb.code(), Some(0), "{}", rb.dump());
+    // Node 0 restarted because of node 1's failure, which it names.
+    assert!(
+        ra.stderr
+            .iter()
+            .any(|l| l.contains("rank 3 (node 1") && l.contains("exited with status 5")),
+        "{}",
+        ra.dump()
+    );
+    for (run, ranks) in [(&ra, [0, 1]), (&rb, [2, 3])] {
+        for rank in ranks {
+            let starts: Vec<String> = run
+                .rank_stdout(rank)
+                .iter()
+                .filter(|l| l.starts_with("start"))
+                .map(|l| (*l).to_owned())
+                .collect();
+            assert_eq!(
+                starts,
+                [
+                    format!("start rank={rank} gen=1 restart=0"),
+                    format!("start rank={rank} gen=2 restart=1")
+                ],
+                "{}",
+                run.dump()
+            );
+        }
+    }
+}
+
+#[test]
+fn a_cancelled_job_stops_on_every_node() {
+    let c = Coordinator::start(&[]);
+    let agent = Agent::start(&[
+        "launch",
+        "--coordinator",
+        &c.addr,
+        "--job-id",
+        "to-cancel",
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "3",
+        "--grace-period-ms",
+        "1000",
+        "--",
+        "sh",
+        "-c",
+        "echo ready; exec sleep 30",
+    ]);
+    agent.wait_for_lines(muster_tests::Stream::Stdout, 2, SLOW, |l| {
+        l.contains("ready")
+    });
+    let cancel = std::process::Command::new(muster_tests::agent_bin())
+        .args(["cancel", "--coordinator", &c.addr, "to-cancel"])
+        .output()
+        .expect("muster-agent cancel runs");
+    assert!(cancel.status.success(), "{cancel:?}");
+    let run = agent.finish(Duration::from_secs(10));
+    assert_eq!(run.code(), Some(1), "{}", run.dump());
+    assert!(
+        run.stderr.iter().any(|l| l.contains("was cancelled")),
+        "{}",
+        run.dump()
+    );
+    assert!(
+        !run.stderr.iter().any(|l| l.contains("joining again")),
+        "a cancel is not restarted\n{}",
+        run.dump()
+    );
+}
