@@ -195,9 +195,7 @@ pub struct LaunchArgs {
     )]
     pub gpu_ids: Option<String>,
 
-    /// How a worker finds its GPU: `local-rank` (every worker sees all the GPUs and uses the
-    /// one at LOCAL_RANK, as under torchrun and Accelerate) or `one-per-process` (each worker
-    /// sees only its own GPU, as device 0; more workers than GPUs is an error).
+    /// How a worker finds its GPU.
     #[arg(
         long,
         value_enum,

@@ -57,7 +57,12 @@ pub struct ServeArgs {
     pub coordinator: String,
     /// Labels of this machine, `key=value` (repeat the flag or separate with commas); jobs
     /// select machines by them.
-    #[arg(long = "labels", alias = "label", value_name = "K=V[,K=V]", value_delimiter = ',')]
+    #[arg(
+        long = "labels",
+        alias = "label",
+        value_name = "K=V[,K=V]",
+        value_delimiter = ','
+    )]
     pub labels: Vec<String>,
     /// This agent's id in the pool. Default: host name and process id.
     #[arg(long, value_name = "ID")]
@@ -165,10 +170,12 @@ async fn connect(addr: &str) -> Result<Channel, String> {
         .map_err(|e| format!("bad coordinator address '{addr}': {e}"))?
         .connect_timeout(Duration::from_secs(2))
         .tcp_nodelay(true);
-    endpoint
-        .connect()
-        .await
-        .map_err(|e| format!("cannot reach the coordinator at {addr}: {}", launch::chain(&e)))
+    endpoint.connect().await.map_err(|e| {
+        format!(
+            "cannot reach the coordinator at {addr}: {}",
+            launch::chain(&e)
+        )
+    })
 }
 
 /// `muster-agent submit`: prints the job id and where it runs; with `--wait`, follows it to
@@ -390,7 +397,10 @@ fn launch_spec(
 /// What a finished job tells the coordinator.
 fn update(job_id: &str, result: &Result<Outcome, String>) -> pb::AgentMessage {
     let (outcome, message) = match result {
-        Ok(Outcome::Succeeded) => (pb::JobOutcome::Succeeded, "every worker exited 0".to_owned()),
+        Ok(Outcome::Succeeded) => (
+            pb::JobOutcome::Succeeded,
+            "every worker exited 0".to_owned(),
+        ),
         Ok(Outcome::Cancelled) => (pb::JobOutcome::Cancelled, "cancelled".to_owned()),
         Ok(Outcome::Failed) => (pb::JobOutcome::Failed, "failed".to_owned()),
         Ok(Outcome::Interrupted(sig)) => (
@@ -569,7 +579,10 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
     let wait = Duration::from_millis(args.grace_period_ms) + Duration::from_secs(3);
     for (job_id, (_, handle)) in jobs {
         if tokio::time::timeout(wait, handle).await.is_err() {
-            eprintln!("muster-agent: job {job_id} did not stop within {} ms", wait.as_millis());
+            eprintln!(
+                "muster-agent: job {job_id} did not stop within {} ms",
+                wait.as_millis()
+            );
         }
     }
     eprintln!("muster-agent: agent {agent_id} stopped");

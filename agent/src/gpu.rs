@@ -172,8 +172,9 @@ pub enum GpuMapping {
     /// torchrun and `accelerate launch` (what unmodified scripts expect).
     #[default]
     LocalRank,
-    /// Each worker sees only its own GPU (`CUDA_VISIBLE_DEVICES` = one id), as device 0. For
-    /// programs that use "the" GPU; scripts that pick `cuda:LOCAL_RANK` fail under it.
+    /// Each worker sees only its own GPU (`CUDA_VISIBLE_DEVICES` = one id), as device 0; more
+    /// workers than GPUs is an error. For programs that use "the" GPU: scripts that pick
+    /// `cuda:LOCAL_RANK` fail under it.
     OnePerProcess,
 }
 

@@ -20,11 +20,14 @@
 //! notice that survives SIGKILL, and it costs one process and one small write per worker.
 //!
 //! What it cannot catch: a process that left its worker's group *and* lost its parent before
-//! the agent died (a daemon that double-forked) is linked to nothing the guardian can see;
-//! only a cgroup holds such a process.
+//! the guardian walked the table is linked to nothing the guardian can see; only a cgroup holds
+//! such a process. That is a daemon that double-forked, and (a race the guardian loses about
+//! half the time) a child that left the group of a worker that was *stopped* when the agent
+//! died: the kernel sends such a newly orphaned group SIGHUP at once, which may end the worker
+//! before the guardian has read the table.
 
 use nix::sys::signal::{SigSet, Signal, kill, killpg};
-use nix::unistd::Pid;
+use nix::unistd::{Pid, getppid};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::ffi::OsString;
 use std::io::{BufRead, Write};
@@ -32,6 +35,7 @@ use std::os::unix::process::CommandExt;
 use std::process::{Child, ChildStdin, Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
 
 /// The hidden first argument that makes the agent's binary run as the guardian
 /// (`muster-agent __guard <agent pid>`); `main.rs` dispatches it before parsing flags, so it
@@ -45,6 +49,9 @@ pub const GUARD_EXE_ENV: &str = "MUSTER_AGENT_GUARD_EXE";
 
 /// How many times the process table is walked for new descendants before the kill.
 const MAX_WALKS: usize = 16;
+/// How many milliseconds the guardian waits, at most, for the dead agent's children to be
+/// handed to a new parent.
+const REPARENT_POLLS: u32 = 100;
 
 /// Set by [`dispatch`]: this binary understands [`GUARD_ARG`].
 static SELF_IS_GUARDIAN: AtomicBool = AtomicBool::new(false);
@@ -168,6 +175,7 @@ fn parse(line: &[u8]) -> Option<Event> {
 /// The guardian's life: follow the registrations until end of file, then kill what is left.
 fn run(input: impl BufRead, agent: &str) -> ExitCode {
     ignore_job_control_signals();
+    let parent = getppid();
     let mut groups = BTreeSet::new();
     for line in input.split(b'\n') {
         // A read error means the agent's end is gone too.
@@ -186,7 +194,7 @@ fn run(input: impl BufRead, agent: &str) -> ExitCode {
     if groups.is_empty() {
         return ExitCode::SUCCESS;
     }
-    let killed = kill_all(&groups);
+    let killed = kill_all(&groups, parent);
     if killed > 0 {
         eprintln!(
             "muster-agent: the agent (pid {agent}) ended without stopping its workers; its guardian killed {killed} process(es) left in {} worker process group(s) and their descendants",
@@ -194,6 +202,19 @@ fn run(input: impl BufRead, agent: &str) -> ExitCode {
         );
     }
     ExitCode::SUCCESS
+}
+
+/// End of file comes when the dying agent closes its descriptors, a moment before the kernel
+/// hands its children (the workers, and this process) to a new parent and signals the worker
+/// groups it orphans. Waits (briefly) for that, so that what its SIGCONT woke can be stopped
+/// again.
+fn await_reparenting(parent: Pid) {
+    for _ in 0..REPARENT_POLLS {
+        if getppid() != parent {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
 }
 
 /// A Ctrl-C, a closed terminal or a stray SIGTERM must not end the guardian before the agent:
@@ -227,25 +248,40 @@ struct Entry {
     zombie: bool,
 }
 
-/// Stops the groups and every descendant of their members, then kills them all; returns how
-/// many live processes were killed.
-fn kill_all(groups: &BTreeSet<i32>) -> usize {
-    for &g in groups {
-        // A group that no longer exists is the good case.
-        let _ = killpg(Pid::from_raw(g), Signal::SIGSTOP);
-    }
+/// Collects the groups' members and every descendant of theirs, stopping each, then kills them
+/// all; returns how many live processes were killed. `parent` is the agent's pid.
+///
+/// The first walk comes before any signal and as early as possible: when the dying agent hands
+/// its children to a new parent, the kernel sends SIGHUP and SIGCONT to each worker group that
+/// has a stopped member (an orphaned process group), and a worker that dies of that SIGHUP
+/// hands its own children to init, where no parent link leads to them any more. Recorded by
+/// pid first, they are killed wherever they went; what the SIGCONT woke is stopped again.
+fn kill_all(groups: &BTreeSet<i32>, parent: Pid) -> usize {
     let me = std::process::id().cast_signed();
     let mut doomed: HashMap<i32, bool> = HashMap::new();
-    for _ in 0..MAX_WALKS {
-        let table = process_table();
-        let found = descendants(&table, groups, &doomed, me);
-        if found.is_empty() {
+    let stop_all = |doomed: &HashMap<i32, bool>| {
+        for &g in groups {
+            // A group that no longer exists is the good case.
+            let _ = killpg(Pid::from_raw(g), Signal::SIGSTOP);
+        }
+        for &pid in doomed.keys() {
+            let _ = kill(Pid::from_raw(pid), Signal::SIGSTOP);
+        }
+    };
+    for walk in 0..MAX_WALKS {
+        let found = descendants(&process_table(), groups, &doomed, me);
+        if walk > 0 && found.is_empty() {
             break;
         }
         for entry in found {
             // Stopped, it can fork no more while the table is walked again.
             let _ = kill(Pid::from_raw(entry.pid), Signal::SIGSTOP);
             doomed.insert(entry.pid, !entry.zombie);
+        }
+        if walk == 0 {
+            stop_all(&doomed);
+            await_reparenting(parent);
+            stop_all(&doomed);
         }
     }
     for &g in groups {

@@ -293,18 +293,16 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
                 if let Some(f) = &last_failure {
                     eprint!("{}", root_cause(&job, f));
                 }
-                eprintln!("muster-agent: job {job} failed: this node lost the coordinator at {coordinator}: {why}; its workers were stopped");
+                eprintln!(
+                    "muster-agent: job {job} failed: this node lost the coordinator at {coordinator}: {why}; its workers were stopped"
+                );
                 return Ok(Outcome::Failed);
             }
-            End::Ended {
-                verdict,
-                local,
-                at,
-            } => {
+            End::Ended { verdict, local, at } => {
                 let failure = verdict
                     .as_ref()
                     .and_then(|v| v.failure.clone())
-                    .or(local);
+                    .or(local.map(|l| *l));
                 if failure.is_some() {
                     last_failure = failure;
                 }
@@ -313,7 +311,9 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
                     if let Some(f) = &last_failure {
                         eprint!("{}", root_cause(&job, f));
                     }
-                    eprintln!("muster-agent: job {job}: no word from the coordinator after the failure; not restarting");
+                    eprintln!(
+                        "muster-agent: job {job}: no word from the coordinator after the failure; not restarting"
+                    );
                     return Ok(Outcome::Failed);
                 };
                 let cause = pb::generation_ended::Cause::try_from(v.cause)
@@ -463,10 +463,8 @@ async fn waiting_join(
     let fut = join(spec, channel.clone(), coordinator, host, node_id);
     tokio::pin!(fut);
     let mut ops = OpsClient::new(channel.clone());
-    let mut tick = tokio::time::interval_at(
-        tokio::time::Instant::now() + WAITING_NOTICE,
-        WAITING_NOTICE,
-    );
+    let mut tick =
+        tokio::time::interval_at(tokio::time::Instant::now() + WAITING_NOTICE, WAITING_NOTICE);
     let mut shown = None;
     let job = &spec.job_id;
     loop {
@@ -538,7 +536,12 @@ async fn join(
     host: &str,
     node_id: &str,
 ) -> Result<NodeAssignment, LaunchError> {
-    let millis = |d: Option<Duration>| d.map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    // 0 on the wire means "the coordinator's default": an explicit zero is sent as 1 ms.
+    let millis = |d: Option<Duration>| {
+        d.map_or(0, |d| {
+            u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+        })
+    };
     let request = pb::JoinRequest {
         job_id: spec.job_id.clone(),
         node_id: node_id.to_owned(),
@@ -734,8 +737,8 @@ enum End {
     /// workers were stopped. `verdict` is the coordinator's last word (None if it never
     /// came), `local` this node's own failure, `at` when the end was first seen here.
     Ended {
-        verdict: Option<pb::GenerationEnded>,
-        local: Option<pb::FailureInfo>,
+        verdict: Option<Box<pb::GenerationEnded>>,
+        local: Option<Box<pb::FailureInfo>>,
         at: Instant,
     },
 }
@@ -856,26 +859,43 @@ impl<'a> Supervisor<'a> {
             }
         }
         End::Ended {
-            verdict: self.verdict,
-            local: self.local,
+            verdict: self.verdict.map(Box::new),
+            local: self.local.map(Box::new),
             at,
         }
     }
 
     fn spawn_all(&mut self) {
-        let inherited = |name: &str| std::env::var_os(name).is_some();
+        let program_env = &self.spec.program.env;
+        let inherited = |name: &str| {
+            std::env::var_os(name).is_some() || program_env.iter().any(|(k, _)| k == name)
+        };
+        let mut options = self.spec.worker_options();
+        // On a machine without GPUs, Accelerate must be told to use the CPU, or each process
+        // runs alone (world size 1): do what `accelerate launch --cpu` would.
+        if !options.use_cpu && !inherited("ACCELERATE_USE_CPU") && crate::gpu::discover().is_empty()
+        {
+            options.use_cpu = true;
+        }
         for local_rank in 0..self.spec.nproc_per_node {
             let rank = self.node.rank_offset + local_rank;
-            let env = worker_env(
-                &self.node,
-                local_rank,
-                &self.spec.worker_options(),
-                inherited,
-            );
+            let env = worker_env(&self.node, local_rank, &options, inherited);
             let output = self
                 .spec
                 .output
                 .for_attempt(&self.node.job_id, self.node.restart_count);
+            if local_rank == 0
+                && let Some(dir) = self
+                    .spec
+                    .output
+                    .attempt_dir(&self.node.job_id, self.node.restart_count)
+            {
+                eprintln!(
+                    "muster-agent: job {}: worker logs in {}",
+                    self.spec.job_id,
+                    dir.display()
+                );
+            }
             match Worker::spawn(&self.spec.program, &env, rank, local_rank, &output) {
                 Ok((worker, exit)) => {
                     self.workers.push(worker);
@@ -922,11 +942,9 @@ impl<'a> Supervisor<'a> {
 
     /// This node's view of a worker's failure, with its error file when it left one.
     fn failure_info(&self, exit: &Exit) -> pb::FailureInfo {
-        let error = self
-            .node
-            .error_dir
-            .as_deref()
-            .and_then(|dir| crate::error_file::read(&crate::error_file::error_path(dir, exit.rank)));
+        let error = self.node.error_dir.as_deref().and_then(|dir| {
+            crate::error_file::read(&crate::error_file::error_path(dir, exit.rank))
+        });
         let (error_message, error_traceback) = match error {
             Some(e) => (e.message, e.traceback.unwrap_or_default()),
             None => (String::new(), String::new()),
@@ -961,15 +979,18 @@ impl<'a> Supervisor<'a> {
                         workers(running)
                     );
                 }
+                let rejoin = v.rejoin;
                 self.verdict = Some(v);
                 self.ended_at.get_or_insert_with(Instant::now);
-                if matches!(self.stop, Stop::No) {
-                    match cause {
-                        // The workers hear of a failure from the coordinator and may end on
-                        // their own, saying why.
-                        pb::generation_ended::Cause::Failed => self.settle(),
-                        _ => self.stop_all(),
-                    }
+                match (cause, rejoin, self.stop) {
+                    // A final failure: the workers hear of it from the coordinator and may end
+                    // on their own, saying why, before they are signalled.
+                    (pb::generation_ended::Cause::Failed, false, Stop::No) => self.settle(),
+                    (pb::generation_ended::Cause::Failed, false, _) => {}
+                    // A restart (or a new round, or a cancel): every millisecond until the
+                    // new generation runs counts, so stop at once.
+                    (_, _, Stop::No | Stop::Settling(_)) => self.stop_all(),
+                    (_, _, Stop::Terminating(_) | Stop::Killed) => {}
                 }
             }
             WatchEvent::Lost(why) => {
@@ -1095,7 +1116,11 @@ fn root_cause(job: &str, f: &pb::FailureInfo) -> String {
     }
     if f.node_id.is_empty() {
         if f.stderr_tail.is_empty() {
-            let _ = writeln!(text, "muster-agent: rank {} wrote nothing to stderr", f.rank);
+            let _ = writeln!(
+                text,
+                "muster-agent: rank {} wrote nothing to stderr",
+                f.rank
+            );
         } else {
             let _ = writeln!(text, "muster-agent: last stderr lines of rank {}:", f.rank);
             for line in f.stderr_tail.lines() {

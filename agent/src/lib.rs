@@ -5,6 +5,9 @@
 //! Unless told otherwise (`--no-relay`), it also relays its workers' barriers ([`relay`]):
 //! node barriers complete in the agent and a global barrier costs the coordinator one message
 //! per node.
+//! A guardian process ([`guard`]) kills the workers and their children if the agent itself is
+//! killed (SIGKILL included); a failed worker's structured error is read from its error file
+//! ([`error_file`]).
 //!
 //! The binary (`main.rs`) only parses the command line ([`cli::parse`]) and calls
 //! [`launch::run`]; tests call both directly.

@@ -220,14 +220,14 @@ struct Gen {
     barriers: HashMap<BarrierKey, Barrier>,
     failure: Option<Failure>,
     /// The event sent to watchers when the generation ended (and to those who attach later).
-    ended: Option<pb::GenerationEnded>,
+    ended: Option<Box<pb::GenerationEnded>>,
     left: u32,
     next_token: u64,
 }
 
 enum Phase {
     Open(OpenRound),
-    Running(Gen),
+    Running(Box<Gen>),
 }
 
 struct JobState {
@@ -395,7 +395,7 @@ impl Gen {
                 }));
             }
         }
-        self.ended = Some(ended);
+        self.ended = Some(Box::new(ended));
     }
 
     /// Tells every relaying agent that the generation is over, with `error`.
@@ -780,7 +780,7 @@ impl Job {
             }));
         }
         tracing::info!(job = %self.id, generation, nodes = n, world_size, "rendezvous round closed");
-        st.phase = Phase::Running(Gen {
+        st.phase = Phase::Running(Box::new(Gen {
             generation,
             nodes,
             ranks,
@@ -789,7 +789,7 @@ impl Job {
             ended: None,
             left: 0,
             next_token: 1,
-        });
+        }));
         self.notify();
     }
 
@@ -1275,7 +1275,7 @@ impl Job {
                 if let Some(ended) = &g.ended
                     && ended.cause == pb::generation_ended::Cause::Failed as i32
                 {
-                    let mut ended = ended.clone();
+                    let mut ended = (**ended).clone();
                     ended.failure = Some(f.to_info(generation));
                     g.end(ended);
                 }
@@ -1426,7 +1426,7 @@ impl Job {
         }));
         if let Some(ended) = &g.ended {
             let _ = outbox.send(Ok(pb::NodeEvent {
-                kind: Some(pb::node_event::Kind::Ended(ended.clone())),
+                kind: Some(pb::node_event::Kind::Ended((**ended).clone())),
             }));
         }
         node.watch = Some((watch_id, outbox));

@@ -158,7 +158,7 @@ pub fn check_spec(
             "at most {MAX_ARGS} arguments and {MAX_ARGS} environment entries"
         )));
     }
-    for (k, _) in &spec.env {
+    for k in spec.env.keys() {
         let ok = !k.is_empty()
             && !k.starts_with(|c: char| c.is_ascii_digit())
             && k.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');

@@ -141,8 +141,8 @@ async fn report(ch: &Channel, job: &str, generation: u64, rank: u32, code: i32) 
 async fn failures_restart_the_job_until_the_budget_is_spent() {
     let s = start_default().await;
     let job = "budget";
-    let mut generation = 1;
     for attempt in 0..=2u32 {
+        let generation = u64::from(attempt) + 1;
         let nodes = form_budget(&s.channel, job, 2, 2).await;
         assert_eq!(nodes[0].0.generation, generation);
         assert_eq!(
@@ -168,7 +168,6 @@ async fn failures_restart_the_job_until_the_budget_is_spent() {
             assert_eq!(f.generation, generation);
             assert!(e.message.contains("exited with status 7"), "{}", e.message);
         }
-        generation += 1;
     }
     // Budget spent: the job is over and says why.
     let refused = RendezvousClient::new(s.channel.clone())

@@ -29,7 +29,12 @@ impl Coordinator {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .unwrap_or_else(|e| panic!("cannot start {} ({e}): build the workspace first", bin.display()));
+            .unwrap_or_else(|e| {
+                panic!(
+                    "cannot start {} ({e}): build the workspace first",
+                    bin.display()
+                )
+            });
         for _ in 0..200 {
             if std::net::TcpStream::connect(&addr).is_ok() {
                 break;
@@ -37,6 +42,13 @@ impl Coordinator {
             std::thread::sleep(std::time::Duration::from_millis(10));
         }
         Self { child, addr }
+    }
+}
+
+impl Coordinator {
+    /// The coordinator's pid.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 }
 

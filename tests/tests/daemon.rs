@@ -51,7 +51,10 @@ fn wait_status(c: &Coordinator, job: Option<&str>, want: &str) -> String {
         if s.contains(want) {
             return s;
         }
-        assert!(Instant::now() < deadline, "status never showed {want:?}:\n{s}");
+        assert!(
+            Instant::now() < deadline,
+            "status never showed {want:?}:\n{s}"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -86,7 +89,10 @@ fn submitted_job_runs_on_registered_agents_and_finishes() {
     ]);
     assert!(out.status.success(), "{}", text(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(stdout.contains("job sub1 submitted to agent-a, agent-b"), "{stdout}");
+    assert!(
+        stdout.contains("job sub1 submitted to agent-a, agent-b"),
+        "{stdout}"
+    );
     assert!(stdout.contains("job sub1: finished"), "{stdout}");
     drop((a, b));
 }

@@ -108,17 +108,15 @@ fn a_plain_accelerate_script_runs_under_the_agent_with_bf16() {
     let Some(python) = peers_python() else {
         return;
     };
-    // On a machine without GPUs Accelerate runs one process per rank, each alone (world 1),
-    // unless ACCELERATE_USE_CPU says to use gloo on the CPU.
+    // `accelerate launch`'s flags: bf16 mixed precision, and gloo on the CPU (without
+    // ACCELERATE_USE_CPU, Accelerate on a machine without GPUs runs every process alone, as a
+    // world of 1).
     let run = launch(
         &python,
         "accelerate_script.py",
         "interop-accelerate",
+        &["--mixed_precision", "bf16", "--cpu"],
         &[],
-        &[
-            ("ACCELERATE_MIXED_PRECISION", "bf16"),
-            ("ACCELERATE_USE_CPU", "True"),
-        ],
     );
     assert_eq!(run.code(), Some(0), "{}", run.dump());
     for rank in 0..2 {

@@ -15,6 +15,12 @@ const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
 const PORT: u16 = 29470;
 /// Workers per node.
 const NPROC: u32 = 2;
+/// The coordinator's last-call window: a round with MIN nodes waits this long for more. Long
+/// enough that three agents started together always make the first round of a `2:3` job.
+const LAST_CALL: Duration = Duration::from_secs(2);
+/// How long an agent keeps its workers without hearing from the coordinator (its default is
+/// 10 s).
+const LEASE: Duration = Duration::from_secs(3);
 /// Room for scheduling on a loaded 2-core machine, on top of what the protocol needs.
 const SLACK: Duration = Duration::from_secs(3);
 
@@ -28,7 +34,7 @@ struct Cluster {
 }
 
 impl Cluster {
-    /// Starts the coordinator (heartbeat timeout [`HEARTBEAT_TIMEOUT`], last call 500 ms),
+    /// Starts the coordinator (heartbeat timeout [`HEARTBEAT_TIMEOUT`], [`LAST_CALL`]),
     /// or returns `None` when namespaces are unavailable or the example is missing.
     fn start(nodes: usize) -> Option<(Self, String)> {
         let Some(barrier_loop) = example_bin("barrier_loop") else {
@@ -41,6 +47,7 @@ impl Cluster {
         let net = Net::setup(&names)?;
         let listen = format!("{}:{PORT}", net.addr("coord"));
         let timeout_ms = HEARTBEAT_TIMEOUT.as_millis().to_string();
+        let last_call_ms = LAST_CALL.as_millis().to_string();
         let coordinator_process = net.spawn(
             "coord",
             coordinator_bin(),
@@ -50,7 +57,7 @@ impl Cluster {
                 "--heartbeat-timeout-ms",
                 &timeout_ms,
                 "--last-call-ms",
-                "500",
+                &last_call_ms,
             ],
             &[("NO_COLOR", "1")],
         );
@@ -215,7 +222,6 @@ fn three_hosts_run_one_job() {
             .collect::<Vec<_>>()
             .join(" | ")
     );
-    drop(cluster.coordinator_process);
 }
 
 /// Starts a 3-node job of endless barrier loops and waits until every worker runs; returns
@@ -255,6 +261,8 @@ struct Detection {
     exited: Duration,
     /// The first survivor's line naming the lost node.
     line: String,
+    /// The lost node's agent (dead after a SIGKILL, partitioned after a cut).
+    lost: HostProcess,
 }
 
 /// After a fault at `fault` on `lost` (node rank `node`), every other agent's workers must say
@@ -313,22 +321,34 @@ fn survivors_fail(
         exited < exit_bound,
         "the survivors exited {exited:?} after the fault (bound {exit_bound:?})"
     );
-    drop(lost_agent);
     Detection {
         noticed,
         exited,
         line,
+        lost: lost_agent
+            .into_iter()
+            .next()
+            .expect("the lost host has an agent")
+            .1,
     }
 }
 
 /// A node whose link goes down mid-job is noticed by the coordinator's heartbeat timeout: the
-/// other nodes' workers fail naming it, and their agents exit 1 (no restarts by default).
+/// other nodes' workers fail naming it, and their agents exit 1 (no restarts by default). The
+/// cut-off node learns it has lost the coordinator when its lease runs out, and stops its
+/// workers too.
 #[test]
 fn a_node_cut_off_mid_job_fails_the_others_after_the_heartbeat_timeout() {
     let Some((cluster, barrier_loop)) = Cluster::start(3) else {
         return;
     };
-    let (agents, nodes) = endless_job(&cluster, &barrier_loop, "mn-cut", &["--nnodes", "3"]);
+    let lease_ms = LEASE.as_millis().to_string();
+    let (agents, nodes) = endless_job(
+        &cluster,
+        &barrier_loop,
+        "mn-cut",
+        &["--nnodes", "3", "--lease-ms", &lease_ms],
+    );
     let lost = "n1";
     let cut = Instant::now();
     cluster.net.cut(lost);
@@ -344,6 +364,20 @@ fn a_node_cut_off_mid_job_fails_the_others_after_the_heartbeat_timeout() {
     eprintln!(
         "link of node {} cut: the other nodes' workers named it after {:?} and their agents exited after {:?} (heartbeat timeout {HEARTBEAT_TIMEOUT:?}): {}",
         nodes[lost], d.noticed, d.exited, d.line
+    );
+    let run = d.lost.finish_by(cut + LEASE + SLACK);
+    assert_eq!(run.code(), Some(1), "the cut-off node\n{}", run.dump());
+    assert!(
+        run.stderr
+            .iter()
+            .any(|l| l
+                .starts_with("muster-agent: job mn-cut failed: this node lost the coordinator")),
+        "the cut-off node\n{}",
+        run.dump()
+    );
+    eprintln!(
+        "the cut-off node stopped its workers {:?} after the cut (lease {LEASE:?})",
+        cut.elapsed()
     );
 }
 
@@ -379,9 +413,9 @@ fn a_node_whose_agent_is_killed_fails_the_others_within_seconds() {
 }
 
 /// With `--max-restarts 1` and `--nnodes 2:3`, cutting one of three nodes makes the other two
-/// re-rendezvous as generation 2 (4 ranks) and finish.
+/// re-rendezvous as generation 2 (4 ranks, MASTER_ADDR on the new node 0) and finish, within
+/// the heartbeat timeout, the last-call window and some slack.
 #[test]
-#[ignore = "needs agent restarts (issue 3 in progress)"]
 fn survivors_of_a_cut_node_restart_as_a_smaller_generation_and_finish() {
     let Some((cluster, barrier_loop)) = Cluster::start(3) else {
         return;
@@ -395,28 +429,49 @@ fn survivors_of_a_cut_node_restart_as_a_smaller_generation_and_finish() {
     let lost = "n0";
     let cut = Instant::now();
     cluster.net.cut(lost);
-    let bound = HEARTBEAT_TIMEOUT + Duration::from_millis(500) + SLACK + Duration::from_secs(5);
-    let mut second = Vec::new();
-    for (host, agent) in agents {
-        if host == lost {
-            continue;
-        }
+    let bound = HEARTBEAT_TIMEOUT + LAST_CALL + SLACK;
+    let (lost_agent, survivors): (Vec<_>, Vec<_>) =
+        agents.into_iter().partition(|(host, _)| host == lost);
+    let mut second = BTreeMap::new();
+    let mut masters = Vec::new();
+    for (host, agent) in survivors {
         let lines = ready(&agent, 2);
-        let run = agent.finish_by(cut + bound + SLACK);
+        let run = agent.finish_by(cut + bound);
         assert_eq!(run.code(), Some(0), "{host}\n{}", run.dump());
+        let addr = cluster.net.addr(&host).to_string();
         for f in &lines {
             assert_eq!(f["world"], "4", "{host}: {f:?}");
             assert_eq!(f["nodes"], "2", "{host}: {f:?}");
             assert_eq!(f["restarts"], "1", "{host}: {f:?}");
+            assert_eq!(f["host"], addr, "{host}: MUSTER_HOST");
+            masters.push(f["master"].clone());
         }
-        second.push((host, node_rank(&lines)));
+        assert!(
+            run.stdout.iter().any(|l| l.contains(" iters=50 ")),
+            "{host}: generation 2 did not finish its loop\n{}",
+            run.dump()
+        );
+        second.insert(node_rank(&lines), addr);
     }
-    let mut ranks: Vec<u32> = second.iter().map(|(_, n)| *n).collect();
-    ranks.sort_unstable();
-    assert_eq!(ranks, [0, 1], "{second:?}");
+    let finished = cut.elapsed();
+    assert_eq!(
+        second.keys().copied().collect::<Vec<_>>(),
+        [0, 1],
+        "{second:?}"
+    );
+    masters.dedup();
+    assert_eq!(
+        masters.len(),
+        1,
+        "one MASTER_ADDR:PORT in generation 2: {masters:?}"
+    );
+    assert!(
+        masters[0].starts_with(&format!("{}:", second[&0])),
+        "generation 2's MASTER_ADDR is its node 0's address: {masters:?} {second:?}"
+    );
+    drop(lost_agent);
     eprintln!(
-        "node {} cut: the other two finished as generation 2 after {:?}",
-        nodes[lost],
-        cut.elapsed()
+        "node {} cut: the other two finished as generation 2 after {finished:?} (heartbeat timeout {HEARTBEAT_TIMEOUT:?}, last call {LAST_CALL:?})",
+        nodes[lost]
     );
 }

@@ -95,7 +95,11 @@ fn with_too_few_restarts_the_root_cause_is_printed() {
         run.dump()
     );
     assert!(text.contains("boom on attempt 1"), "{}", run.dump());
-    assert!(text.contains("no restarts left (1 of 1 used)"), "{}", run.dump());
+    assert!(
+        text.contains("no restarts left (1 of 1 used)"),
+        "{}",
+        run.dump()
+    );
 }
 
 #[test]
@@ -216,6 +220,97 @@ fn a_cancelled_job_stops_on_every_node() {
     assert!(
         !run.stderr.iter().any(|l| l.contains("joining again")),
         "a cancel is not restarted\n{}",
+        run.dump()
+    );
+}
+
+#[test]
+fn a_node_that_cannot_hear_the_coordinator_stops_its_workers_after_its_lease() {
+    let c = Coordinator::start(&[]);
+    let agent = Agent::start(&[
+        "launch",
+        "--coordinator",
+        &c.addr,
+        "--job-id",
+        "lease",
+        "--nproc-per-node",
+        "2",
+        "--lease-ms",
+        "1500",
+        "--grace-period-ms",
+        "500",
+        "--",
+        "sh",
+        "-c",
+        "echo ready; exec sleep 60",
+    ]);
+    agent.wait_for_lines(muster_tests::Stream::Stdout, 2, SLOW, |l| {
+        l.contains("ready")
+    });
+    // The coordinator freezes: connections stay open but nothing answers.
+    let pid = nix::unistd::Pid::from_raw(c.pid() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).expect("stop the coordinator");
+    let t = std::time::Instant::now();
+    let run = agent.finish(Duration::from_secs(15));
+    let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT);
+    assert_eq!(run.code(), Some(1), "{}", run.dump());
+    assert!(
+        t.elapsed() >= Duration::from_millis(1000) && t.elapsed() < Duration::from_secs(5),
+        "{:?}\n{}",
+        t.elapsed(),
+        run.dump()
+    );
+    assert!(
+        run.stderr
+            .iter()
+            .any(|l| l.contains("lost the coordinator") && l.contains("lease")),
+        "{}",
+        run.dump()
+    );
+}
+
+#[test]
+fn a_silent_node_fails_the_generation_for_the_others() {
+    let c = Coordinator::start(&["--heartbeat-timeout-ms", "1000"]);
+    let node = |rank: &str| {
+        Agent::start(&[
+            "launch",
+            "--coordinator",
+            &c.addr,
+            "--job-id",
+            "silent",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            rank,
+            "--nproc-per-node",
+            "1",
+            "--grace-period-ms",
+            "500",
+            "--",
+            "sh",
+            "-c",
+            "echo ready; exec sleep 60",
+        ])
+    };
+    let a = node("0");
+    let b = node("1");
+    for agent in [&a, &b] {
+        agent.wait_for_lines(muster_tests::Stream::Stdout, 1, SLOW, |l| {
+            l.contains("ready")
+        });
+    }
+    b.signal(nix::sys::signal::Signal::SIGSTOP);
+    let t = std::time::Instant::now();
+    let run = a.finish(Duration::from_secs(15));
+    b.signal(nix::sys::signal::Signal::SIGCONT);
+    assert_eq!(run.code(), Some(1), "{}", run.dump());
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    assert!(
+        run.stderr
+            .iter()
+            .any(|l| l.contains("node 1") && l.contains("no heartbeat from its agent")),
+        "{}",
         run.dump()
     );
 }

@@ -494,12 +494,15 @@ impl Drop for Accelerator {
             return;
         };
         // During a panic, skip `leave` on both: the connections just end, and the agent and
-        // the coordinator mark this rank failed at once.
+        // the coordinator mark this rank failed at once. Skip the session's `leave` too when
+        // the agent is gone: a rank whose agent died did not finish, and a clean `leave` would
+        // tell the other ranks it had.
+        let agent_lost = remote.relay.as_ref().is_some_and(RelayConn::is_lost);
         if !std::thread::panicking() {
             remote.leave_relay();
         }
         remote.relay = None;
-        let session = remote.session.take();
+        let session = remote.session.take().filter(|_| !agent_lost);
         let Some(runtime) = remote.runtime.take() else {
             return;
         };

@@ -229,6 +229,12 @@ impl RelayConn {
         })
     }
 
+    /// Whether the connection to the agent is gone (the agent closed it, exited or was
+    /// killed).
+    pub fn is_lost(&self) -> bool {
+        self.lock().lost.is_some()
+    }
+
     /// The socket path of the agent.
     pub fn path(&self) -> &str {
         &self.path

@@ -1,6 +1,6 @@
 //! Side-by-side restart benchmark, in one run: the time from a worker's death to every worker
 //! of the new generation running, for `muster-agent launch` and `torchrun` with the same
-//! failing Python worker (local rank 1 exits 3 on the first attempt; the others wait), for one
+//! failing Python worker (rank 1 exits 3 on the first attempt; the others wait), for one
 //! node of 8 workers and for 3 nodes on this machine (3 agents against one rendezvous: a
 //! `muster-coordinator` for muster, torchrun's c10d store for torchrun). Each worker appends
 //! `start <restart> <wall-ns>` to a shared file when it starts; the failing one appends
@@ -40,11 +40,17 @@ struct Args {
 
 const WORKER: &str = r#"
 import os, sys, time
-restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
 log = os.environ["RESTART_BENCH_LOG"]
 def note(line):
     with open(log, "a") as f:
         f.write(line + "\n")
+# The new generation is whatever starts after the death (torchrun's restart count is per agent,
+# so it cannot tell the generations apart on several nodes).
+try:
+    after = "death" in open(log).read()
+except FileNotFoundError:
+    after = False
+restart = 1 if after else 0
 note(f"start {restart} {time.time_ns()}")
 if restart == 0:
     if os.environ.get("RANK") == "1":
@@ -56,7 +62,8 @@ if restart == 0:
 
 /// Milliseconds from the death to the last start of generation 1 (the restart), from the log.
 fn restart_ms(log: &Path, workers: u32) -> anyhow::Result<f64> {
-    let text = std::fs::read_to_string(log).with_context(|| format!("reading {}", log.display()))?;
+    let text =
+        std::fs::read_to_string(log).with_context(|| format!("reading {}", log.display()))?;
     let mut death = None;
     let mut starts = vec![];
     for line in text.lines() {
@@ -76,6 +83,35 @@ fn restart_ms(log: &Path, workers: u32) -> anyhow::Result<f64> {
     }
     let last = starts.into_iter().max().unwrap_or(death);
     Ok((last.saturating_sub(death)) as f64 / 1e6)
+}
+
+/// The floor any launcher adds to: `workers` interpreters of the worker spawned directly, from
+/// the spawn to the last one's `start` line (the log already holds a death, so each notes
+/// `start 1` and exits).
+fn floor_ms(python: &Path, worker: &Path, log: &Path, workers: u32) -> anyhow::Result<f64> {
+    std::fs::write(log, "death 0\n")?;
+    let t0 = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_nanos();
+    let children = (0..workers)
+        .map(|r| {
+            Command::new(python)
+                .arg(worker)
+                .env("RESTART_BENCH_LOG", log)
+                .env("RANK", (r + 100).to_string())
+                .stdout(Stdio::null())
+                .spawn()
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    wait_all(children, "a direct worker")?;
+    let text = std::fs::read_to_string(log)?;
+    let last = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("start 1 "))
+        .filter_map(|t| t.parse::<u128>().ok())
+        .max()
+        .context("no start line")?;
+    Ok(last.saturating_sub(t0) as f64 / 1e6)
 }
 
 fn wait_all(children: Vec<Child>, what: &str) -> anyhow::Result<()> {
@@ -107,7 +143,11 @@ fn main() -> anyhow::Result<()> {
         torchrun.display()
     );
     let agent = bin_dir().join("muster-agent");
-    anyhow::ensure!(agent.exists(), "missing {}: build with --release first", agent.display());
+    anyhow::ensure!(
+        agent.exists(),
+        "missing {}: build with --release first",
+        agent.display()
+    );
     let dir = std::env::temp_dir().join(format!("muster-restart-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let worker = dir.join("worker.py");
@@ -117,13 +157,21 @@ fn main() -> anyhow::Result<()> {
         "## Restart time (a worker's death to every worker of the new generation running; median of {} rounds)\n",
         args.rounds
     );
-    println!("| shape | muster-agent | torchrun | muster / torchrun |");
-    println!("| --- | --- | --- | --- |");
+    println!(
+        "| shape | muster-agent | torchrun | muster / torchrun | floor: starting the workers directly |"
+    );
+    println!("| --- | --- | --- | --- | --- |");
     let shapes = [(1, args.procs), (args.nodes, args.node_procs)];
     for (nodes, per_node) in shapes {
         let workers = nodes * per_node;
-        let (mut m, mut t) = (vec![], vec![]);
+        let (mut m, mut t, mut f) = (vec![], vec![], vec![]);
         for round in 0..args.rounds {
+            f.push(floor_ms(
+                &python,
+                &worker,
+                &dir.join(format!("floor-{nodes}-{round}.log")),
+                workers,
+            )?);
             let log = dir.join(format!("muster-{nodes}-{round}.log"));
             let coordinator = if nodes > 1 {
                 Some(CoordinatorProcess::start()?)
@@ -137,7 +185,12 @@ fn main() -> anyhow::Result<()> {
                     cmd.args(["--max-restarts", "1", "--grace-period-ms", "3000"]);
                     if let Some(c) = &coordinator {
                         cmd.args(["--coordinator", &c.addr.to_string()]);
-                        cmd.args(["--job-id", &format!("bench-{round}"), "--nnodes", &nodes.to_string()]);
+                        cmd.args([
+                            "--job-id",
+                            &format!("bench-{round}"),
+                            "--nnodes",
+                            &nodes.to_string(),
+                        ]);
                     }
                     cmd.arg("--").arg(&python).arg(&worker);
                     cmd.env("RESTART_BENCH_LOG", &log)
@@ -155,7 +208,12 @@ fn main() -> anyhow::Result<()> {
             let children = (0..nodes)
                 .map(|_| {
                     let mut cmd = Command::new(&torchrun);
-                    cmd.args(["--nproc-per-node", &per_node.to_string(), "--max-restarts", "1"]);
+                    cmd.args([
+                        "--nproc-per-node",
+                        &per_node.to_string(),
+                        "--max-restarts",
+                        "1",
+                    ]);
                     if nodes > 1 {
                         cmd.args(["--nnodes", &nodes.to_string(), "--rdzv-backend", "c10d"]);
                         cmd.args(["--rdzv-endpoint", &format!("127.0.0.1:{port}")]);
@@ -173,13 +231,20 @@ fn main() -> anyhow::Result<()> {
             t.push(restart_ms(&log, workers)?);
             std::thread::sleep(Duration::from_millis(200));
         }
-        let (m, t) = (quantile(&mut m, 0.5), quantile(&mut t, 0.5));
+        let (m, t, f) = (
+            quantile(&mut m, 0.5),
+            quantile(&mut t, 0.5),
+            quantile(&mut f, 0.5),
+        );
         let shape = if nodes == 1 {
             format!("1 node, {workers} workers")
         } else {
             format!("{nodes} nodes x {per_node} workers")
         };
-        println!("| {shape} | {m:.0} ms | {t:.0} ms | {:.3}x |", m / t);
+        println!(
+            "| {shape} | {m:.0} ms | {t:.0} ms | {:.3}x | {f:.0} ms |",
+            m / t
+        );
     }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
