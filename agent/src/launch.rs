@@ -236,7 +236,7 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
             {
                 // The job ended for good while this node was stopping its workers.
                 if let Some(f) = &last_failure {
-                    eprint!("{}", root_cause(&job, f));
+                    report_root_cause(&job, f);
                 }
                 eprintln!("muster-agent: job {job}: {}", status.message());
                 return Ok(Outcome::Failed);
@@ -291,7 +291,7 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
             }
             End::LeaseLost(why) => {
                 if let Some(f) = &last_failure {
-                    eprint!("{}", root_cause(&job, f));
+                    report_root_cause(&job, f);
                 }
                 eprintln!(
                     "muster-agent: job {job} failed: this node lost the coordinator at {coordinator}: {why}; its workers were stopped"
@@ -309,7 +309,7 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
                 let Some(v) = verdict else {
                     // The coordinator did not answer: decide alone, the job failed.
                     if let Some(f) = &last_failure {
-                        eprint!("{}", root_cause(&job, f));
+                        report_root_cause(&job, f);
                     }
                     eprintln!(
                         "muster-agent: job {job}: no word from the coordinator after the failure; not restarting"
@@ -328,7 +328,7 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
                     return Ok(Outcome::Cancelled);
                 }
                 match &last_failure {
-                    Some(f) => eprint!("{}", root_cause(&job, f)),
+                    Some(f) => report_root_cause(&job, f),
                     None => eprintln!("muster-agent: job {job} failed: {}", v.message),
                 }
                 if v.max_restarts > 0 {
@@ -1091,6 +1091,47 @@ impl<'a> Supervisor<'a> {
                 Err(_) => tracing::debug!("failure report timed out"),
             }
         })
+    }
+}
+
+/// Prints the root cause and, as torchrun does, copies it to the agent's own
+/// `TORCHELASTIC_ERROR_FILE` when it has one (a scheduler that launched the agent reads it
+/// there), unless that file already exists.
+fn report_root_cause(job: &str, f: &pb::FailureInfo) {
+    eprint!("{}", root_cause(job, f));
+    let Some(path) = std::env::var_os("TORCHELASTIC_ERROR_FILE") else {
+        return;
+    };
+    let message = if f.error_message.is_empty() {
+        format!(
+            "rank {} (node {}, host {}) {}",
+            f.rank, f.node_rank, f.host, f.reason
+        )
+    } else {
+        f.error_message.clone()
+    };
+    let timestamp = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let body = serde_json::json!({
+        "message": {
+            "message": message,
+            "extraInfo": {
+                "py_callstack": f.error_traceback,
+                "timestamp": timestamp.to_string(),
+            }
+        }
+    });
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(&path)
+        .and_then(|mut file| {
+            use std::io::Write as _;
+            file.write_all(body.to_string().as_bytes())
+        });
+    if let Err(e) = written {
+        tracing::debug!(%e, path = %std::path::Path::new(&path).display(), "root cause not written to the agent's error file");
     }
 }
 

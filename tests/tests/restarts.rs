@@ -314,3 +314,40 @@ fn a_silent_node_fails_the_generation_for_the_others() {
         run.dump()
     );
 }
+
+#[test]
+fn a_workers_error_file_is_the_root_cause_and_reaches_the_agents_own_error_file() {
+    let dir = std::env::temp_dir().join(format!("muster-errfile-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let agent_file = dir.join("agent-error.json");
+    let _ = std::fs::remove_file(&agent_file);
+    // What PyTorch's @record writes for an uncaught exception.
+    let script = r#"if [ "$RANK" = 1 ]; then
+  printf '%s' '{"message": {"message": "ValueError: learning rate must be positive", "extraInfo": {"py_callstack": "Traceback (most recent call last):\n  File \"train.py\", line 7, in <module>\nValueError: learning rate must be positive", "timestamp": "1700000000"}}}' > "$TORCHELASTIC_ERROR_FILE"
+  exit 1
+fi
+exec sleep 30"#;
+    let run = Agent::start_with_env(
+        &["launch", "--nproc-per-node", "2", "--", "sh", "-c", script],
+        &[(
+            "TORCHELASTIC_ERROR_FILE",
+            agent_file.to_str().expect("utf-8 path"),
+        )],
+    )
+    .finish(SLOW);
+    assert_eq!(run.code(), Some(1), "{}", run.dump());
+    let text = run.stderr.join("\n");
+    assert!(
+        text.contains("muster-agent: error: ValueError: learning rate must be positive"),
+        "{}",
+        run.dump()
+    );
+    assert!(text.contains("File \"train.py\", line 7"), "{}", run.dump());
+    let copied = std::fs::read_to_string(&agent_file).expect("the agent wrote its error file");
+    let json: serde_json::Value = serde_json::from_str(&copied).expect("JSON");
+    assert_eq!(
+        json["message"]["message"],
+        "ValueError: learning rate must be positive"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
