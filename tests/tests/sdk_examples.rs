@@ -60,7 +60,7 @@ fn fail_at_makes_the_other_ranks_fail_fast_naming_the_failed_rank() {
     assert_eq!(run.code(), Some(1), "{}", run.dump());
     assert!(
         run.stderr.iter().any(
-            |l| l == "muster-agent: job sdk failed: rank 2 (local rank 2) exited with status 7"
+            |l| l == "muster-agent: job sdk failed: rank 2 (node 0, host 127.0.0.1) exited with status 7"
         ),
         "{}",
         run.dump()
