@@ -611,8 +611,14 @@ where
         Command::Launch(args) => args
             .validate_in(ctx)
             .map(|(spec, warnings)| (Parsed::Launch(spec), warnings)),
-        Command::Serve(a) => Ok((Parsed::Daemon(crate::daemon::Request::Serve(a)), vec![])),
-        Command::Submit(a) => Ok((Parsed::Daemon(crate::daemon::Request::Submit(a)), vec![])),
+        Command::Serve(a) => {
+            crate::daemon::pairs("--labels", &a.labels).map_err(UsageError::Invalid)?;
+            Ok((Parsed::Daemon(crate::daemon::Request::Serve(a)), vec![]))
+        }
+        Command::Submit(a) => {
+            a.check().map_err(UsageError::Invalid)?;
+            Ok((Parsed::Daemon(crate::daemon::Request::Submit(a)), vec![]))
+        }
         Command::Status(a) => Ok((Parsed::Daemon(crate::daemon::Request::Status(a)), vec![])),
         Command::Cancel(a) => Ok((Parsed::Daemon(crate::daemon::Request::Cancel(a)), vec![])),
     }

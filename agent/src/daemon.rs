@@ -112,6 +112,19 @@ pub struct SubmitArgs {
     pub command: Vec<String>,
 }
 
+impl SubmitArgs {
+    /// Checks what can be checked before calling the coordinator; the error names the flag.
+    pub fn check(&self) -> Result<(), String> {
+        node_range(&self.nnodes)?;
+        pairs("--env", &self.env)?;
+        pairs("--selector", &self.selector)?;
+        if self.nproc_per_node == 0 {
+            return Err("--nproc-per-node 0 is out of range: at least 1".to_owned());
+        }
+        Ok(())
+    }
+}
+
 /// `muster-agent status`.
 #[derive(Debug, Clone, Args)]
 pub struct StatusArgs {

@@ -20,7 +20,7 @@ impl Coordinator {
             .map(|a| a.port())
             .expect("a free port");
         let addr = format!("127.0.0.1:{port}");
-        let bin = crate::profile_dir().join("muster-coordinator");
+        let bin = crate::coordinator_bin();
         let child = Command::new(&bin)
             .arg("--listen")
             .arg(&addr)
@@ -29,12 +29,7 @@ impl Coordinator {
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
-            .unwrap_or_else(|e| {
-                panic!(
-                    "cannot start {} ({e}): build the workspace first",
-                    bin.display()
-                )
-            });
+            .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()));
         for _ in 0..200 {
             if std::net::TcpStream::connect(&addr).is_ok() {
                 break;

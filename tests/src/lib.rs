@@ -1,16 +1,17 @@
 //! Helpers for muster's end-to-end tests (`tests/tests/*.rs`): finding the built binaries, and
-//! running `muster-agent` as a real process whose output can be awaited line by line.
+//! running `muster-agent` (or any program, see [`Agent::spawn`]) as a real process whose
+//! output can be awaited line by line.
 //!
 //! # Where the binaries come from
 //!
 //! The tests run what cargo built into the target directory of the test binary itself
 //! (`target/debug/`, found from [`std::env::current_exe`], which lives in
-//! `target/debug/deps/`): `muster-agent` and the worker SDK's examples
-//! (`target/debug/examples/`). A plain `cargo test --workspace` builds both before any test
+//! `target/debug/deps/`): `muster-agent`, `muster-coordinator` and the worker SDK's examples
+//! (`target/debug/examples/`). A plain `cargo test --workspace` builds them before any test
 //! runs: cargo builds a package's binaries for its integration tests (`agent/tests/`) and
 //! every package's examples. When one is missing (for example under
-//! `cargo test -p muster-tests` on a fresh clone), [`agent_bin`] and [`example_bin`] build it
-//! once with `cargo build`. A binary that exists is used as it is: after changing the agent or
+//! `cargo test -p muster-tests` on a fresh clone), [`agent_bin`], [`coordinator_bin`] and
+//! [`example_bin`] build it once with `cargo build`. A binary that exists is used as it is: after changing the agent or
 //! the SDK, run `cargo test --workspace` (or build them) rather than `-p muster-tests` alone.
 
 pub mod coordinator;
@@ -66,10 +67,23 @@ fn cargo_build(args: &[&str]) {
 /// The `muster-agent` binary (built if missing).
 pub fn agent_bin() -> PathBuf {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let path = profile_dir().join("muster-agent");
+    built_bin(&PATH, "muster-agent", "muster-agent")
+}
+
+/// The `muster-coordinator` binary (built if missing: `cargo test -p muster-tests` builds the
+/// coordinator's library but not its binary).
+pub fn coordinator_bin() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    built_bin(&PATH, "muster-coordinator", "muster-coordinator")
+}
+
+/// Binary `bin` of package `package` in the profile directory, built on the first call if
+/// missing and remembered in `path`.
+fn built_bin(path: &OnceLock<PathBuf>, package: &str, bin: &str) -> PathBuf {
+    path.get_or_init(|| {
+        let path = profile_dir().join(bin);
         if !path.exists() {
-            cargo_build(&["-p", "muster-agent", "--bin", "muster-agent"]);
+            cargo_build(&["-p", package, "--bin", bin]);
         }
         assert!(
             path.exists(),
@@ -102,12 +116,12 @@ pub fn example_bin(name: &str) -> Option<PathBuf> {
     Some(path)
 }
 
-/// Which output stream of the agent.
+/// Which output stream of a process.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Stream {
-    /// Standard output (the workers' stdout, prefixed).
+    /// Standard output (for the agent: the workers' stdout, prefixed).
     Stdout,
-    /// Standard error (the workers' stderr, prefixed, and the agent's own lines).
+    /// Standard error (for the agent: the workers' stderr, prefixed, and its own lines).
     Stderr,
 }
 
@@ -133,20 +147,23 @@ impl Captured {
     }
 }
 
-/// A running `muster-agent` in a process group of its own, its output collected by two reader
-/// threads. Dropping it stops the agent (SIGTERM, then SIGKILL).
+/// A running process (usually `muster-agent`, here or inside a [`netns::Net`] host) in a
+/// process group of its own, its output collected by two reader threads so that tests can
+/// await lines. Dropping it stops the process: SIGTERM, a grace period, then SIGKILL to its
+/// group.
 #[derive(Debug)]
 pub struct Agent {
     child: Child,
     captured: Arc<Captured>,
     started: Instant,
-    args: Vec<String>,
+    /// What runs, for panic messages.
+    label: String,
 }
 
-/// A finished agent run.
+/// A finished process run.
 #[derive(Debug)]
 pub struct Finished {
-    /// The agent's exit status.
+    /// The process's exit status.
     pub status: ExitStatus,
     /// Its stdout lines.
     pub stdout: Vec<String>,
@@ -157,7 +174,7 @@ pub struct Finished {
 }
 
 impl Finished {
-    /// The exit code (`None` if a signal ended the agent).
+    /// The exit code (`None` if a signal ended the process).
     pub fn code(&self) -> Option<i32> {
         self.status.code()
     }
@@ -183,6 +200,9 @@ impl Finished {
     }
 }
 
+/// How long the drop waits after SIGTERM before it SIGKILLs the process group.
+const STOP_GRACE: Duration = Duration::from_secs(10);
+
 impl Agent {
     /// Starts `muster-agent <args>`.
     pub fn start(args: &[&str]) -> Self {
@@ -191,15 +211,28 @@ impl Agent {
 
     /// Starts `muster-agent <args>` with extra environment variables.
     pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Self {
-        let mut child = Command::new(agent_bin())
-            .args(args)
-            .envs(env.iter().copied())
+        let mut cmd = Command::new(agent_bin());
+        cmd.args(args).envs(env.iter().copied());
+        Self::spawn(cmd, format!("muster-agent {args:?}"))
+    }
+
+    /// Starts a prepared `cmd` (any program; [`netns::Net::spawn`] prepares one that runs
+    /// inside a host) with stdin null, in a process group of its own, its stdout and stderr
+    /// collected line by line. `label` names it in panic messages.
+    pub fn spawn(mut cmd: Command, label: impl Into<String>) -> Self {
+        let label = label.into();
+        let mut child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .process_group(0)
             .spawn()
-            .expect("muster-agent starts");
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{label}: cannot start {}: {e}",
+                    cmd.get_program().to_string_lossy()
+                )
+            });
         let captured = Arc::new(Captured::default());
         let out = child.stdout.take().expect("stdout is piped");
         let err = child.stderr.take().expect("stderr is piped");
@@ -209,22 +242,38 @@ impl Agent {
             child,
             captured,
             started: Instant::now(),
-            args: args.iter().map(|s| (*s).to_owned()).collect(),
+            label,
         }
     }
 
-    /// The agent's pid.
+    /// The process's pid (also its process group).
     pub fn pid(&self) -> nix::unistd::Pid {
         nix::unistd::Pid::from_raw(i32::try_from(self.child.id()).expect("pids fit in i32"))
     }
 
-    /// Sends `signal` to the agent (not to its group: the agent forwards it).
+    /// Sends `signal` to the process, not to its group (the agent forwards it to its workers).
     pub fn signal(&self, signal: nix::sys::signal::Signal) {
-        nix::sys::signal::kill(self.pid(), signal).expect("the agent can be signalled");
+        nix::sys::signal::kill(self.pid(), signal).expect("the process can be signalled");
+    }
+
+    /// Whether the process has exited.
+    pub fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
+    }
+
+    /// The label and the output so far, for assertion messages.
+    pub fn output(&self) -> String {
+        let lines = self.captured.lock();
+        format!(
+            "{}\n--- stdout\n{}\n--- stderr\n{}",
+            self.label,
+            lines.stdout.join("\n"),
+            lines.stderr.join("\n")
+        )
     }
 
     /// Waits until `count` lines of `stream` satisfy `matches`, and returns them; panics with
-    /// the output so far after `timeout`.
+    /// the output so far after `timeout` or when the output ends first.
     pub fn wait_for_lines(
         &self,
         stream: Stream,
@@ -232,6 +281,23 @@ impl Agent {
         timeout: Duration,
         matches: impl Fn(&str) -> bool,
     ) -> Vec<String> {
+        self.try_wait_for_lines(stream, count, timeout, matches)
+            .unwrap_or_else(|found| {
+                panic!(
+                    "{count} matching {stream:?} lines did not come within {timeout:?} or before the output ended (found {found})\n{}",
+                    self.output()
+                )
+            })
+    }
+
+    /// [`Agent::wait_for_lines`] that returns how many lines matched instead of panicking.
+    pub fn try_wait_for_lines(
+        &self,
+        stream: Stream,
+        count: usize,
+        timeout: Duration,
+        matches: impl Fn(&str) -> bool,
+    ) -> Result<Vec<String>, usize> {
         let deadline = Instant::now() + timeout;
         let mut lines = self.captured.lock();
         loop {
@@ -244,17 +310,11 @@ impl Agent {
             .cloned()
             .collect();
             if found.len() >= count {
-                return found;
+                return Ok(found);
             }
             let now = Instant::now();
             if now >= deadline || lines.closed == 2 {
-                panic!(
-                    "muster-agent {:?}: {count} matching {stream:?} lines did not come within {timeout:?} (found {})\n--- stdout\n{}\n--- stderr\n{}",
-                    self.args,
-                    found.len(),
-                    lines.stdout.join("\n"),
-                    lines.stderr.join("\n")
-                );
+                return Err(found.len());
             }
             lines = self
                 .captured
@@ -265,27 +325,35 @@ impl Agent {
         }
     }
 
-    /// Waits for the agent to exit and its output to end; panics with the output so far after
-    /// `timeout` (the agent is then killed by the drop).
-    pub fn finish(mut self, timeout: Duration) -> Finished {
+    /// Waits for the process to exit (at most `timeout` from its start) and its output to
+    /// end; panics with the output so far otherwise (the drop then stops it).
+    pub fn finish(self, timeout: Duration) -> Finished {
         let deadline = self.started + timeout;
+        self.finish_by(deadline)
+    }
+
+    /// Waits for the process to exit by `deadline` and its output to end; panics with the
+    /// output so far otherwise (the drop then stops it).
+    pub fn finish_by(mut self, deadline: Instant) -> Finished {
         let status = loop {
-            if let Some(status) = self.child.try_wait().expect("the agent can be waited for") {
+            if let Some(status) = self
+                .child
+                .try_wait()
+                .expect("the process can be waited for")
+            {
                 break status;
             }
             if Instant::now() >= deadline {
-                let lines = self.captured.lock();
                 panic!(
-                    "muster-agent {:?} still running after {timeout:?}\n--- stdout\n{}\n--- stderr\n{}",
-                    self.args,
-                    lines.stdout.join("\n"),
-                    lines.stderr.join("\n")
+                    "still running after {:?}\n{}",
+                    self.started.elapsed(),
+                    self.output()
                 );
             }
             std::thread::sleep(Duration::from_millis(5));
         };
         let elapsed = self.started.elapsed();
-        // The pipes close with the agent; bound the wait anyway.
+        // The pipes close with the process unless something it started holds them: bound it.
         let output_deadline = Instant::now() + Duration::from_secs(10);
         let mut lines = self.captured.lock();
         while lines.closed < 2 && Instant::now() < output_deadline {
@@ -307,17 +375,19 @@ impl Agent {
 
 impl Drop for Agent {
     fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(Some(_))) {
+        if self.exited() {
             return;
         }
         let _ = nix::sys::signal::kill(self.pid(), nix::sys::signal::Signal::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(10);
+        let deadline = Instant::now() + STOP_GRACE;
         while Instant::now() < deadline {
-            if matches!(self.child.try_wait(), Ok(Some(_))) {
+            if self.exited() {
                 return;
             }
             std::thread::sleep(Duration::from_millis(10));
         }
+        // Not reaped yet, so its pid is still its group's id.
+        let _ = nix::sys::signal::killpg(self.pid(), nix::sys::signal::Signal::SIGKILL);
         let _ = self.child.kill();
         let _ = self.child.wait();
     }

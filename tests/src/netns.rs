@@ -21,16 +21,13 @@
 //! any other failure panics, so a machine that can run the tests (CI runs as root) really
 //! runs them.
 
-use crate::{Finished, Stream, profile_dir, workspace_root};
+use crate::Agent;
 use std::ffi::OsStr;
-use std::io::{BufRead, BufReader, Read};
 use std::net::Ipv4Addr;
-use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::{Arc, Condvar, Mutex, Once, OnceLock};
-use std::time::{Duration, Instant};
+use std::sync::{Mutex, Once};
 
 /// Prefix of every namespace this module creates.
 const PREFIX: &str = "mt-";
@@ -198,10 +195,10 @@ impl Net {
         program: impl AsRef<OsStr>,
         args: &[&str],
         env: &[(&str, &str)],
-    ) -> HostProcess {
+    ) -> Agent {
         let mut cmd = self.command(name, program, args);
         cmd.envs(env.iter().copied());
-        HostProcess::spawn(cmd, format!("{name}: {}", args.join(" ")))
+        Agent::spawn(cmd, format!("{name}: {}", args.join(" ")))
     }
 
     /// Cuts host `name` off the switch: both ends of its veth pair go down, so its packets
@@ -301,264 +298,4 @@ fn must(args: &[&str]) {
     if let Err(e) = ip(args) {
         panic!("ip {}: {e:?}", args.join(" "));
     }
-}
-
-/// The `muster-coordinator` binary, built if missing (`cargo test -p muster-tests` builds the
-/// coordinator's library but not its binary). As with the agent, a binary that exists is used
-/// as it is.
-pub fn coordinator_bin() -> PathBuf {
-    static PATH: OnceLock<PathBuf> = OnceLock::new();
-    PATH.get_or_init(|| {
-        let path = profile_dir().join("muster-coordinator");
-        if !path.exists() {
-            eprintln!("muster-tests: building muster-coordinator");
-            let status = Command::new(env!("CARGO"))
-                .args([
-                    "build",
-                    "-p",
-                    "muster-coordinator",
-                    "--bin",
-                    "muster-coordinator",
-                ])
-                .current_dir(workspace_root())
-                .status()
-                .expect("cargo runs");
-            assert!(status.success(), "building muster-coordinator failed");
-        }
-        assert!(
-            path.exists(),
-            "{} is missing after building it",
-            path.display()
-        );
-        path
-    })
-    .clone()
-}
-
-#[derive(Debug, Default)]
-struct Lines {
-    stdout: Vec<String>,
-    stderr: Vec<String>,
-    /// Streams that reached end of file.
-    closed: u8,
-}
-
-#[derive(Debug, Default)]
-struct Captured {
-    lines: Mutex<Lines>,
-    changed: Condvar,
-}
-
-impl Captured {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Lines> {
-        self.lines
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-}
-
-/// A process running inside a host, in a process group of its own, its output collected by
-/// two reader threads (the same shape as [`crate::Agent`], which always runs in the test's
-/// own namespace). Dropping it stops the process: SIGTERM, then SIGKILL to its group.
-#[derive(Debug)]
-pub struct HostProcess {
-    child: Child,
-    captured: Arc<Captured>,
-    started: Instant,
-    what: String,
-}
-
-impl HostProcess {
-    fn spawn(mut cmd: Command, what: String) -> Self {
-        let mut child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .process_group(0)
-            .spawn()
-            .unwrap_or_else(|e| panic!("{what}: cannot start `ip netns exec`: {e}"));
-        let captured = Arc::new(Captured::default());
-        let out = child.stdout.take().expect("stdout is piped");
-        let err = child.stderr.take().expect("stderr is piped");
-        spawn_reader(out, Stream::Stdout, Arc::clone(&captured));
-        spawn_reader(err, Stream::Stderr, Arc::clone(&captured));
-        Self {
-            child,
-            captured,
-            started: Instant::now(),
-            what,
-        }
-    }
-
-    /// The process's pid (also its process group).
-    pub fn pid(&self) -> nix::unistd::Pid {
-        nix::unistd::Pid::from_raw(i32::try_from(self.child.id()).expect("pids fit in i32"))
-    }
-
-    /// Sends `signal` to the process (not to its group).
-    pub fn signal(&self, signal: nix::sys::signal::Signal) {
-        nix::sys::signal::kill(self.pid(), signal).expect("the process can be signalled");
-    }
-
-    /// Whether the process has exited.
-    pub fn exited(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(Some(_)))
-    }
-
-    /// The output so far, for assertion messages.
-    pub fn output(&self) -> String {
-        let lines = self.captured.lock();
-        format!(
-            "{}\n--- stdout\n{}\n--- stderr\n{}",
-            self.what,
-            lines.stdout.join("\n"),
-            lines.stderr.join("\n")
-        )
-    }
-
-    /// Waits until `count` lines of `stream` satisfy `matches`, and returns them; panics with
-    /// the output so far after `timeout` or when the output ends first.
-    pub fn wait_for_lines(
-        &self,
-        stream: Stream,
-        count: usize,
-        timeout: Duration,
-        matches: impl Fn(&str) -> bool,
-    ) -> Vec<String> {
-        self.try_wait_for_lines(stream, count, timeout, matches)
-            .unwrap_or_else(|found| {
-                panic!(
-                    "{count} matching {stream:?} lines did not come within {timeout:?} or before the output ended (found {found})\n{}",
-                    self.output()
-                )
-            })
-    }
-
-    /// [`HostProcess::wait_for_lines`] that returns how many lines matched instead of
-    /// panicking.
-    pub fn try_wait_for_lines(
-        &self,
-        stream: Stream,
-        count: usize,
-        timeout: Duration,
-        matches: impl Fn(&str) -> bool,
-    ) -> Result<Vec<String>, usize> {
-        let deadline = Instant::now() + timeout;
-        let mut lines = self.captured.lock();
-        loop {
-            let found: Vec<String> = match stream {
-                Stream::Stdout => &lines.stdout,
-                Stream::Stderr => &lines.stderr,
-            }
-            .iter()
-            .filter(|l| matches(l))
-            .cloned()
-            .collect();
-            if found.len() >= count {
-                return Ok(found);
-            }
-            let now = Instant::now();
-            if now >= deadline || lines.closed == 2 {
-                return Err(found.len());
-            }
-            lines = self
-                .captured
-                .changed
-                .wait_timeout(lines, deadline - now)
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .0;
-        }
-    }
-
-    /// Waits for the process to exit (at most `timeout` from its start) and its output to
-    /// end; panics with the output so far otherwise (the drop then stops it).
-    pub fn finish(self, timeout: Duration) -> Finished {
-        let deadline = self.started + timeout;
-        self.finish_by(deadline)
-    }
-
-    /// Waits for the process to exit by `deadline` and its output to end; panics with the
-    /// output so far otherwise.
-    pub fn finish_by(mut self, deadline: Instant) -> Finished {
-        let status = loop {
-            if let Some(status) = self
-                .child
-                .try_wait()
-                .expect("the process can be waited for")
-            {
-                break status;
-            }
-            if Instant::now() >= deadline {
-                panic!(
-                    "still running after {:?}\n{}",
-                    self.started.elapsed(),
-                    self.output()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        };
-        let elapsed = self.started.elapsed();
-        // The pipes close with the process unless something it started holds them: bound it.
-        let output_deadline = Instant::now() + Duration::from_secs(5);
-        let mut lines = self.captured.lock();
-        while lines.closed < 2 && Instant::now() < output_deadline {
-            lines = self
-                .captured
-                .changed
-                .wait_timeout(lines, Duration::from_millis(100))
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .0;
-        }
-        Finished {
-            status,
-            stdout: std::mem::take(&mut lines.stdout),
-            stderr: std::mem::take(&mut lines.stderr),
-            elapsed,
-        }
-    }
-}
-
-impl Drop for HostProcess {
-    fn drop(&mut self) {
-        if self.exited() {
-            return;
-        }
-        let _ = nix::sys::signal::kill(self.pid(), nix::sys::signal::Signal::SIGTERM);
-        let deadline = Instant::now() + Duration::from_secs(3);
-        while Instant::now() < deadline {
-            if self.exited() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let _ = nix::sys::signal::killpg(self.pid(), nix::sys::signal::Signal::SIGKILL);
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn spawn_reader(src: impl Read + Send + 'static, stream: Stream, captured: Arc<Captured>) {
-    std::thread::spawn(move || {
-        let mut reader = BufReader::new(src);
-        let mut buf = Vec::new();
-        loop {
-            buf.clear();
-            match reader.read_until(b'\n', &mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(_) => {
-                    let line = String::from_utf8_lossy(&buf)
-                        .trim_end_matches('\n')
-                        .to_owned();
-                    let mut lines = captured.lock();
-                    match stream {
-                        Stream::Stdout => lines.stdout.push(line),
-                        Stream::Stderr => lines.stderr.push(line),
-                    }
-                    captured.changed.notify_all();
-                }
-            }
-        }
-        captured.lock().closed += 1;
-        captured.changed.notify_all();
-    });
 }

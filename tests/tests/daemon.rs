@@ -192,3 +192,47 @@ fn a_late_agent_joins_a_running_elastic_job() {
     let out = cli(&["cancel", "--coordinator", &c.addr, "elastic"]);
     assert!(out.status.success(), "{}", text(&out));
 }
+
+#[test]
+fn bad_daemon_flags_exit_2_with_one_line() {
+    for (args, message) in [
+        (
+            &["serve", "--coordinator", "127.0.0.1:1", "--labels", "nokey"][..],
+            "--labels 'nokey' is malformed: expected KEY=VALUE",
+        ),
+        (
+            &[
+                "submit",
+                "--coordinator",
+                "127.0.0.1:1",
+                "--nproc-per-node",
+                "1",
+                "--nnodes",
+                "3:1",
+                "--",
+                "true",
+            ][..],
+            "--nnodes '3:1' is malformed",
+        ),
+        (
+            &[
+                "submit",
+                "--coordinator",
+                "127.0.0.1:1",
+                "--nproc-per-node",
+                "1",
+                "--env",
+                "=x",
+                "--",
+                "true",
+            ][..],
+            "--env '=x' has an empty key",
+        ),
+    ] {
+        let out = cli(args);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {}", text(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(err.lines().count(), 1, "{args:?}: {err}");
+        assert!(err.contains(message), "{args:?}: {err}");
+    }
+}

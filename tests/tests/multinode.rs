@@ -4,8 +4,8 @@
 //! others must fail fast naming it, or, with restarts, carry on as a smaller generation.
 //! Needs root for `ip netns`; skipped with a printed reason otherwise.
 
-use muster_tests::netns::{HostProcess, Net, coordinator_bin};
-use muster_tests::{Finished, SLOW, Stream, agent_bin, example_bin};
+use muster_tests::netns::Net;
+use muster_tests::{Agent, Finished, SLOW, Stream, agent_bin, coordinator_bin, example_bin};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -30,7 +30,7 @@ struct Cluster {
     /// `addr:port` of the coordinator.
     coordinator: String,
     /// Kept for its drop (and its output, on failure).
-    coordinator_process: HostProcess,
+    coordinator_process: Agent,
 }
 
 impl Cluster {
@@ -81,7 +81,7 @@ impl Cluster {
     /// `muster-agent launch` on host `host` with `flags`, 2 workers of `sh -c script`. No
     /// `--advertise-addr`: the agent must find its veth address by itself (the local address
     /// that routes to the coordinator; the host name would resolve to 127.0.0.1 here).
-    fn agent(&self, host: &str, job: &str, flags: &[&str], script: &str) -> HostProcess {
+    fn agent(&self, host: &str, job: &str, flags: &[&str], script: &str) -> Agent {
         let nproc = NPROC.to_string();
         let mut args = vec![
             "launch",
@@ -121,7 +121,7 @@ fn fields(line: &str) -> BTreeMap<String, String> {
 }
 
 /// Waits for the `ready` lines of `agent`'s workers of generation `generation`.
-fn ready(agent: &HostProcess, generation: u64) -> Vec<BTreeMap<String, String>> {
+fn ready(agent: &Agent, generation: u64) -> Vec<BTreeMap<String, String>> {
     let gen_field = format!(" gen={generation} ");
     agent
         .wait_for_lines(Stream::Stdout, NPROC as usize, SLOW, |l| {
@@ -159,7 +159,7 @@ fn three_hosts_run_one_job() {
     };
     let started = Instant::now();
     let script = ready_then_loop(&barrier_loop, "200");
-    let agents: Vec<(String, HostProcess)> = (0..3)
+    let agents: Vec<(String, Agent)> = (0..3)
         .map(|i| {
             let host = format!("n{i}");
             let agent = cluster.agent(&host, "mn-three", &["--nnodes", "3"], &script);
@@ -231,13 +231,13 @@ fn endless_job(
     barrier_loop: &str,
     job: &str,
     flags: &[&str],
-) -> (Vec<(String, HostProcess)>, BTreeMap<String, u32>) {
+) -> (Vec<(String, Agent)>, BTreeMap<String, u32>) {
     let script = format!(
         "if [ \"$MUSTER_RESTART_COUNT\" = 0 ]; then {}; else {}; fi",
         ready_then_loop(barrier_loop, "100000000"),
         ready_then_loop(barrier_loop, "50"),
     );
-    let agents: Vec<(String, HostProcess)> = (0..3)
+    let agents: Vec<(String, Agent)> = (0..3)
         .map(|i| {
             let host = format!("n{i}");
             let agent = cluster.agent(&host, job, flags, &script);
@@ -262,14 +262,14 @@ struct Detection {
     /// The first survivor's line naming the lost node.
     line: String,
     /// The lost node's agent (dead after a SIGKILL, partitioned after a cut).
-    lost: HostProcess,
+    lost: Agent,
 }
 
 /// After a fault at `fault` on `lost` (node rank `node`), every other agent's workers must say
 /// which node is gone within `notice_bound`, and the agents must exit 1 within `exit_bound`.
 fn survivors_fail(
     cluster: &Cluster,
-    agents: Vec<(String, HostProcess)>,
+    agents: Vec<(String, Agent)>,
     lost: &str,
     node: u32,
     fault: Instant,

@@ -9,12 +9,13 @@ use muster_tests::{Agent, SLOW};
 use std::time::Duration;
 
 /// Local rank 1 fails (exit 3, after a line on stderr) while the restart count is below
-/// `fail_until`; every other worker waits long enough to be stopped by the failure.
+/// `fail_until`, 0.3 s after it starts (so that every other worker has printed its start
+/// line); every other worker waits long enough to be stopped by the failure.
 fn flaky(fail_until: u32) -> String {
     format!(
         "echo start rank=$RANK gen=$MUSTER_GENERATION restart=$TORCHELASTIC_RESTART_COUNT muster_restart=$MUSTER_RESTART_COUNT max=$TORCHELASTIC_MAX_RESTARTS; \
          if [ \"$LOCAL_RANK\" = 1 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" -lt {fail_until} ]; then \
-           echo \"boom on attempt $TORCHELASTIC_RESTART_COUNT\" >&2; exit 3; fi; \
+           sleep 0.3; echo \"boom on attempt $TORCHELASTIC_RESTART_COUNT\" >&2; exit 3; fi; \
          if [ \"$TORCHELASTIC_RESTART_COUNT\" -lt {fail_until} ]; then exec sleep 30; fi; \
          echo done rank=$RANK"
     )
@@ -144,7 +145,7 @@ fn a_failure_on_one_node_restarts_every_node() {
             "-c",
             // Global rank 3 (node 1, local rank 1) fails on the first attempt only.
             "echo start rank=$RANK gen=$MUSTER_GENERATION restart=$TORCHELASTIC_RESTART_COUNT; \
-             if [ \"$RANK\" = 3 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then exit 5; fi; \
+             if [ \"$RANK\" = 3 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then sleep 0.3; exit 5; fi; \
              if [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then exec sleep 30; fi; echo done",
         ])
     };
