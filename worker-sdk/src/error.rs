@@ -135,6 +135,59 @@ pub enum Error {
     #[error("unsupported use of the muster SDK: {0}")]
     Usage(String),
 
+    /// A peer of a collective disappeared (its connection closed or broke, or the coordinator
+    /// reported it dead) while this rank was exchanging data with it: the collective can never
+    /// complete, so it fails instead of hanging.
+    #[error("{}", about_rank(*.rank, *.node_rank, .host, &format!("was lost during {}", .op), .reason))]
+    PeerLost {
+        /// The global rank of the peer.
+        rank: u32,
+        /// Its node rank.
+        node_rank: u32,
+        /// The host it ran on.
+        host: String,
+        /// The operation in progress ("all_reduce of 4096 f32").
+        op: String,
+        /// What was seen (end of stream, connection reset, the coordinator's failure message).
+        reason: String,
+    },
+
+    /// An operation that needs the same shape on every rank was called with different shapes;
+    /// the message lists every rank's shape so the odd one out is visible.
+    #[error("{op}: shapes differ across ranks: {}", .shapes.iter().map(|(rank, shape)| format!("rank {rank}: {shape}")).collect::<Vec<_>>().join(", "))]
+    ShapeMismatch {
+        /// The operation ("all_reduce").
+        op: String,
+        /// Every rank's shape, by rank ("4096 f32").
+        shapes: Vec<(u32, String)>,
+    },
+
+    /// A communication backend could not be created or used (NCCL library missing, no GPU,
+    /// a listener that could not bind, an argument out of range such as a root rank beyond the
+    /// world size); the message says which backend and why.
+    #[error("{backend} backend: {message}")]
+    Backend {
+        /// "cpu" or "nccl".
+        backend: &'static str,
+        /// What went wrong.
+        message: String,
+    },
+
+    /// Reading or writing a file (checkpoints, weights) failed; `what` names the path.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done, with the path ("writing checkpoint/model.safetensors").
+        what: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+
+    /// A checkpoint or weights file is malformed or does not fit what is being loaded into it
+    /// (a missing tensor, a wrong shape or type); the message names the file and the tensor.
+    #[error("bad checkpoint: {0}")]
+    Checkpoint(String),
+
     /// The coordinator sent something the protocol does not allow (a unique id of the wrong
     /// size, an answer before registration, ...): a version mismatch or a bug.
     #[error("protocol error talking to the muster coordinator: {0}")]

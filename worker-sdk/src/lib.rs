@@ -29,11 +29,15 @@
 //! ```
 
 pub mod accelerator;
+pub mod checkpoint;
+pub mod comm;
+pub mod data;
 pub mod client;
 pub mod env;
 pub mod error;
 pub mod error_file;
 pub mod relay;
+pub mod train;
 
 pub use accelerator::{Accelerator, KvStore};
 pub use client::{CasOutcome, Scope};

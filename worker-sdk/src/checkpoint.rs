@@ -1,0 +1,1 @@
+//! Checkpoints: model weights as (sharded) safetensors, and the whole training state.
