@@ -398,6 +398,21 @@ impl Gen {
         self.ended = Some(Box::new(ended));
     }
 
+    /// Tells every live session of the generation that it failed, with `error`, so that
+    /// ranks outside barriers (inside a collective) learn of it too.
+    fn sessions_failed(&self, error: &pb::BarrierError) {
+        for rank in 0..self.ranks.len() {
+            self.send(
+                rank as u32,
+                pb::CoordinatorMessage {
+                    kind: Some(pb::coordinator_message::Kind::GenerationFailed(
+                        error.clone(),
+                    )),
+                },
+            );
+        }
+    }
+
     /// Tells every relaying agent that the generation is over, with `error`.
     fn relays_failed(&self, error: &pb::BarrierError) {
         for n in 0..self.nodes.len() {
@@ -1371,6 +1386,7 @@ impl Job {
         g.failure = Some(f);
         g.fail_all_barriers(&err);
         g.relays_failed(&err);
+        g.sessions_failed(&err);
         let message = if rejoin {
             format!(
                 "{text}; restarting (restart {} of {max_restarts})",

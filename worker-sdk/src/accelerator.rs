@@ -467,6 +467,20 @@ impl Accelerator {
         }
     }
 
+    /// Fires when the coordinator reports that a rank of this generation failed, so that work
+    /// outside barriers (a collective blocked on a dead peer) can abort and name it. Never
+    /// fires in single-process mode.
+    pub fn failure_watch(&self) -> crate::client::FailureWatch {
+        match &self.backend {
+            Backend::Remote(remote) => remote
+                .session
+                .as_ref()
+                .map(Session::failure_watch)
+                .unwrap_or_default(),
+            Backend::Local(_) => crate::client::FailureWatch::default(),
+        }
+    }
+
     /// The job's key-value store, with blocking methods.
     pub fn kv(&self) -> KvStore<'_> {
         KvStore { accelerator: self }

@@ -9,7 +9,7 @@ use std::{
     error::Error as StdError,
     fmt,
     hash::{Hash, Hasher},
-    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError},
     time::Duration,
 };
 
@@ -201,6 +201,7 @@ pub struct Session {
     /// The only strong sender: dropping it ends the request stream. `None` once leaving.
     outbound: Option<mpsc::Sender<WorkerMessage>>,
     task: Option<JoinHandle<()>>,
+    failures: FailureWatch,
 }
 
 impl fmt::Debug for Session {
@@ -389,8 +390,10 @@ impl Session {
                 lost: None,
             }),
         });
+        let failures = FailureWatch::default();
         let task = tokio::spawn(session_task(
             shared.clone(),
+            failures.clone(),
             coordinator.addr.clone(),
             config.rank,
             inbound,
@@ -404,7 +407,14 @@ impl Session {
             shared,
             outbound: Some(outbound),
             task: Some(task),
+            failures,
         })
+    }
+
+    /// Fires when the coordinator reports that this session's generation failed: what
+    /// collectives watch so that a dead peer aborts them instead of hanging them.
+    pub fn failure_watch(&self) -> FailureWatch {
+        self.failures.clone()
     }
 
     /// Waits until every rank of `scope` has entered this barrier (its n-th of the scope, under
@@ -657,6 +667,7 @@ pub(crate) fn barrier_error(error: pb::BarrierError, scope: Scope, name: &str, s
 /// (failing every waiter) and exits; it is aborted when the session is dropped.
 async fn session_task(
     shared: Arc<Shared>,
+    failures: FailureWatch,
     addr: Arc<str>,
     rank: u32,
     mut inbound: Streaming<CoordinatorMessage>,
@@ -679,6 +690,10 @@ async fn session_task(
                 Ok(Some(CoordinatorMessage { kind: Some(coordinator_message::Kind::Barrier(result)) })) => {
                     shared.route(result);
                 }
+                Ok(Some(CoordinatorMessage { kind: Some(coordinator_message::Kind::GenerationFailed(error)) })) => {
+                    tracing::debug!(rank, failed = error.rank, "the generation failed");
+                    failures.fire(error);
+                }
                 Ok(Some(other)) => tracing::debug!(rank, ?other, "ignoring an unexpected session message"),
                 Ok(None) => {
                     tracing::debug!(rank, %addr, "the coordinator closed the session stream");
@@ -693,6 +708,48 @@ async fn session_task(
             },
         }
     }
+}
+
+/// Whether the coordinator has reported this rank's generation failed (a peer crashed, was
+/// killed, lost its connection or stopped heartbeating). Clones share one state; waiting on it
+/// works from any thread, inside or outside an async runtime. One made with `default()` (a
+/// single process) never fires.
+#[derive(Debug, Clone, Default)]
+pub struct FailureWatch {
+    inner: Arc<(Mutex<Option<pb::BarrierError>>, Condvar)>,
+}
+
+impl FailureWatch {
+    /// Records the generation's failure (the first one wins) and wakes every waiter.
+    pub(crate) fn fire(&self, error: pb::BarrierError) {
+        let (state, cvar) = &*self.inner;
+        let mut state = state.lock().unwrap_or_else(PoisonError::into_inner);
+        if state.is_none() {
+            *state = Some(error);
+        }
+        cvar.notify_all();
+    }
+
+    /// The failure ([`Error::RankFailed`] naming the rank, its node and why), if it happened.
+    pub fn failed(&self) -> Option<Error> {
+        let (state, _) = &*self.inner;
+        let state = state.lock().unwrap_or_else(PoisonError::into_inner);
+        state.clone().map(failure_error)
+    }
+
+    /// Blocks until the failure is reported or `timeout` passes; `None` on timeout.
+    pub fn wait_timeout(&self, timeout: Duration) -> Option<Error> {
+        let (state, cvar) = &*self.inner;
+        let state = state.lock().unwrap_or_else(PoisonError::into_inner);
+        let (state, _) = cvar
+            .wait_timeout_while(state, timeout, |s| s.is_none())
+            .unwrap_or_else(PoisonError::into_inner);
+        state.clone().map(failure_error)
+    }
+}
+
+fn failure_error(error: pb::BarrierError) -> Error {
+    Error::from_barrier_error(error, || "the generation".to_owned())
 }
 
 /// The outcome of [`Kv::compare_and_set`].

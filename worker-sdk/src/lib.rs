@@ -40,7 +40,7 @@ pub mod relay;
 pub mod train;
 
 pub use accelerator::{Accelerator, KvStore};
-pub use client::{CasOutcome, Scope};
+pub use client::{CasOutcome, FailureWatch, Scope};
 pub use env::RankInfo;
 pub use error::{Error, RankLocation};
 pub use error_file::{install_error_hook, record_error};

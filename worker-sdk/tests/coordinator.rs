@@ -200,6 +200,33 @@ async fn a_failed_rank_fails_waiters_with_its_rank_and_host() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_rank_fires_every_live_sessions_failure_watch() {
+    let coordinator = TestCoordinator::start();
+    let (_c, mut sessions) = sessions(&coordinator.addr, "watch", 3).await;
+    let crashed = sessions.pop().unwrap();
+    let watches: Vec<_> = sessions.iter().map(Session::failure_watch).collect();
+    assert!(watches.iter().all(|w| w.failed().is_none()));
+    // Nobody is in a barrier: only the pushed report can tell them.
+    drop(crashed);
+    for watch in watches {
+        let watch2 = watch.clone();
+        let error =
+            tokio::task::spawn_blocking(move || watch2.wait_timeout(Duration::from_secs(5)))
+                .await
+                .unwrap()
+                .expect("the failure is reported within 5 s");
+        match &error {
+            Error::RankFailed { rank: 2, host, .. } => assert_eq!(host, HOST),
+            other => panic!("expected rank 2 to fail, got {other:?}"),
+        }
+        assert!(matches!(
+            watch.failed(),
+            Some(Error::RankFailed { rank: 2, .. })
+        ));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timeout_lists_the_missing_and_the_same_barrier_can_be_retried() {
     let coordinator = TestCoordinator::start();
     let (_c, sessions) = sessions(&coordinator.addr, "timeout", 2).await;
