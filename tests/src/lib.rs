@@ -98,10 +98,11 @@ fn built_bin(path: &OnceLock<PathBuf>, package: &str, bin: &str) -> PathBuf {
 /// The worker SDK example `name` (built if missing), or `None` when the SDK has no such
 /// example (its source is absent).
 pub fn example_bin(name: &str) -> Option<PathBuf> {
-    let source = workspace_root()
-        .join("worker-sdk/examples")
-        .join(format!("{name}.rs"));
-    if !source.exists() {
+    let examples = workspace_root().join("worker-sdk/examples");
+    // A one-file example, or one with modules (`<name>/main.rs`).
+    if !examples.join(format!("{name}.rs")).exists()
+        && !examples.join(name).join("main.rs").exists()
+    {
         return None;
     }
     let path = profile_dir().join("examples").join(name);

@@ -30,9 +30,9 @@
 
 pub mod accelerator;
 pub mod checkpoint;
+pub mod client;
 pub mod comm;
 pub mod data;
-pub mod client;
 pub mod env;
 pub mod error;
 pub mod error_file;

@@ -4,10 +4,18 @@
 //! on every rank, and a seeded random generator every rank draws the same sequence from.
 //!
 //! The cross-process steps (the global norm's sum of squares, "did any rank overflow") take
-//! the reduction as a closure, so they work over any communicator and are tested without one:
-//! pass `|x| comm.all_reduce_scalar(x, Sum)`-style closures.
+//! the reduction as a closure, so that their arithmetic is tested without a communicator;
+//! [`GradientSync`], [`clip_grad_norm_across`] and [`LossScaler::update_across`] are the same
+//! steps over a [`Communicator`].
 
 use std::ops::Range;
+
+use half::{bf16, f16};
+
+use crate::{
+    Error,
+    comm::{Communicator, ReduceOp},
+};
 
 /// Decides, batch by batch, whether gradients are synchronised (all-reduced and the optimizer
 /// stepped) or only accumulated locally, as Accelerate's `accumulate` context does: every
@@ -240,6 +248,134 @@ impl LossScaler {
     }
 }
 
+/// What gradients travel as during their all-reduce: full precision, or half the bytes on
+/// request (the values are pre-divided by the world size, as DDP's fp16 hook does, so that a
+/// sum of many ranks stays in range, and rounded once per hop).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CommPrecision {
+    /// f32 (exact up to summation order).
+    #[default]
+    F32,
+    /// bfloat16: f32's range, 8 bits of mantissa.
+    BF16,
+    /// IEEE half: 11 bits of mantissa, range up to 65504.
+    F16,
+}
+
+/// Averages gradients across the ranks like DDP's reducer: the buffers are fused into buckets
+/// of at most `bucket_bytes` (25 MiB by default, DDP's `bucket_cap_mb`), so that a model of
+/// many small tensors costs a few large all-reduces instead of one per tensor, and each bucket
+/// travels in the requested [`CommPrecision`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GradientSync {
+    bucket_bytes: usize,
+    precision: CommPrecision,
+}
+
+impl Default for GradientSync {
+    fn default() -> Self {
+        Self {
+            bucket_bytes: Self::DEFAULT_BUCKET_BYTES,
+            precision: CommPrecision::F32,
+        }
+    }
+}
+
+impl GradientSync {
+    /// DDP's default bucket size.
+    pub const DEFAULT_BUCKET_BYTES: usize = 25 << 20;
+
+    /// 25 MiB buckets in f32.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Caps each bucket at `bytes` of f32 gradients (a buffer larger than that is a bucket of
+    /// its own).
+    pub fn bucket_bytes(mut self, bytes: usize) -> Self {
+        self.bucket_bytes = bytes.max(4);
+        self
+    }
+
+    /// Sends gradients in `precision`.
+    pub fn precision(mut self, precision: CommPrecision) -> Self {
+        self.precision = precision;
+        self
+    }
+
+    /// How the buffers of these lengths are bucketed (indices into `grads`).
+    pub fn plan(&self, lengths: &[usize]) -> Vec<Range<usize>> {
+        buckets(lengths, self.bucket_bytes / 4)
+    }
+
+    /// Replaces every gradient by its mean over the ranks. Every rank must pass buffers of the
+    /// same lengths in the same order (a mismatch is reported by the communicator with every
+    /// rank's shape). One process: nothing to do.
+    pub fn average(&self, comm: &Communicator, grads: &mut [&mut [f32]]) -> Result<(), Error> {
+        let world = comm.world_size();
+        if world == 1 {
+            return Ok(());
+        }
+        let lengths: Vec<usize> = grads.iter().map(|g| g.len()).collect();
+        let inv = 1.0 / world as f32;
+        for bucket in self.plan(&lengths) {
+            let members = &mut grads[bucket];
+            let mut packed = pack(&members.iter().map(|g| &**g).collect::<Vec<&[f32]>>());
+            match self.precision {
+                CommPrecision::F32 => comm.all_reduce(&mut packed, ReduceOp::Avg)?,
+                CommPrecision::BF16 => {
+                    let mut wire: Vec<bf16> =
+                        packed.iter().map(|&x| bf16::from_f32(x * inv)).collect();
+                    comm.all_reduce(&mut wire, ReduceOp::Sum)?;
+                    for (x, w) in packed.iter_mut().zip(&wire) {
+                        *x = w.to_f32();
+                    }
+                }
+                CommPrecision::F16 => {
+                    let mut wire: Vec<f16> =
+                        packed.iter().map(|&x| f16::from_f32(x * inv)).collect();
+                    comm.all_reduce(&mut wire, ReduceOp::Sum)?;
+                    for (x, w) in packed.iter_mut().zip(&wire) {
+                        *x = w.to_f32();
+                    }
+                }
+            }
+            unpack(&packed, members);
+        }
+        Ok(())
+    }
+}
+
+/// [`clip_grad_norm`] for gradients sharded across the ranks (each rank holds a disjoint part,
+/// as with ZeRO/FSDP): the norm is that of every rank's part together, found with one
+/// all-reduce of a single f64, and every rank scales its part by the same factor. Gradients
+/// that DDP already averaged are identical on every rank; call [`clip_grad_norm`] with `Ok`
+/// for those (an all-reduce would count them once per rank).
+pub fn clip_grad_norm_across(
+    comm: &Communicator,
+    grads: &mut [&mut [f32]],
+    max_norm: f32,
+) -> Result<f32, Error> {
+    clip_grad_norm(grads, max_norm, |local| {
+        let mut sum = [local];
+        comm.all_reduce(&mut sum, ReduceOp::Sum)?;
+        Ok(sum[0])
+    })
+}
+
+impl LossScaler {
+    /// [`LossScaler::update`] over a communicator: this rank's gradients are checked for
+    /// inf/NaN and one all-reduce (max of a byte) tells every rank whether any overflowed, so
+    /// every rank skips the same steps. Returns whether to skip this step.
+    pub fn update_across(&mut self, comm: &Communicator, grads: &[&[f32]]) -> Result<bool, Error> {
+        self.update(has_inf_or_nan(grads), |local| {
+            let mut any = [u8::from(local)];
+            comm.all_reduce(&mut any, ReduceOp::Max)?;
+            Ok(any[0] != 0)
+        })
+    }
+}
+
 /// A small seeded generator (SplitMix64): every rank that seeds it alike draws the same
 /// sequence, so shuffles and initialisations agree without communication. Its state is one
 /// `u64`, saved and restored with checkpoints.
@@ -288,7 +424,15 @@ impl SeededRng {
         }
     }
 
-    /// The state, for checkpoints.
+    /// A standard normal draw (Box–Muller), for weight initialisation.
+    pub fn next_normal(&mut self) -> f32 {
+        // 1 - u is in (0, 1], so the logarithm is finite.
+        let u = 1.0 - f64::from(self.next_f32());
+        let v = f64::from(self.next_f32());
+        ((-2.0 * u.ln()).sqrt() * (std::f64::consts::TAU * v).cos()) as f32
+    }
+
+    /// The state, for checkpoints ([`SeededRng::new`] with it resumes the sequence).
     pub fn state(&self) -> u64 {
         self.state
     }

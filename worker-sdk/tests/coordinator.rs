@@ -4,6 +4,8 @@
 //! threads.
 #![allow(clippy::unwrap_used)]
 
+mod support;
+
 use std::{
     sync::{
         Arc, Mutex,
@@ -13,115 +15,10 @@ use std::{
 };
 
 use muster::{
-    Accelerator, Error, RankInfo, Scope,
+    Error, Scope,
     client::{Coordinator, Session, SessionConfig},
 };
-use muster_proto::v1::{self as pb, rendezvous_client::RendezvousClient};
-use tokio::runtime::Runtime;
-
-const HOST: &str = "127.0.0.1";
-
-/// A coordinator on its own runtime, so that a test can kill it (drop every connection) at
-/// will.
-struct TestCoordinator {
-    addr: String,
-    runtime: Option<Runtime>,
-}
-
-impl TestCoordinator {
-    fn start() -> Self {
-        Self::start_with(muster_coordinator::Config::default())
-    }
-
-    fn start_with(config: muster_coordinator::Config) -> Self {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        listener.set_nonblocking(true).unwrap();
-        let addr = listener.local_addr().unwrap().to_string();
-        runtime.spawn(async move {
-            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-            muster_coordinator::serve(listener, config, std::future::pending())
-                .await
-                .unwrap();
-        });
-        Self {
-            addr,
-            runtime: Some(runtime),
-        }
-    }
-
-    fn kill(&mut self) {
-        if let Some(runtime) = self.runtime.take() {
-            runtime.shutdown_background();
-        }
-    }
-}
-
-impl Drop for TestCoordinator {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-/// Forms one generation of `job` from nodes with the given local world sizes; returns each
-/// node's assignment, in node order.
-async fn join(addr: &str, job: &str, local_sizes: &[u32]) -> Vec<pb::JoinResponse> {
-    let coordinator = Coordinator::connect(addr).await.unwrap();
-    let nodes = local_sizes.len() as u32;
-    let joins: Vec<_> = local_sizes
-        .iter()
-        .enumerate()
-        .map(|(i, &local_world_size)| {
-            let mut client = RendezvousClient::new(coordinator.channel().clone());
-            let request = pb::JoinRequest {
-                job_id: job.to_owned(),
-                node_id: format!("node-{i}"),
-                host: HOST.to_owned(),
-                local_world_size,
-                requested_node_rank: Some(i as u32),
-                config: Some(pb::RendezvousConfig {
-                    min_nodes: nodes,
-                    max_nodes: nodes,
-                    ..Default::default()
-                }),
-            };
-            tokio::spawn(async move { client.join(request).await.unwrap().into_inner() })
-        })
-        .collect();
-    let mut out = Vec::new();
-    for join in joins {
-        out.push(join.await.unwrap());
-    }
-    out.sort_by_key(|r| r.node_rank);
-    out
-}
-
-/// Every rank's `RankInfo` for a formed generation.
-fn rank_infos(addr: &str, nodes: &[pb::JoinResponse]) -> Vec<RankInfo> {
-    nodes
-        .iter()
-        .flat_map(|node| {
-            (0..node.local_world_size).map(move |local| RankInfo {
-                coordinator: Some(addr.to_owned()),
-                job_id: node.job_id.clone(),
-                generation: node.generation,
-                rank: node.rank_offset + local,
-                local_rank: local,
-                world_size: node.world_size,
-                local_world_size: node.local_world_size,
-                node_rank: node.node_rank,
-                num_nodes: node.num_nodes,
-                restart_count: node.restart_count,
-                host: HOST.to_owned(),
-                agent_socket: None,
-            })
-        })
-        .collect()
-}
+use support::{HOST, TestCoordinator, join, rank_infos, with_accelerators};
 
 /// One session per rank of a fresh single-node job of `n` ranks.
 async fn sessions(addr: &str, job: &str, n: u32) -> (Coordinator, Vec<Session>) {
@@ -498,30 +395,6 @@ async fn kv_unique_ids_and_shared_values_round_trip() {
         .await
         .unwrap_err();
     assert!(error.is_timeout(), "{error:?}");
-}
-
-/// Runs `body` once per rank of a fresh job, each in its own thread with its own
-/// `Accelerator`, and returns what each returned, in rank order.
-fn with_accelerators<T: Send + 'static>(
-    job: &str,
-    local_sizes: &[u32],
-    body: impl Fn(Accelerator) -> T + Send + Sync + 'static,
-) -> Vec<T> {
-    let coordinator = TestCoordinator::start();
-    let client = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let nodes = client.block_on(join(&coordinator.addr, job, local_sizes));
-    let body = Arc::new(body);
-    let threads: Vec<_> = rank_infos(&coordinator.addr, &nodes)
-        .into_iter()
-        .map(|info| {
-            let body = body.clone();
-            std::thread::spawn(move || body(Accelerator::new(info).unwrap()))
-        })
-        .collect();
-    threads.into_iter().map(|t| t.join().unwrap()).collect()
 }
 
 #[test]

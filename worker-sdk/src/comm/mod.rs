@@ -1,12 +1,18 @@
 //! Collectives between the ranks of a job: one communicator API over a CPU backend and NCCL.
 //!
 //! [`Element`] is every type a collective moves (f32, f64, f16, bf16, i32, i64, u8); backends
-//! see byte buffers plus a [`DType`], through the crate-internal [`Backend`] trait, so that one
+//! see byte buffers plus a [`DType`], through the crate-internal `Backend` trait, so that one
 //! generic API serves every type without `unsafe` (the casts are `bytemuck`'s).
 
-use std::fmt;
+use std::{
+    fmt,
+    sync::{Mutex, MutexGuard, PoisonError},
+};
 
-use crate::Error;
+use crate::{Accelerator, Error};
+
+pub(crate) mod cpu;
+pub(crate) mod reduce;
 
 /// The element types a collective can move, as backends see them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -156,4 +162,303 @@ pub(crate) trait Backend: Send {
     fn send(&mut self, buf: &[u8], peer: usize) -> Result<(), Error>;
     /// Point to point: receives exactly `buf.len()` bytes sent by `peer`.
     fn recv(&mut self, buf: &mut [u8], peer: usize) -> Result<(), Error>;
+    /// Says what the next call is at the typed API (its name and element type), for error
+    /// messages and shape checks of byte-only calls (`all_gather`, `broadcast`, `send`).
+    /// Backends without use for it ignore it.
+    fn describe(&mut self, _op: &'static str, _dtype: DType) {}
+    /// Returns once every rank has called it. The default is a one-byte all_reduce.
+    fn barrier(&mut self) -> Result<(), Error> {
+        let mut byte = [0u8];
+        self.all_reduce(&mut byte, DType::U8, ReduceOp::Sum)
+    }
 }
+
+/// The environment variable that picks a backend ("cpu" or "nccl") over the automatic choice.
+pub const BACKEND_ENV: &str = "MUSTER_COMM_BACKEND";
+
+/// A group of every rank of the job that runs collectives (PyTorch's process group, Accelerate's
+/// `gather`/`reduce`/`pad_across_processes`), over NCCL or the CPU backend.
+///
+/// Every rank creates its communicators in the same order (the n-th communicator of each rank
+/// forms one group) and calls the same collectives in the same order. Calls are blocking;
+/// the communicator is `Send + Sync`, and calls from several threads run one at a time.
+/// Argument errors (a root or peer out of range, a length that does not divide) are returned
+/// before anything is sent. With the CPU backend, ranks that call one collective with
+/// different shapes all get [`Error::ShapeMismatch`] listing every rank's shape, and a peer
+/// that dies gives [`Error::PeerLost`] naming it, never a hang. The CPU backend's algorithms
+/// (one-round direct exchange for small messages, pipelined rings and chains for large ones)
+/// are described in `comm/cpu.rs`.
+pub struct Communicator {
+    rank: usize,
+    world_size: usize,
+    kind: BackendKind,
+    backend: Mutex<Box<dyn Backend>>,
+}
+
+impl fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.rank)
+            .field("world_size", &self.world_size)
+            .field("backend", &self.kind)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Communicator {
+    /// A communicator over every rank of the job, on NCCL when it is usable here (library,
+    /// driver and GPU found), else on the CPU backend. `MUSTER_COMM_BACKEND=cpu|nccl` overrides
+    /// the choice. Every rank must make the same choice, so set the variable on mixed machines.
+    pub fn new(accelerator: &Accelerator) -> Result<Self, Error> {
+        let kind = match std::env::var(BACKEND_ENV) {
+            Ok(v) if v == "cpu" => BackendKind::Cpu,
+            Ok(v) if v == "nccl" => BackendKind::Nccl,
+            Ok(v) => {
+                return Err(Error::Config(format!(
+                    "{BACKEND_ENV}='{v}' is not a communication backend (use cpu or nccl)"
+                )));
+            }
+            Err(_) if nccl_available().is_ok() => BackendKind::Nccl,
+            Err(_) => BackendKind::Cpu,
+        };
+        Self::with_backend(accelerator, kind)
+    }
+
+    /// A communicator on the given backend; fails (naming why) when it is not usable.
+    pub fn with_backend(accelerator: &Accelerator, kind: BackendKind) -> Result<Self, Error> {
+        let backend: Box<dyn Backend> = match kind {
+            BackendKind::Cpu => Box::new(cpu::CpuBackend::new(accelerator)?),
+            BackendKind::Nccl => new_nccl(accelerator)?,
+        };
+        Ok(Self {
+            rank: accelerator.process_index(),
+            world_size: accelerator.num_processes(),
+            kind: backend.kind(),
+            backend: Mutex::new(backend),
+        })
+    }
+
+    /// This process's rank in the group.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The number of ranks in the group.
+    pub fn world_size(&self) -> usize {
+        self.world_size
+    }
+
+    /// Which backend carries the collectives.
+    pub fn backend(&self) -> BackendKind {
+        self.kind
+    }
+
+    fn lock(&self, op: &'static str, dtype: DType) -> MutexGuard<'_, Box<dyn Backend>> {
+        let mut backend = self.backend.lock().unwrap_or_else(PoisonError::into_inner);
+        backend.describe(op, dtype);
+        backend
+    }
+
+    fn invalid(&self, message: String) -> Error {
+        Error::Backend {
+            backend: self.kind.name(),
+            message,
+        }
+    }
+
+    fn check_root(&self, op: &str, root: usize) -> Result<(), Error> {
+        if root >= self.world_size {
+            return Err(self.invalid(format!(
+                "{op}: root {root} is out of range (world size {})",
+                self.world_size
+            )));
+        }
+        Ok(())
+    }
+
+    fn check_peer(&self, op: &str, peer: usize) -> Result<(), Error> {
+        if peer >= self.world_size {
+            return Err(self.invalid(format!(
+                "{op}: peer {peer} is out of range (world size {})",
+                self.world_size
+            )));
+        }
+        if peer == self.rank {
+            return Err(self.invalid(format!("{op}: peer {peer} is this rank itself")));
+        }
+        Ok(())
+    }
+
+    /// In place: every rank ends with the element-wise reduction of every rank's `buf`.
+    pub fn all_reduce<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<(), Error> {
+        self.lock("all_reduce", T::DTYPE)
+            .all_reduce(bytemuck::cast_slice_mut(buf), T::DTYPE, op)
+    }
+
+    /// In place: every rank ends with `root`'s `buf`.
+    pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<(), Error> {
+        self.check_root("broadcast", root)?;
+        self.lock("broadcast", T::DTYPE)
+            .broadcast(bytemuck::cast_slice_mut(buf), root)
+    }
+
+    /// In place on `root`: it ends with the reduction of every rank's `buf` (the other ranks'
+    /// `buf` is unspecified afterwards).
+    pub fn reduce<T: Element>(
+        &self,
+        buf: &mut [T],
+        op: ReduceOp,
+        root: usize,
+    ) -> Result<(), Error> {
+        self.check_root("reduce", root)?;
+        self.lock("reduce", T::DTYPE)
+            .reduce(bytemuck::cast_slice_mut(buf), T::DTYPE, op, root)
+    }
+
+    /// Every rank's `send` (all of the same length), concatenated in rank order.
+    pub fn all_gather<T: Element>(&self, send: &[T]) -> Result<Vec<T>, Error> {
+        let mut recv = vec![T::zeroed(); send.len() * self.world_size];
+        self.lock("all_gather", T::DTYPE).all_gather(
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(&mut recv),
+        )?;
+        Ok(recv)
+    }
+
+    /// Every rank's lengths, in rank order (one small all_gather).
+    fn lengths(&self, op: &'static str, len: usize) -> Result<Vec<usize>, Error> {
+        let mine = [len as i64];
+        let mut all = vec![0i64; self.world_size];
+        self.lock(op, DType::I64).all_gather(
+            bytemuck::cast_slice(&mine),
+            bytemuck::cast_slice_mut(&mut all),
+        )?;
+        Ok(all.into_iter().map(|l| l as usize).collect())
+    }
+
+    /// Every rank's `send`, whatever their lengths, by rank: the lengths are exchanged first,
+    /// then the data padded to the longest (one ring all_gather), then cut back.
+    pub fn all_gather_varlen<T: Element>(&self, send: &[T]) -> Result<Vec<Vec<T>>, Error> {
+        let lengths = self.lengths("all_gather_varlen", send.len())?;
+        let longest = lengths.iter().copied().max().unwrap_or(0);
+        let mut padded = send.to_vec();
+        padded.resize(longest, T::zeroed());
+        let mut recv = vec![T::zeroed(); longest * self.world_size];
+        self.lock("all_gather_varlen", T::DTYPE).all_gather(
+            bytemuck::cast_slice(&padded),
+            bytemuck::cast_slice_mut(&mut recv),
+        )?;
+        Ok(lengths
+            .iter()
+            .enumerate()
+            .map(|(rank, &len)| recv[rank * longest..rank * longest + len].to_vec())
+            .collect())
+    }
+
+    /// Every rank's `send` (any lengths) on `root`, by rank; `None` on the other ranks. The
+    /// lengths are exchanged first, then each rank sends to the root point to point.
+    pub fn gather<T: Element>(
+        &self,
+        send: &[T],
+        root: usize,
+    ) -> Result<Option<Vec<Vec<T>>>, Error> {
+        self.check_root("gather", root)?;
+        let lengths = self.lengths("gather", send.len())?;
+        let mut backend = self.lock("gather", T::DTYPE);
+        if self.rank != root {
+            if !send.is_empty() {
+                backend.send(bytemuck::cast_slice(send), root)?;
+            }
+            return Ok(None);
+        }
+        let mut out = Vec::with_capacity(self.world_size);
+        for (peer, &len) in lengths.iter().enumerate() {
+            if peer == root {
+                out.push(send.to_vec());
+                continue;
+            }
+            let mut buf = vec![T::zeroed(); len];
+            if len > 0 {
+                backend.recv(bytemuck::cast_slice_mut(&mut buf), peer)?;
+            }
+            out.push(buf);
+        }
+        Ok(Some(out))
+    }
+
+    /// Rank r gets the reduction of every rank's block r, where `send` is world-size blocks of
+    /// equal length (so its length must divide by the world size).
+    pub fn reduce_scatter<T: Element>(&self, send: &[T], op: ReduceOp) -> Result<Vec<T>, Error> {
+        if !send.len().is_multiple_of(self.world_size) {
+            return Err(self.invalid(format!(
+                "reduce_scatter: {} elements do not divide into {} equal blocks",
+                send.len(),
+                self.world_size
+            )));
+        }
+        let mut recv = vec![T::zeroed(); send.len() / self.world_size];
+        self.lock("reduce_scatter", T::DTYPE).reduce_scatter(
+            bytemuck::cast_slice(send),
+            bytemuck::cast_slice_mut(&mut recv),
+            T::DTYPE,
+            op,
+        )?;
+        Ok(recv)
+    }
+
+    /// Sends `buf` to `peer`, which must call [`Communicator::recv`] with the same length. A
+    /// message larger than the socket buffers returns only once the peer receives it, so two
+    /// ranks exchanging large messages must not both send first (order them by rank).
+    pub fn send<T: Element>(&self, buf: &[T], peer: usize) -> Result<(), Error> {
+        self.check_peer("send", peer)?;
+        self.lock("send", T::DTYPE)
+            .send(bytemuck::cast_slice(buf), peer)
+    }
+
+    /// Receives exactly `buf.len()` elements that `peer` sent with [`Communicator::send`].
+    pub fn recv<T: Element>(&self, buf: &mut [T], peer: usize) -> Result<(), Error> {
+        self.check_peer("recv", peer)?;
+        self.lock("recv", T::DTYPE)
+            .recv(bytemuck::cast_slice_mut(buf), peer)
+    }
+
+    /// Returns once every rank of the group has called it.
+    pub fn barrier(&self) -> Result<(), Error> {
+        self.lock("barrier", DType::U8).barrier()
+    }
+
+    /// Accelerate's `pad_across_processes` for a 1-D tensor: `data` padded with `pad` to the
+    /// longest length of any rank (at the front when `pad_first`), so that it can then be
+    /// gathered with [`Communicator::all_gather`].
+    pub fn pad_across_processes<T: Element>(
+        &self,
+        data: &[T],
+        pad: T,
+        pad_first: bool,
+    ) -> Result<Vec<T>, Error> {
+        let longest = self
+            .lengths("pad_across_processes", data.len())?
+            .into_iter()
+            .max()
+            .unwrap_or(0);
+        let padding = std::iter::repeat_n(pad, longest - data.len());
+        Ok(if pad_first {
+            padding.chain(data.iter().copied()).collect()
+        } else {
+            data.iter().copied().chain(padding).collect()
+        })
+    }
+}
+
+/// Whether NCCL can run here; `Err` says why not (no libnccl, libcuda or GPU).
+fn nccl_available() -> Result<(), String> {
+    nccl::available()
+}
+
+/// The NCCL backend of a new communicator: rank 0 makes the unique id and publishes it through
+/// the coordinator (generation-fenced), the others fetch it, and every rank joins.
+fn new_nccl(accelerator: &Accelerator) -> Result<Box<dyn Backend>, Error> {
+    Ok(Box::new(nccl::connect(accelerator)?))
+}
+
+pub(crate) mod nccl;
