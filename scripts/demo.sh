@@ -6,6 +6,7 @@
 # restarted by the agent and resumes from its newest checkpoint.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+scripts/install-deps.sh
 cargo build --release -q -p muster-agent -p muster --examples --bins
 agent=target/release/muster-agent
 "$agent" launch --nproc-per-node 4 -- target/release/examples/main_first

@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Installs what muster's build and tests need beyond the Rust toolchain, on Debian. Safe to run
-# again: it installs only what is missing. Today that is nothing but iproute2 (ip netns, for
-# later multi-host tests) and procps (ps/pgrep, used by end-to-end tests); our own .proto files
-# compile with protox, so no protoc is needed.
+# again: it installs only what is missing: protoc (etcd-client compiles etcd's .proto files
+# with it; our own compile with protox), etcd (the etcd store's tests start real servers on
+# loopback ports), iproute2 (ip netns, for the multi-host tests) and procps (ps/pgrep, used by
+# end-to-end tests).
 set -euo pipefail
 need=()
 command -v ps >/dev/null 2>&1 || need+=(procps)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
+command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
+command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
 if [ ${#need[@]} -gt 0 ]; then
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
   $sudo apt-get update -qq
