@@ -3,7 +3,7 @@
 
 use serde::Deserialize;
 use std::net::SocketAddr;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// Everything the coordinator can be told. Built with [`Config::default`] and [`Layer`]s.
@@ -23,6 +23,161 @@ pub struct Config {
     pub max_job_bytes: usize,
     /// Largest gRPC message the coordinator accepts.
     pub max_message_bytes: usize,
+    /// Where durable state (key-value data, unique ids, shared values) is kept.
+    pub store: StoreKind,
+    /// How to reach etcd; set only with [`StoreKind::Etcd`] (checked by [`Config::validate`]).
+    pub etcd: EtcdConfig,
+}
+
+/// Which [`Store`](crate::Store) implementation the coordinator runs on.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StoreKind {
+    /// In the coordinator's memory: lost when it exits (the default).
+    #[default]
+    Memory,
+    /// In an etcd v3 cluster: survives coordinator restarts.
+    Etcd,
+}
+
+impl std::str::FromStr for StoreKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "memory" => Ok(Self::Memory),
+            "etcd" => Ok(Self::Etcd),
+            _ => Err(format!("unknown store '{s}' (expected memory or etcd)")),
+        }
+    }
+}
+
+/// The etcd store's settings (`--etcd-*`). Unset fields are `None` or empty, so that
+/// [`Config::validate`] can tell an etcd option given without `--store etcd`.
+#[derive(Clone, Default, PartialEq, Eq)]
+pub struct EtcdConfig {
+    /// Client endpoints: `host:port` (plain, or TLS when a TLS option is set) or a URL with
+    /// `http://` / `https://`.
+    pub endpoints: Vec<String>,
+    /// Key prefix of this coordinator's state [default: [`EtcdConfig::DEFAULT_PREFIX`]].
+    pub prefix: Option<String>,
+    /// CA certificate (PEM) that verifies etcd's server certificate; turns TLS on.
+    pub ca: Option<PathBuf>,
+    /// Client certificate (PEM) for mutual TLS, with [`EtcdConfig::key`].
+    pub cert: Option<PathBuf>,
+    /// Client private key (PEM) for mutual TLS, with [`EtcdConfig::cert`].
+    pub key: Option<PathBuf>,
+    /// etcd user name, with [`EtcdConfig::password_file`].
+    pub user: Option<String>,
+    /// File holding the etcd user's password (one line; never given on the command line).
+    pub password_file: Option<PathBuf>,
+}
+
+// Written by hand so that no future field holding a secret can reach a log through `{:?}`.
+impl std::fmt::Debug for EtcdConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("EtcdConfig")
+            .field("endpoints", &self.endpoints)
+            .field("prefix", &self.prefix)
+            .field("ca", &self.ca)
+            .field("cert", &self.cert)
+            .field("key", &self.key)
+            .field("user", &self.user)
+            .field("password_file", &self.password_file)
+            .finish()
+    }
+}
+
+impl EtcdConfig {
+    /// The key prefix when none is given.
+    pub const DEFAULT_PREFIX: &str = "/muster/";
+
+    /// The key prefix in use.
+    pub fn prefix(&self) -> &str {
+        self.prefix.as_deref().unwrap_or(Self::DEFAULT_PREFIX)
+    }
+
+    /// Whether any TLS option is set (then plain `host:port` endpoints use TLS).
+    pub fn tls(&self) -> bool {
+        self.ca.is_some() || self.cert.is_some() || self.key.is_some()
+    }
+
+    /// The flag of the first option that is set, if any.
+    fn first_set(&self) -> Option<&'static str> {
+        [
+            (!self.endpoints.is_empty(), "--etcd-endpoints"),
+            (self.prefix.is_some(), "--etcd-prefix"),
+            (self.ca.is_some(), "--etcd-ca"),
+            (self.cert.is_some(), "--etcd-cert"),
+            (self.key.is_some(), "--etcd-key"),
+            (self.user.is_some(), "--etcd-user"),
+            (self.password_file.is_some(), "--etcd-password-file"),
+        ]
+        .into_iter()
+        .find_map(|(set, flag)| set.then_some(flag))
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if self.endpoints.is_empty() {
+            return Err("--store etcd needs --etcd-endpoints (host:port,...)".into());
+        }
+        for e in &self.endpoints {
+            let (scheme, rest) = match e.split_once("://") {
+                Some((scheme, rest)) => (Some(scheme), rest),
+                None => (None, e.as_str()),
+            };
+            let host_port = rest.strip_suffix('/').unwrap_or(rest);
+            let port_ok = host_port
+                .rsplit_once(':')
+                .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+            if !port_ok || host_port.contains(['/', ' ', '\t']) {
+                return Err(format!(
+                    "--etcd-endpoints: '{e}' is not host:port (or http(s)://host:port)"
+                ));
+            }
+            match scheme {
+                None => {}
+                Some("https") if self.ca.is_some() => {}
+                Some("https") => {
+                    return Err(format!(
+                        "--etcd-endpoints: '{e}' is https, which needs --etcd-ca (the CA that signed etcd's certificate)"
+                    ));
+                }
+                Some("http") if !self.tls() => {}
+                Some("http") => {
+                    return Err(format!(
+                        "--etcd-endpoints: '{e}' is plain http, but TLS options are set"
+                    ));
+                }
+                Some(other) => {
+                    return Err(format!(
+                        "--etcd-endpoints: '{e}' has scheme '{other}' (expected http or https)"
+                    ));
+                }
+            }
+        }
+        if let Some(p) = &self.prefix
+            && !(p.starts_with('/') && p.ends_with('/'))
+        {
+            return Err(format!(
+                "--etcd-prefix must start and end with '/' (got '{p}'), so that prefixes never overlap"
+            ));
+        }
+        match (&self.cert, &self.key) {
+            (Some(_), None) => return Err("--etcd-cert needs --etcd-key".into()),
+            (None, Some(_)) => return Err("--etcd-key needs --etcd-cert".into()),
+            _ => {}
+        }
+        match (&self.user, &self.password_file) {
+            (Some(_), None) => return Err("--etcd-user needs --etcd-password-file".into()),
+            (None, Some(_)) => return Err("--etcd-password-file needs --etcd-user".into()),
+            (Some(u), Some(_)) if u.is_empty() => {
+                return Err("--etcd-user must not be empty".into());
+            }
+            _ => {}
+        }
+        Ok(())
+    }
 }
 
 impl Default for Config {
@@ -35,6 +190,8 @@ impl Default for Config {
             max_value_bytes: 1 << 20,
             max_job_bytes: 64 << 20,
             max_message_bytes: 4 << 20,
+            store: StoreKind::Memory,
+            etcd: EtcdConfig::default(),
         }
     }
 }
@@ -57,6 +214,57 @@ pub struct Layer {
     pub max_job_bytes: Option<usize>,
     /// `max_message_bytes = 4194304`.
     pub max_message_bytes: Option<usize>,
+    /// `store = "etcd"` (or `"memory"`).
+    pub store: Option<StoreKind>,
+    /// `etcd_endpoints = ["10.0.0.1:2379", "10.0.0.2:2379"]` (or one comma-separated string).
+    pub etcd_endpoints: Option<Endpoints>,
+    /// `etcd_prefix = "/muster/"`.
+    pub etcd_prefix: Option<String>,
+    /// `etcd_ca = "/etc/muster/etcd-ca.pem"`.
+    pub etcd_ca: Option<PathBuf>,
+    /// `etcd_cert = "/etc/muster/etcd-client.pem"`.
+    pub etcd_cert: Option<PathBuf>,
+    /// `etcd_key = "/etc/muster/etcd-client-key.pem"`.
+    pub etcd_key: Option<PathBuf>,
+    /// `etcd_user = "muster"`.
+    pub etcd_user: Option<String>,
+    /// `etcd_password_file = "/run/secrets/etcd-password"`.
+    pub etcd_password_file: Option<PathBuf>,
+}
+
+/// etcd endpoints as a config file writes them: a list, or one comma-separated string (as on
+/// the command line and in the environment).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(untagged)]
+pub enum Endpoints {
+    /// `["a:2379", "b:2379"]`.
+    List(Vec<String>),
+    /// `"a:2379,b:2379"`.
+    Joined(String),
+}
+
+impl Endpoints {
+    /// The endpoints, trimmed, empty entries dropped.
+    pub fn to_vec(&self) -> Vec<String> {
+        let items: Vec<&str> = match self {
+            Self::List(v) => v.iter().flat_map(|s| s.split(',')).collect(),
+            Self::Joined(s) => s.split(',').collect(),
+        };
+        items
+            .into_iter()
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+impl std::str::FromStr for Endpoints {
+    type Err = std::convert::Infallible;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(Self::Joined(s.to_owned()))
+    }
 }
 
 impl Layer {
@@ -94,6 +302,14 @@ impl Layer {
             max_value_bytes: parse(&get, "MUSTER_COORDINATOR_MAX_VALUE_BYTES")?,
             max_job_bytes: parse(&get, "MUSTER_COORDINATOR_MAX_JOB_BYTES")?,
             max_message_bytes: parse(&get, "MUSTER_COORDINATOR_MAX_MESSAGE_BYTES")?,
+            store: parse(&get, "MUSTER_COORDINATOR_STORE")?,
+            etcd_endpoints: parse(&get, "MUSTER_COORDINATOR_ETCD_ENDPOINTS")?,
+            etcd_prefix: get("MUSTER_COORDINATOR_ETCD_PREFIX"),
+            etcd_ca: get("MUSTER_COORDINATOR_ETCD_CA").map(PathBuf::from),
+            etcd_cert: get("MUSTER_COORDINATOR_ETCD_CERT").map(PathBuf::from),
+            etcd_key: get("MUSTER_COORDINATOR_ETCD_KEY").map(PathBuf::from),
+            etcd_user: get("MUSTER_COORDINATOR_ETCD_USER"),
+            etcd_password_file: get("MUSTER_COORDINATOR_ETCD_PASSWORD_FILE").map(PathBuf::from),
         })
     }
 }
@@ -123,6 +339,29 @@ impl Config {
         if let Some(v) = l.max_message_bytes {
             self.max_message_bytes = v;
         }
+        if let Some(v) = l.store {
+            self.store = v;
+        }
+        if let Some(v) = &l.etcd_endpoints {
+            self.etcd.endpoints = v.to_vec();
+        }
+        let etcd = &mut self.etcd;
+        for (to, from) in [
+            (&mut etcd.ca, &l.etcd_ca),
+            (&mut etcd.cert, &l.etcd_cert),
+            (&mut etcd.key, &l.etcd_key),
+            (&mut etcd.password_file, &l.etcd_password_file),
+        ] {
+            if from.is_some() {
+                to.clone_from(from);
+            }
+        }
+        if l.etcd_prefix.is_some() {
+            etcd.prefix.clone_from(&l.etcd_prefix);
+        }
+        if l.etcd_user.is_some() {
+            etcd.user.clone_from(&l.etcd_user);
+        }
         self
     }
 
@@ -148,6 +387,14 @@ impl Config {
                 "max_message_bytes must be at least 65536 (got {})",
                 self.max_message_bytes
             ));
+        }
+        match self.store {
+            StoreKind::Memory => {
+                if let Some(flag) = self.etcd.first_set() {
+                    return Err(format!("{flag} needs --store etcd"));
+                }
+            }
+            StoreKind::Etcd => self.etcd.validate()?,
         }
         Ok(())
     }
@@ -186,5 +433,87 @@ mod tests {
             ..Layer::default()
         });
         assert!(c.validate().unwrap_err().contains("heartbeat_timeout_ms"));
+    }
+
+    #[test]
+    fn store_settings_layer_and_validate() {
+        let file: Layer = toml::from_str(
+            "store = \"etcd\"\netcd_endpoints = [\"10.0.0.1:2379\", \"https://e2:2379\"]\netcd_prefix = \"/a/\"\netcd_ca = \"/ca.pem\"",
+        )
+        .unwrap();
+        let c = Config::default().apply(&file);
+        assert_eq!(c.store, StoreKind::Etcd);
+        assert_eq!(c.etcd.endpoints, ["10.0.0.1:2379", "https://e2:2379"]);
+        assert_eq!(c.etcd.prefix(), "/a/");
+        c.validate().unwrap();
+        // The environment overrides the file; a joined string is split.
+        let env: HashMap<&str, &str> = [
+            ("MUSTER_COORDINATOR_ETCD_ENDPOINTS", " e1:1, e2:2 ,"),
+            ("MUSTER_COORDINATOR_ETCD_USER", "muster"),
+            ("MUSTER_COORDINATOR_ETCD_PASSWORD_FILE", "/run/pw"),
+        ]
+        .into();
+        let env = Layer::from_env(|k| env.get(k).map(|v| v.to_string())).unwrap();
+        let c = c.apply(&env);
+        assert_eq!(c.etcd.endpoints, ["e1:1", "e2:2"]);
+        assert_eq!(c.etcd.user.as_deref(), Some("muster"));
+        c.validate().unwrap();
+        assert_eq!(Config::default().etcd.prefix(), EtcdConfig::DEFAULT_PREFIX);
+        assert!(toml::from_str::<Layer>("store = \"disk\"").is_err());
+    }
+
+    #[test]
+    fn bad_store_settings_are_named() {
+        let etcd = |f: &dyn Fn(&mut EtcdConfig)| {
+            let mut c = Config {
+                store: StoreKind::Etcd,
+                ..Config::default()
+            };
+            c.etcd.endpoints = vec!["127.0.0.1:2379".into()];
+            f(&mut c.etcd);
+            c.validate().err().unwrap_or_default()
+        };
+        let memory = |f: &dyn Fn(&mut EtcdConfig)| {
+            let mut c = Config::default();
+            f(&mut c.etcd);
+            c.validate().err().unwrap_or_default()
+        };
+        assert_eq!(etcd(&|_| {}), "");
+        assert!(etcd(&|e| e.endpoints.clear()).contains("needs --etcd-endpoints"));
+        assert!(etcd(&|e| e.endpoints = vec!["h".into()]).contains("'h' is not host:port"));
+        assert!(etcd(&|e| e.endpoints = vec![":1".into()]).contains("not host:port"));
+        assert!(etcd(&|e| e.endpoints = vec!["h:1/x".into()]).contains("not host:port"));
+        assert_eq!(etcd(&|e| e.endpoints = vec!["http://h:1/".into()]), "");
+        assert!(etcd(&|e| e.endpoints = vec!["unix://h:1".into()]).contains("scheme 'unix'"));
+        assert!(
+            etcd(&|e| {
+                e.endpoints = vec!["http://h:1".into()];
+                e.ca = Some("/ca".into());
+            })
+            .contains("plain http")
+        );
+        assert!(etcd(&|e| e.endpoints = vec!["https://h:1".into()]).contains("needs --etcd-ca"));
+        assert_eq!(
+            etcd(&|e| {
+                e.endpoints = vec!["https://h:1".into()];
+                e.ca = Some("/ca".into());
+            }),
+            ""
+        );
+        assert!(etcd(&|e| e.prefix = Some("/a".into())).contains("--etcd-prefix"));
+        assert!(etcd(&|e| e.prefix = Some(String::new())).contains("--etcd-prefix"));
+        assert!(etcd(&|e| e.cert = Some("/c".into())).contains("--etcd-cert needs --etcd-key"));
+        assert!(etcd(&|e| e.key = Some("/k".into())).contains("--etcd-key needs --etcd-cert"));
+        assert!(etcd(&|e| e.user = Some("u".into())).contains("needs --etcd-password-file"));
+        assert!(etcd(&|e| e.password_file = Some("/p".into())).contains("needs --etcd-user"));
+        assert_eq!(memory(&|_| {}), "");
+        assert_eq!(
+            memory(&|e| e.endpoints = vec!["a:1".into()]),
+            "--etcd-endpoints needs --store etcd"
+        );
+        assert_eq!(
+            memory(&|e| e.password_file = Some("/p".into())),
+            "--etcd-password-file needs --store etcd"
+        );
     }
 }

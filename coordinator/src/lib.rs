@@ -6,6 +6,7 @@
 //! embedded coordinator call [`serve`] directly on a listener of their own.
 
 pub mod config;
+pub mod election;
 pub mod job;
 pub mod model;
 pub mod pool;
@@ -13,7 +14,7 @@ pub mod service;
 pub mod store;
 
 pub use config::Config;
-pub use store::{MemoryStore, Store};
+pub use store::{EtcdStore, MemoryStore, Store, StoreError};
 
 use muster_proto::v1 as pb;
 use service::{

@@ -1,7 +1,7 @@
 //! `muster-coordinator`: parses flags, a config file and the environment, then serves.
 
 use clap::Parser;
-use muster_coordinator::config::{Config, Layer};
+use muster_coordinator::config::{Config, Endpoints, Layer, StoreKind};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -15,7 +15,8 @@ struct Args {
     #[arg(long)]
     listen: Option<SocketAddr>,
     /// TOML config file (keys: listen, heartbeat_timeout_ms, last_call_ms, join_timeout_ms,
-    /// max_value_bytes, max_job_bytes, max_message_bytes).
+    /// max_value_bytes, max_job_bytes, max_message_bytes, store, etcd_endpoints, etcd_prefix,
+    /// etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file).
     #[arg(long, env = "MUSTER_COORDINATOR_CONFIG")]
     config: Option<PathBuf>,
     /// A worker silent for this long is marked failed [default: 10000].
@@ -27,6 +28,32 @@ struct Args {
     /// Default join timeout of a rendezvous round [default: 600000].
     #[arg(long)]
     join_timeout_ms: Option<u64>,
+    /// Where durable state (key-value data, unique ids, shared values) is kept: memory (lost
+    /// on exit) or etcd [default: memory].
+    #[arg(long, value_name = "memory|etcd")]
+    store: Option<StoreKind>,
+    /// etcd client endpoints, comma-separated: host:port (TLS when a TLS option is set) or
+    /// http(s)://host:port. Required with --store etcd.
+    #[arg(long, value_name = "HOST:PORT,...")]
+    etcd_endpoints: Option<Endpoints>,
+    /// Prefix of every etcd key this coordinator writes [default: /muster/].
+    #[arg(long)]
+    etcd_prefix: Option<String>,
+    /// CA certificate (PEM) for etcd's server certificate; turns TLS on.
+    #[arg(long)]
+    etcd_ca: Option<PathBuf>,
+    /// Client certificate (PEM) for mutual TLS with etcd (with --etcd-key).
+    #[arg(long)]
+    etcd_cert: Option<PathBuf>,
+    /// Client private key (PEM) for mutual TLS with etcd (with --etcd-cert).
+    #[arg(long)]
+    etcd_key: Option<PathBuf>,
+    /// etcd user name (with --etcd-password-file).
+    #[arg(long)]
+    etcd_user: Option<String>,
+    /// File holding the etcd user's password (passwords are never taken on the command line).
+    #[arg(long)]
+    etcd_password_file: Option<PathBuf>,
     /// Runtime threads: 1 runs everything on one thread, 0 means one per core [default: 0].
     #[arg(long, default_value_t = 0)]
     worker_threads: usize,
@@ -48,6 +75,14 @@ fn load(args: &Args) -> Result<Config, String> {
         heartbeat_timeout_ms: args.heartbeat_timeout_ms,
         last_call_ms: args.last_call_ms,
         join_timeout_ms: args.join_timeout_ms,
+        store: args.store,
+        etcd_endpoints: args.etcd_endpoints.clone(),
+        etcd_prefix: args.etcd_prefix.clone(),
+        etcd_ca: args.etcd_ca.clone(),
+        etcd_cert: args.etcd_cert.clone(),
+        etcd_key: args.etcd_key.clone(),
+        etcd_user: args.etcd_user.clone(),
+        etcd_password_file: args.etcd_password_file.clone(),
         ..Layer::default()
     });
     config.validate()?;
@@ -92,12 +127,14 @@ fn main() -> ExitCode {
         }
     };
     let result = runtime.block_on(async move {
+        // The store first: a coordinator that cannot reach its etcd never listens.
+        let store = muster_coordinator::store::open(&config).await?;
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.listen))?;
         // Handlers are installed before serving, so a signal never meets the default action.
         let shutdown = shutdown_signal()?;
-        muster_coordinator::serve(listener, config, shutdown).await
+        muster_coordinator::serve_with_store(listener, config, store, shutdown).await
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,

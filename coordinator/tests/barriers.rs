@@ -86,6 +86,12 @@ async fn a_dead_rank_fails_every_waiting_barrier_within_two_seconds_naming_it() 
     // Later barriers of the generation fail at once too.
     let e = r[0].barrier("next").await.unwrap();
     assert_eq!(e.kind, Kind::RankFailed as i32);
+    // Every live session was also told of the failure directly (what collectives outside a
+    // barrier wait on).
+    for x in &mut r {
+        let pushed = x.pushed_failure().await;
+        assert_eq!((pushed.kind, pushed.rank), (Kind::RankFailed as i32, 3));
+    }
     let d = describe(&s.channel, "dead").await;
     assert_eq!(d.summary.unwrap().state, pb::RoundState::Failed as i32);
     assert_eq!(d.failure.unwrap().rank, 3);

@@ -15,6 +15,7 @@
 //! the SDK, run `cargo test --workspace` (or build them) rather than `-p muster-tests` alone.
 
 pub mod coordinator;
+pub mod etcd;
 pub mod netns;
 
 use std::io::{BufRead, BufReader, Read};

@@ -97,6 +97,8 @@ pub struct Raw {
     rx: Streaming<pb::CoordinatorMessage>,
     seq: [u64; 2],
     pub registered: pb::Registered,
+    /// The coordinator's `generation_failed` push, once it came (read past by [`Raw::result`]).
+    pub generation_failed: Option<pb::BarrierError>,
 }
 
 fn msg(kind: pb::worker_message::Kind) -> pb::WorkerMessage {
@@ -135,6 +137,7 @@ impl Raw {
             rx: stream,
             seq: [0; 2],
             registered,
+            generation_failed: None,
         })
     }
 
@@ -164,16 +167,39 @@ impl Raw {
         .await;
     }
 
-    /// The next barrier result: None on success, the error otherwise.
+    /// The next barrier result: None on success, the error otherwise. A `generation_failed`
+    /// push on the way is kept in [`Raw::generation_failed`].
     pub async fn result(&mut self) -> Option<pb::BarrierError> {
+        loop {
+            let m = tokio::time::timeout(Duration::from_secs(20), self.rx.message())
+                .await
+                .expect("no barrier result within 20 s")
+                .expect("stream error")
+                .expect("stream ended");
+            match m.kind {
+                Some(pb::coordinator_message::Kind::Barrier(r)) => return r.error,
+                Some(pb::coordinator_message::Kind::GenerationFailed(e)) => {
+                    self.generation_failed = Some(e);
+                }
+                other => panic!("unexpected message {other:?}"),
+            }
+        }
+    }
+
+    /// The coordinator's `generation_failed` push: the one already read past, or the next
+    /// message, which must be it.
+    pub async fn pushed_failure(&mut self) -> pb::BarrierError {
+        if let Some(e) = self.generation_failed.take() {
+            return e;
+        }
         let m = tokio::time::timeout(Duration::from_secs(20), self.rx.message())
             .await
-            .expect("no barrier result within 20 s")
+            .expect("no generation_failed within 20 s")
             .expect("stream error")
             .expect("stream ended");
         match m.kind {
-            Some(pb::coordinator_message::Kind::Barrier(r)) => r.error,
-            other => panic!("unexpected message {other:?}"),
+            Some(pb::coordinator_message::Kind::GenerationFailed(e)) => e,
+            other => panic!("expected generation_failed, got {other:?}"),
         }
     }
 

@@ -1,35 +1,9 @@
-//! The coordinator's durable state lives behind [`Store`], a small key-value interface shaped
-//! like etcd's (get, put, create-if-absent, delete, prefix list), so that an etcd
-//! implementation can replace [`MemoryStore`] without the rest of the coordinator changing.
-//! Only this module (and later its etcd sibling) knows how state is kept. Barriers and
-//! sessions are deliberately not here: they are ephemeral and their path never waits on a store.
+//! [`MemoryStore`]: the default store, a sorted map in the coordinator's memory.
 
+use super::{Store, StoreError};
 use async_trait::async_trait;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
-
-/// A failure of the store itself (not of the caller's request).
-#[derive(Debug, thiserror::Error)]
-#[error("state store: {0}")]
-pub struct StoreError(pub String);
-
-/// What the coordinator needs from a state store. Keys are `/`-separated strings; values are
-/// opaque bytes. Implementations must be linearizable per key.
-#[async_trait]
-pub trait Store: Send + Sync + 'static {
-    /// Reads a key.
-    async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError>;
-    /// Writes a key, replacing any value.
-    async fn put(&self, key: &str, value: Vec<u8>) -> Result<(), StoreError>;
-    /// Writes a key only if it does not exist; returns the existing value otherwise.
-    async fn create(&self, key: &str, value: Vec<u8>) -> Result<Option<Vec<u8>>, StoreError>;
-    /// Deletes a key; says whether it existed.
-    async fn delete(&self, key: &str) -> Result<bool, StoreError>;
-    /// Lists the keys under a prefix, in key order.
-    async fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError>;
-    /// Deletes every key under a prefix; returns how many went.
-    async fn delete_prefix(&self, prefix: &str) -> Result<u64, StoreError>;
-}
 
 /// The default store: a sorted map in memory. State is lost when the coordinator exits.
 #[derive(Debug, Default)]
