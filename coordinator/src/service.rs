@@ -30,6 +30,11 @@ pub struct Coordinator {
     /// Daemon agents and submitted jobs.
     pool: Pool,
     next_job: std::sync::atomic::AtomicU64,
+    /// Tells this process's generations from an earlier coordinator's over the same store:
+    /// generation numbers restart at 1 with the process (jobs are not stored yet), so values
+    /// published per generation are keyed by incarnation too, and a restarted coordinator can
+    /// never serve a unique id of an earlier incarnation's generation 1.
+    incarnation: u64,
 }
 
 impl Coordinator {
@@ -41,6 +46,11 @@ impl Coordinator {
             jobs: Mutex::new(HashMap::new()),
             pool: Pool::default(),
             next_job: std::sync::atomic::AtomicU64::new(1),
+            // Nanoseconds since the epoch at startup: distinct for every start of a coordinator
+            // whose clock does not run backwards.
+            incarnation: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
         })
     }
 
@@ -597,8 +607,8 @@ fn kv_key(job: &JobId, key: &str) -> String {
     format!("jobs/{job}/kv/{key}")
 }
 
-fn value_key(job: &JobId, generation: u64, kind: &str, name: &str) -> String {
-    format!("jobs/{job}/gen/{generation}/{kind}/{name}")
+fn value_key(job: &JobId, incarnation: u64, generation: u64, kind: &str, name: &str) -> String {
+    format!("jobs/{job}/gen/{incarnation}-{generation}/{kind}/{name}")
 }
 
 /// A published value is stored as the publisher's rank (4 bytes, little endian) then the value.
@@ -674,7 +684,7 @@ impl ValuesService {
         value: &[u8],
     ) -> Result<(), Status> {
         job.alive_member(generation, rank)?;
-        let key = value_key(&job.id, generation, kind, name);
+        let key = value_key(&job.id, self.0.incarnation, generation, kind, name);
         let stored = encode_published(rank, value);
         if let Some(existing) = self.0.store.create(&key, stored).await? {
             let (by, old) = decode_published(&existing)?;
@@ -700,7 +710,7 @@ impl ValuesService {
     ) -> Result<(u32, Vec<u8>), Status> {
         let deadline = deadline("wait_ms", wait_ms)?;
         job.check_member(generation, rank)?;
-        let key = value_key(&job.id, generation, kind, name);
+        let key = value_key(&job.id, self.0.incarnation, generation, kind, name);
         let store = &self.0.store;
         wait_for(
             job,

@@ -16,6 +16,8 @@
 
 pub mod coordinator;
 pub mod etcd;
+pub mod peers;
+pub use peers::peers_python;
 pub mod netns;
 
 use std::io::{BufRead, BufReader, Read};

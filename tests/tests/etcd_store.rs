@@ -381,9 +381,12 @@ async fn coordinator_state_survives_its_restart_on_etcd() {
     // The stored state, as the store holds it: the unique id with its publisher's rank.
     let store = etcd_store(&etcd, "/restart/").await;
     let stored = store
-        .get(&format!("jobs/persist/gen/{generation}/nccl/world"))
+        .list("jobs/persist/gen/")
         .await
         .unwrap()
+        .into_iter()
+        .find(|(key, _)| key.ends_with(&format!("-{generation}/nccl/world")))
+        .map(|(_, value)| value)
         .expect("the unique id survives the coordinator");
     assert_eq!(stored[..4], 0u32.to_le_bytes());
     assert_eq!(stored[4..], id);
@@ -393,6 +396,20 @@ async fn coordinator_state_survives_its_restart_on_etcd() {
     assert_eq!(e.code(), Code::NotFound, "{e:?}");
     let again = form(&ch, "persist", 2).await;
     eprintln!("generation before the restart: {generation}, after: {again}");
+    // Generation numbers start again with the process, but the new generation is not served
+    // the old one's unique id.
+    let stale = pb::unique_ids_client::UniqueIdsClient::new(ch.clone())
+        .fetch(pb::FetchUniqueIdRequest {
+            job_id: "persist".into(),
+            generation: again,
+            rank: 1,
+            communicator: "world".into(),
+            // 0 would wait for as long as the generation lives.
+            wait_ms: 300,
+        })
+        .await;
+    let e = stale.expect_err("a stale unique id was served");
+    assert_eq!(e.code(), Code::DeadlineExceeded, "{e:?}");
     assert_eq!(kv_get(&ch, "persist", "a").await.unwrap(), v("alpha"));
     assert_eq!(kv_get(&ch, "persist", "big").await.unwrap(), big);
     assert_eq!(kv_get(&ch, "persist", "count").await.unwrap(), v("5"));

@@ -6,59 +6,11 @@
 //! `~/.cache/muster-peers`, made by `scripts/install-peers.sh` (which `scripts/test.sh` runs).
 //! Without it each test prints `skipped: ...` and passes.
 
-use muster_tests::{Agent, Finished, workspace_root};
-use std::path::PathBuf;
+use muster_tests::{Agent, Finished, peers_python, workspace_root};
 use std::time::Duration;
 
 /// torch's import alone takes seconds on a 2-core machine; both ranks import it at once.
 const PYTHON_LIMIT: Duration = Duration::from_secs(90);
-
-/// The peers' Python, if its venv has torch and accelerate; otherwise prints why the test is
-/// skipped. Looks for the packages' files instead of importing them (an import costs seconds).
-fn peers_python() -> Option<PathBuf> {
-    let venv = std::env::var_os("MUSTER_PEERS_VENV")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache/muster-peers"))
-        });
-    let Some(venv) = venv else {
-        eprintln!(
-            "skipped: neither MUSTER_PEERS_VENV nor HOME is set (run scripts/install-peers.sh)"
-        );
-        return None;
-    };
-    let python = venv.join("bin/python");
-    if !python.exists() {
-        eprintln!(
-            "skipped: {} does not exist (run scripts/install-peers.sh)",
-            python.display()
-        );
-        return None;
-    }
-    let has = |package: &str| {
-        std::fs::read_dir(venv.join("lib"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .any(|dir| {
-                dir.path()
-                    .join("site-packages")
-                    .join(package)
-                    .join("__init__.py")
-                    .exists()
-            })
-    };
-    for package in ["torch", "accelerate"] {
-        if !has(package) {
-            eprintln!(
-                "skipped: the venv {} has no {package} (run scripts/install-peers.sh)",
-                venv.display()
-            );
-            return None;
-        }
-    }
-    Some(python)
-}
 
 /// `muster-agent launch <flags> --nproc-per-node 2 --job-id JOB -- PYTHON tests/python/SCRIPT`.
 fn launch(
@@ -89,7 +41,7 @@ fn launch(
 
 #[test]
 fn a_plain_pytorch_ddp_script_runs_under_the_agent() {
-    let Some(python) = peers_python() else {
+    let Some(python) = peers_python(&["torch", "accelerate"]) else {
         return;
     };
     let run = launch(&python, "torch_ddp.py", "interop-torch", &[], &[]);
@@ -105,7 +57,7 @@ fn a_plain_pytorch_ddp_script_runs_under_the_agent() {
 
 #[test]
 fn a_plain_accelerate_script_runs_under_the_agent_with_bf16() {
-    let Some(python) = peers_python() else {
+    let Some(python) = peers_python(&["torch", "accelerate"]) else {
         return;
     };
     // `accelerate launch`'s flags: bf16 mixed precision, and gloo on the CPU (without

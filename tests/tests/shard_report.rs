@@ -9,7 +9,7 @@
 //! the library's sampler and `gather_for_metrics`' truncation (`metrics_from_gathered`) for
 //! every rank, from one process; the launched tests cover the collective path.
 
-use muster_tests::{Agent, Finished, SLOW, example_bin, workspace_root};
+use muster_tests::{Agent, Finished, SLOW, example_bin, peers_python, workspace_root};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -313,53 +313,6 @@ fn bad_flags_are_one_line_errors_with_status_2() {
     }
 }
 
-/// The peers' Python, if its venv has torch and accelerate; otherwise prints why the test is
-/// skipped. Looks for the packages' files instead of importing them (an import costs seconds).
-fn peers_python() -> Option<PathBuf> {
-    let venv = std::env::var_os("MUSTER_PEERS_VENV")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache/muster-peers"))
-        });
-    let Some(venv) = venv else {
-        eprintln!(
-            "skipped: neither MUSTER_PEERS_VENV nor HOME is set (run scripts/install-peers.sh)"
-        );
-        return None;
-    };
-    let python = venv.join("bin/python");
-    if !python.exists() {
-        eprintln!(
-            "skipped: {} does not exist (run scripts/install-peers.sh)",
-            python.display()
-        );
-        return None;
-    }
-    let has = |package: &str| {
-        std::fs::read_dir(venv.join("lib"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .any(|dir| {
-                dir.path()
-                    .join("site-packages")
-                    .join(package)
-                    .join("__init__.py")
-                    .exists()
-            })
-    };
-    for package in ["torch", "accelerate"] {
-        if !has(package) {
-            eprintln!(
-                "skipped: the venv {} has no {package} (run scripts/install-peers.sh)",
-                venv.display()
-            );
-            return None;
-        }
-    }
-    Some(python)
-}
-
 fn script() -> String {
     let path = workspace_root().join("tests/python/shard_report.py");
     path.to_str().expect("a UTF-8 checkout path").to_owned()
@@ -420,7 +373,7 @@ fn the_library_matches_accelerate_over_a_grid() {
     let Some(bin) = example() else {
         return;
     };
-    let Some(python) = peers_python() else {
+    let Some(python) = peers_python(&["torch", "accelerate"]) else {
         return;
     };
     let started = Instant::now();
@@ -514,7 +467,7 @@ fn a_launched_accelerate_run_prints_what_the_launched_example_prints() {
     let Some(bin) = example() else {
         return;
     };
-    let Some(python) = peers_python() else {
+    let Some(python) = peers_python(&["torch", "accelerate"]) else {
         return;
     };
     let python = python.to_str().expect("a UTF-8 venv path");

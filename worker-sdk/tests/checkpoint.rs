@@ -28,7 +28,7 @@ use muster::{
     train::{LossScaler, SeededRng},
 };
 use serde_json::json;
-use support::with_accelerators;
+use support::{peers::peers_python, with_accelerators};
 
 // ---------------------------------------------------------------------------------------------
 // Helpers
@@ -955,53 +955,6 @@ fn a_failure_of_the_main_process_reaches_every_rank() {
 // Python
 // ---------------------------------------------------------------------------------------------
 
-/// The peers' Python, if its venv has safetensors and torch; otherwise prints why the test is
-/// skipped (as `tests/tests/interop.rs` does).
-fn peers_python() -> Option<PathBuf> {
-    let venv = std::env::var_os("MUSTER_PEERS_VENV")
-        .map(PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|home| PathBuf::from(home).join(".cache/muster-peers"))
-        });
-    let Some(venv) = venv else {
-        eprintln!(
-            "skipped: neither MUSTER_PEERS_VENV nor HOME is set (run scripts/install-peers.sh)"
-        );
-        return None;
-    };
-    let python = venv.join("bin/python");
-    if !python.exists() {
-        eprintln!(
-            "skipped: {} does not exist (run scripts/install-peers.sh)",
-            python.display()
-        );
-        return None;
-    }
-    let has = |package: &str| {
-        std::fs::read_dir(venv.join("lib"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .any(|dir| {
-                dir.path()
-                    .join("site-packages")
-                    .join(package)
-                    .join("__init__.py")
-                    .exists()
-            })
-    };
-    for package in ["safetensors", "torch"] {
-        if !has(package) {
-            eprintln!(
-                "skipped: the venv {} has no {package} (run scripts/install-peers.sh)",
-                venv.display()
-            );
-            return None;
-        }
-    }
-    Some(python)
-}
-
 /// FNV-1a, 64 bits: the checksum `read_safetensors.py` prints.
 fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
@@ -1028,7 +981,7 @@ fn expected_report(weights: &StateDict) -> String {
 
 #[test]
 fn python_safetensors_reads_what_muster_writes() {
-    let Some(python) = peers_python() else {
+    let Some(python) = peers_python(&["safetensors", "torch"]) else {
         return;
     };
     let tmp = TempDir::new("python");

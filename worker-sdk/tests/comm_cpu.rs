@@ -1,7 +1,8 @@
 //! The communicator's CPU backend against the real coordinator (in-process on 127.0.0.1:0),
 //! ranks as threads: every collective for every element type and reduce op against a reference
-//! computed locally, world sizes 1 to 8, small and large (ring) paths, uneven lengths, a large
-//! all_reduce, shape mismatches, argument errors and a lost peer.
+//! computed locally, world sizes 1 to 8, small and large paths (shared memory, cross-memory
+//! attach, socket rings), uneven lengths, a large all_reduce, shape mismatches, argument errors
+//! and a lost peer.
 #![allow(clippy::unwrap_used)]
 
 mod support;
@@ -28,6 +29,10 @@ const OPS: [ReduceOp; 5] = [
 trait Value: Element + Copy {
     /// The value for a random byte (a small integer).
     fn from_byte(b: u8) -> Self;
+    /// The value for a random word: for floats a fraction with every mantissa bit in use, so
+    /// that sums depend on their order (a reduction in another order than the reference's
+    /// shows as a difference).
+    fn from_word(w: u32) -> Self;
     fn combine(a: Self, b: Self, op: ReduceOp) -> Self;
     fn avg(sum: Self, n: usize) -> Self;
 }
@@ -37,6 +42,9 @@ macro_rules! float_value {
         impl Value for $t {
             fn from_byte(b: u8) -> Self {
                 (i32::from(b % 5) - 2) as $t
+            }
+            fn from_word(w: u32) -> Self {
+                (f64::from(w) / f64::from(u32::MAX) * 2.0 - 1.0) as $t
             }
             fn combine(a: Self, b: Self, op: ReduceOp) -> Self {
                 match op {
@@ -61,6 +69,9 @@ macro_rules! half_value {
             fn from_byte(b: u8) -> Self {
                 <$t>::from_f32((i32::from(b % 5) - 2) as f32)
             }
+            fn from_word(w: u32) -> Self {
+                <$t>::from_f32((f64::from(w) / f64::from(u32::MAX) * 2.0 - 1.0) as f32)
+            }
             fn combine(a: Self, b: Self, op: ReduceOp) -> Self {
                 let (a, b) = (a.to_f32(), b.to_f32());
                 <$t>::from_f32(match op {
@@ -84,6 +95,9 @@ macro_rules! int_value {
         impl Value for $t {
             fn from_byte(b: u8) -> Self {
                 (b % 9) as $t + $lo
+            }
+            fn from_word(w: u32) -> Self {
+                w as $t
             }
             fn combine(a: Self, b: Self, op: ReduceOp) -> Self {
                 match op {
@@ -111,6 +125,16 @@ fn inputs<T: Value>(case: u64, n: usize, len: impl Fn(usize) -> usize) -> Vec<Ve
             let mut bytes = vec![0u8; len(rank)];
             rng.fill_bytes(&mut bytes);
             bytes.into_iter().map(T::from_byte).collect()
+        })
+        .collect()
+}
+
+/// Like [`inputs`], with [`Value::from_word`] values.
+fn wide_inputs<T: Value>(case: u64, n: usize, len: usize) -> Vec<Vec<T>> {
+    (0..n)
+        .map(|rank| {
+            let mut rng = StdRng::seed_from_u64(case * 1000 + rank as u64);
+            (0..len).map(|_| T::from_word(rng.next_u32())).collect()
         })
         .collect()
 }
@@ -213,6 +237,102 @@ fn check_type<T: Value>(comm: &Communicator, salt: u64) {
     }
 }
 
+/// The large-message paths of every collective, with values whose reductions depend on the
+/// order: the cross-memory attach path reduces in rank order, as [`reference`] does, so the
+/// results must be exactly the reference's (on the socket rings they may differ in the last
+/// bits; `exact` says which to expect).
+fn check_large<T: Value>(comm: &Communicator, salt: u64, exact: bool) {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    // Per-rank blocks above the small-message bound, and a length that does not divide.
+    let block = 64 * 1024 / std::mem::size_of::<T>() + 5;
+    let len = block * n + 3;
+    let what = |op: &str| format!("{op} of {len} {} on {n}", std::any::type_name::<T>());
+    let close = |got: &[T], expected: &[T], op: &str| {
+        if exact {
+            assert!(got == expected, "{}: not bit-identical", what(op));
+        } else {
+            assert_eq!(got.len(), expected.len(), "{}", what(op));
+        }
+    };
+    for (j, &op) in OPS.iter().enumerate() {
+        let all = wide_inputs::<T>(salt * 100 + j as u64, n, len);
+        let expected = reference(&all, op);
+        let mut buf = all[rank].clone();
+        comm.all_reduce(&mut buf, op).unwrap();
+        close(&buf, &expected, &format!("all_reduce {op:?}"));
+        // Every rank ends with the same bits, whatever the path.
+        let everyone = comm.all_gather(&buf).unwrap();
+        for (r, theirs) in everyone.chunks(len).enumerate() {
+            assert!(
+                theirs == &buf[..],
+                "{}: rank {r} differs",
+                what("all_reduce")
+            );
+        }
+
+        let root = j % n;
+        let mut buf = all[rank].clone();
+        comm.reduce(&mut buf, op, root).unwrap();
+        if rank == root {
+            close(&buf, &expected, &format!("reduce {op:?} to {root}"));
+        }
+
+        let cut: Vec<Vec<T>> = all.iter().map(|v| v[..block * n].to_vec()).collect();
+        let full = reference(&cut, op);
+        let got = comm.reduce_scatter(&cut[rank], op).unwrap();
+        close(
+            &got,
+            &full[rank * block..(rank + 1) * block],
+            &format!("reduce_scatter {op:?}"),
+        );
+    }
+    let all = wide_inputs::<T>(salt * 100 + 50, n, len);
+    for root in 0..n {
+        let mut buf = all[rank].clone();
+        comm.broadcast(&mut buf, root).unwrap();
+        assert!(
+            buf == all[root],
+            "{}",
+            what(&format!("broadcast from {root}"))
+        );
+    }
+    let gathered = comm.all_gather(&all[rank]).unwrap();
+    assert!(gathered == all.concat(), "{}", what("all_gather"));
+}
+
+/// [`check_large`] for every type.
+fn check_large_all_types(comm: &Communicator, exact: bool) {
+    check_large::<f32>(comm, 11, exact);
+    check_large::<f64>(comm, 12, exact);
+    check_large::<f16>(comm, 13, exact);
+    check_large::<bf16>(comm, 14, exact);
+    check_large::<i32>(comm, 15, exact);
+    check_large::<i64>(comm, 16, exact);
+    check_large::<u8>(comm, 17, exact);
+}
+
+/// The variable that picks the same-node transport (see `comm/cpu.rs`).
+const TRANSPORT_ENV: &str = "MUSTER_COMM_TRANSPORT";
+
+/// Runs test `name` of this binary again in a child process with `MUSTER_COMM_TRANSPORT` set
+/// to `transport`: the environment is shared by the tests of a process, and setting it is not
+/// safe while other tests run.
+fn in_child_with_transport(name: &str, transport: &str) {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(TRANSPORT_ENV, transport)
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{name} with {TRANSPORT_ENV}={transport}:\n{stdout}\n{stderr}"
+    );
+}
+
 fn check_all_types(local_sizes: &[u32]) {
     let job = format!(
         "all-types-{}",
@@ -259,6 +379,179 @@ fn eight_ranks_on_two_nodes() {
 }
 
 #[test]
+fn cross_memory_attach_every_op_and_type() {
+    // `cma` makes creating the communicator fail unless cross-memory attach is used (ranks are
+    // threads here, so each reads its own process's memory: the same system call and code).
+    if std::env::var(TRANSPORT_ENV).as_deref() != Ok("cma") {
+        return in_child_with_transport("cross_memory_attach_every_op_and_type", "cma");
+    }
+    check_all_types(&[3]);
+    with_comms("cma-mismatch", &[3], |_, comm| check_mismatch(&comm));
+    for sizes in [&[2][..], &[3]] {
+        with_comms(&format!("cma-large-{}", sizes[0]), sizes, |_, comm| {
+            check_large_all_types(&comm, true);
+        });
+    }
+}
+
+#[test]
+fn cross_memory_attach_is_refused_across_nodes() {
+    if std::env::var(TRANSPORT_ENV).as_deref() != Ok("cma") {
+        return in_child_with_transport("cross_memory_attach_is_refused_across_nodes", "cma");
+    }
+    let errors = support::with_accelerators("cma-nodes", &[1, 1], |accelerator| {
+        Communicator::with_backend(&accelerator, muster::comm::BackendKind::Cpu).unwrap_err()
+    });
+    for error in errors {
+        assert!(error.to_string().contains("several nodes"), "{error}");
+    }
+}
+
+/// Like [`wide_inputs`], from xorshift (StdRng is slow in debug builds, and these are MiBs).
+fn cheap_wide_inputs<T: Value>(case: u64, n: usize, len: usize) -> Vec<Vec<T>> {
+    (0..n)
+        .map(|rank| {
+            let mut x = (case * 1000 + rank as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+            (0..len)
+                .map(|_| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    T::from_word((x >> 32) as u32)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// all_reduce (every op) and all_gather on the shared-memory path, whose results must be
+/// bit-identical to the rank-order reference: one piece, several pieces with a short last one
+/// (a half segment is 1 MiB), and lengths that are no multiple of a cache line.
+fn check_shm_exact<T: Value>(comm: &Communicator, salt: u64) {
+    let (rank, n) = (comm.rank(), comm.world_size());
+    let size = std::mem::size_of::<T>();
+    for (i, len) in [(64 << 10) / size + 5, (5 << 18) / size + 17]
+        .into_iter()
+        .enumerate()
+    {
+        let what = |op: &str| format!("{op} of {len} {} on {n}", std::any::type_name::<T>());
+        for (j, &op) in OPS.iter().enumerate() {
+            let all = cheap_wide_inputs::<T>(salt * 100 + 10 * i as u64 + j as u64, n, len);
+            let expected = reference(&all, op);
+            let mut buf = all[rank].clone();
+            comm.all_reduce(&mut buf, op).unwrap();
+            assert!(
+                buf == expected,
+                "{}: not bit-identical",
+                what(&format!("{op:?}"))
+            );
+        }
+        let all = cheap_wide_inputs::<T>(salt * 100 + 10 * i as u64 + 9, n, len);
+        let gathered = comm.all_gather(&all[rank]).unwrap();
+        assert!(gathered == all.concat(), "{}", what("all_gather"));
+    }
+}
+
+/// FNV-1a, as the CPU backend hashes job ids into the names of its shared-memory segments
+/// (`muster-<job hash>-...` in `/dev/shm`).
+fn job_hash(job: &str) -> u64 {
+    job.bytes().fold(0xcbf2_9ce4_8422_2325, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Fails if a shared-memory segment of `job` is left in `/dev/shm` (or the temporary
+/// directory where there is none).
+fn assert_no_segments_left(job: &str) {
+    let dir = if std::path::Path::new("/dev/shm").is_dir() {
+        std::path::PathBuf::from("/dev/shm")
+    } else {
+        std::env::temp_dir()
+    };
+    let prefix = format!("muster-{:016x}-", job_hash(job));
+    let left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|name| name.starts_with(&prefix))
+        .collect();
+    assert!(
+        left.is_empty(),
+        "{job}: left in {}: {left:?}",
+        dir.display()
+    );
+}
+
+#[test]
+fn shared_memory_every_op_and_type() {
+    // `shm` makes creating the communicator fail unless the shared-memory arena is set up.
+    if std::env::var(TRANSPORT_ENV).as_deref() != Ok("shm") {
+        return in_child_with_transport("shared_memory_every_op_and_type", "shm");
+    }
+    check_all_types(&[3]);
+    assert_no_segments_left("all-types-3");
+    with_comms("shm-mismatch", &[3], |_, comm| check_mismatch(&comm));
+    for n in [2, 3, 4] {
+        let job = format!("shm-exact-{n}");
+        with_comms(&job, &[n], move |_, comm| {
+            check_shm_exact::<f32>(&comm, 21);
+            check_shm_exact::<f64>(&comm, 22);
+            check_shm_exact::<f16>(&comm, 23);
+            check_shm_exact::<bf16>(&comm, 24);
+            check_shm_exact::<i32>(&comm, 25);
+            check_shm_exact::<i64>(&comm, 26);
+            check_shm_exact::<u8>(&comm, 27);
+            // The other collectives (cross-memory attach or the rings) between shared-memory
+            // ones, on the same communicator.
+            if n == 3 {
+                check_large_all_types(&comm, false);
+            }
+        });
+        assert_no_segments_left(&job);
+    }
+}
+
+#[test]
+fn shared_memory_is_refused_across_nodes() {
+    if std::env::var(TRANSPORT_ENV).as_deref() != Ok("shm") {
+        return in_child_with_transport("shared_memory_is_refused_across_nodes", "shm");
+    }
+    let errors = support::with_accelerators("shm-nodes", &[2, 1], |accelerator| {
+        Communicator::with_backend(&accelerator, muster::comm::BackendKind::Cpu).unwrap_err()
+    });
+    for error in errors {
+        assert!(error.to_string().contains("several nodes"), "{error}");
+    }
+    assert_no_segments_left("shm-nodes");
+}
+
+#[test]
+fn shared_memory_segments_are_gone_once_set_up() {
+    // The default transport on one node: the names are removed right after setup, while the
+    // communicators live, and nothing is left after they are dropped.
+    let job = "shm-cleanup";
+    with_comms(job, &[4], |_, comm| {
+        let mut buf = vec![comm.rank() as f32; 1 << 20];
+        comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+        assert!(buf.iter().all(|&x| x == 6.0));
+        comm.barrier().unwrap();
+        assert_no_segments_left(job);
+    });
+    assert_no_segments_left(job);
+}
+
+#[test]
+fn unix_sockets_on_one_node_every_op_and_type() {
+    // The socket rings between ranks of one node, as when cross-memory attach is not allowed.
+    if std::env::var(TRANSPORT_ENV).as_deref() != Ok("unix") {
+        return in_child_with_transport("unix_sockets_on_one_node_every_op_and_type", "unix");
+    }
+    check_all_types(&[3]);
+    with_comms("unix-large", &[3], |_, comm| {
+        check_large_all_types(&comm, false)
+    });
+}
+
+#[test]
 fn large_all_reduce_of_256_mib() {
     // 2 ranks x 128 MiB of f32, then 4 ranks x 16 MiB of bf16.
     let times = with_comms("large", &[2], |_, comm| {
@@ -294,33 +587,39 @@ fn large_all_reduce_of_256_mib() {
 
 #[test]
 fn shape_mismatch_names_every_rank_and_leaves_the_communicator_usable() {
-    with_comms("mismatch", &[2, 1], |_, comm| {
-        let rank = comm.rank();
-        // Rank 1 disagrees on the length, on the small path and on the large one.
-        for (mine, odd) in [(4usize, 5usize), (100_000, 7)] {
-            let mut buf = vec![1.0f32; if rank == 1 { odd } else { mine }];
-            let error = comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap_err();
-            let Error::ShapeMismatch { op, shapes } = &error else {
-                panic!("{error}");
-            };
-            assert_eq!(op, "all_reduce");
-            let expected: Vec<(u32, String)> = (0..3)
-                .map(|r| (r, format!("{} f32", if r == 1 { odd } else { mine })))
-                .collect();
-            assert_eq!(shapes, &expected, "{error}");
-        }
-        // A dtype that differs.
-        let error = if rank == 2 {
-            comm.broadcast(&mut [0f64; 3], 0).unwrap_err()
-        } else {
-            comm.broadcast(&mut [0f32; 3], 0).unwrap_err()
+    with_comms("mismatch", &[2, 1], |_, comm| check_mismatch(&comm));
+}
+
+/// Three ranks that disagree on shapes, on the small path and the large one.
+fn check_mismatch(comm: &Communicator) {
+    let rank = comm.rank();
+    // Rank 1 disagrees on the length, on the small path and on the large one.
+    for (mine, odd) in [(4usize, 5usize), (100_000, 7)] {
+        let mut buf = vec![1.0f32; if rank == 1 { odd } else { mine }];
+        let error = comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap_err();
+        let Error::ShapeMismatch { op, shapes } = &error else {
+            panic!("{error}");
         };
-        assert!(error.to_string().contains("rank 2: 3 f64"), "{error}");
-        // Still in step afterwards.
-        let mut buf = vec![rank as i32; 10];
-        comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
-        assert_eq!(buf, vec![3; 10]);
-    });
+        assert_eq!(op, "all_reduce");
+        let expected: Vec<(u32, String)> = (0..3)
+            .map(|r| (r, format!("{} f32", if r == 1 { odd } else { mine })))
+            .collect();
+        assert_eq!(shapes, &expected, "{error}");
+    }
+    // A dtype that differs.
+    let error = if rank == 2 {
+        comm.broadcast(&mut [0f64; 3], 0).unwrap_err()
+    } else {
+        comm.broadcast(&mut [0f32; 3], 0).unwrap_err()
+    };
+    assert!(error.to_string().contains("rank 2: 3 f64"), "{error}");
+    // Still in step afterwards.
+    let mut buf = vec![rank as i32; 10];
+    comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+    assert_eq!(buf, vec![3; 10]);
+    let mut buf = vec![rank as i32; 100_000];
+    comm.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+    assert_eq!(buf, vec![3; 100_000]);
 }
 
 #[test]

@@ -13,6 +13,7 @@ use crate::{Accelerator, Error};
 
 pub(crate) mod cpu;
 pub(crate) mod reduce;
+pub(crate) mod shm;
 
 /// The element types a collective can move, as backends see them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

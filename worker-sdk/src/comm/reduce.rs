@@ -16,17 +16,35 @@ use super::{DType, ReduceOp};
 /// `dst[i] = dst[i] (op) src[i]` for every element. Both slices hold whole elements and have the
 /// same length. `Avg` adds (see [`finish_avg`]).
 pub(crate) fn reduce_into(dst: &mut [u8], src: &[u8], dtype: DType, op: ReduceOp) {
+    reduce_with::<false>(dst, src, dtype, op);
+}
+
+/// `dst[i] = src[i] (op) dst[i]`: [`reduce_into`] with the operands the other way round, so
+/// that a rank can fold what came before it (`src`) into its own data (`dst`) in place and
+/// still reduce in rank order (floating-point results depend on the order).
+pub(crate) fn reduce_into_after(dst: &mut [u8], src: &[u8], dtype: DType, op: ReduceOp) {
+    reduce_with::<true>(dst, src, dtype, op);
+}
+
+/// The kernels; `SRC_FIRST` puts `src` on the left of the operator.
+fn reduce_with<const SRC_FIRST: bool>(dst: &mut [u8], src: &[u8], dtype: DType, op: ReduceOp) {
     debug_assert_eq!(dst.len(), src.len());
     debug_assert_eq!(dst.len() % dtype.size(), 0);
     match dtype {
-        DType::F32 => typed::<f32>(dst, src, |d, s| float_kernel(d, s, op)),
-        DType::F64 => typed::<f64>(dst, src, |d, s| float_kernel(d, s, op)),
-        DType::I32 => typed::<i32>(dst, src, |d, s| int_kernel(d, s, op)),
-        DType::I64 => typed::<i64>(dst, src, |d, s| int_kernel(d, s, op)),
-        DType::U8 => int_kernel::<u8>(dst, src, op),
-        DType::F16 => typed::<f16>(dst, src, |d, s| half_kernel(d, s, op)),
-        DType::BF16 => typed::<bf16>(dst, src, |d, s| half_kernel(d, s, op)),
+        DType::F32 => typed::<f32>(dst, src, |d, s| float_kernel::<_, SRC_FIRST>(d, s, op)),
+        DType::F64 => typed::<f64>(dst, src, |d, s| float_kernel::<_, SRC_FIRST>(d, s, op)),
+        DType::I32 => typed::<i32>(dst, src, |d, s| int_kernel::<_, SRC_FIRST>(d, s, op)),
+        DType::I64 => typed::<i64>(dst, src, |d, s| int_kernel::<_, SRC_FIRST>(d, s, op)),
+        DType::U8 => int_kernel::<u8, SRC_FIRST>(dst, src, op),
+        DType::F16 => typed::<f16>(dst, src, |d, s| half_kernel::<_, SRC_FIRST>(d, s, op)),
+        DType::BF16 => typed::<bf16>(dst, src, |d, s| half_kernel::<_, SRC_FIRST>(d, s, op)),
     }
+}
+
+/// `f(d, s)`, or `f(s, d)` when `SRC_FIRST` (a constant, so the branch compiles away).
+#[inline(always)]
+fn ordered<T, const SRC_FIRST: bool>(d: T, s: T, f: impl Fn(T, T) -> T) -> T {
+    if SRC_FIRST { f(s, d) } else { f(d, s) }
 }
 
 /// Divides every element by `n`: the end of an `Avg` reduction (integers truncate toward zero).
@@ -89,13 +107,17 @@ impl Float for f64 {
     }
 }
 
-fn float_kernel<T: Float>(dst: &mut [T], src: &[T], op: ReduceOp) {
+fn float_kernel<T: Float, const SRC_FIRST: bool>(dst: &mut [T], src: &[T], op: ReduceOp) {
     let zip = dst.iter_mut().zip(src);
     match op {
-        ReduceOp::Sum | ReduceOp::Avg => zip.for_each(|(d, s)| *d = *d + *s),
-        ReduceOp::Product => zip.for_each(|(d, s)| *d = *d * *s),
-        ReduceOp::Min => zip.for_each(|(d, s)| *d = d.min(*s)),
-        ReduceOp::Max => zip.for_each(|(d, s)| *d = d.max(*s)),
+        ReduceOp::Sum | ReduceOp::Avg => {
+            zip.for_each(|(d, s)| *d = ordered::<_, SRC_FIRST>(*d, *s, |a, b| a + b))
+        }
+        ReduceOp::Product => {
+            zip.for_each(|(d, s)| *d = ordered::<_, SRC_FIRST>(*d, *s, |a, b| a * b))
+        }
+        ReduceOp::Min => zip.for_each(|(d, s)| *d = ordered::<_, SRC_FIRST>(*d, *s, T::min)),
+        ReduceOp::Max => zip.for_each(|(d, s)| *d = ordered::<_, SRC_FIRST>(*d, *s, T::max)),
     }
 }
 
@@ -118,13 +140,17 @@ macro_rules! int {
 }
 int!(i32, i64, u8);
 
-fn int_kernel<T: Int>(dst: &mut [T], src: &[T], op: ReduceOp) {
+fn int_kernel<T: Int, const SRC_FIRST: bool>(dst: &mut [T], src: &[T], op: ReduceOp) {
     let zip = dst.iter_mut().zip(src);
     match op {
-        ReduceOp::Sum | ReduceOp::Avg => zip.for_each(|(d, s)| *d = d.wrapping_add(*s)),
-        ReduceOp::Product => zip.for_each(|(d, s)| *d = d.wrapping_mul(*s)),
-        ReduceOp::Min => zip.for_each(|(d, s)| *d = (*d).min(*s)),
-        ReduceOp::Max => zip.for_each(|(d, s)| *d = (*d).max(*s)),
+        ReduceOp::Sum | ReduceOp::Avg => {
+            zip.for_each(|(d, s)| *d = ordered::<_, SRC_FIRST>(*d, *s, T::wrapping_add))
+        }
+        ReduceOp::Product => {
+            zip.for_each(|(d, s)| *d = ordered::<_, SRC_FIRST>(*d, *s, T::wrapping_mul))
+        }
+        ReduceOp::Min => zip.for_each(|(d, s)| *d = ordered::<_, SRC_FIRST>(*d, *s, Ord::min)),
+        ReduceOp::Max => zip.for_each(|(d, s)| *d = ordered::<_, SRC_FIRST>(*d, *s, Ord::max)),
     }
 }
 
@@ -150,16 +176,16 @@ impl Half for bf16 {
     }
 }
 
-fn half_kernel<T: Half>(dst: &mut [T], src: &[T], op: ReduceOp) {
+fn half_kernel<T: Half, const SRC_FIRST: bool>(dst: &mut [T], src: &[T], op: ReduceOp) {
     let f: fn(f32, f32) -> f32 = match op {
         ReduceOp::Sum | ReduceOp::Avg => |a, b| a + b,
         ReduceOp::Product => |a, b| a * b,
         ReduceOp::Min => f32::min,
         ReduceOp::Max => f32::max,
     };
-    dst.iter_mut()
-        .zip(src)
-        .for_each(|(d, s)| *d = T::from_f32(f(d.to_f32(), s.to_f32())));
+    dst.iter_mut().zip(src).for_each(|(d, s)| {
+        *d = T::from_f32(ordered::<_, SRC_FIRST>(d.to_f32(), s.to_f32(), f));
+    });
 }
 
 #[cfg(test)]
@@ -195,5 +221,46 @@ mod tests {
         reduce_into(&mut a[1..], &b, DType::F32, ReduceOp::Sum);
         let got: Vec<f32> = bytemuck::pod_collect_to_vec(&a[1..]);
         assert_eq!(got, [3.5, 1.0]);
+    }
+
+    #[test]
+    fn the_reversed_kernel_puts_the_source_first() {
+        // Float addition is not associative: (a + b) + c != a + (b + c) here, so the order of
+        // the operands shows. `reduce_into_after(c, a + b)` must give (a + b) + c.
+        let (a, b, c) = (1e20f64, -1e20f64, 1.0f64);
+        let ab = a + b;
+        let mut dst: Vec<u8> = bytemuck::cast_slice(&[c]).to_vec();
+        reduce_into_after(
+            &mut dst,
+            bytemuck::cast_slice(&[ab]),
+            DType::F64,
+            ReduceOp::Sum,
+        );
+        assert_eq!(bytemuck::pod_collect_to_vec::<u8, f64>(&dst), [ab + c]);
+        // Min of -0.0 and +0.0 may depend on the order; both kernels agree with their order.
+        for op in [
+            ReduceOp::Min,
+            ReduceOp::Max,
+            ReduceOp::Product,
+            ReduceOp::Sum,
+        ] {
+            for dtype in [DType::F32, DType::I32, DType::BF16] {
+                let x: Vec<u8> = match dtype {
+                    DType::F32 => bytemuck::cast_slice(&[1.5f32, -0.0, 3.0]).to_vec(),
+                    DType::I32 => bytemuck::cast_slice(&[7i32, -3, 0]).to_vec(),
+                    _ => bytemuck::cast_slice(&[bf16::from_f32(2.0); 6]).to_vec(),
+                };
+                let y: Vec<u8> = match dtype {
+                    DType::F32 => bytemuck::cast_slice(&[-2.0f32, 0.0, 3.5]).to_vec(),
+                    DType::I32 => bytemuck::cast_slice(&[1i32, 9, -4]).to_vec(),
+                    _ => bytemuck::cast_slice(&[bf16::from_f32(-1.0); 6]).to_vec(),
+                };
+                let mut forward = x.clone();
+                reduce_into(&mut forward, &y, dtype, op);
+                let mut after = y.clone();
+                reduce_into_after(&mut after, &x, dtype, op);
+                assert_eq!(forward, after, "{dtype} {op:?}");
+            }
+        }
     }
 }

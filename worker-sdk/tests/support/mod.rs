@@ -7,6 +7,10 @@
 
 use std::sync::Arc;
 
+/// The peers' Python: the same source as `muster_tests::peers_python`.
+#[path = "../../../tests/src/peers.rs"]
+pub mod peers;
+
 use muster::{
     Accelerator, RankInfo,
     client::Coordinator,
