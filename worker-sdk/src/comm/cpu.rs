@@ -1412,6 +1412,30 @@ impl CpuBackend {
     }
 }
 
+/// The small-message reduction: `buf` becomes the reduction of every rank's data in rank order
+/// (the same order on every rank, so results are bit-identical), where `payloads[peer]` holds
+/// each peer's data and `source` this rank's (`mine`).
+fn fold_in_rank_order(
+    buf: &mut [u8],
+    payloads: &[Option<Vec<u8>>],
+    source: &[u8],
+    mine: usize,
+    dtype: DType,
+    op: ReduceOp,
+) {
+    let data = |peer: usize| -> &[u8] {
+        if peer == mine {
+            source
+        } else {
+            payloads[peer].as_deref().unwrap_or(&[])
+        }
+    };
+    buf.copy_from_slice(data(0));
+    for peer in 1..payloads.len() {
+        reduce_into(buf, data(peer), dtype, op);
+    }
+}
+
 /// The coordinator's failure message without its leading "rank R (node N, host H) [of] ", which
 /// [`Error::PeerLost`] already says (and which would otherwise hide the operation).
 fn without_rank_prefix(reason: &str, rank: u32) -> String {
@@ -1542,17 +1566,7 @@ impl Backend for CpuBackend {
             &|_| small,
             |this, header, payloads| {
                 if small {
-                    // Rank order on every rank: bit-identical results.
-                    let first = payloads[0].as_deref().unwrap_or(&source);
-                    buf.copy_from_slice(first);
-                    for (peer, payload) in payloads.iter().enumerate().skip(1) {
-                        let data = if peer == mine {
-                            &source[..]
-                        } else {
-                            payload.as_deref().unwrap_or(&[])
-                        };
-                        reduce_into(buf, data, dtype, op);
-                    }
+                    fold_in_rank_order(buf, &payloads, &source, mine, dtype, op);
                 } else {
                     let elem = dtype.size();
                     let r = this.rank as isize;
@@ -1666,16 +1680,7 @@ impl Backend for CpuBackend {
             |this, header, payloads| {
                 if small {
                     if mine == root {
-                        let first = payloads[0].as_deref().unwrap_or(&source);
-                        buf.copy_from_slice(first);
-                        for (peer, payload) in payloads.iter().enumerate().skip(1) {
-                            let data = if peer == mine {
-                                &source[..]
-                            } else {
-                                payload.as_deref().unwrap_or(&[])
-                            };
-                            reduce_into(buf, data, dtype, op);
-                        }
+                        fold_in_rank_order(buf, &payloads, &source, mine, dtype, op);
                     }
                 } else {
                     // Chain towards the root: root+n-1 -> ... -> root+1 -> root, each reducing.
