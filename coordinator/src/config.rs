@@ -71,6 +71,11 @@ pub struct EtcdConfig {
     pub user: Option<String>,
     /// File holding the etcd user's password (one line; never given on the command line).
     pub password_file: Option<PathBuf>,
+    /// The address other replicas name this one by when it leads (clients connect to it)
+    /// [default: the listen address].
+    pub advertise_addr: Option<String>,
+    /// The leader election's lease TTL in milliseconds [default: [`EtcdConfig::DEFAULT_LEASE_TTL_MS`]].
+    pub lease_ttl_ms: Option<u64>,
 }
 
 // Written by hand so that no future field holding a secret can reach a log through `{:?}`.
@@ -84,6 +89,8 @@ impl std::fmt::Debug for EtcdConfig {
             .field("key", &self.key)
             .field("user", &self.user)
             .field("password_file", &self.password_file)
+            .field("advertise_addr", &self.advertise_addr)
+            .field("lease_ttl_ms", &self.lease_ttl_ms)
             .finish()
     }
 }
@@ -91,6 +98,15 @@ impl std::fmt::Debug for EtcdConfig {
 impl EtcdConfig {
     /// The key prefix when none is given.
     pub const DEFAULT_PREFIX: &str = "/muster/";
+
+    /// The election lease TTL when none is given: a dead leader is replaced within about
+    /// this long.
+    pub const DEFAULT_LEASE_TTL_MS: u64 = 3000;
+
+    /// The election lease TTL in use.
+    pub fn lease_ttl(&self) -> Duration {
+        Duration::from_millis(self.lease_ttl_ms.unwrap_or(Self::DEFAULT_LEASE_TTL_MS))
+    }
 
     /// The key prefix in use.
     pub fn prefix(&self) -> &str {
@@ -112,6 +128,8 @@ impl EtcdConfig {
             (self.key.is_some(), "--etcd-key"),
             (self.user.is_some(), "--etcd-user"),
             (self.password_file.is_some(), "--etcd-password-file"),
+            (self.advertise_addr.is_some(), "--advertise-addr"),
+            (self.lease_ttl_ms.is_some(), "--lease-ttl-ms"),
         ]
         .into_iter()
         .find_map(|(set, flag)| set.then_some(flag))
@@ -162,6 +180,22 @@ impl EtcdConfig {
             return Err(format!(
                 "--etcd-prefix must start and end with '/' (got '{p}'), so that prefixes never overlap"
             ));
+        }
+        if let Some(ms) = self.lease_ttl_ms
+            && !(1000..=600_000).contains(&ms)
+        {
+            return Err(format!(
+                "--lease-ttl-ms must be between 1000 and 600000 (got {ms})"
+            ));
+        }
+        if let Some(a) = &self.advertise_addr {
+            let ok = a
+                .rsplit_once(':')
+                .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok())
+                && !a.contains(['/', ' ', ',']);
+            if !ok {
+                return Err(format!("--advertise-addr: '{a}' is not host:port"));
+            }
         }
         match (&self.cert, &self.key) {
             (Some(_), None) => return Err("--etcd-cert needs --etcd-key".into()),
@@ -230,6 +264,10 @@ pub struct Layer {
     pub etcd_user: Option<String>,
     /// `etcd_password_file = "/run/secrets/etcd-password"`.
     pub etcd_password_file: Option<PathBuf>,
+    /// `advertise_addr = "10.0.0.5:29470"`.
+    pub advertise_addr: Option<String>,
+    /// `lease_ttl_ms = 3000`.
+    pub lease_ttl_ms: Option<u64>,
 }
 
 /// etcd endpoints as a config file writes them: a list, or one comma-separated string (as on
@@ -310,6 +348,8 @@ impl Layer {
             etcd_key: get("MUSTER_COORDINATOR_ETCD_KEY").map(PathBuf::from),
             etcd_user: get("MUSTER_COORDINATOR_ETCD_USER"),
             etcd_password_file: get("MUSTER_COORDINATOR_ETCD_PASSWORD_FILE").map(PathBuf::from),
+            advertise_addr: get("MUSTER_COORDINATOR_ADVERTISE_ADDR"),
+            lease_ttl_ms: parse(&get, "MUSTER_COORDINATOR_LEASE_TTL_MS")?,
         })
     }
 }
@@ -361,6 +401,12 @@ impl Config {
         }
         if l.etcd_user.is_some() {
             etcd.user.clone_from(&l.etcd_user);
+        }
+        if l.advertise_addr.is_some() {
+            etcd.advertise_addr.clone_from(&l.advertise_addr);
+        }
+        if l.lease_ttl_ms.is_some() {
+            etcd.lease_ttl_ms = l.lease_ttl_ms;
         }
         self
     }

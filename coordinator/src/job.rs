@@ -4,13 +4,16 @@
 //! unbounded channels (session outboxes) or oneshots (joiners), so nothing blocks under it.
 
 use crate::model::{JobId, Scope, barrier_error as simple_error, list_ranks, scope_name};
+use crate::store::Store;
 use muster_proto::v1 as pb;
 use pb::barrier_error::Kind as ErrKind;
+use prost::Message as _;
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, oneshot, watch};
+use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
 /// Where a session's answers go: the stream tonic sends to the worker.
@@ -48,6 +51,9 @@ pub struct JoinReq {
     pub local_world_size: u32,
     /// The node rank asked for, if any.
     pub requested: Option<u32>,
+    /// The caller's id of this join attempt (empty: none), so that a retried join whose
+    /// round already closed gets the same place.
+    pub request_id: String,
 }
 
 /// The first failure of a generation: which rank, where, and why.
@@ -142,6 +148,8 @@ impl Failure {
 struct Joiner {
     req: JoinReq,
     reply: oneshot::Sender<Result<pb::JoinResponse, Status>>,
+    /// Which call holds the place (a retry of the same join takes it over).
+    attempt: u64,
 }
 
 struct OpenRound {
@@ -162,6 +170,8 @@ enum RankState {
 
 struct NodeSlot {
     node_id: String,
+    /// The request id of the join that placed the node.
+    request_id: String,
     host: String,
     local_world_size: u32,
     rank_offset: u32,
@@ -215,6 +225,15 @@ struct Barrier {
 
 struct Gen {
     generation: u64,
+    /// Names the generation's published values in the store (see `pb::GenerationRecord`).
+    values_id: String,
+    /// Loaded from the store by a new leader (or a restarted coordinator): its ranks
+    /// re-attach with `resume` and may enter barriers before their sessions are back.
+    recovered: bool,
+    /// The highest barrier seq known complete, per scope key (scope, node rank; 0 for
+    /// global). A rank re-entering a barrier at or below it after a failover is released at
+    /// once: its peers already passed it under the previous leader.
+    released: HashMap<(Scope, u32), u64>,
     nodes: Vec<NodeSlot>,
     ranks: Vec<RankSlot>,
     barriers: HashMap<BarrierKey, Barrier>,
@@ -239,6 +258,7 @@ struct JobState {
     phase: Phase,
     /// Set when the job is over for good; joins are refused with this.
     done: Option<Done>,
+    /// Ids of watch attaches and join calls.
     next_watch: u64,
 }
 
@@ -250,7 +270,40 @@ pub struct Job {
     changed: watch::Sender<u64>,
     /// Serialises key-value writes of this job and holds its byte total.
     pub kv_bytes: tokio::sync::Mutex<usize>,
+    /// Names new generations' values (`<incarnation>-<generation>`).
+    incarnation: u64,
+    /// Writes the job's record to a durable store (etcd), when there is one.
+    persist: Option<Persist>,
+    /// Set when this coordinator stops leading: the job's in-memory state is dropped, its
+    /// streams were ended with UNAVAILABLE, and nothing may fail ranks or write any more.
+    retired: CancellationToken,
 }
+
+/// What every job of one coordinator shares: how new generations are named and where job
+/// records are persisted.
+#[derive(Clone)]
+pub struct JobContext {
+    /// The coordinator's start time in nanoseconds since the epoch.
+    pub incarnation: u64,
+    /// The durable store job records go to; `None` with the memory store.
+    pub store: Option<Arc<dyn Store>>,
+}
+
+/// The job's record writer: the latest record to write (with its version), and the version
+/// last written. Writes are ordered and only the latest matters, so a record superseded while
+/// an earlier write is in flight is skipped.
+struct Persist {
+    pending: watch::Sender<(u64, Option<Arc<pb::JobRecord>>)>,
+    written: watch::Sender<u64>,
+}
+
+/// The store key of a job's record.
+pub fn record_key(job: &JobId) -> String {
+    format!("records/{job}")
+}
+
+/// The store prefix of every job record.
+pub const RECORDS_PREFIX: &str = "records/";
 
 /// What a registered session needs to know.
 #[derive(Debug, Clone)]
@@ -285,6 +338,31 @@ fn stale(job: &JobId, asked: u64, current: u64, open: bool) -> String {
             "generation {asked} of job '{job}' is stale; the job is at generation {current}{}",
             if open { " (rendezvous open)" } else { "" }
         )
+    }
+}
+
+/// Node `node_rank`'s answer to its join of the round that formed `nodes`.
+fn join_answer(
+    job: &JobId,
+    generation: u64,
+    nodes: &[NodeSlot],
+    node_rank: usize,
+    restart_count: u32,
+    max_restarts: u32,
+) -> pb::JoinResponse {
+    let node = &nodes[node_rank];
+    let world_size = nodes.last().map_or(0, |n| n.rank_offset + n.local_world_size);
+    pb::JoinResponse {
+        job_id: job.to_string(),
+        generation,
+        node_rank: node_rank as u32,
+        num_nodes: nodes.len() as u32,
+        rank_offset: node.rank_offset,
+        local_world_size: node.local_world_size,
+        world_size,
+        master_host: nodes.first().map(|n| n.host.clone()).unwrap_or_default(),
+        restart_count,
+        max_restarts,
     }
 }
 
@@ -487,28 +565,394 @@ impl Gen {
     }
 }
 
+/// The body of a job's "job-record" task (see [`Job::with_state`]).
+async fn write_records(
+    key: String,
+    store: Arc<dyn Store>,
+    mut pending: watch::Receiver<(u64, Option<Arc<pb::JobRecord>>)>,
+    written: watch::Sender<u64>,
+    retired: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            changed = pending.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
+            () = retired.cancelled() => return,
+        }
+        let (version, record) = pending.borrow_and_update().clone();
+        let Some(record) = record else { continue };
+        let bytes = record.encode_to_vec();
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            match store.put(&key, bytes.clone()).await {
+                Ok(()) => {
+                    written.send_replace(version);
+                    break;
+                }
+                Err(e) => {
+                    if retired.is_cancelled() {
+                        return;
+                    }
+                    tracing::warn!(key, "job record not written, retrying: {e}");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                    if pending.has_changed().unwrap_or(true) {
+                        // A newer record replaces this one.
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Gen {
+    /// A running generation from its record: every rank pending (re-attaching).
+    fn restore(
+        r: &pb::GenerationRecord,
+        ended: Option<pb::GenerationEnded>,
+    ) -> Result<Self, String> {
+        let mut nodes = Vec::with_capacity(r.nodes.len());
+        let mut ranks = vec![];
+        for (node_rank, n) in r.nodes.iter().enumerate() {
+            if n.rank_offset as usize != ranks.len() {
+                return Err(format!(
+                    "stored generation {} has node {node_rank} at rank offset {}, expected {}",
+                    r.generation,
+                    n.rank_offset,
+                    ranks.len()
+                ));
+            }
+            nodes.push(NodeSlot {
+                node_id: n.node_id.clone(),
+                request_id: n.request_id.clone(),
+                host: n.host.clone(),
+                local_world_size: n.local_world_size,
+                rank_offset: n.rank_offset,
+                relay: None,
+                report: None,
+                watch: None,
+                finished: false,
+            });
+            for _ in 0..n.local_world_size {
+                ranks.push(RankSlot::new(node_rank as u32));
+            }
+        }
+        let failure = r.failure.as_ref().map(|f| Failure {
+            rank: f.rank,
+            node_rank: f.node_rank,
+            host: f.host.clone(),
+            reason: f.reason.clone(),
+            precise: true,
+            detail: FailureDetail {
+                exit_code: f.exit_code,
+                signal: f.signal,
+                error_message: f.error_message.clone(),
+                error_traceback: f.error_traceback.clone(),
+                stderr_tail: f.stderr_tail.clone(),
+            },
+            node_id: f.node_id.clone(),
+        });
+        Ok(Self {
+            generation: r.generation,
+            values_id: r.values_id.clone(),
+            recovered: true,
+            released: HashMap::new(),
+            nodes,
+            ranks,
+            barriers: HashMap::new(),
+            failure,
+            ended: ended.map(Box::new),
+            left: 0,
+            next_token: 1,
+        })
+    }
+
+    /// Records that barrier `seq` of `scope` (node `node_rank` for node scope) completed,
+    /// and releases every pending barrier of that scope at or below it.
+    fn mark_released(&mut self, scope: Scope, node_rank: u32, seq: u64) {
+        let node_rank = if scope == Scope::Node { node_rank } else { 0 };
+        let known = self.released.entry((scope, node_rank)).or_insert(0);
+        if seq <= *known {
+            return;
+        }
+        *known = seq;
+        let done: Vec<BarrierKey> = self
+            .barriers
+            .keys()
+            .filter(|k| k.scope == scope && k.node_rank == node_rank && k.seq <= seq)
+            .copied()
+            .collect();
+        for key in done {
+            let b = self.barriers.remove(&key).expect("key listed above");
+            self.deliver(key, b.arrivals.iter(), None);
+        }
+    }
+
+    /// The highest barrier seq of `scope` known complete.
+    fn released(&self, scope: Scope, node_rank: u32) -> u64 {
+        let node_rank = if scope == Scope::Node { node_rank } else { 0 };
+        self.released.get(&(scope, node_rank)).copied().unwrap_or(0)
+    }
+}
+
+impl RankSlot {
+    fn new(node_rank: u32) -> Self {
+        Self {
+            node_rank,
+            state: RankState::Pending,
+            pid: 0,
+            host: String::new(),
+            last_seen: Instant::now(),
+            seq: [0; 2],
+            done: [0; 2],
+            waiting: [false; 2],
+            outbox: None,
+        }
+    }
+}
+
 impl Job {
-    /// Creates a job with its first round open at generation 1.
-    pub fn new(id: JobId, config: RoundConfig) -> Arc<Self> {
+    /// Creates a job with its first round open at generation 1 (and persists its record).
+    pub fn new(id: JobId, config: RoundConfig, ctx: &JobContext) -> Arc<Self> {
+        let state = JobState {
+            config,
+            generation: 1,
+            restarts: 0,
+            next_round_seq: 1,
+            done: None,
+            next_watch: 1,
+            phase: Phase::Open(OpenRound {
+                seq: 0,
+                joiners: vec![],
+                opened: Instant::now(),
+                min_reached: None,
+            }),
+        };
+        let job = Self::with_state(id, state, 0, ctx);
+        job.persist(&job.lock());
+        job
+    }
+
+    fn with_state(id: JobId, state: JobState, kv_bytes: usize, ctx: &JobContext) -> Arc<Self> {
+        let retired = CancellationToken::new();
+        let persist = ctx.store.as_ref().map(|store| {
+            let (pending, rx) = watch::channel((0, None));
+            let written = watch::channel(0).0;
+            // Task "job-record", one per job while a durable store is in use: writes the
+            // job's latest record, in order, retrying until it lands or the job is retired.
+            // It ends when the job is dropped (the sender goes) or retired.
+            tokio::spawn(write_records(
+                record_key(&id),
+                Arc::clone(store),
+                rx,
+                written.clone(),
+                retired.clone(),
+            ));
+            Persist { pending, written }
+        });
         Arc::new(Self {
             id,
-            state: Mutex::new(JobState {
-                config,
-                generation: 1,
-                restarts: 0,
-                next_round_seq: 1,
-                done: None,
-                next_watch: 1,
-                phase: Phase::Open(OpenRound {
-                    seq: 0,
-                    joiners: vec![],
-                    opened: Instant::now(),
-                    min_reached: None,
-                }),
-            }),
+            state: Mutex::new(state),
             changed: watch::channel(0).0,
-            kv_bytes: tokio::sync::Mutex::new(0),
+            kv_bytes: tokio::sync::Mutex::new(kv_bytes),
+            incarnation: ctx.incarnation,
+            persist,
+            retired,
         })
+    }
+
+    /// Rebuilds a job from its stored record (a new leader or a restarted coordinator):
+    /// the same generation, nodes, ranks and restart count; sessions, relays and watches
+    /// re-attach with `resume`. `kv_bytes` is the size of its stored key-value data.
+    pub fn restore(
+        record: &pb::JobRecord,
+        kv_bytes: usize,
+        ctx: &JobContext,
+    ) -> Result<Arc<Self>, String> {
+        let id = JobId::parse(&record.job_id).map_err(|e| e.0)?;
+        let config = RoundConfig {
+            min_nodes: record.min_nodes.max(1),
+            max_nodes: record.max_nodes.max(record.min_nodes).max(1),
+            last_call: Duration::from_millis(record.last_call_ms),
+            join_timeout: Duration::from_millis(record.join_timeout_ms),
+            max_restarts: record.max_restarts,
+        };
+        let done = if !record.cancelled.is_empty() {
+            Some(Done::Cancelled(record.cancelled.clone()))
+        } else if !record.failed.is_empty() {
+            Some(Done::Failed(record.failed.clone()))
+        } else {
+            None
+        };
+        let phase = match &record.running {
+            Some(r) if r.generation == record.generation => {
+                Phase::Running(Box::new(Gen::restore(r, record.ended.clone())?))
+            }
+            _ => Phase::Open(OpenRound {
+                seq: 0,
+                joiners: vec![],
+                opened: Instant::now(),
+                min_reached: None,
+            }),
+        };
+        let state = JobState {
+            config,
+            generation: record.generation.max(1),
+            restarts: record.restarts,
+            next_round_seq: 1,
+            phase,
+            done,
+            next_watch: 1,
+        };
+        Ok(Self::with_state(id, state, kv_bytes, ctx))
+    }
+
+    /// The job's record as it stands.
+    fn record(&self, st: &JobState) -> pb::JobRecord {
+        let c = st.config;
+        let (failed, cancelled) = match &st.done {
+            Some(Done::Failed(why)) => (why.clone(), String::new()),
+            Some(Done::Cancelled(why)) => (String::new(), why.clone()),
+            None => (String::new(), String::new()),
+        };
+        let (running, ended) = match &st.phase {
+            Phase::Running(g) => (
+                Some(pb::GenerationRecord {
+                    generation: g.generation,
+                    values_id: g.values_id.clone(),
+                    nodes: g
+                        .nodes
+                        .iter()
+                        .map(|n| pb::NodeRecord {
+                            node_id: n.node_id.clone(),
+                            host: n.host.clone(),
+                            local_world_size: n.local_world_size,
+                            rank_offset: n.rank_offset,
+                            request_id: n.request_id.clone(),
+                        })
+                        .collect(),
+                    failure: g.failure.as_ref().map(|f| f.to_info(g.generation)),
+                }),
+                g.ended.as_deref().cloned(),
+            ),
+            Phase::Open(_) => (None, None),
+        };
+        pb::JobRecord {
+            job_id: self.id.to_string(),
+            min_nodes: c.min_nodes,
+            max_nodes: c.max_nodes,
+            last_call_ms: c.last_call.as_millis() as u64,
+            join_timeout_ms: c.join_timeout.as_millis() as u64,
+            max_restarts: c.max_restarts,
+            generation: st.generation,
+            restarts: st.restarts,
+            running,
+            failed,
+            cancelled,
+            ended,
+        }
+    }
+
+    /// Queues the job's current record for writing; returns its version (0 without a
+    /// durable store).
+    fn persist(&self, st: &JobState) -> u64 {
+        let Some(p) = &self.persist else {
+            return 0;
+        };
+        let record = Arc::new(self.record(st));
+        let mut version = 0;
+        p.pending.send_modify(|(v, r)| {
+            *v += 1;
+            version = *v;
+            *r = Some(record);
+        });
+        version
+    }
+
+    /// Sends each join answer once the record of version `version` is in the store (at once
+    /// without a durable store), so that no node learns a place a new leader would not know.
+    fn answer_when_persisted(
+        &self,
+        version: u64,
+        replies: Vec<(oneshot::Sender<Result<pb::JoinResponse, Status>>, pb::JoinResponse)>,
+    ) {
+        let Some(p) = &self.persist else {
+            for (tx, answer) in replies {
+                let _ = tx.send(Ok(answer));
+            }
+            return;
+        };
+        let mut written = p.written.subscribe();
+        let retired = self.retired.clone();
+        let job = self.id.clone();
+        // Task "join-answer", one per closed round with a durable store: ends when the
+        // record is written or the job is retired.
+        tokio::spawn(async move {
+            tokio::select! {
+                ok = written.wait_for(|w| *w >= version) => {
+                    if ok.is_ok() {
+                        for (tx, answer) in replies {
+                            let _ = tx.send(Ok(answer));
+                        }
+                    }
+                }
+                () = retired.cancelled() => {
+                    for (tx, _) in replies {
+                        let _ = tx.send(Err(Status::unavailable(format!(
+                            "the coordinator stopped leading before job '{job}''s new generation was stored; join again"
+                        ))));
+                    }
+                }
+            }
+        });
+    }
+
+    /// Whether this coordinator dropped the job (it stopped leading).
+    pub fn retired(&self) -> bool {
+        self.retired.is_cancelled()
+    }
+
+    /// Drops the job from this coordinator (it no longer leads): every joiner, session,
+    /// relay and watch gets UNAVAILABLE with `why` (clients re-attach to the new leader), and
+    /// nothing the streams' ends would do (fail ranks, fail nodes) happens any more.
+    pub fn retire(&self, why: &str) {
+        let mut st = self.lock();
+        self.retired.cancel();
+        let status = || Status::unavailable(why.to_owned());
+        match &mut st.phase {
+            Phase::Open(round) => {
+                for j in round.joiners.drain(..) {
+                    let _ = j.reply.send(Err(status()));
+                }
+            }
+            Phase::Running(g) => {
+                for slot in &mut g.ranks {
+                    if let Some(outbox) = slot.outbox.take() {
+                        let _ = outbox.send(Err(status()));
+                    }
+                }
+                for node in &mut g.nodes {
+                    if let Some(relay) = node.relay.take() {
+                        let _ = relay.send(Err(status()));
+                    }
+                    if let Some((_, watch)) = node.watch.take() {
+                        let _ = watch.send(Err(status()));
+                    }
+                }
+            }
+        }
+        drop(st);
+        self.notify();
+    }
+
+    /// The name of generation `generation`'s values in the store, while it runs.
+    pub fn values_id(&self, generation: u64) -> Result<String, Status> {
+        let mut st = self.lock();
+        Ok(self.running(&mut st, generation)?.values_id.clone())
     }
 
     fn lock(&self) -> MutexGuard<'_, JobState> {
@@ -533,12 +977,15 @@ impl Job {
     }
 
     /// Adds a node to the open round (opening the next one if the job is running). Returns the
-    /// round's generation and the receiver of the node's assignment.
+    /// round's generation, the call's attempt id (for [`Job::withdraw`]) and the receiver of
+    /// the node's assignment.
     pub fn join(
         self: &Arc<Self>,
         req: JoinReq,
-    ) -> Result<(u64, oneshot::Receiver<Result<pb::JoinResponse, Status>>), Status> {
+    ) -> Result<(u64, u64, oneshot::Receiver<Result<pb::JoinResponse, Status>>), Status> {
         let mut st = self.lock();
+        let attempt = st.next_watch;
+        st.next_watch += 1;
         let config = st.config;
         match &st.done {
             Some(Done::Failed(why)) => {
@@ -565,6 +1012,47 @@ impl Job {
                 config.max_nodes - 1
             )));
         }
+        if !req.request_id.is_empty() {
+            // A retried join (its answer was lost in a failover): the same place again.
+            let (restarts, generation) = (st.restarts, st.generation);
+            match &mut st.phase {
+                Phase::Running(g) => {
+                    if let Some(node_rank) = g
+                        .nodes
+                        .iter()
+                        .position(|n| n.request_id == req.request_id && n.node_id == req.node_id)
+                    {
+                        let answer = join_answer(
+                            &self.id,
+                            generation,
+                            &g.nodes,
+                            node_rank,
+                            restarts,
+                            config.max_restarts,
+                        );
+                        let (tx, rx) = oneshot::channel();
+                        let version = self
+                            .persist
+                            .as_ref()
+                            .map_or(0, |p| p.pending.borrow().0);
+                        drop(st);
+                        self.answer_when_persisted(version, vec![(tx, answer)]);
+                        return Ok((generation, attempt, rx));
+                    }
+                }
+                Phase::Open(round) => {
+                    if let Some(j) = round.joiners.iter_mut().find(|j| {
+                        j.req.request_id == req.request_id && j.req.node_id == req.node_id
+                    }) {
+                        // The first call's connection is gone or going: answer this one.
+                        let (tx, rx) = oneshot::channel();
+                        j.reply = tx;
+                        j.attempt = attempt;
+                        return Ok((generation, attempt, rx));
+                    }
+                }
+            }
+        }
         if let Phase::Open(round) = &st.phase {
             if let Some(j) = round.joiners.iter().find(|j| j.req.node_id == req.node_id) {
                 return Err(Status::already_exists(format!(
@@ -589,7 +1077,11 @@ impl Job {
             unreachable!("a round was opened above")
         };
         let first = round.joiners.is_empty();
-        round.joiners.push(Joiner { req, reply: tx });
+        round.joiners.push(Joiner {
+            req,
+            reply: tx,
+            attempt,
+        });
         let joined = round.joiners.len() as u32;
         let round_seq = round.seq;
         tracing::info!(job = %self.id, generation, joined, min = config.min_nodes, max = config.max_nodes, "node joined");
@@ -603,7 +1095,7 @@ impl Job {
             round.min_reached = Some(Instant::now());
             self.spawn_timer(config.last_call, round_seq, Job::on_last_call);
         }
-        Ok((generation, rx))
+        Ok((generation, attempt, rx))
     }
 
     fn spawn_timer(self: &Arc<Self>, after: Duration, round_seq: u64, f: fn(&Job, u64)) {
@@ -615,7 +1107,7 @@ impl Job {
     }
 
     /// Removes a joiner whose caller went away before its round closed.
-    pub fn withdraw(&self, generation: u64, node_id: &str) {
+    pub fn withdraw(&self, generation: u64, node_id: &str, attempt: u64) {
         let mut st = self.lock();
         if st.generation != generation {
             return;
@@ -623,7 +1115,10 @@ impl Job {
         let min = st.config.min_nodes;
         if let Phase::Open(round) = &mut st.phase {
             let before = round.joiners.len();
-            round.joiners.retain(|j| j.req.node_id != node_id);
+            // A retry of the same join may have taken the place over: keep it.
+            round
+                .joiners
+                .retain(|j| j.req.node_id != node_id || j.attempt != attempt);
             if round.joiners.len() < before {
                 tracing::info!(job = %self.id, node_id, "joiner went away before the round closed");
                 if (round.joiners.len() as u32) < min {
@@ -712,6 +1207,7 @@ impl Job {
         });
         st.next_round_seq += 1;
         tracing::info!(job = %self.id, generation = st.generation, "new rendezvous round opened");
+        self.persist(st);
         self.notify();
     }
 
@@ -751,6 +1247,7 @@ impl Job {
         for (node_rank, j) in joiners.iter().enumerate() {
             nodes.push(NodeSlot {
                 node_id: j.req.node_id.clone(),
+                request_id: j.req.request_id.clone(),
                 host: j.req.host.clone(),
                 local_world_size: j.req.local_world_size,
                 rank_offset: offset,
@@ -760,17 +1257,7 @@ impl Job {
                 finished: false,
             });
             for _ in 0..j.req.local_world_size {
-                ranks.push(RankSlot {
-                    node_rank: node_rank as u32,
-                    state: RankState::Pending,
-                    pid: 0,
-                    host: String::new(),
-                    last_seen: Instant::now(),
-                    seq: [0; 2],
-                    done: [0; 2],
-                    waiting: [false; 2],
-                    outbox: None,
-                });
+                ranks.push(RankSlot::new(node_rank as u32));
             }
             offset += j.req.local_world_size;
         }
@@ -778,25 +1265,26 @@ impl Job {
         let generation = st.generation;
         let restart_count = st.restarts;
         let max_restarts = st.config.max_restarts;
-        let master_host = nodes.first().map(|n| n.host.clone()).unwrap_or_default();
+        let mut replies = Vec::with_capacity(n);
         for (node_rank, j) in joiners.into_iter().enumerate() {
-            let node = &nodes[node_rank];
-            let _ = j.reply.send(Ok(pb::JoinResponse {
-                job_id: self.id.to_string(),
-                generation,
-                node_rank: node_rank as u32,
-                num_nodes: n as u32,
-                rank_offset: node.rank_offset,
-                local_world_size: node.local_world_size,
-                world_size,
-                master_host: master_host.clone(),
-                restart_count,
-                max_restarts,
-            }));
+            replies.push((
+                j.reply,
+                join_answer(
+                    &self.id,
+                    generation,
+                    &nodes,
+                    node_rank,
+                    restart_count,
+                    max_restarts,
+                ),
+            ));
         }
         tracing::info!(job = %self.id, generation, nodes = n, world_size, "rendezvous round closed");
         st.phase = Phase::Running(Box::new(Gen {
             generation,
+            values_id: format!("{}-{generation}", self.incarnation),
+            recovered: false,
+            released: HashMap::new(),
             nodes,
             ranks,
             barriers: HashMap::new(),
@@ -805,6 +1293,8 @@ impl Job {
             left: 0,
             next_token: 1,
         }));
+        let version = self.persist(st);
+        self.answer_when_persisted(version, replies);
         self.notify();
     }
 
@@ -839,7 +1329,9 @@ impl Job {
         })
     }
 
-    /// Registers a worker session for `rank`.
+    /// Registers a worker session for `rank`. `resume` carries the last barrier seq the
+    /// worker was released from per scope (global, node) when it re-attaches after a failover:
+    /// those barriers count as complete here, releasing any peer still waiting at them.
     pub fn register(
         &self,
         generation: u64,
@@ -847,6 +1339,7 @@ impl Job {
         pid: u32,
         host: String,
         outbox: Outbox,
+        resume: Option<[u64; 2]>,
     ) -> Result<Registration, Status> {
         let mut st = self.lock();
         let id = self.id.clone();
@@ -871,8 +1364,20 @@ impl Job {
         slot.host = host;
         slot.last_seen = Instant::now();
         slot.outbox = Some(outbox);
+        let node_rank = slot.node_rank;
+        if let Some(released) = resume {
+            // The rank's place in each scope's sequence, as it was under the last leader.
+            for scope in [Scope::Global, Scope::Node] {
+                let idx = scope.index();
+                let slot = &mut g.ranks[rank as usize];
+                slot.seq[idx] = slot.seq[idx].max(released[idx]);
+                slot.done[idx] = slot.done[idx].max(released[idx]);
+                g.mark_released(scope, node_rank, released[idx]);
+            }
+            tracing::info!(job = %id, generation, rank, released_global = released[0], released_node = released[1], "session resumed");
+        }
         Ok(Registration {
-            node_rank: slot.node_rank,
+            node_rank,
             num_nodes: g.nodes.len() as u32,
             world_size: world as u32,
         })
@@ -917,6 +1422,17 @@ impl Job {
             return reply_now(f.to_error(&self.id, generation));
         }
         let idx = scope.index();
+        let node_rank = g.ranks[rank as usize].node_rank;
+        if seq <= g.released(scope, node_rank) {
+            // Completed under the previous leader; this rank's answer was lost in the failover.
+            let slot = &mut g.ranks[rank as usize];
+            if !slot.waiting[idx] {
+                slot.seq[idx] = slot.seq[idx].max(seq);
+                slot.done[idx] = slot.done[idx].max(seq);
+                let _ = outbox.send(Ok(result(scope, seq, None)));
+                return;
+            }
+        }
         let slot = &mut g.ranks[rank as usize];
         slot.last_seen = Instant::now();
         let fresh = seq == slot.seq[idx] + 1;
@@ -1002,6 +1518,8 @@ impl Job {
         if complete {
             let b = g.barriers.remove(&key).expect("present above");
             g.deliver(key, b.arrivals.iter(), None);
+            let known = g.released.entry((key.scope, key.node_rank)).or_insert(0);
+            *known = (*known).max(key.seq);
             return;
         }
         if let Some(t) = timeout {
@@ -1084,6 +1602,7 @@ impl Job {
         node_rank: u32,
         outbox: RelayOutbox,
         heartbeat_interval: Duration,
+        resume: Option<u64>,
     ) -> Result<(), Status> {
         let mut st = self.lock();
         let id = self.id.clone();
@@ -1114,6 +1633,17 @@ impl Job {
             }));
         }
         g.nodes[node_rank as usize].relay = Some(outbox);
+        if let Some(released) = resume {
+            let node = &g.nodes[node_rank as usize];
+            for r in node.rank_offset..node.rank_offset + node.local_world_size {
+                let slot = &mut g.ranks[r as usize];
+                let idx = Scope::Global.index();
+                slot.seq[idx] = slot.seq[idx].max(released);
+                slot.done[idx] = slot.done[idx].max(released);
+            }
+            g.mark_released(Scope::Global, 0, released);
+            tracing::info!(job = %id, generation, node_rank, released, "relay resumed");
+        }
         Ok(())
     }
 
@@ -1173,6 +1703,23 @@ impl Job {
             return reply_now(f.to_error(&id, generation));
         }
         let idx = Scope::Global.index();
+        if seq <= g.released(Scope::Global, 0) {
+            // Completed under the previous leader; the node's answer was lost in the failover.
+            for (_, ranks) in &groups {
+                for &rank in ranks {
+                    if let Some(slot) = g.ranks.get_mut(rank as usize)
+                        && slot.node_rank == node_rank
+                        && !slot.waiting[idx]
+                    {
+                        slot.seq[idx] = slot.seq[idx].max(seq);
+                        slot.done[idx] = slot.done[idx].max(seq);
+                    }
+                }
+            }
+            let _ = outbox.send(Ok(relay_result(seq, None)));
+            return;
+        }
+        let recovered = g.recovered;
         let mut seen = std::collections::HashSet::new();
         for (_, ranks) in &groups {
             for &rank in ranks {
@@ -1185,10 +1732,15 @@ impl Job {
                         "rank {rank} is on node {}, not on the relay's node {node_rank}",
                         slot.node_rank
                     )),
-                    Some(slot) if slot.state != RankState::Running => Some(format!(
-                        "rank {rank} has no live session ({:?})",
-                        slot.state
-                    )),
+                    Some(slot)
+                        if slot.state != RankState::Running
+                            && !(recovered && slot.state == RankState::Pending) =>
+                    {
+                        Some(format!(
+                            "rank {rank} has no live session ({:?})",
+                            slot.state
+                        ))
+                    }
                     Some(slot)
                         if slot.waiting[idx]
                             || !(seq == slot.seq[idx] + 1
@@ -1269,6 +1821,9 @@ impl Job {
         detail: Option<FailureDetail>,
     ) {
         let mut st = self.lock();
+        if self.retired() {
+            return;
+        }
         let Ok(g) = self.running(&mut st, generation) else {
             return;
         };
@@ -1294,6 +1849,7 @@ impl Job {
                     ended.failure = Some(f.to_info(generation));
                     g.end(ended);
                 }
+                self.persist(&st);
             }
             return;
         }
@@ -1314,6 +1870,9 @@ impl Job {
     /// naming the node (and its first live rank).
     pub fn node_lost(&self, generation: u64, node_rank: u32, watch_id: u64, why: &str) {
         let mut st = self.lock();
+        if self.retired() {
+            return;
+        }
         let Ok(g) = self.running(&mut st, generation) else {
             return;
         };
@@ -1406,6 +1965,7 @@ impl Job {
             restart_count: restarts,
             max_restarts,
         });
+        self.persist(st);
         self.notify();
     }
 
@@ -1517,6 +2077,7 @@ impl Job {
                 });
             }
         }
+        self.persist(&st);
         drop(st);
         self.notify();
         true

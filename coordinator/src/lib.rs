@@ -7,6 +7,7 @@
 
 pub mod config;
 pub mod election;
+pub mod ha;
 pub mod job;
 pub mod model;
 pub mod pool;
@@ -24,6 +25,7 @@ use service::{
 use std::future::Future;
 use std::sync::Arc;
 use tokio::net::TcpListener;
+use tonic::service::interceptor::InterceptedService;
 
 /// Serves the coordinator on `listener` with an in-memory store until `shutdown` completes.
 pub async fn serve(
@@ -36,6 +38,8 @@ pub async fn serve(
 
 /// Serves the coordinator on `listener` over `store` until `shutdown` completes; in-flight
 /// calls are then given until they finish (long waits are cut when the runtime ends).
+///
+/// Over etcd, the replica serves only while it leads (see [`ha`]); over memory, always.
 pub async fn serve_with_store(
     listener: TcpListener,
     config: Config,
@@ -44,23 +48,61 @@ pub async fn serve_with_store(
 ) -> anyhow::Result<()> {
     config.validate().map_err(anyhow::Error::msg)?;
     let max = config.max_message_bytes;
-    let coordinator = Coordinator::new(config, store);
+    let addr = listener.local_addr()?;
+    let me = config
+        .etcd
+        .advertise_addr
+        .clone()
+        .unwrap_or_else(|| addr.to_string());
+    let ttl = config.etcd.lease_ttl();
+    let coordinator = Coordinator::new(config, Arc::clone(&store));
+    let durable = store.as_etcd().is_some();
+    let gate = ha::Gate::new(
+        if durable {
+            ha::Readiness::Following(None)
+        } else {
+            ha::Readiness::Serving
+        },
+        &me,
+    );
 
     let reflection = tonic_reflection::server::Builder::configure()
         .register_encoded_file_descriptor_set(muster_proto::FILE_DESCRIPTOR_SET)
         .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
         .build_v1()?;
     let (health_reporter, health) = tonic_health::server::health_reporter();
-    health_reporter
-        .set_serving::<pb::session_server::SessionServer<SessionService>>()
-        .await;
-    health_reporter
-        .set_service_status("", tonic_health::ServingStatus::Serving)
-        .await;
+    // Task "health": mirrors the gate into grpc.health.v1 for "" and every muster service.
+    // Ends with the runtime.
+    let mut readiness = gate.subscribe();
+    tokio::spawn(async move {
+        loop {
+            let status = match *readiness.borrow_and_update() {
+                ha::Readiness::Serving => tonic_health::ServingStatus::Serving,
+                ha::Readiness::Following(_) => tonic_health::ServingStatus::NotServing,
+            };
+            for name in std::iter::once("").chain(SERVICES.iter().copied()) {
+                health_reporter.set_service_status(name, status).await;
+            }
+            if readiness.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+    if durable {
+        let (coordinator, store, gate, me) =
+            (Arc::clone(&coordinator), Arc::clone(&store), gate.clone(), me.clone());
+        // Task "leadership": campaigns, loads the state, serves while leading, again after
+        // every lost term. Ends with the runtime.
+        tokio::spawn(async move {
+            if let Some(etcd) = store.as_etcd() {
+                ha::lead(coordinator, etcd, me, ttl, gate).await;
+            }
+        });
+    }
+    let open = move |request: tonic::Request<()>| gate.check().map(|()| request);
 
     let values = ValuesService(Arc::clone(&coordinator));
-    let addr = listener.local_addr()?;
-    tracing::info!(%addr, "coordinator serving");
+    tracing::info!(%addr, advertise = %me, store = if durable { "etcd" } else { "memory" }, "coordinator serving");
     tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(10)))
@@ -68,39 +110,47 @@ pub async fn serve_with_store(
         .max_concurrent_streams(Some(1 << 20))
         .add_service(health)
         .add_service(reflection)
-        .add_service(
+        .add_service(InterceptedService::new(
             pb::rendezvous_server::RendezvousServer::new(RendezvousService(Arc::clone(
                 &coordinator,
             )))
             .max_decoding_message_size(max),
-        )
-        .add_service(
+            open.clone(),
+        ))
+        .add_service(InterceptedService::new(
             pb::session_server::SessionServer::new(SessionService(Arc::clone(&coordinator)))
                 .max_decoding_message_size(max),
-        )
-        .add_service(
+            open.clone(),
+        ))
+        .add_service(InterceptedService::new(
             pb::relay_server::RelayServer::new(RelayService(Arc::clone(&coordinator)))
                 .max_decoding_message_size(max),
-        )
-        .add_service(
+            open.clone(),
+        ))
+        .add_service(InterceptedService::new(
             pb::key_value_server::KeyValueServer::new(values.clone())
                 .max_decoding_message_size(max),
-        )
-        .add_service(
+            open.clone(),
+        ))
+        .add_service(InterceptedService::new(
             pb::unique_ids_server::UniqueIdsServer::new(values.clone())
                 .max_decoding_message_size(max),
-        )
-        .add_service(
+            open.clone(),
+        ))
+        .add_service(InterceptedService::new(
             pb::shared_values_server::SharedValuesServer::new(values)
                 .max_decoding_message_size(max),
-        )
-        .add_service(
+            open.clone(),
+        ))
+        .add_service(InterceptedService::new(
             pb::agents_server::AgentsServer::new(AgentsService(Arc::clone(&coordinator)))
                 .max_decoding_message_size(max),
-        )
-        .add_service(
+            open.clone(),
+        ))
+        .add_service(InterceptedService::new(
             pb::ops_server::OpsServer::new(OpsService(coordinator)).max_decoding_message_size(max),
-        )
+            open,
+        ))
         .serve_with_incoming_shutdown(
             // TCP_NODELAY on every accepted connection: barrier results are small writes.
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
@@ -110,3 +160,15 @@ pub async fn serve_with_store(
     tracing::info!("coordinator stopped");
     Ok(())
 }
+
+/// The muster services, by their gRPC names (for health reporting).
+const SERVICES: &[&str] = &[
+    "muster.v1.Rendezvous",
+    "muster.v1.Session",
+    "muster.v1.Relay",
+    "muster.v1.KeyValue",
+    "muster.v1.UniqueIds",
+    "muster.v1.SharedValues",
+    "muster.v1.Agents",
+    "muster.v1.Ops",
+];

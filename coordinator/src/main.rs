@@ -16,7 +16,8 @@ struct Args {
     listen: Option<SocketAddr>,
     /// TOML config file (keys: listen, heartbeat_timeout_ms, last_call_ms, join_timeout_ms,
     /// max_value_bytes, max_job_bytes, max_message_bytes, store, etcd_endpoints, etcd_prefix,
-    /// etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file).
+    /// etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file, advertise_addr,
+    /// lease_ttl_ms).
     #[arg(long, env = "MUSTER_COORDINATOR_CONFIG")]
     config: Option<PathBuf>,
     /// A worker silent for this long is marked failed [default: 10000].
@@ -54,6 +55,14 @@ struct Args {
     /// File holding the etcd user's password (passwords are never taken on the command line).
     #[arg(long)]
     etcd_password_file: Option<PathBuf>,
+    /// With --store etcd: the address clients reach this replica at, which the other
+    /// replicas name when it leads [default: the listen address].
+    #[arg(long, value_name = "HOST:PORT")]
+    advertise_addr: Option<String>,
+    /// With --store etcd: the leader election's lease TTL; a dead leader is replaced within
+    /// about this long, and a leader cut off from etcd this long steps down [default: 3000].
+    #[arg(long)]
+    lease_ttl_ms: Option<u64>,
     /// Runtime threads: 1 runs everything on one thread, 0 means one per core [default: 0].
     #[arg(long, default_value_t = 0)]
     worker_threads: usize,
@@ -83,6 +92,8 @@ fn load(args: &Args) -> Result<Config, String> {
         etcd_key: args.etcd_key.clone(),
         etcd_user: args.etcd_user.clone(),
         etcd_password_file: args.etcd_password_file.clone(),
+        advertise_addr: args.advertise_addr.clone(),
+        lease_ttl_ms: args.lease_ttl_ms,
         ..Layer::default()
     });
     config.validate()?;

@@ -3,7 +3,7 @@
 //! and in [`Values`] (key-value store, unique ids, shared values over the [`Store`]).
 
 use crate::config::Config;
-use crate::job::{FailureDetail, Job, JoinReq, Outbox, RoundConfig};
+use crate::job::{FailureDetail, Job, JobContext, JoinReq, Outbox, RoundConfig};
 use crate::model::{self, Invalid, JobId, Scope};
 use crate::pool::{self, Pool};
 use crate::store::{Store, StoreError};
@@ -30,28 +30,91 @@ pub struct Coordinator {
     /// Daemon agents and submitted jobs.
     pool: Pool,
     next_job: std::sync::atomic::AtomicU64,
-    /// Tells this process's generations from an earlier coordinator's over the same store:
-    /// generation numbers restart at 1 with the process (jobs are not stored yet), so values
-    /// published per generation are keyed by incarnation too, and a restarted coordinator can
-    /// never serve a unique id of an earlier incarnation's generation 1.
-    incarnation: u64,
+    /// What new jobs are made with: the incarnation that names new generations' values (a
+    /// job deleted from the store and started again under the same id must never be served
+    /// an earlier generation 1's unique id), and the durable store for job records.
+    ctx: JobContext,
 }
 
 impl Coordinator {
     /// A coordinator over `store`.
     pub fn new(config: Config, store: Arc<dyn Store>) -> Arc<Self> {
+        let ctx = JobContext {
+            // Nanoseconds since the epoch at startup: distinct for every start of a
+            // coordinator whose clock does not run backwards.
+            incarnation: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos() as u64),
+            store: store.as_etcd().is_some().then(|| Arc::clone(&store)),
+        };
         Arc::new(Self {
             config,
             store,
             jobs: Mutex::new(HashMap::new()),
             pool: Pool::default(),
             next_job: std::sync::atomic::AtomicU64::new(1),
-            // Nanoseconds since the epoch at startup: distinct for every start of a coordinator
-            // whose clock does not run backwards.
-            incarnation: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_nanos() as u64),
+            ctx,
         })
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.store
+    }
+
+    /// Drops every job from memory (this coordinator stopped leading): their streams end with
+    /// UNAVAILABLE and `why`, so that clients re-attach to the new leader.
+    pub fn retire_all(&self, why: &str) {
+        let jobs: Vec<Arc<Job>> = self.jobs().drain().map(|(_, j)| j).collect();
+        for job in &jobs {
+            job.retire(why);
+        }
+        if !jobs.is_empty() {
+            tracing::info!(jobs = jobs.len(), "dropped every job: {why}");
+        }
+    }
+
+    /// Loads every job from the store (this coordinator now leads): the state the last
+    /// leader persisted replaces whatever is in memory. Returns how many jobs it loaded.
+    pub async fn recover(&self) -> Result<usize, StoreError> {
+        use prost::Message as _;
+        let records = self.store.list(crate::job::RECORDS_PREFIX).await?;
+        let mut loaded = HashMap::new();
+        for (key, bytes) in records {
+            let record = match pb::JobRecord::decode(bytes.as_slice()) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::error!(key, "skipping an unreadable job record: {e}");
+                    continue;
+                }
+            };
+            let Ok(id) = JobId::parse(&record.job_id) else {
+                tracing::error!(key, "skipping a job record with an invalid job id");
+                continue;
+            };
+            let kv_bytes: usize = self
+                .store
+                .list(&format!("jobs/{id}/kv/"))
+                .await?
+                .iter()
+                .map(|(k, v)| k.len().saturating_sub(format!("jobs/{id}/kv/").len()) + v.len())
+                .sum();
+            match Job::restore(&record, kv_bytes, &self.ctx) {
+                Ok(job) => {
+                    loaded.insert(id, job);
+                }
+                Err(e) => tracing::error!(key, "skipping a job record: {e}"),
+            }
+        }
+        let n = loaded.len();
+        let old: Vec<Arc<Job>> = {
+            let mut jobs = self.jobs();
+            std::mem::replace(&mut *jobs, loaded).into_values().collect()
+        };
+        for job in old {
+            job.retire("the coordinator reloaded its state from the store");
+        }
+        Ok(n)
     }
 
     /// Creates a job record for a submitted job, so that the ops view shows it before any
@@ -71,7 +134,7 @@ impl Coordinator {
             join_timeout: self.config.join_timeout,
             max_restarts: spec.max_restarts,
         };
-        jobs.insert(id.clone(), Job::new(id, config));
+        jobs.insert(id.clone(), Job::new(id, config, &self.ctx));
         Ok(())
     }
 
@@ -217,13 +280,15 @@ struct JoinGuard {
     job: Arc<Job>,
     generation: u64,
     node_id: String,
+    attempt: u64,
     armed: bool,
 }
 
 impl Drop for JoinGuard {
     fn drop(&mut self) {
         if self.armed {
-            self.job.withdraw(self.generation, &self.node_id);
+            self.job
+                .withdraw(self.generation, &self.node_id, self.attempt);
         }
     }
 }
@@ -247,6 +312,11 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
                 }
             },
             requested: r.requested_node_rank,
+            request_id: if r.request_id.is_empty() {
+                String::new()
+            } else {
+                model::label("request_id", &r.request_id, 128)?
+            },
         };
         let restarts_unset = r.config.as_ref().is_none_or(|c| c.max_restarts.is_none());
         let config = self.0.round_config(r.config)?;
@@ -285,18 +355,19 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
                         join_timeout: self.0.config.join_timeout,
                         max_restarts: 0,
                     });
-                    let job = Job::new(id.clone(), c);
+                    let job = Job::new(id.clone(), c, &self.0.ctx);
                     jobs.insert(id, Arc::clone(&job));
                     job
                 }
             }
         };
         let node_id = req.node_id.clone();
-        let (generation, rx) = job.join(req)?;
+        let (generation, attempt, rx) = job.join(req)?;
         let mut guard = JoinGuard {
             job: Arc::clone(&job),
             generation,
             node_id,
+            attempt,
             armed: true,
         };
         let answer = rx.await.map_err(|_| {
@@ -420,7 +491,10 @@ impl pb::session_server::Session for SessionService {
             model::host("host", &reg.host)?
         };
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let info = job.register(generation, reg.rank, reg.pid, host, tx.clone())?;
+        let resume = reg
+            .resume
+            .then_some([reg.released_global, reg.released_node]);
+        let info = job.register(generation, reg.rank, reg.pid, host, tx.clone(), resume)?;
         let _ = tx.send(Ok(pb::CoordinatorMessage {
             kind: Some(pb::coordinator_message::Kind::Registered(pb::Registered {
                 heartbeat_interval_ms: self.0.config.heartbeat_interval().as_millis() as u64,
@@ -502,6 +576,10 @@ async fn session_loop(
             },
         }
     };
+    if job.retired() {
+        // This coordinator stopped leading: the worker re-attaches to the new leader.
+        return;
+    }
     if !reason.starts_with("no heartbeat") {
         // A process that exited is usually reported by its agent within milliseconds, with the
         // exit status and stderr: give that report a moment to arrive and name the cause.
@@ -546,6 +624,7 @@ impl pb::relay_server::Relay for RelayService {
             reg.node_rank,
             tx.clone(),
             self.0.config.heartbeat_interval(),
+            reg.resume.then_some(reg.released),
         )?;
         let node_rank = reg.node_rank;
         // Task policy: one per relay; ends with the stream. A relay that goes away needs no
@@ -607,8 +686,8 @@ fn kv_key(job: &JobId, key: &str) -> String {
     format!("jobs/{job}/kv/{key}")
 }
 
-fn value_key(job: &JobId, incarnation: u64, generation: u64, kind: &str, name: &str) -> String {
-    format!("jobs/{job}/gen/{incarnation}-{generation}/{kind}/{name}")
+fn value_key(job: &JobId, values_id: &str, kind: &str, name: &str) -> String {
+    format!("jobs/{job}/gen/{values_id}/{kind}/{name}")
 }
 
 /// A published value is stored as the publisher's rank (4 bytes, little endian) then the value.
@@ -684,7 +763,7 @@ impl ValuesService {
         value: &[u8],
     ) -> Result<(), Status> {
         job.alive_member(generation, rank)?;
-        let key = value_key(&job.id, self.0.incarnation, generation, kind, name);
+        let key = value_key(&job.id, &job.values_id(generation)?, kind, name);
         let stored = encode_published(rank, value);
         if let Some(existing) = self.0.store.create(&key, stored).await? {
             let (by, old) = decode_published(&existing)?;
@@ -710,7 +789,7 @@ impl ValuesService {
     ) -> Result<(u32, Vec<u8>), Status> {
         let deadline = deadline("wait_ms", wait_ms)?;
         job.check_member(generation, rank)?;
-        let key = value_key(&job.id, self.0.incarnation, generation, kind, name);
+        let key = value_key(&job.id, &job.values_id(generation)?, kind, name);
         let store = &self.0.store;
         wait_for(
             job,

@@ -36,6 +36,7 @@ impl RawWatch {
                 generation,
                 node_rank,
                 node_id: node_id.into(),
+                resume: false,
             })),
         })
         .await

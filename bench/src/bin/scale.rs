@@ -41,6 +41,7 @@ fn join_req(job: &str, node: u32, local: u32, nodes: u32) -> pb::JoinRequest {
             join_timeout_ms: 600_000,
             max_restarts: None,
         }),
+        request_id: String::new(),
     }
 }
 
@@ -117,6 +118,7 @@ async fn attach(ch: Channel, job: &str, rank: u32) -> anyhow::Result<Rank> {
             rank,
             pid: rank,
             host: String::new(),
+            ..Default::default()
         })),
     })
     .await?;
@@ -232,6 +234,7 @@ async fn relayed_barriers(
                 job_id: job.into(),
                 generation: 1,
                 node_rank: node,
+                ..Default::default()
             })),
         })
         .await?;

@@ -17,14 +17,20 @@
 //! reached etcd (a dead member of a larger cluster) and, for reads, on any UNAVAILABLE: see
 //! [`EtcdStore::call`]. The client reconnects by itself, so the store recovers when etcd
 //! returns.
+//!
+//! Fencing: once the coordinator leads (see `election.rs`), [`EtcdStore::set_fence`] makes
+//! every write a transaction nested under the leader key's comparison, so a write of a
+//! replica that no longer leads (paused past its lease, partitioned) changes nothing and
+//! fails with "no longer the leader".
 
 use super::{Store, StoreError};
 use crate::config::EtcdConfig;
 use async_trait::async_trait;
 use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, Identity,
-    KvClient, TlsOptions, Txn, TxnOp, TxnOpResponse,
+    KvClient, TlsOptions, Txn, TxnOp, TxnOpResponse, TxnResponse,
 };
+use std::sync::{PoisonError, RwLock};
 use std::future::Future;
 use std::time::Duration;
 
@@ -39,7 +45,10 @@ const MAX_RESPONSE_BYTES: usize = 256 << 20;
 /// A [`Store`] in etcd under a key prefix. Cheap to share: one client, one HTTP/2 connection
 /// per endpoint, balanced.
 pub struct EtcdStore {
+    client: Client,
     kv: KvClient,
+    /// The comparison every write is conditional on while this coordinator leads.
+    fence: RwLock<Option<Compare>>,
     prefix: String,
     /// The endpoints as configured, comma-joined: every error names them.
     endpoints: String,
@@ -106,6 +115,8 @@ impl EtcdStore {
             )));
         };
         let store = Self {
+            client: client.clone(),
+            fence: RwLock::new(None),
             kv: client
                 .kv_client()
                 .max_decoding_message_size(MAX_RESPONSE_BYTES),
@@ -133,6 +144,55 @@ impl EtcdStore {
     /// The key prefix (`--etcd-prefix`).
     pub fn prefix(&self) -> &str {
         &self.prefix
+    }
+
+    /// The etcd client (shared with the leader election, so both use one connection).
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
+    /// Makes every later write conditional on `fence` (the leader key's comparison of the
+    /// current term), or unconditional again with `None`.
+    pub fn set_fence(&self, fence: Option<Compare>) {
+        *self.fence.write().unwrap_or_else(PoisonError::into_inner) = fence;
+    }
+
+    /// Runs the write transaction `inner` under the fence, if one is set, and returns the
+    /// inner transaction's response. A failed fence changes nothing and is an error.
+    async fn write(&self, op: &str, key: &str, inner: Txn) -> Result<TxnResponse, StoreError> {
+        let fence = self
+            .fence
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        let Some(fence) = fence else {
+            return self
+                .call(op, key, false, |mut kv| {
+                    let txn = inner.clone();
+                    async move { kv.txn(txn).await }
+                })
+                .await;
+        };
+        let outer = Txn::new().when([fence]).and_then([TxnOp::txn(inner)]);
+        let r = self
+            .call(op, key, false, |mut kv| {
+                let txn = outer.clone();
+                async move { kv.txn(txn).await }
+            })
+            .await?;
+        if !r.succeeded() {
+            return Err(StoreError(format!(
+                "etcd {op} '{}{key}' refused: this coordinator is no longer the leader (its leader key changed), so it may not write",
+                self.prefix
+            )));
+        }
+        match r.op_responses().into_iter().next() {
+            Some(TxnOpResponse::Txn(inner)) => Ok(inner),
+            _ => Err(StoreError(format!(
+                "etcd {op} '{}{key}' at {}: unexpected transaction response",
+                self.prefix, self.endpoints
+            ))),
+        }
     }
 
     fn key(&self, key: &str) -> String {
@@ -206,6 +266,14 @@ impl EtcdStore {
             }
         };
         Err(error)
+    }
+}
+
+/// How many keys the (single) delete of a write transaction removed.
+fn deleted(r: TxnResponse) -> i64 {
+    match r.op_responses().into_iter().next() {
+        Some(TxnOpResponse::Delete(d)) => d.deleted(),
+        _ => 0,
     }
 }
 
@@ -294,6 +362,10 @@ fn tls_options(config: &EtcdConfig) -> Result<TlsOptions, StoreError> {
 
 #[async_trait]
 impl Store for EtcdStore {
+    fn as_etcd(&self) -> Option<&EtcdStore> {
+        Some(self)
+    }
+
     async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
         let full = self.key(key);
         let mut r = self
@@ -310,11 +382,8 @@ impl Store for EtcdStore {
 
     async fn put(&self, key: &str, value: Vec<u8>) -> Result<(), StoreError> {
         let full = self.key(key);
-        self.call("put", key, false, |mut kv| {
-            let (full, value) = (full.clone(), value.clone());
-            async move { kv.put(full, value, None).await }
-        })
-        .await?;
+        let txn = Txn::new().and_then([TxnOp::put(full, value, None)]);
+        self.write("put", key, txn).await?;
         Ok(())
     }
 
@@ -324,12 +393,7 @@ impl Store for EtcdStore {
             .when([Compare::create_revision(full.clone(), CompareOp::Equal, 0)])
             .and_then([TxnOp::put(full.clone(), value, None)])
             .or_else([TxnOp::get(full, None)]);
-        let r = self
-            .call("create", key, false, |mut kv| {
-                let txn = txn.clone();
-                async move { kv.txn(txn).await }
-            })
-            .await?;
+        let r = self.write("create", key, txn).await?;
         if r.succeeded() {
             return Ok(None);
         }
@@ -352,12 +416,9 @@ impl Store for EtcdStore {
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
         let full = self.key(key);
         let r = self
-            .call("delete", key, false, |mut kv| {
-                let full = full.clone();
-                async move { kv.delete(full, None).await }
-            })
+            .write("delete", key, Txn::new().and_then([TxnOp::delete(full, None)]))
             .await?;
-        Ok(r.deleted() > 0)
+        Ok(deleted(r) > 0)
     }
 
     async fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
@@ -390,15 +451,11 @@ impl Store for EtcdStore {
 
     async fn delete_prefix(&self, prefix: &str) -> Result<u64, StoreError> {
         let full = self.key(prefix);
-        let r = self
-            .call("delete_prefix", prefix, false, |mut kv| {
-                let full = full.clone();
-                async move {
-                    kv.delete(full, Some(DeleteOptions::new().with_prefix()))
-                        .await
-                }
-            })
-            .await?;
-        Ok(u64::try_from(r.deleted()).unwrap_or(0))
+        let txn = Txn::new().and_then([TxnOp::delete(
+            full,
+            Some(DeleteOptions::new().with_prefix()),
+        )]);
+        let r = self.write("delete_prefix", prefix, txn).await?;
+        Ok(u64::try_from(deleted(r)).unwrap_or(0))
     }
 }

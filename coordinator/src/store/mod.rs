@@ -30,6 +30,11 @@ pub struct StoreError(pub String);
 /// opaque bytes. Implementations must be linearizable per key.
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
+    /// The etcd store, when this is one: it is durable, and the coordinator runs a leader
+    /// election over its client and fences its writes.
+    fn as_etcd(&self) -> Option<&EtcdStore> {
+        None
+    }
     /// Reads a key.
     async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError>;
     /// Writes a key, replacing any value.

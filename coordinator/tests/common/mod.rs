@@ -65,6 +65,7 @@ pub fn join_req(job: &str, node: &str, local: u32, min: u32, max: u32) -> pb::Jo
             join_timeout_ms: 60_000,
             max_restarts: None,
         }),
+        request_id: String::new(),
     }
 }
 
@@ -119,6 +120,7 @@ impl Raw {
             rank,
             pid: 1000 + rank,
             host: String::new(),
+            ..Default::default()
         })))
         .await
         .unwrap();
@@ -269,6 +271,7 @@ impl RawRelay {
                 job_id: job.into(),
                 generation,
                 node_rank,
+                ..Default::default()
             })),
         })
         .await

@@ -1,0 +1,180 @@
+//! Serving only while leading: the [`Gate`] every muster service sits behind, and the
+//! leadership loop that opens it (`--store etcd`).
+//!
+//! With the memory store the gate is always open. With etcd, every replica runs [`lead`]: it
+//! campaigns (see `election.rs`); once it leads, it fences the store's writes with its term,
+//! loads every job from the store (`Coordinator::recover`) and opens the gate; when the term
+//! ends (lease lost, etcd unreachable past the TTL, a fenced write refused) it closes the
+//! gate and drops every job from memory, ending their streams with UNAVAILABLE so that
+//! clients re-attach to whoever leads next, and campaigns again. A closed gate answers every
+//! call UNAVAILABLE naming the leader (also in the `muster-leader` response metadata) before
+//! any handler runs, so a refused call was certainly not applied; `grpc.health.v1` reports
+//! NOT_SERVING for the empty service and every muster service.
+
+use crate::election::{Election, ElectionConfig, Role};
+use crate::service::Coordinator;
+use crate::store::EtcdStore;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::watch;
+use tonic::Status;
+use tonic::metadata::MetadataMap;
+
+/// The response metadata key that names the leader's address on a refused call.
+pub const LEADER_METADATA: &str = "muster-leader";
+
+/// Whether this replica serves, and if not, whom to name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Readiness {
+    /// Leading (or running on the memory store): every call is served.
+    Serving,
+    /// Not leading; the leader's address when known.
+    Following(Option<String>),
+}
+
+/// The gate in front of every muster service: open while this replica serves.
+#[derive(Clone)]
+pub struct Gate {
+    state: Arc<watch::Sender<Readiness>>,
+    /// This replica's address, for the refusal message.
+    me: Arc<str>,
+}
+
+impl Gate {
+    /// A gate in state `initial` for the replica at `me`.
+    pub fn new(initial: Readiness, me: &str) -> Self {
+        Self {
+            state: Arc::new(watch::channel(initial).0),
+            me: me.into(),
+        }
+    }
+
+    /// Sets the state.
+    pub fn set(&self, r: Readiness) {
+        self.state.send_if_modified(|s| {
+            let changed = *s != r;
+            *s = r;
+            changed
+        });
+    }
+
+    /// Updates the leader named while following (no change while serving).
+    fn follow(&self, leader: Option<String>) {
+        self.state.send_if_modified(|s| match s {
+            Readiness::Following(l) if *l != leader => {
+                *l = leader;
+                true
+            }
+            _ => false,
+        });
+    }
+
+    /// The state's changes.
+    pub fn subscribe(&self) -> watch::Receiver<Readiness> {
+        self.state.subscribe()
+    }
+
+    /// Ok while serving; otherwise the UNAVAILABLE status that names the leader.
+    pub fn check(&self) -> Result<(), Status> {
+        let leader = match &*self.state.borrow() {
+            Readiness::Serving => return Ok(()),
+            Readiness::Following(l) => l.clone(),
+        };
+        let mut metadata = MetadataMap::new();
+        let message = match leader {
+            Some(l) if *l == *self.me => format!(
+                "coordinator {} is taking over as leader (loading state); retry shortly",
+                self.me
+            ),
+            Some(l) => {
+                if let Ok(v) = l.parse() {
+                    metadata.insert(LEADER_METADATA, v);
+                }
+                format!(
+                    "coordinator {} is not the leader; the leader is {l}",
+                    self.me
+                )
+            }
+            None => format!(
+                "coordinator {} is not the leader and no leader is elected yet (is etcd reachable?); retry shortly",
+                self.me
+            ),
+        };
+        Err(Status::with_metadata(
+            tonic::Code::Unavailable,
+            message,
+            metadata,
+        ))
+    }
+}
+
+/// Runs this replica's leadership for ever (until the runtime ends): see the module comment.
+pub async fn lead(
+    coordinator: Arc<Coordinator>,
+    etcd: &EtcdStore,
+    me: String,
+    ttl: Duration,
+    gate: Gate,
+) {
+    let config = ElectionConfig::new(me.clone(), format!("{}election/", etcd.prefix()))
+        .with_ttl(ttl);
+    let election = Election::new(etcd.client(), config);
+    let mut roles = election.roles();
+    let hints = gate.clone();
+    // Task "leader-hint": keeps the leader a follower names up to date. Ends with the
+    // election (the runtime).
+    tokio::spawn(async move {
+        loop {
+            let leader = match &*roles.borrow_and_update() {
+                Role::Follower(l) => Some(l.clone()),
+                Role::Leader | Role::Unknown => None,
+            };
+            hints.follow(leader);
+            if roles.changed().await.is_err() {
+                return;
+            }
+        }
+    });
+    let mut backoff = Duration::from_millis(100);
+    loop {
+        let leadership = match election.campaign().await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!("campaign failed: {e}");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+                continue;
+            }
+        };
+        let started = tokio::time::Instant::now();
+        gate.follow(Some(me.clone()));
+        etcd.set_fence(Some(leadership.fence()));
+        match coordinator.recover().await {
+            Ok(jobs) if leadership.is_current() => {
+                backoff = Duration::from_millis(100);
+                gate.set(Readiness::Serving);
+                tracing::info!(
+                    jobs,
+                    token = leadership.token(),
+                    ms = started.elapsed().as_millis() as u64,
+                    "leading: state loaded from the store"
+                );
+            }
+            Ok(_) => {}
+            Err(e) => {
+                tracing::error!("cannot load state after winning the election; stepping down: {e}");
+                let _ = election.resign().await;
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(2));
+            }
+        }
+        if leadership.is_current() {
+            let reason = leadership.lost().await;
+            tracing::warn!("stepped down: {reason}");
+        }
+        gate.set(Readiness::Following(None));
+        coordinator.retire_all(&format!(
+            "coordinator {me} stopped leading; re-attach to the new leader"
+        ));
+    }
+}
