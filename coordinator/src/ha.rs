@@ -116,8 +116,8 @@ pub async fn lead(
     ttl: Duration,
     gate: Gate,
 ) {
-    let config = ElectionConfig::new(me.clone(), format!("{}election/", etcd.prefix()))
-        .with_ttl(ttl);
+    let config =
+        ElectionConfig::new(me.clone(), format!("{}election/", etcd.prefix())).with_ttl(ttl);
     let election = Election::new(etcd.client(), config);
     let mut roles = election.roles();
     let hints = gate.clone();

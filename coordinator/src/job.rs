@@ -351,7 +351,9 @@ fn join_answer(
     max_restarts: u32,
 ) -> pb::JoinResponse {
     let node = &nodes[node_rank];
-    let world_size = nodes.last().map_or(0, |n| n.rank_offset + n.local_world_size);
+    let world_size = nodes
+        .last()
+        .map_or(0, |n| n.rank_offset + n.local_world_size);
     pb::JoinResponse {
         job_id: job.to_string(),
         generation,
@@ -878,7 +880,10 @@ impl Job {
     fn answer_when_persisted(
         &self,
         version: u64,
-        replies: Vec<(oneshot::Sender<Result<pb::JoinResponse, Status>>, pb::JoinResponse)>,
+        replies: Vec<(
+            oneshot::Sender<Result<pb::JoinResponse, Status>>,
+            pb::JoinResponse,
+        )>,
     ) {
         let Some(p) = &self.persist else {
             for (tx, answer) in replies {
@@ -982,7 +987,14 @@ impl Job {
     pub fn join(
         self: &Arc<Self>,
         req: JoinReq,
-    ) -> Result<(u64, u64, oneshot::Receiver<Result<pb::JoinResponse, Status>>), Status> {
+    ) -> Result<
+        (
+            u64,
+            u64,
+            oneshot::Receiver<Result<pb::JoinResponse, Status>>,
+        ),
+        Status,
+    > {
         let mut st = self.lock();
         let attempt = st.next_watch;
         st.next_watch += 1;
@@ -1031,10 +1043,7 @@ impl Job {
                             config.max_restarts,
                         );
                         let (tx, rx) = oneshot::channel();
-                        let version = self
-                            .persist
-                            .as_ref()
-                            .map_or(0, |p| p.pending.borrow().0);
+                        let version = self.persist.as_ref().map_or(0, |p| p.pending.borrow().0);
                         drop(st);
                         self.answer_when_persisted(version, vec![(tx, answer)]);
                         return Ok((generation, attempt, rx));

@@ -89,8 +89,12 @@ pub async fn serve_with_store(
         }
     });
     if durable {
-        let (coordinator, store, gate, me) =
-            (Arc::clone(&coordinator), Arc::clone(&store), gate.clone(), me.clone());
+        let (coordinator, store, gate, me) = (
+            Arc::clone(&coordinator),
+            Arc::clone(&store),
+            gate.clone(),
+            me.clone(),
+        );
         // Task "leadership": campaigns, loads the state, serves while leading, again after
         // every lost term. Ends with the runtime.
         tokio::spawn(async move {

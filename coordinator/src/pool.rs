@@ -236,6 +236,17 @@ impl Pool {
         }
     }
 
+    /// Empties the pool (this coordinator stopped leading): every agent's stream ends with
+    /// UNAVAILABLE and `why`, so that it registers with the new leader. The pool is not
+    /// stored: agents bring their machines back, and the jobs they run are stored as jobs.
+    pub fn retire(&self, why: &str) {
+        let mut st = self.lock();
+        for (_, agent) in std::mem::take(&mut st.agents) {
+            let _ = agent.outbox.send(Err(Status::unavailable(why.to_owned())));
+        }
+        st.jobs.clear();
+    }
+
     /// The agent's stream ended: it leaves the pool (unless a newer registration replaced
     /// it). Its jobs notice through their own node watches.
     pub fn unregister(&self, agent_id: &str, conn: u64, why: &str) {

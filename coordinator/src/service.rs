@@ -69,6 +69,7 @@ impl Coordinator {
         for job in &jobs {
             job.retire(why);
         }
+        self.pool.retire(why);
         if !jobs.is_empty() {
             tracing::info!(jobs = jobs.len(), "dropped every job: {why}");
         }
@@ -109,7 +110,9 @@ impl Coordinator {
         let n = loaded.len();
         let old: Vec<Arc<Job>> = {
             let mut jobs = self.jobs();
-            std::mem::replace(&mut *jobs, loaded).into_values().collect()
+            std::mem::replace(&mut *jobs, loaded)
+                .into_values()
+                .collect()
         };
         for job in old {
             job.retire("the coordinator reloaded its state from the store");
@@ -215,6 +218,12 @@ where
 {
     loop {
         let mut changed = job.subscribe();
+        if job.retired() {
+            return Err(Status::unavailable(format!(
+                "stopped waiting for {}: this coordinator no longer leads; ask the leader",
+                what()
+            )));
+        }
         if let Some(v) = f().await? {
             return Ok(v);
         }

@@ -406,7 +406,10 @@ async fn coordinator_state_survives_its_restart_on_etcd() {
         assert!(t.elapsed() < Duration::from_secs(10), "not leading: {e:?}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    eprintln!("restarted coordinator leading {:?} after it started", t.elapsed());
+    eprintln!(
+        "restarted coordinator leading {:?} after it started",
+        t.elapsed()
+    );
     let summary = pb::ops_client::OpsClient::new(ch.clone())
         .list_jobs(pb::ListJobsRequest {})
         .await

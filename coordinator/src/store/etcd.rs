@@ -30,8 +30,8 @@ use etcd_client::{
     Certificate, Client, Compare, CompareOp, ConnectOptions, DeleteOptions, GetOptions, Identity,
     KvClient, TlsOptions, Txn, TxnOp, TxnOpResponse, TxnResponse,
 };
-use std::sync::{PoisonError, RwLock};
 use std::future::Future;
+use std::sync::{PoisonError, RwLock};
 use std::time::Duration;
 
 /// Longest wait for one etcd request (connection included).
@@ -416,7 +416,11 @@ impl Store for EtcdStore {
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
         let full = self.key(key);
         let r = self
-            .write("delete", key, Txn::new().and_then([TxnOp::delete(full, None)]))
+            .write(
+                "delete",
+                key,
+                Txn::new().and_then([TxnOp::delete(full, None)]),
+            )
             .await?;
         Ok(deleted(r) > 0)
     }
