@@ -183,6 +183,8 @@ struct NodeSlot {
     watch: Option<(u64, NodeOutbox)>,
     /// Every worker of the node exited 0.
     finished: bool,
+    /// Its agent has attached a watch in this generation (persisted).
+    watched: bool,
 }
 
 struct RankSlot {
@@ -197,6 +199,8 @@ struct RankSlot {
     done: [u64; 2],
     waiting: [bool; 2],
     outbox: Option<Outbox>,
+    /// The rank has opened a session in this generation (persisted).
+    had_session: bool,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -638,9 +642,16 @@ impl Gen {
                 report: None,
                 watch: None,
                 finished: false,
+                watched: n.watched,
             });
             for _ in 0..n.local_world_size {
-                ranks.push(RankSlot::new(node_rank as u32));
+                let mut slot = RankSlot::new(node_rank as u32);
+                let rank = ranks.len();
+                slot.had_session = r
+                    .sessions
+                    .get(rank / 8)
+                    .is_some_and(|b| b & (1 << (rank % 8)) != 0);
+                ranks.push(slot);
             }
         }
         let failure = r.failure.as_ref().map(|f| Failure {
@@ -713,6 +724,7 @@ impl RankSlot {
             done: [0; 2],
             waiting: [false; 2],
             outbox: None,
+            had_session: false,
         }
     }
 }
@@ -835,9 +847,19 @@ impl Job {
                             local_world_size: n.local_world_size,
                             rank_offset: n.rank_offset,
                             request_id: n.request_id.clone(),
+                            watched: n.watched,
                         })
                         .collect(),
                     failure: g.failure.as_ref().map(|f| f.to_info(g.generation)),
+                    sessions: {
+                        let mut bits = vec![0u8; g.ranks.len().div_ceil(8)];
+                        for (r, slot) in g.ranks.iter().enumerate() {
+                            if slot.had_session {
+                                bits[r / 8] |= 1 << (r % 8);
+                            }
+                        }
+                        bits
+                    },
                 }),
                 g.ended.as_deref().cloned(),
             ),
@@ -1264,6 +1286,7 @@ impl Job {
                 report: None,
                 watch: None,
                 finished: false,
+                watched: false,
             });
             for _ in 0..j.req.local_world_size {
                 ranks.push(RankSlot::new(node_rank as u32));
@@ -1374,6 +1397,7 @@ impl Job {
         slot.last_seen = Instant::now();
         slot.outbox = Some(outbox);
         let node_rank = slot.node_rank;
+        let first_session = !std::mem::replace(&mut slot.had_session, true);
         if let Some(released) = resume {
             // The rank's place in each scope's sequence, as it was under the last leader.
             for scope in [Scope::Global, Scope::Node] {
@@ -1385,11 +1409,16 @@ impl Job {
             }
             tracing::info!(job = %id, generation, rank, released_global = released[0], released_node = released[1], "session resumed");
         }
-        Ok(Registration {
+        let registration = Registration {
             node_rank,
             num_nodes: g.nodes.len() as u32,
             world_size: world as u32,
-        })
+        };
+        if first_session {
+            // Coalesced with the other ranks' registrations by the record writer.
+            self.persist(&st);
+        }
+        Ok(registration)
     }
 
     /// Records a heartbeat.
@@ -2015,7 +2044,79 @@ impl Job {
             }));
         }
         node.watch = Some((watch_id, outbox));
+        if !std::mem::replace(&mut node.watched, true) {
+            self.persist(&st);
+        }
         Ok(watch_id)
+    }
+
+    /// After a failover: once `grace` has passed, fails the recovered generation if a node
+    /// whose agent had a watch, or a rank that had a session, has not re-attached (it died
+    /// while no coordinator led, so no one saw it go).
+    pub fn arm_recovery_grace(self: &Arc<Self>, grace: Duration) {
+        let job = Arc::clone(self);
+        // Task "recovery-grace", one per recovered job: sleeps once, then checks.
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            job.check_reattached(grace);
+        });
+    }
+
+    fn check_reattached(&self, grace: Duration) {
+        let mut st = self.lock();
+        if self.retired() {
+            return;
+        }
+        let Phase::Running(g) = &mut st.phase else {
+            return;
+        };
+        if !g.recovered || g.failure.is_some() || g.ended.is_some() {
+            return;
+        }
+        let generation = g.generation;
+        let lost_node = g
+            .nodes
+            .iter()
+            .position(|n| n.watched && n.watch.is_none() && !n.finished);
+        let lost_rank = g
+            .ranks
+            .iter()
+            .position(|r| r.had_session && r.state == RankState::Pending);
+        let failure = if let Some(n) = lost_node {
+            let node = &g.nodes[n];
+            Failure {
+                rank: node.rank_offset,
+                node_rank: n as u32,
+                host: node.host.clone(),
+                reason: format!(
+                    "node {n} (host {}, agent {}) did not re-attach within {:.1}s after the coordinator failover (its agent stopped or cannot reach the new leader)",
+                    node.host,
+                    node.node_id,
+                    grace.as_secs_f64()
+                ),
+                precise: true,
+                detail: FailureDetail::default(),
+                node_id: node.node_id.clone(),
+            }
+        } else if let Some(r) = lost_rank {
+            let loc = g.location(r as u32);
+            g.ranks[r].state = RankState::Failed;
+            Failure {
+                rank: r as u32,
+                node_rank: loc.node_rank,
+                host: loc.host,
+                reason: format!(
+                    "its session did not re-attach within {:.1}s after the coordinator failover (process gone or cannot reach the new leader)",
+                    grace.as_secs_f64()
+                ),
+                precise: false,
+                detail: FailureDetail::default(),
+                node_id: String::new(),
+            }
+        } else {
+            return;
+        };
+        self.fail_generation(&mut st, generation, failure);
     }
 
     /// A node's workers all exited 0: its ranks count as left (workers that never opened a

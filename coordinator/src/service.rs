@@ -102,6 +102,7 @@ impl Coordinator {
                 .sum();
             match Job::restore(&record, kv_bytes, &self.ctx) {
                 Ok(job) => {
+                    job.arm_recovery_grace(self.config.heartbeat_timeout);
                     loaded.insert(id, job);
                 }
                 Err(e) => tracing::error!(key, "skipping a job record: {e}"),

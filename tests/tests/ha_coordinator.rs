@@ -466,3 +466,45 @@ async fn every_store_write_is_fenced_by_the_leader_key() {
     assert_eq!(store.get("jobs/j/x").await.unwrap(), Some(b"1".to_vec()));
     assert_eq!(store.get("jobs/j/y").await.unwrap(), None);
 }
+
+#[tokio::test]
+async fn a_rank_that_does_not_reattach_after_a_failover_fails_the_generation() {
+    let Some(etcd) = Etcd::start(1) else {
+        return;
+    };
+    let replicas = [replica(&etcd, "/ha3/"), replica(&etcd, "/ha3/")];
+    let l = leader(&[&replicas[0], &replicas[1]], Duration::from_secs(10)).await;
+    let f = 1 - l;
+    let lch = channel(&replicas[l].addr).await;
+    let (a0, _) = tokio::join!(join(&lch, "gone", 0, "a"), join(&lch, "gone", 1, "b"));
+    let generation = a0.generation;
+    let mut ranks = vec![];
+    for r in 0..4 {
+        ranks.push(Rank::attach(&lch, "gone", generation, r, None).await);
+    }
+    // Wait for the "first session" records to land, then kill the leader (the sessions
+    // still open: their ends must not count).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    kill(Pid::from_raw(replicas[l].pid() as i32), Signal::SIGKILL).unwrap();
+    drop(ranks);
+    leader(&[&replicas[f]], Duration::from_millis(TTL_MS + 2000)).await;
+    let t = Instant::now();
+    let ch = channel(&replicas[f].addr).await;
+    // Ranks 0..=2 come back; rank 3 died while no one led.
+    let mut back = vec![];
+    for r in 0..3 {
+        back.push(Rank::attach(&ch, "gone", generation, r, Some(0)).await);
+    }
+    back[0].enter(1).await;
+    let (seq, error) = back[0].result().await;
+    let error = error.expect("the barrier fails");
+    eprintln!("after {:?}: {}", t.elapsed(), error.message);
+    assert_eq!((seq, error.rank), (1, 3));
+    assert!(
+        error.message.contains("did not re-attach"),
+        "{}",
+        error.message
+    );
+    // Within the heartbeat timeout (5 s here) and a margin, not after a fixed long wait.
+    assert!(t.elapsed() < Duration::from_secs(7), "{:?}", t.elapsed());
+}
