@@ -61,11 +61,24 @@ pub struct LaunchArgs {
     #[arg(long, value_name = "N", alias = "nproc_per_node", value_parser = parse_nproc)]
     pub nproc_per_node: Option<Nproc>,
 
-    /// The coordinator's HOST:PORT. Default: a coordinator of the agent's own on 127.0.0.1
-    /// (single-node jobs); for a multi-node job with a main machine's address (--master-addr,
-    /// --main_process_ip or main_process_ip in --config-file), that address, port 29470.
-    #[arg(long, value_name = "HOST:PORT")]
+    /// The coordinator's HOST:PORT, or its replicas' as a comma-separated list (the agent
+    /// and its workers follow the leader among them). Default: a coordinator of the agent's
+    /// own on 127.0.0.1 (single-node jobs); for a multi-node job with a main machine's address
+    /// (--master-addr, --main_process_ip or main_process_ip in --config-file), that address,
+    /// port 29470.
+    #[arg(long, value_name = "HOST:PORT[,HOST:PORT...]")]
     pub coordinator: Option<String>,
+
+    /// How long the agent and its workers keep retrying calls and re-attaching their streams
+    /// when the coordinator fails over (or restarts), before giving up as without failover.
+    /// The workers get it as MUSTER_FAILOVER_TIMEOUT_MS.
+    #[arg(
+        long,
+        value_name = "MS",
+        default_value_t = 30_000,
+        alias = "failover_timeout_ms"
+    )]
+    pub failover_timeout_ms: u64,
 
     /// The job id (1 to 128 characters of [A-Za-z0-9._-]). Every node of a job gives the same
     /// one. Default: a fresh id for a single-node job; for a multi-node job with a main
@@ -418,8 +431,11 @@ impl Display for NodeRange {
 pub struct LaunchSpec {
     /// Workers on this node (1 to 4096).
     pub nproc_per_node: u32,
-    /// An external coordinator's `host:port`; `None` runs the embedded one.
+    /// An external coordinator's `host:port`, or its replicas' (comma-separated, without
+    /// blanks or repeats); `None` runs the embedded one.
     pub coordinator: Option<String>,
+    /// `--failover-timeout-ms`: how long calls are retried across a coordinator failover.
+    pub failover_timeout: Duration,
     /// The job id (valid for the coordinator).
     pub job_id: String,
     /// `--nnodes`.
@@ -509,7 +525,9 @@ pub enum UsageError {
     #[error("--job-id: {0}")]
     JobId(String),
     /// `--coordinator` is not `host:port`.
-    #[error("--coordinator '{0}' is malformed: expected HOST:PORT, as in 10.0.0.1:29470")]
+    #[error(
+        "--coordinator '{0}' is malformed: expected HOST:PORT, as in 10.0.0.1:29470, or a comma-separated list of them"
+    )]
     Coordinator(String),
     /// A multi-node job needs what only the user can give.
     #[error("{0} needs {1}: every node must name the same one")]
@@ -912,14 +930,20 @@ impl LaunchArgs {
         .filter(|p| *p != 0);
 
         // Where the job is coordinated, and under which id.
-        if let Some(c) = &self.coordinator
-            && !is_host_port(c)
-        {
-            return Err(UsageError::Coordinator(c.clone()));
+        let given_coordinator = match &self.coordinator {
+            Some(c) => Some(coordinator_list(c)?),
+            None => None,
+        };
+        if Duration::from_millis(self.failover_timeout_ms) > model::MAX_WAIT {
+            return Err(UsageError::Invalid(format!(
+                "--failover-timeout-ms {} is out of range: 0 to {} hours",
+                self.failover_timeout_ms,
+                model::MAX_WAIT.as_secs() / 3600
+            )));
         }
         let multi_node = nodes.value.max > 1;
-        let coordinator = match (&self.coordinator, &master_addr) {
-            (Some(c), _) => Some(c.clone()),
+        let coordinator = match (given_coordinator, &master_addr) {
+            (Some(c), _) => Some(c),
             (None, Some(addr)) if multi_node => {
                 Some(host_port(&addr.value, DEFAULT_COORDINATOR_PORT))
             }
@@ -957,6 +981,7 @@ impl LaunchArgs {
         let spec = LaunchSpec {
             nproc_per_node: nproc,
             coordinator,
+            failover_timeout: Duration::from_millis(self.failover_timeout_ms),
             job_id,
             nodes: nodes.value,
             node_rank: node_rank.map(|r| r.value),
@@ -1178,6 +1203,15 @@ pub fn parse_nnodes(s: &str) -> Result<NodeRange, UsageError> {
     Ok(NodeRange { min, max })
 }
 
+/// A `--coordinator` value: one `host:port` or a comma-separated list of them; returned
+/// without blanks or repeats.
+pub fn coordinator_list(value: &str) -> Result<String, UsageError> {
+    match crate::failover::split_list(value) {
+        Some(addrs) if addrs.iter().all(|a| is_host_port(a)) => Ok(addrs.join(",")),
+        _ => Err(UsageError::Coordinator(value.to_owned())),
+    }
+}
+
 /// `host:port` with a non-empty host and a port in 1..=65535 (`[v6]:port` included).
 fn is_host_port(s: &str) -> bool {
     let Some((host, port)) = s.rsplit_once(':') else {
@@ -1263,6 +1297,9 @@ mod tests {
         if s.lease != Duration::from_secs(10) {
             add(format!("lease={}ms", s.lease.as_millis()));
         }
+        if s.failover_timeout != Duration::from_secs(30) {
+            add(format!("failover={}ms", s.failover_timeout.as_millis()));
+        }
         if s.master_addr.is_some() || s.master_port.is_some() {
             add(format!("master={:?}:{:?}", s.master_addr, s.master_port));
         }
@@ -1323,6 +1360,20 @@ mod tests {
         assert_eq!(got, expected, "muster-agent launch {args}");
     }
 
+    /// [`check`] with the arguments given one by one (for values with blanks).
+    fn check_args(args: &[&str], expected: Result<&str, &str>) {
+        let argv = ["muster-agent", "launch"]
+            .iter()
+            .chain(args)
+            .map(|a| (*a).to_owned());
+        let got = match parse_in(argv, &machine(None)) {
+            Ok((Parsed::Launch(s), warnings)) => Ok(summary(&s, &warnings)),
+            Ok((other, _)) => Ok(format!("{other:?}")),
+            Err(e) => Err(e.to_string()),
+        };
+        assert_eq!(got.as_deref().map_err(String::as_str), expected, "{args:?}");
+    }
+
     /// [`check_on`] a machine without GPUs.
     fn check(args: &str, expected: Result<&str, &str>) {
         check_on(&machine(None), args, expected);
@@ -1346,6 +1397,28 @@ mod tests {
             "--nproc-per-node 1 --nnodes 2:4 --node-rank 3 --coordinator 10.0.0.1:29470 --job-id j -- sh -x --flag",
             Ok(
                 r#"n=1 nodes=2:4 rank=Some(3) coord=Some("10.0.0.1:29470") job=j grace=5000ms relay=true prog=sh args=["-x", "--flag"]"#,
+            ),
+        );
+        // Coordinator replicas: a list, blanks and repeats dropped.
+        check(
+            "--nproc-per-node 1 --nnodes 2 --coordinator 10.0.0.1:1,10.0.0.2:1,[::1]:1,10.0.0.1:1 --job-id j -- sh",
+            Ok(
+                r#"n=1 nodes=2:2 rank=None coord=Some("10.0.0.1:1,10.0.0.2:1,[::1]:1") job=j grace=5000ms relay=true prog=sh args=[]"#,
+            ),
+        );
+        check_args(
+            &[
+                "--nproc-per-node",
+                "2",
+                "--coordinator",
+                "a:1, b:2",
+                "--failover-timeout-ms",
+                "1500",
+                "--",
+                "sh",
+            ],
+            Ok(
+                r#"n=2 nodes=1:1 rank=None coord=Some("a:1,b:2") job=<fresh> grace=5000ms relay=true prog=sh args=[] failover=1500ms"#,
             ),
         );
         check(
@@ -1411,6 +1484,9 @@ mod tests {
             ),
             ("--rdzv-conf close_timeout=5", ""),
             ("--lease-ms 2500", " lease=2500ms"),
+            ("--failover-timeout-ms 5000", " failover=5000ms"),
+            ("--failover_timeout_ms 0", " failover=0ms"),
+            ("--failover-timeout-ms 30000", ""),
             ("--monitor-interval 0.1", ""),
             ("--monitor_interval 5", ""),
             (
@@ -1477,6 +1553,10 @@ mod tests {
             (
                 "--lease-ms 0",
                 "--lease-ms 0: a node needs some time to keep its workers without the coordinator",
+            ),
+            (
+                "--failover-timeout-ms 86400001",
+                "--failover-timeout-ms 86400001 is out of range: 0 to 24 hours",
             ),
             (
                 "--monitor-interval NaN",
@@ -1947,11 +2027,15 @@ my_key: 1
             "host:70000",
             "http://h:1",
             "::1:5",
+            "a:1,",
+            "a:1,,b:2",
+            "a:1,b",
+            ",a:1",
         ] {
             check(
                 &format!("--nproc-per-node 1 --coordinator {bad} -- sh"),
                 Err(&format!(
-                    "--coordinator '{bad}' is malformed: expected HOST:PORT, as in 10.0.0.1:29470"
+                    "--coordinator '{bad}' is malformed: expected HOST:PORT, as in 10.0.0.1:29470, or a comma-separated list of them"
                 )),
             );
         }

@@ -9,10 +9,14 @@
 //!   the coordinator as a `JobUpdate`. On shutdown, cancelled (workers stopped gracefully) and
 //!   awaited, bounded by the grace period.
 //! - The stream to the coordinator is driven by [`serve`] itself; when it breaks, the agent
-//!   registers again with backoff, and the jobs it runs go on (their own watches carry their
-//!   leases).
+//!   registers again with backoff, following the leader among the replicas of a
+//!   `--coordinator` list (the `muster-leader` a follower names, else the next address), and
+//!   the jobs it runs go on (their own watches carry their leases and follow the leader too).
+//!
+//! Every `--coordinator` here takes one `HOST:PORT` or a comma-separated list of replicas.
 
 use crate::cli::{LaunchSpec, Parsed};
+use crate::failover::{self, Coordinators};
 use crate::launch::{self, Outcome, Stops};
 use clap::Args;
 use muster_proto::v1 as pb;
@@ -24,7 +28,6 @@ use std::time::Duration;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint};
 
 /// A daemon-mode or operator command.
 #[derive(Debug, Clone)]
@@ -52,9 +55,12 @@ pub async fn run(request: Request) -> Result<u8, String> {
 /// `muster-agent serve`.
 #[derive(Debug, Clone, Args)]
 pub struct ServeArgs {
-    /// The coordinator's HOST:PORT.
-    #[arg(long, value_name = "HOST:PORT")]
+    /// The coordinator's HOST:PORT, or its replicas' as a comma-separated list.
+    #[arg(long, value_name = "HOST:PORT[,HOST:PORT...]")]
     pub coordinator: String,
+    /// How long the jobs run here (agent and workers) retry across a coordinator failover.
+    #[arg(long, value_name = "MS", default_value_t = 30_000)]
+    pub failover_timeout_ms: u64,
     /// Labels of this machine, `key=value` (repeat the flag or separate with commas); jobs
     /// select machines by them.
     #[arg(
@@ -80,8 +86,8 @@ pub struct ServeArgs {
 /// `muster-agent submit`.
 #[derive(Debug, Clone, Args)]
 pub struct SubmitArgs {
-    /// The coordinator's HOST:PORT.
-    #[arg(long, value_name = "HOST:PORT")]
+    /// The coordinator's HOST:PORT, or its replicas' as a comma-separated list.
+    #[arg(long, value_name = "HOST:PORT[,HOST:PORT...]")]
     pub coordinator: String,
     /// The job id. Default: the coordinator picks one.
     #[arg(long, value_name = "ID")]
@@ -128,8 +134,8 @@ impl SubmitArgs {
 /// `muster-agent status`.
 #[derive(Debug, Clone, Args)]
 pub struct StatusArgs {
-    /// The coordinator's HOST:PORT.
-    #[arg(long, value_name = "HOST:PORT")]
+    /// The coordinator's HOST:PORT, or its replicas' as a comma-separated list.
+    #[arg(long, value_name = "HOST:PORT[,HOST:PORT...]")]
     pub coordinator: String,
     /// A job to describe. Without it: every job and every daemon agent.
     pub job_id: Option<String>,
@@ -138,8 +144,8 @@ pub struct StatusArgs {
 /// `muster-agent cancel`.
 #[derive(Debug, Clone, Args)]
 pub struct CancelArgs {
-    /// The coordinator's HOST:PORT.
-    #[arg(long, value_name = "HOST:PORT")]
+    /// The coordinator's HOST:PORT, or its replicas' as a comma-separated list.
+    #[arg(long, value_name = "HOST:PORT[,HOST:PORT...]")]
     pub coordinator: String,
     /// The job to cancel.
     pub job_id: String,
@@ -178,18 +184,20 @@ fn node_range(s: &str) -> Result<(u32, u32), String> {
     Ok((min, max))
 }
 
-async fn connect(addr: &str) -> Result<Channel, String> {
-    let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-        .map_err(|e| format!("bad coordinator address '{addr}': {e}"))?
-        .connect_timeout(Duration::from_secs(2))
-        .tcp_nodelay(true);
-    endpoint.connect().await.map_err(|e| {
-        format!(
-            "cannot reach the coordinator at {addr}: {}",
-            launch::chain(&e)
-        )
-    })
+/// The replicas of a `--coordinator` value, one of them reached (tried in turn for a few
+/// seconds); calls then follow the leader with [`failover::call`].
+async fn connect(list: &str) -> Result<Coordinators, String> {
+    let list = crate::cli::coordinator_list(list).map_err(|e| e.to_string())?;
+    let coordinators = Coordinators::from_list(&list, failover::DEFAULT_BUDGET);
+    coordinators
+        .connect(CONNECT_WINDOW)
+        .await
+        .map_err(|e| e.to_string())?;
+    Ok(coordinators)
 }
+
+/// How long an operator command or a registration tries to reach any replica.
+const CONNECT_WINDOW: Duration = Duration::from_secs(2);
 
 /// `muster-agent submit`: prints the job id and where it runs; with `--wait`, follows it to
 /// its end. Returns the exit status.
@@ -201,8 +209,7 @@ pub async fn submit(args: SubmitArgs) -> Result<u8, String> {
         .command
         .split_first()
         .ok_or("no program to run: give it after `--`")?;
-    let channel = connect(&args.coordinator).await?;
-    let mut ops = OpsClient::new(channel);
+    let coordinators = connect(&args.coordinator).await?;
     let spec = pb::JobSpec {
         job_id: args.job_id.clone().unwrap_or_default(),
         program: program.clone(),
@@ -215,11 +222,20 @@ pub async fn submit(args: SubmitArgs) -> Result<u8, String> {
         node_selector: selector,
         grace_period_ms: args.grace_period_ms,
     };
-    let answer = ops
-        .submit_job(pb::SubmitJobRequest { spec: Some(spec) })
-        .await
-        .map_err(|s| format!("submit refused: {}", s.message()))?
-        .into_inner();
+    // Not idempotent: sent again only when a refusal proves it was not applied.
+    let request = pb::SubmitJobRequest { spec: Some(spec) };
+    let answer = failover::call_if(
+        &coordinators,
+        "Ops.SubmitJob",
+        failover::not_applied,
+        |ch| {
+            let request = request.clone();
+            async move { OpsClient::new(ch).submit_job(request).await }
+        },
+    )
+    .await
+    .map_err(|s| format!("submit refused: {}", s.message()))?
+    .into_inner();
     println!(
         "job {} submitted to {}",
         answer.job_id,
@@ -230,13 +246,9 @@ pub async fn submit(args: SubmitArgs) -> Result<u8, String> {
     }
     let mut last = String::new();
     loop {
-        let d = ops
-            .describe_job(pb::DescribeJobRequest {
-                job_id: answer.job_id.clone(),
-            })
+        let d = describe(&coordinators, &answer.job_id)
             .await
-            .map_err(|s| format!("cannot follow job {}: {}", answer.job_id, s.message()))?
-            .into_inner();
+            .map_err(|s| format!("cannot follow job {}: {}", answer.job_id, s.message()))?;
         let line = status_line(&d);
         if line != last {
             println!("{line}");
@@ -252,6 +264,22 @@ pub async fn submit(args: SubmitArgs) -> Result<u8, String> {
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
+
+/// `Ops.DescribeJob` on the leader.
+async fn describe(
+    coordinators: &Coordinators,
+    job_id: &str,
+) -> Result<pb::DescribeJobResponse, tonic::Status> {
+    let request = pb::DescribeJobRequest {
+        job_id: job_id.to_owned(),
+    };
+    failover::call(coordinators, "Ops.DescribeJob", |ch| {
+        let request = request.clone();
+        async move { OpsClient::new(ch).describe_job(request).await }
+    })
+    .await
+    .map(tonic::Response::into_inner)
 }
 
 /// One line for a job: state, generation, nodes and restarts, and its failure if any.
@@ -286,14 +314,11 @@ fn status_line(d: &pb::DescribeJobResponse) -> String {
 
 /// `muster-agent status`.
 pub async fn status(args: StatusArgs) -> Result<u8, String> {
-    let channel = connect(&args.coordinator).await?;
-    let mut ops = OpsClient::new(channel);
+    let coordinators = connect(&args.coordinator).await?;
     if let Some(job) = args.job_id {
-        let d = ops
-            .describe_job(pb::DescribeJobRequest { job_id: job })
+        let d = describe(&coordinators, &job)
             .await
-            .map_err(|s| s.message().to_owned())?
-            .into_inner();
+            .map_err(|s| s.message().to_owned())?;
         println!("{}", status_line(&d));
         for n in &d.nodes {
             println!(
@@ -303,11 +328,12 @@ pub async fn status(args: StatusArgs) -> Result<u8, String> {
         }
         return Ok(0);
     }
-    let jobs = ops
-        .list_jobs(pb::ListJobsRequest {})
-        .await
-        .map_err(|s| s.message().to_owned())?
-        .into_inner();
+    let jobs = failover::call(&coordinators, "Ops.ListJobs", |ch| async move {
+        OpsClient::new(ch).list_jobs(pb::ListJobsRequest {}).await
+    })
+    .await
+    .map_err(|s| s.message().to_owned())?
+    .into_inner();
     for s in jobs.jobs {
         println!(
             "{}",
@@ -317,11 +343,14 @@ pub async fn status(args: StatusArgs) -> Result<u8, String> {
             })
         );
     }
-    let agents = ops
-        .list_agents(pb::ListAgentsRequest {})
-        .await
-        .map_err(|s| s.message().to_owned())?
-        .into_inner();
+    let agents = failover::call(&coordinators, "Ops.ListAgents", |ch| async move {
+        OpsClient::new(ch)
+            .list_agents(pb::ListAgentsRequest {})
+            .await
+    })
+    .await
+    .map_err(|s| s.message().to_owned())?
+    .into_inner();
     for a in agents.agents {
         let m = a.machine.unwrap_or_default();
         let mut labels: Vec<String> = m.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
@@ -343,15 +372,19 @@ pub async fn status(args: StatusArgs) -> Result<u8, String> {
 
 /// `muster-agent cancel`.
 pub async fn cancel(args: CancelArgs) -> Result<u8, String> {
-    let channel = connect(&args.coordinator).await?;
-    let answer = OpsClient::new(channel)
-        .cancel_job(pb::CancelJobRequest {
-            job_id: args.job_id.clone(),
-            reason: args.reason,
-        })
-        .await
-        .map_err(|s| format!("cancel refused: {}", s.message()))?
-        .into_inner();
+    let coordinators = connect(&args.coordinator).await?;
+    // Idempotent: a second cancel of a cancelled job answers "already over".
+    let request = pb::CancelJobRequest {
+        job_id: args.job_id.clone(),
+        reason: args.reason,
+    };
+    let answer = failover::call(&coordinators, "Ops.CancelJob", |ch| {
+        let request = request.clone();
+        async move { OpsClient::new(ch).cancel_job(request).await }
+    })
+    .await
+    .map_err(|s| format!("cancel refused: {}", s.message()))?
+    .into_inner();
     if answer.cancelled {
         println!("job {} cancelled", args.job_id);
     } else {
@@ -387,6 +420,8 @@ fn launch_spec(
         spec.max_restarts.to_string().into(),
         "--grace-period-ms".into(),
         grace.to_string().into(),
+        "--failover-timeout-ms".into(),
+        args.failover_timeout_ms.to_string().into(),
     ];
     if let Some(a) = &args.advertise_addr {
         argv.push("--advertise-addr".into());
@@ -443,9 +478,11 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
         .agent_id
         .clone()
         .unwrap_or_else(|| format!("{hostname}-{}", std::process::id()));
+    let list = crate::cli::coordinator_list(&args.coordinator).map_err(|e| e.to_string())?;
+    let coordinators = Coordinators::from_list(&list, failover::DEFAULT_BUDGET);
     let address = match &args.advertise_addr {
         Some(a) => a.clone(),
-        None => launch::advertise_default(&args.coordinator).await,
+        None => launch::advertise_default(&coordinators.current()).await,
     };
     let info = pb::MachineInfo {
         agent_id: agent_id.clone(),
@@ -474,7 +511,10 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
     let mut announced = false;
     'connect: loop {
         let opened = async {
-            let channel = connect(&args.coordinator).await?;
+            let (addr, channel) = coordinators
+                .connect(CONNECT_WINDOW)
+                .await
+                .map_err(|e| e.to_string())?;
             let (out, out_rx) = mpsc::channel::<pb::AgentMessage>(64);
             let _ = out
                 .send(pb::AgentMessage {
@@ -484,7 +524,13 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
             let stream = AgentsClient::new(channel)
                 .serve(tokio_stream::wrappers::ReceiverStream::new(out_rx))
                 .await
-                .map_err(|s| format!("registration refused: {}", s.message()))?
+                .map_err(|s| {
+                    // A follower refuses and may name the leader: go there next.
+                    if failover::retryable(&s) {
+                        coordinators.failed(&addr, failover::leader_hint(&s).as_deref());
+                    }
+                    format!("registration refused by {addr}: {}", s.message())
+                })?
                 .into_inner();
             Ok::<_, String>((out, stream))
         };
@@ -513,7 +559,7 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
                 info.address,
                 info.cpus,
                 info.gpus.len(),
-                args.coordinator
+                list
             );
             announced = true;
         }
@@ -566,7 +612,13 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
                         Some(pb::agent_command::Kind::Heartbeat(_)) | None => {}
                     },
                     Ok(None) | Err(_) => {
-                        eprintln!("muster-agent: lost the coordinator at {}; registering again", args.coordinator);
+                        let from = coordinators.current();
+                        let hint = match &msg {
+                            Err(s) => failover::leader_hint(s),
+                            Ok(_) => None,
+                        };
+                        coordinators.failed(&from, hint.as_deref());
+                        eprintln!("muster-agent: lost the coordinator at {from}; registering again");
                         continue 'connect;
                     }
                 },

@@ -9,8 +9,11 @@ use crate::gpu::{GpuMapping, GpuPlan, VISIBLE_DEVICES_ENV};
 /// every worker's environment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NodeAssignment {
-    /// The coordinator's `host:port`, as workers should dial it.
+    /// The coordinator's `host:port`, as workers should dial it, or its replicas'
+    /// (comma-separated): the workers follow the leader among them.
     pub coordinator: String,
+    /// How long workers retry across a coordinator failover (`MUSTER_FAILOVER_TIMEOUT_MS`).
+    pub failover_timeout: std::time::Duration,
     /// The job id.
     pub job_id: String,
     /// The generation (restart round), from 1.
@@ -107,6 +110,10 @@ pub fn worker_env(
         ("MUSTER_NUM_NODES", node.num_nodes.to_string()),
         ("MUSTER_RESTART_COUNT", node.restart_count.to_string()),
         ("MUSTER_HOST", node.host.clone()),
+        (
+            crate::failover::BUDGET_ENV,
+            node.failover_timeout.as_millis().to_string(),
+        ),
     ];
     if let Some(socket) = &node.agent_socket {
         env.push((crate::relay::SOCKET_ENV, socket.clone()));
@@ -176,7 +183,8 @@ mod tests {
 
     fn node() -> NodeAssignment {
         NodeAssignment {
-            coordinator: "10.0.0.1:29470".into(),
+            coordinator: "10.0.0.1:29470,10.0.0.2:29470".into(),
+            failover_timeout: std::time::Duration::from_millis(2500),
             job_id: "job7".into(),
             generation: 3,
             node_rank: 1,
@@ -215,9 +223,10 @@ mod tests {
             &node(),
             1,
             &[],
-            "MUSTER_COORDINATOR=10.0.0.1:29470 MUSTER_JOB_ID=job7 MUSTER_GENERATION=3 MUSTER_RANK=5
-             MUSTER_LOCAL_RANK=1 MUSTER_WORLD_SIZE=6 MUSTER_LOCAL_WORLD_SIZE=2 MUSTER_NODE_RANK=1
-             MUSTER_NUM_NODES=2 MUSTER_RESTART_COUNT=2 MUSTER_HOST=node-b
+            "MUSTER_COORDINATOR=10.0.0.1:29470,10.0.0.2:29470 MUSTER_JOB_ID=job7 MUSTER_GENERATION=3
+             MUSTER_RANK=5 MUSTER_LOCAL_RANK=1 MUSTER_WORLD_SIZE=6 MUSTER_LOCAL_WORLD_SIZE=2
+             MUSTER_NODE_RANK=1 MUSTER_NUM_NODES=2 MUSTER_RESTART_COUNT=2 MUSTER_HOST=node-b
+             MUSTER_FAILOVER_TIMEOUT_MS=2500
              MUSTER_AGENT_SOCKET=/tmp/muster-1-2/relay.sock
              RANK=5 LOCAL_RANK=1 WORLD_SIZE=6 LOCAL_WORLD_SIZE=2 GROUP_RANK=1 GROUP_WORLD_SIZE=2
              ROLE_RANK=5 ROLE_NAME=default ROLE_WORLD_SIZE=6 MASTER_ADDR=node-a MASTER_PORT=29500
@@ -230,6 +239,7 @@ mod tests {
     fn single_node_and_inherited_defaults() {
         let single = NodeAssignment {
             coordinator: "127.0.0.1:40000".into(),
+            failover_timeout: crate::failover::DEFAULT_BUDGET,
             job_id: "j".into(),
             generation: 1,
             node_rank: 0,
@@ -248,6 +258,7 @@ mod tests {
         let common = "MUSTER_COORDINATOR=127.0.0.1:40000 MUSTER_JOB_ID=j MUSTER_GENERATION=1
              MUSTER_RANK=0 MUSTER_LOCAL_RANK=0 MUSTER_WORLD_SIZE=1 MUSTER_LOCAL_WORLD_SIZE=1
              MUSTER_NODE_RANK=0 MUSTER_NUM_NODES=1 MUSTER_RESTART_COUNT=0 MUSTER_HOST=127.0.0.1
+             MUSTER_FAILOVER_TIMEOUT_MS=30000
              RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 GROUP_RANK=0 GROUP_WORLD_SIZE=1
              ROLE_RANK=0 ROLE_NAME=default ROLE_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1
              MASTER_PORT=1234 TORCHELASTIC_RESTART_COUNT=0 TORCHELASTIC_MAX_RESTARTS=0

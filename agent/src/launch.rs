@@ -19,6 +19,7 @@
 
 use crate::cli::LaunchSpec;
 use crate::env::{NodeAssignment, worker_env};
+use crate::failover::{self, Coordinators};
 use crate::relay::Relay;
 use crate::watch::{Watch, WatchEvent};
 use crate::worker::{Exit, Worker};
@@ -38,13 +39,12 @@ use tokio::net::{TcpListener, TcpSocket};
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tonic::transport::{Channel, Endpoint};
 
 /// How long the agent keeps trying to reach a coordinator that is not up yet.
 pub const CONNECT_WINDOW: Duration = Duration::from_secs(10);
 /// After this long in the rendezvous the agent says what it is waiting for.
 pub const WAITING_NOTICE: Duration = Duration::from_secs(1);
-/// The most time a failure report may take; it is best effort.
+/// The most time one attempt of a failure report may take (it is retried across a failover).
 pub const REPORT_TIMEOUT: Duration = Duration::from_secs(1);
 /// After a failure, how long the workers get to end on their own before SIGTERM (capped by
 /// the grace period).
@@ -86,24 +86,10 @@ pub enum LaunchError {
     /// Binding the embedded coordinator's listener failed.
     #[error("cannot start the embedded coordinator: {0}")]
     Embedded(#[source] std::io::Error),
-    /// The coordinator address is not usable as an endpoint.
-    #[error("bad coordinator address '{addr}': {}", chain(source))]
-    Address {
-        /// The address.
-        addr: String,
-        /// Why.
-        #[source]
-        source: tonic::transport::Error,
-    },
-    /// The coordinator could not be reached within [`CONNECT_WINDOW`].
-    #[error("cannot reach the coordinator at {addr}: {}", chain(source))]
-    Connect {
-        /// The address.
-        addr: String,
-        /// The last connection error.
-        #[source]
-        source: tonic::transport::Error,
-    },
+    /// No coordinator (of the list) could be reached within [`CONNECT_WINDOW`], or an
+    /// address is not usable as an endpoint.
+    #[error(transparent)]
+    Connect(#[from] failover::ConnectError),
     /// The coordinator refused or failed the rendezvous.
     #[error("rendezvous of job '{job}' failed: {}", .status.message())]
     Join {
@@ -207,19 +193,20 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
         Some(addr) => (addr.clone(), false),
         None => (start_embedded()?, true),
     };
+    let coordinators = Coordinators::from_list(&coordinator, spec.failover_timeout);
     let job = spec.job_id.clone();
-    let channel = match waiting(connect(&coordinator), &mut stops, || {
+    let reached = match waiting(coordinators.connect(CONNECT_WINDOW), &mut stops, || {
         format!("muster-agent: waiting for the coordinator at {coordinator} (job {job})")
     })
     .await
     {
-        Waited::Done(channel) => channel?,
+        Waited::Done(reached) => reached?.0,
         Waited::Signal(sig) => return Ok(interrupted_early(&job, sig)),
     };
     let host = match (&spec.advertise_addr, embedded) {
         (Some(h), _) => h.clone(),
         (None, true) => "127.0.0.1".to_owned(),
-        (None, false) => advertise_default(&coordinator).await,
+        (None, false) => advertise_default(&reached).await,
     };
     let node_id = format!("{}-{}", sanitize(&hostname()), std::process::id());
     let scratch = Scratch::new(&job);
@@ -228,7 +215,7 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
     let mut last_failure: Option<pb::FailureInfo> = None;
     let mut failed_at: Option<Instant> = None;
     loop {
-        let joined = waiting_join(&spec, &channel, &coordinator, &host, &node_id, &mut stops).await;
+        let joined = waiting_join(&spec, &coordinators, &host, &node_id, &mut stops).await;
         let mut node = match joined {
             Waited::Done(Ok(node)) => node,
             Waited::Done(Err(LaunchError::Join { status, .. }))
@@ -248,24 +235,32 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
         node.error_dir = scratch.attempt(node.restart_count);
         // The relay and the watch live exactly as long as this generation's workers.
         let relay = if spec.relay {
-            start_relay(&node).await
+            start_relay(&node, &coordinators).await
         } else {
             None
         };
         node.agent_socket = relay.as_ref().map(|r| r.socket().to_owned());
         let watch = Watch::start(
-            channel.clone(),
+            coordinators.clone(),
             pb::NodeAttach {
                 job_id: node.job_id.clone(),
                 generation: node.generation,
                 node_rank: node.node_rank,
                 node_id: node_id.clone(),
+                resume: false,
             },
             spec.lease,
         );
-        let end = Supervisor::new(&spec, channel.clone(), node, watch, &mut stops, failed_at)
-            .run()
-            .await;
+        let end = Supervisor::new(
+            &spec,
+            coordinators.clone(),
+            node,
+            watch,
+            &mut stops,
+            failed_at,
+        )
+        .run()
+        .await;
         drop(relay);
         match end {
             End::Succeeded { spawned, watch } => {
@@ -403,8 +398,8 @@ pub async fn advertise_default(coordinator: &str) -> String {
 
 /// Starts the node relay; if it cannot start, says why and returns `None`: the workers then
 /// send their barriers over their own coordinator sessions, which is slower but equivalent.
-async fn start_relay(node: &NodeAssignment) -> Option<Relay> {
-    match Relay::start(node).await {
+async fn start_relay(node: &NodeAssignment, coordinators: &Coordinators) -> Option<Relay> {
+    match Relay::start_with(node, coordinators).await {
         Ok(relay) => {
             tracing::debug!(socket = relay.socket(), "node relay started");
             Some(relay)
@@ -454,15 +449,13 @@ async fn waiting<T>(
 /// ("waiting for nodes: 1/2 joined").
 async fn waiting_join(
     spec: &LaunchSpec,
-    channel: &Channel,
-    coordinator: &str,
+    coordinators: &Coordinators,
     host: &str,
     node_id: &str,
     stops: &mut Stops,
 ) -> Waited<Result<NodeAssignment, LaunchError>> {
-    let fut = join(spec, channel.clone(), coordinator, host, node_id);
+    let fut = join(spec, coordinators, host, node_id);
     tokio::pin!(fut);
-    let mut ops = OpsClient::new(channel.clone());
     let mut tick =
         tokio::time::interval_at(tokio::time::Instant::now() + WAITING_NOTICE, WAITING_NOTICE);
     let mut shown = None;
@@ -472,19 +465,24 @@ async fn waiting_join(
             out = &mut fut => return Waited::Done(out),
             sig = stops.recv() => return Waited::Signal(sig),
             _ = tick.tick() => {
-                let joined = ops
-                    .describe_job(pb::DescribeJobRequest { job_id: job.clone() })
-                    .await
-                    .ok()
-                    .and_then(|r| r.into_inner().summary)
-                    .map(|s| s.nodes_waiting);
+                // One attempt, on whichever replica leads now: this is only a status line.
+                let joined = match coordinators.channel() {
+                    Ok((_, channel)) => OpsClient::new(channel)
+                        .describe_job(pb::DescribeJobRequest { job_id: job.clone() })
+                        .await
+                        .ok()
+                        .and_then(|r| r.into_inner().summary)
+                        .map(|s| s.nodes_waiting),
+                    Err(_) => None,
+                };
                 if joined != shown {
                     shown = joined;
                     let (min, max) = (spec.nodes.min, spec.nodes.max);
                     let wanted = if min == max { min.to_string() } else { format!("{min}:{max}") };
                     eprintln!(
-                        "muster-agent: waiting for nodes: {}/{wanted} joined (job {job}, coordinator {coordinator})",
-                        joined.map_or_else(|| "?".to_owned(), |n| n.to_string())
+                        "muster-agent: waiting for nodes: {}/{wanted} joined (job {job}, coordinator {})",
+                        joined.map_or_else(|| "?".to_owned(), |n| n.to_string()),
+                        coordinators.current()
                     );
                 }
             }
@@ -529,10 +527,14 @@ fn nodelay_listener() -> std::io::Result<TcpListener> {
 
 /// Joins the round and settles MASTER_PORT. Cancel-safe: dropping it withdraws the join
 /// (the coordinator sees the call go away).
+///
+/// The join carries a request id of its own; when it fails retryably (a follower's refusal,
+/// a coordinator that died during the long poll) the same request, with the same id, goes to
+/// the leader again within the failover budget, and a round that closed meanwhile gives this
+/// node the place it already had.
 async fn join(
     spec: &LaunchSpec,
-    channel: Channel,
-    coordinator: &str,
+    coordinators: &Coordinators,
     host: &str,
     node_id: &str,
 ) -> Result<NodeAssignment, LaunchError> {
@@ -555,16 +557,19 @@ async fn join(
             join_timeout_ms: millis(spec.join_timeout),
             max_restarts: Some(spec.max_restarts),
         }),
+        request_id: failover::request_id(),
     };
     let join_error = |status| LaunchError::Join {
         job: spec.job_id.clone(),
         status,
     };
-    let answer = RendezvousClient::new(channel.clone())
-        .join(request)
-        .await
-        .map_err(join_error)?
-        .into_inner();
+    let answer = failover::call(coordinators, "Rendezvous.Join", |channel| {
+        let request = request.clone();
+        async move { RendezvousClient::new(channel).join(request).await }
+    })
+    .await
+    .map_err(join_error)?
+    .into_inner();
     if answer.local_world_size != spec.nproc_per_node {
         return Err(join_error(tonic::Status::internal(format!(
             "the coordinator assigned {} workers to this node, which runs {}",
@@ -573,15 +578,18 @@ async fn join(
     }
     let master_port = match spec.master_port {
         Some(port) => port,
-        None => master_port(&channel, &answer)
-            .await
-            .map_err(|why| LaunchError::MasterPort {
-                job: spec.job_id.clone(),
-                why,
-            })?,
+        None => {
+            master_port(coordinators, &answer)
+                .await
+                .map_err(|why| LaunchError::MasterPort {
+                    job: spec.job_id.clone(),
+                    why,
+                })?
+        }
     };
     let node = NodeAssignment {
-        coordinator: coordinator.to_owned(),
+        coordinator: coordinators.list(),
+        failover_timeout: coordinators.budget(),
         job_id: answer.job_id,
         generation: answer.generation,
         node_rank: answer.node_rank,
@@ -600,38 +608,12 @@ async fn join(
     Ok(node)
 }
 
-/// Connects to the coordinator, retrying for [`CONNECT_WINDOW`] while it is not up.
-async fn connect(addr: &str) -> Result<Channel, LaunchError> {
-    let endpoint = Endpoint::from_shared(format!("http://{addr}"))
-        .map_err(|source| LaunchError::Address {
-            addr: addr.to_owned(),
-            source,
-        })?
-        .connect_timeout(Duration::from_secs(2))
-        .tcp_nodelay(true);
-    let deadline = tokio::time::Instant::now() + CONNECT_WINDOW;
-    let mut backoff = Duration::from_millis(20);
-    loop {
-        match endpoint.connect().await {
-            Ok(channel) => return Ok(channel),
-            Err(source) if tokio::time::Instant::now() + backoff >= deadline => {
-                return Err(LaunchError::Connect {
-                    addr: addr.to_owned(),
-                    source,
-                });
-            }
-            Err(e) => {
-                tracing::debug!(%e, addr, "coordinator not reachable yet; retrying");
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_millis(500));
-            }
-        }
-    }
-}
-
 /// MASTER_PORT: node 0 finds a free port (bind :0, close) and, in a multi-node job, shares it
 /// through the job's key-value store; the other nodes read it from there.
-async fn master_port(channel: &Channel, answer: &pb::JoinResponse) -> Result<u16, String> {
+async fn master_port(
+    coordinators: &Coordinators,
+    answer: &pb::JoinResponse,
+) -> Result<u16, String> {
     let key = format!("muster/master_port/gen{}", answer.generation);
     if answer.node_rank == 0 {
         let port = std::net::TcpListener::bind(("0.0.0.0", 0))
@@ -639,27 +621,33 @@ async fn master_port(channel: &Channel, answer: &pb::JoinResponse) -> Result<u16
             .map_err(|e| format!("no free port: {e}"))?
             .port();
         if answer.num_nodes > 1 {
-            KeyValueClient::new(channel.clone())
-                .set(pb::SetRequest {
-                    job_id: answer.job_id.clone(),
-                    key,
-                    value: port.to_string().into_bytes(),
-                })
-                .await
-                .map_err(|s| s.message().to_owned())?;
+            let request = pb::SetRequest {
+                job_id: answer.job_id.clone(),
+                key,
+                value: port.to_string().into_bytes(),
+            };
+            failover::call(coordinators, "KeyValue.Set", |channel| {
+                let request = request.clone();
+                async move { KeyValueClient::new(channel).set(request).await }
+            })
+            .await
+            .map_err(|s| s.message().to_owned())?;
         }
         return Ok(port);
     }
-    let value = KeyValueClient::new(channel.clone())
-        .get(pb::GetRequest {
-            job_id: answer.job_id.clone(),
-            key: key.clone(),
-            wait_ms: u64::try_from(MASTER_PORT_WAIT.as_millis()).unwrap_or(u64::MAX),
-        })
-        .await
-        .map_err(|s| format!("node 0 did not publish it: {}", s.message()))?
-        .into_inner()
-        .value;
+    let request = pb::GetRequest {
+        job_id: answer.job_id.clone(),
+        key: key.clone(),
+        wait_ms: u64::try_from(MASTER_PORT_WAIT.as_millis()).unwrap_or(u64::MAX),
+    };
+    let value = failover::call(coordinators, "KeyValue.Get", |channel| {
+        let request = request.clone();
+        async move { KeyValueClient::new(channel).get(request).await }
+    })
+    .await
+    .map_err(|s| format!("node 0 did not publish it: {}", s.message()))?
+    .into_inner()
+    .value;
     std::str::from_utf8(&value)
         .ok()
         .and_then(|s| s.parse::<u16>().ok())
@@ -747,7 +735,7 @@ enum End {
 struct Supervisor<'a> {
     spec: &'a LaunchSpec,
     node: NodeAssignment,
-    client: RendezvousClient<Channel>,
+    coordinators: Coordinators,
     stops: &'a mut Stops,
     watch: Watch,
     workers: Vec<Worker>,
@@ -770,7 +758,7 @@ struct Supervisor<'a> {
 impl<'a> Supervisor<'a> {
     fn new(
         spec: &'a LaunchSpec,
-        channel: Channel,
+        coordinators: Coordinators,
         node: NodeAssignment,
         watch: Watch,
         stops: &'a mut Stops,
@@ -779,7 +767,7 @@ impl<'a> Supervisor<'a> {
         Self {
             spec,
             node,
-            client: RendezvousClient::new(channel),
+            coordinators,
             stops,
             watch,
             workers: Vec::with_capacity(spec.nproc_per_node as usize),
@@ -822,7 +810,7 @@ impl<'a> Supervisor<'a> {
             }
         }
         if let Some(report) = self.report.take() {
-            // The task bounds itself by REPORT_TIMEOUT.
+            // The task bounds itself by the failover budget.
             let _ = report.await;
         }
         if let Some(sig) = self.interrupted {
@@ -842,7 +830,7 @@ impl<'a> Supervisor<'a> {
         };
         // A local failure: the coordinator's verdict (restart or not) follows the report.
         let want_precise = self.local.is_some();
-        let deadline = tokio::time::Instant::now() + VERDICT_WAIT;
+        let mut deadline = tokio::time::Instant::now() + VERDICT_WAIT;
         while self.verdict.is_none()
             || (want_precise
                 && self.verdict.as_ref().is_some_and(|v| {
@@ -855,7 +843,14 @@ impl<'a> Supervisor<'a> {
                     WatchEvent::Lost(_) => break,
                 },
                 sig = self.stops.recv() => return End::Interrupted { sig, spawned },
-                () = tokio::time::sleep_until(deadline) => break,
+                () = tokio::time::sleep_until(deadline) => {
+                    if !self.watch.reattaching() {
+                        break;
+                    }
+                    // A failover is under way: the verdict comes from the next leader, or
+                    // the watch gives up (`Lost`) when its budget is spent.
+                    deadline = tokio::time::Instant::now() + Duration::from_millis(100);
+                }
             }
         }
         End::Ended {
@@ -1068,9 +1063,10 @@ impl<'a> Supervisor<'a> {
         self.stop = Stop::Killed;
     }
 
-    /// Tells the coordinator (best effort, bounded by [`REPORT_TIMEOUT`]).
+    /// Tells the coordinator (best effort: each attempt bounded by [`REPORT_TIMEOUT`], and
+    /// retried across a failover within the budget; a report is idempotent).
     fn report_failure(&self, exit: &Exit, info: &pb::FailureInfo) -> JoinHandle<()> {
-        let mut client = self.client.clone();
+        let coordinators = self.coordinators.clone();
         let request = pb::ReportFailureRequest {
             job_id: self.node.job_id.clone(),
             generation: self.node.generation,
@@ -1084,11 +1080,27 @@ impl<'a> Supervisor<'a> {
         };
         // Task "report-failure": on error, log and continue (the coordinator also learns of
         // the failure from the worker's session); awaited, bounded, before the agent exits.
+        // After a failover the report is how the new leader learns of the exit (a dead worker
+        // never re-attaches), so it is retried; an attempt that takes REPORT_TIMEOUT counts as
+        // a coordinator that does not answer.
         tokio::spawn(async move {
-            match tokio::time::timeout(REPORT_TIMEOUT, client.report_failure(request)).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(status)) => tracing::debug!(%status, "failure report refused"),
-                Err(_) => tracing::debug!("failure report timed out"),
+            let sent = failover::call(&coordinators, "Rendezvous.ReportFailure", |channel| {
+                let request = request.clone();
+                async move {
+                    let mut client = RendezvousClient::new(channel);
+                    match tokio::time::timeout(REPORT_TIMEOUT, client.report_failure(request)).await
+                    {
+                        Ok(answer) => answer,
+                        Err(_) => Err(tonic::Status::unavailable(format!(
+                            "no answer within {} ms",
+                            REPORT_TIMEOUT.as_millis()
+                        ))),
+                    }
+                }
+            })
+            .await;
+            if let Err(status) = sent {
+                tracing::debug!(%status, "failure report not taken");
             }
         })
     }

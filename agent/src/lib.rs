@@ -8,6 +8,8 @@
 //! A guardian process ([`guard`]) kills the workers and their children if the agent itself is
 //! killed (SIGKILL included); a failed worker's structured error is read from its error file
 //! ([`error_file`]).
+//! With several coordinator replicas (`--coordinator a,b,c`), every call and stream follows
+//! the leader across a failover within `--failover-timeout-ms` ([`failover`]).
 //!
 //! The binary (`main.rs`) only parses the command line ([`cli::parse`]) and calls
 //! [`launch::run`]; tests call both directly.
@@ -17,6 +19,7 @@ pub mod cli;
 pub mod daemon;
 pub mod env;
 pub mod error_file;
+pub mod failover;
 pub mod gpu;
 pub mod guard;
 pub mod launch;

@@ -23,15 +23,20 @@
 //!   `leave` marks the rank dead).
 //! - "relay-flush" (only when a write would block): drains one connection's backlog.
 //! - "relay-timer": answers waits whose timeout passed.
-//! - "relay-coordinator": reads the coordinator's answers; when the stream breaks, every worker
-//!   connection is closed with a farewell saying so.
+//! - "relay-coordinator": reads the coordinator's answers. When the stream ends the way a
+//!   coordinator that went away ends it (a failover), it registers again with the leader with
+//!   `resume = true` and `released` = the last global seq the node got a result for, and sends
+//!   the global barriers in flight again (same seq, groups and timeout): the workers never see
+//!   the failover. When the coordinator refuses that deliberately, or no replica takes the
+//!   relay back within the failover budget, every worker connection is closed with a farewell
+//!   saying so, as when the stream breaks without failover.
 //! - "relay-report": once a second, reports the waits held here that are a second old to the
 //!   coordinator (for its ops view), and clears the report when none are left.
 
 mod hub;
 
 use crate::env::NodeAssignment;
-use crate::launch::chain;
+use crate::failover::{self, Coordinators, Retry};
 use futures::channel::mpsc::{UnboundedSender, unbounded};
 use hub::{Hub, Sink, farewell};
 use muster_proto::v1 as pb;
@@ -49,8 +54,7 @@ use tokio::io::unix::AsyncFd;
 use tokio::net::UnixListener;
 use tokio::sync::{Notify, oneshot};
 use tokio::task::{AbortHandle, spawn_local};
-use tonic::Streaming;
-use tonic::transport::Endpoint;
+use tonic::{Status, Streaming};
 
 /// The variable that tells a worker where its agent's relay socket is.
 pub const SOCKET_ENV: &str = "MUSTER_AGENT_SOCKET";
@@ -136,9 +140,19 @@ pub struct Relay {
 impl Relay {
     /// Starts the relay of `node`'s generation on a thread of its own: creates the socket in a
     /// fresh private directory (mode 0700) under the temporary directory, connects
-    /// `Relay.Attach` to the coordinator and registers the node. Returns once workers may
-    /// connect.
+    /// `Relay.Attach` to the coordinator (the leader among `node.coordinator`'s replicas) and
+    /// registers the node. Returns once workers may connect.
     pub async fn start(node: &NodeAssignment) -> Result<Self, RelayError> {
+        let coordinators = Coordinators::from_list(&node.coordinator, node.failover_timeout);
+        Self::start_with(node, &coordinators).await
+    }
+
+    /// [`Relay::start`], beginning with the replica `coordinators` believes leads (the relay
+    /// thread then follows the leader on its own).
+    pub async fn start_with(
+        node: &NodeAssignment,
+        coordinators: &Coordinators,
+    ) -> Result<Self, RelayError> {
         let dir = private_dir()?;
         // From here on, dropping `relay` cleans up.
         let mut relay = Relay {
@@ -162,10 +176,12 @@ impl Relay {
         let (stop_tx, stop_rx) = oneshot::channel();
         relay.stop = Some(stop_tx);
         let node = node.clone();
+        // Channels of the relay's own (they run on its thread's runtime).
+        let coordinators = coordinators.fork();
         relay.thread = Some(
             std::thread::Builder::new()
                 .name("muster-relay".to_owned())
-                .spawn(move || relay_thread(node, listener, ready_tx, stop_rx))
+                .spawn(move || relay_thread(node, coordinators, listener, ready_tx, stop_rx))
                 .map_err(RelayError::Thread)?,
         );
         match tokio::time::timeout(START_TIMEOUT, ready_rx).await {
@@ -205,6 +221,7 @@ impl Drop for Relay {
 /// is dropped with them.
 fn relay_thread(
     node: NodeAssignment,
+    coordinators: Coordinators,
     listener: std::os::unix::net::UnixListener,
     ready: oneshot::Sender<Result<(), RelayError>>,
     stop: oneshot::Receiver<()>,
@@ -223,7 +240,7 @@ fn relay_thread(
     tasks.block_on(&runtime, async move {
         tokio::select! {
             _ = stop => {}
-            () = relay_main(node, listener, ready) => {}
+            () = relay_main(node, coordinators, listener, ready) => {}
         }
     });
 }
@@ -250,18 +267,7 @@ fn private_dir() -> Result<PathBuf, RelayError> {
     Err(RelayError::Dir { base, source: last })
 }
 
-/// 64 random bits from the standard library's per-process hash keys and the clock.
-fn random_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or_default(),
-    );
-    h.finish()
-}
+use failover::random_u64;
 
 /// Encodes `msg` as one frame (4-byte little-endian length, then the message) into `out`,
 /// replacing what was there.
@@ -298,17 +304,20 @@ type Shared = Rc<RefCell<State>>;
 /// start, after saying why on `ready`).
 async fn relay_main(
     node: NodeAssignment,
+    coordinators: Coordinators,
     listener: std::os::unix::net::UnixListener,
     ready: oneshot::Sender<Result<(), RelayError>>,
 ) {
-    let started = attach(&node).await.and_then(|attached| {
-        UnixListener::from_std(listener)
-            .map(|listener| (attached, listener))
-            .map_err(|source| RelayError::Listen {
-                path: PathBuf::from(SOCKET_NAME),
-                source,
-            })
-    });
+    let started = first_attach(&coordinators, &node)
+        .await
+        .and_then(|attached| {
+            UnixListener::from_std(listener)
+                .map(|listener| (attached, listener))
+                .map_err(|source| RelayError::Listen {
+                    path: PathBuf::from(SOCKET_NAME),
+                    source,
+                })
+        });
     let ((to_coordinator, inbound, early), listener) = match started {
         Ok(started) => started,
         Err(e) => {
@@ -337,7 +346,8 @@ async fn relay_main(
     spawn_local(coordinator_loop(
         Rc::clone(&state),
         inbound,
-        node.coordinator.clone(),
+        coordinators,
+        node,
     ));
     let _ = ready.send(Ok(()));
     accept_loop(state, listener).await;
@@ -349,41 +359,77 @@ type Attached = (
     Vec<pb::RelayEvent>,
 );
 
-/// Opens `Relay.Attach` and registers the node. Returns the outbound sender, the inbound
+/// Why an attach failed: the address it went to and the coordinator's (or transport's) answer.
+type AttachFailure = (String, Status);
+
+/// The first attach, when the relay starts: retried across a failover within the budget (cut
+/// short to leave [`START_TIMEOUT`] room to say why it failed).
+async fn first_attach(
+    coordinators: &Coordinators,
+    node: &NodeAssignment,
+) -> Result<Attached, RelayError> {
+    let budget = coordinators
+        .budget()
+        .min(START_TIMEOUT.saturating_sub(Duration::from_secs(1)));
+    let mut retry = Retry::new(budget);
+    loop {
+        match attach(coordinators, node, false, 0).await {
+            Ok(attached) => return Ok(attached),
+            Err((addr, status)) => {
+                if failover::retryable(&status) && retry.pause().await {
+                    continue;
+                }
+                return Err(match status.code() {
+                    tonic::Code::Unavailable if status.message().contains("connect") => {
+                        RelayError::Connect {
+                            addr,
+                            why: status.message().to_owned(),
+                        }
+                    }
+                    _ => RelayError::Attach {
+                        addr,
+                        node_rank: node.node_rank,
+                        why: status.message().to_owned(),
+                    },
+                });
+            }
+        }
+    }
+}
+
+/// Opens `Relay.Attach` on the current coordinator and registers the node (`resume` and
+/// `released` when it re-registers after a failover). Returns the outbound sender, the inbound
 /// stream, and the events that came before `registered` (a `failed` one, if the generation
-/// already failed).
-async fn attach(node: &NodeAssignment) -> Result<Attached, RelayError> {
-    let addr = &node.coordinator;
-    let connect_error = |why: String| RelayError::Connect {
-        addr: addr.clone(),
-        why,
+/// already failed). A retryable failure has moved `coordinators` on to the next address.
+async fn attach(
+    coordinators: &Coordinators,
+    node: &NodeAssignment,
+    resume: bool,
+    released: u64,
+) -> Result<Attached, AttachFailure> {
+    let (addr, channel) = coordinators
+        .channel()
+        .map_err(|status| (coordinators.current(), status))?;
+    let failed = |status: Status| {
+        if failover::retryable(&status) {
+            coordinators.failed(&addr, failover::leader_hint(&status).as_deref());
+        }
+        (addr.clone(), status)
     };
-    let attach_error = |why: String| RelayError::Attach {
-        addr: addr.clone(),
-        node_rank: node.node_rank,
-        why,
-    };
-    let channel = Endpoint::from_shared(format!("http://{addr}"))
-        .map_err(|e| connect_error(chain(&e)))?
-        .tcp_nodelay(true)
-        .connect_timeout(Duration::from_secs(2))
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(Duration::from_secs(5))
-        .connect()
-        .await
-        .map_err(|e| connect_error(chain(&e)))?;
     let (tx, rx) = unbounded();
     let _ = tx.unbounded_send(pb::RelayMessage {
         kind: Some(pb::relay_message::Kind::Register(pb::RelayRegister {
             job_id: node.job_id.clone(),
             generation: node.generation,
             node_rank: node.node_rank,
+            resume,
+            released,
         })),
     });
     let mut inbound = RelayClient::new(channel)
         .attach(rx)
         .await
-        .map_err(|status| attach_error(status.message().to_owned()))?
+        .map_err(failed)?
         .into_inner();
     let mut early = Vec::new();
     loop {
@@ -392,8 +438,12 @@ async fn attach(node: &NodeAssignment) -> Result<Attached, RelayError> {
                 kind: Some(pb::relay_event::Kind::Registered(_)),
             })) => return Ok((tx, inbound, early)),
             Ok(Some(event)) => early.push(event),
-            Ok(None) => return Err(attach_error("the stream ended before `registered`".into())),
-            Err(status) => return Err(attach_error(status.message().to_owned())),
+            Ok(None) => {
+                return Err(failed(Status::unavailable(
+                    "the stream ended before `registered`",
+                )));
+            }
+            Err(status) => return Err(failed(status)),
         }
     }
 }
@@ -484,25 +534,81 @@ async fn report_loop(state: Shared) {
     }
 }
 
-/// Task "relay-coordinator": hands the coordinator's events to the hub; when the stream ends or
-/// breaks, closes every worker connection with a farewell naming the coordinator.
-async fn coordinator_loop(state: Shared, mut inbound: Streaming<pb::RelayEvent>, addr: String) {
-    let why = loop {
-        match inbound.message().await {
-            Ok(Some(event)) => {
-                let st = &mut *state.borrow_mut();
-                st.hub.on_event(event, &mut st.wires);
+/// Task "relay-coordinator": hands the coordinator's events to the hub. When the stream ends
+/// the way a coordinator that went away ends it, re-registers with the leader and re-sends the
+/// global barriers in flight (see the module doc); when that fails for good, closes every
+/// worker connection with a farewell naming the coordinator.
+async fn coordinator_loop(
+    state: Shared,
+    mut inbound: Streaming<pb::RelayEvent>,
+    coordinators: Coordinators,
+    node: NodeAssignment,
+) {
+    let why = 'relay: loop {
+        let addr = coordinators.current();
+        let ended = loop {
+            match inbound.message().await {
+                Ok(Some(event)) => {
+                    let st = &mut *state.borrow_mut();
+                    st.hub.on_event(event, &mut st.wires);
+                }
+                Ok(None) => break Status::unavailable("the coordinator ended the stream"),
+                Err(status) => break status,
             }
-            Ok(None) => break "the coordinator ended the stream".to_owned(),
-            Err(status) => break format!("{:?}: {}", status.code(), status.message()),
+        };
+        let why = format!("{:?}: {}", ended.code(), ended.message());
+        if !failover::retryable(&ended) {
+            break 'relay format!(
+                "the node relay lost its stream to the coordinator at {addr}: {why}"
+            );
+        }
+        coordinators.failed(&addr, failover::leader_hint(&ended).as_deref());
+        eprintln!(
+            "muster-agent: job {}: the node relay lost its stream to the coordinator at {addr} ({why}); re-registering with the leader",
+            node.job_id
+        );
+        let lost_at = Instant::now();
+        let mut retry = Retry::new(coordinators.budget());
+        loop {
+            if !retry.pause().await {
+                break 'relay format!(
+                    "the node relay lost its stream to the coordinator at {addr} ({why}) and no replica took it back within {} ms",
+                    coordinators.budget().as_millis()
+                );
+            }
+            let released = state.borrow().hub.released();
+            match attach(&coordinators, &node, true, released).await {
+                Ok((tx, stream, early)) => {
+                    let st = &mut *state.borrow_mut();
+                    st.wires.coordinator = tx;
+                    for event in early {
+                        st.hub.on_event(event, &mut st.wires);
+                    }
+                    st.hub.resend(&mut st.wires);
+                    inbound = stream;
+                    eprintln!(
+                        "muster-agent: job {}: node relay re-registered with the coordinator at {} {:.0} ms after losing {addr}",
+                        node.job_id,
+                        coordinators.current(),
+                        lost_at.elapsed().as_secs_f64() * 1000.0
+                    );
+                    continue 'relay;
+                }
+                Err((to, status)) if failover::retryable(&status) => {
+                    tracing::debug!(%to, %status, "the node relay could not re-register yet");
+                }
+                Err((to, status)) => {
+                    break 'relay format!(
+                        "the node relay lost its stream to the coordinator at {addr} ({why}), and the coordinator at {to} refused it back: {}",
+                        status.message()
+                    );
+                }
+            }
         }
     };
-    tracing::warn!(%addr, %why, "the node relay lost its coordinator stream");
+    tracing::warn!(%why, "the node relay gives up");
     let st = &mut *state.borrow_mut();
-    st.hub.coordinator_lost(
-        format!("the node relay lost its stream to the coordinator at {addr}: {why}"),
-        &mut st.wires,
-    );
+    st.hub.coordinator_lost(why, &mut st.wires);
 }
 
 /// One worker connection as the writers see it.

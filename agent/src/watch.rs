@@ -3,20 +3,30 @@
 //! supervisor when the generation ends (failed elsewhere, superseded, cancelled) or when the
 //! coordinator has not been heard for the lease: the node then stops its workers.
 //!
-//! Task "node-watch" (one per generation): on error, reconnects until the lease runs out, then
-//! reports [`WatchEvent::Lost`]; on shutdown, aborted when its [`Watch`] is dropped, or, after
-//! [`Watch::finish`], it sends `finished` and ends once the coordinator closes the stream.
+//! A coordinator failover breaks the stream (an error or an end without a deliberate status):
+//! the task then re-attaches with `resume = true`, following the leader among the replicas
+//! ([`crate::failover`]), and gives up only when both the lease (since the coordinator was last
+//! heard) and the failover budget (since the stream broke) are spent: the workers keep running
+//! through a failover. A stream that stays open and silent (a frozen coordinator, a cut link)
+//! counts against the lease alone, as before; with several replicas, the task tries another one
+//! after half the lease of silence.
+//!
+//! Task "node-watch" (one per generation): on error, reconnects until the lease (or the
+//! failover budget) runs out, then reports [`WatchEvent::Lost`]; on shutdown, aborted when its
+//! [`Watch`] is dropped, or, after [`Watch::finish`], it sends `finished` (again after a
+//! re-attach) and ends once the coordinator closes the stream.
 
+use crate::failover::{self, Coordinators, Retry};
 use muster_proto::v1 as pb;
 use muster_proto::v1::rendezvous_client::RendezvousClient;
 use std::time::Duration;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tonic::Code;
-use tonic::transport::Channel;
 
-/// How long [`Watch::finish`] waits for the coordinator to take the `finished` message.
+/// How long [`Watch::finish`] waits for the coordinator to take the `finished` message (on
+/// top of the failover budget when the stream is being re-attached).
 const FINISH_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// What the watch tells the supervisor.
@@ -32,19 +42,32 @@ pub enum WatchEvent {
 pub struct Watch {
     events: mpsc::UnboundedReceiver<WatchEvent>,
     finish: Option<oneshot::Sender<()>>,
+    reattaching: watch::Receiver<bool>,
+    budget: Duration,
     task: JoinHandle<()>,
 }
 
 impl Watch {
-    /// Starts watching the generation `attach` names, with this lease.
-    pub fn start(channel: Channel, attach: pb::NodeAttach, lease: Duration) -> Self {
+    /// Starts watching the generation `attach` names, with this lease, on the coordinators'
+    /// leader.
+    pub fn start(coordinators: Coordinators, attach: pb::NodeAttach, lease: Duration) -> Self {
         let (tx, events) = mpsc::unbounded_channel();
         let (finish, finish_rx) = oneshot::channel();
-        let client = RendezvousClient::new(channel);
-        let task = tokio::spawn(run(client, attach, lease, tx, finish_rx));
+        let (reattaching_tx, reattaching) = watch::channel(false);
+        let budget = coordinators.budget();
+        let task = tokio::spawn(run(
+            coordinators,
+            attach,
+            lease,
+            tx,
+            finish_rx,
+            reattaching_tx,
+        ));
         Self {
             events,
             finish: Some(finish),
+            reattaching,
+            budget,
             task,
         }
     }
@@ -57,13 +80,40 @@ impl Watch {
         }
     }
 
+    /// Whether the stream broke and the task is re-attaching (a failover in progress): the
+    /// coordinator's word may come late, and [`WatchEvent::Lost`] says when it will not.
+    pub fn reattaching(&self) -> bool {
+        *self.reattaching.borrow()
+    }
+
     /// Tells the coordinator that every worker of the node exited 0, and waits (bounded) for
-    /// it to take that in.
+    /// it to take that in: [`FINISH_TIMEOUT`], plus the failover budget if the stream breaks
+    /// meanwhile.
     pub async fn finish(mut self) {
         if let Some(tx) = self.finish.take() {
             let _ = tx.send(());
         }
-        let _ = tokio::time::timeout(FINISH_TIMEOUT, &mut self.task).await;
+        let budget = self.budget;
+        let mut reattaching = self.reattaching.clone();
+        let mut deadline = Instant::now() + FINISH_TIMEOUT;
+        loop {
+            tokio::select! {
+                _ = &mut self.task => return,
+                () = tokio::time::sleep_until(deadline) => {
+                    if !*reattaching.borrow() {
+                        return;
+                    }
+                    // A failover while finishing: the task ends on its own when its budget
+                    // is spent; wait for it, bounded once more.
+                    deadline = failover::later(Instant::now(), budget);
+                }
+                r = reattaching.changed() => {
+                    if r.is_err() {
+                        return;
+                    }
+                }
+            }
+        }
     }
 }
 
@@ -73,33 +123,107 @@ impl Drop for Watch {
     }
 }
 
+/// The node's lease bookkeeping: when the coordinator was last heard, and since when the
+/// stream is being re-attached after a retryable end.
+struct Lease {
+    lease: Duration,
+    budget: Duration,
+    last_heard: Instant,
+    /// The streak of failures since the stream broke; `None` while attached (or silent).
+    streak: Option<Retry>,
+}
+
+impl Lease {
+    /// When the node gives up: the lease after the coordinator was last heard, or, while
+    /// re-attaching after a failover, the failover budget after the break if that is later.
+    fn deadline(&self) -> Instant {
+        let lease_end = failover::later(self.last_heard, self.lease);
+        match &self.streak {
+            Some(retry) => lease_end.max(retry.deadline()),
+            None => lease_end,
+        }
+    }
+
+    fn expired(&self) -> bool {
+        Instant::now() >= self.deadline()
+    }
+
+    fn remaining(&self) -> Duration {
+        self.deadline().saturating_duration_since(Instant::now())
+    }
+
+    /// The stream broke retryably: a failover starts (if one is not under way).
+    fn broke(&mut self) {
+        if self.streak.is_none() {
+            self.streak = Some(Retry::new(self.budget));
+        }
+    }
+}
+
 async fn run(
-    mut client: RendezvousClient<Channel>,
+    coordinators: Coordinators,
     attach: pb::NodeAttach,
     lease: Duration,
     tx: mpsc::UnboundedSender<WatchEvent>,
     mut finish: oneshot::Receiver<()>,
+    reattaching: watch::Sender<bool>,
 ) {
-    let mut last_heard = Instant::now();
-    let mut backoff = Duration::from_millis(50);
+    let mut state = Lease {
+        lease,
+        budget: coordinators.budget(),
+        last_heard: Instant::now(),
+        streak: None,
+    };
+    let mut backoff = failover::Backoff::default();
     let mut last_error = String::from("no answer");
+    let mut attached_once = false;
+    let mut finishing = false;
+    let mut broke_at: Option<(Instant, String)> = None;
+    // Whether another replica was tried since the coordinator was last heard.
+    let mut tried_other = false;
     loop {
-        if last_heard.elapsed() >= lease {
-            let _ = tx.send(WatchEvent::Lost(format!(
-                "the coordinator was not heard for {:.1}s (the lease): {last_error}",
-                lease.as_secs_f64()
-            )));
+        if state.expired() {
+            let what = if state.streak.is_some() {
+                format!(
+                    "the coordinator was not heard for {:.1}s (the lease) and no replica took the node back within {:.1}s (the failover budget)",
+                    lease.as_secs_f64(),
+                    state.budget.as_secs_f64()
+                )
+            } else {
+                format!(
+                    "the coordinator was not heard for {:.1}s (the lease)",
+                    lease.as_secs_f64()
+                )
+            };
+            let _ = tx.send(WatchEvent::Lost(format!("{what}: {last_error}")));
             return;
         }
+        let (addr, channel) = match coordinators.channel() {
+            Ok(pair) => pair,
+            Err(status) => {
+                let _ = tx.send(WatchEvent::Lost(status.message().to_owned()));
+                return;
+            }
+        };
+        let mut client = RendezvousClient::new(channel);
         let (out, out_rx) = mpsc::channel::<pb::NodeMessage>(16);
         let _ = out
             .send(pb::NodeMessage {
-                kind: Some(pb::node_message::Kind::Attach(attach.clone())),
+                kind: Some(pb::node_message::Kind::Attach(pb::NodeAttach {
+                    resume: attached_once,
+                    ..attach.clone()
+                })),
             })
             .await;
-        let remaining = lease.saturating_sub(last_heard.elapsed());
+        if finishing {
+            let _ = out
+                .send(pb::NodeMessage {
+                    kind: Some(pb::node_message::Kind::Finished(pb::NodeFinished {})),
+                })
+                .await;
+        }
         let opened = tokio::time::timeout(
-            remaining,
+            state.remaining(),
             client.watch(tokio_stream::wrappers::ReceiverStream::new(out_rx)),
         )
         .await;
@@ -108,34 +232,54 @@ async fn run(
             Ok(Err(status)) if gone(&status) => {
                 // The generation is over at the coordinator (it moved on while this node could
                 // not hear it): stop and join again; the join says whether the job goes on.
-                let _ = tx.send(WatchEvent::Ended(pb::GenerationEnded {
-                    generation: attach.generation,
-                    cause: pb::generation_ended::Cause::Superseded as i32,
-                    rejoin: true,
-                    message: status.message().to_owned(),
-                    ..Default::default()
-                }));
+                let _ = tx.send(WatchEvent::Ended(superseded(&attach, &status)));
                 return;
             }
             Ok(Err(status)) => {
-                last_error = status.message().to_owned();
-                tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(Duration::from_secs(1));
+                last_error = format!("{addr}: {}", status.message());
+                if failover::retryable(&status) {
+                    // A follower (it may name the leader), or a replica that is down. Before
+                    // the first attach, that is a failover right after the join; after a
+                    // silence, the lease alone decides.
+                    if !attached_once {
+                        state.broke();
+                        let _ = reattaching.send(true);
+                    }
+                    coordinators.failed(&addr, failover::leader_hint(&status).as_deref());
+                }
+                pause(&mut state, &mut backoff).await;
                 continue;
             }
-            Err(_) => continue,
+            Err(_) => {
+                coordinators.failed(&addr, None);
+                continue;
+            }
         };
         let mut interval = Duration::from_secs(1);
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // Whether the stream ended the way a coordinator that went away ends it.
+        let mut broke = false;
         loop {
             tokio::select! {
                 msg = stream.message() => match msg {
                     Ok(Some(event)) => {
-                        last_heard = Instant::now();
-                        backoff = Duration::from_millis(50);
+                        state.last_heard = Instant::now();
+                        tried_other = false;
+                        backoff.reset();
                         match event.kind {
                             Some(pb::node_event::Kind::Attached(a)) => {
+                                attached_once = true;
+                                if state.streak.take().is_some() {
+                                    let _ = reattaching.send(false);
+                                }
+                                if let Some((at, from)) = broke_at.take() {
+                                    eprintln!(
+                                        "muster-agent: job {}: re-attached to the coordinator at {addr} {:.0} ms after losing {from}",
+                                        attach.job_id,
+                                        at.elapsed().as_secs_f64() * 1000.0
+                                    );
+                                }
                                 let asked = Duration::from_millis(a.heartbeat_interval_ms.max(50));
                                 // Heartbeat often enough for the coordinator and for our lease.
                                 let want = asked.min(lease / 4).max(Duration::from_millis(20));
@@ -151,27 +295,40 @@ async fn run(
                             Some(pb::node_event::Kind::Heartbeat(_)) | None => {}
                         }
                     }
+                    Ok(None) if finishing => return,
                     Ok(None) => {
-                        last_error = "the coordinator closed the watch stream".to_owned();
+                        // A coordinator ends a watch deliberately with a status; a bare end is
+                        // a coordinator that went away.
+                        last_error = format!("{addr} closed the watch stream");
+                        broke = true;
+                        coordinators.failed(&addr, None);
                         break;
                     }
                     Err(status) if gone(&status) => {
-                        let _ = tx.send(WatchEvent::Ended(pb::GenerationEnded {
-                            generation: attach.generation,
-                            cause: pb::generation_ended::Cause::Superseded as i32,
-                            rejoin: true,
-                            message: status.message().to_owned(),
-                            ..Default::default()
-                        }));
+                        let _ = tx.send(WatchEvent::Ended(superseded(&attach, &status)));
                         return;
                     }
                     Err(status) => {
-                        last_error = status.message().to_owned();
+                        last_error = format!("{addr}: {}", status.message());
+                        if failover::retryable(&status) {
+                            broke = true;
+                            coordinators.failed(&addr, failover::leader_hint(&status).as_deref());
+                        }
+                        // Otherwise not a failover: reconnect within the lease, as after a blip.
                         break;
                     }
                 },
                 _ = tick.tick() => {
-                    if last_heard.elapsed() >= lease {
+                    let silent = state.last_heard.elapsed();
+                    if silent >= lease {
+                        break;
+                    }
+                    if !tried_other && coordinators.len() > 1 && silent >= lease / 2 {
+                        // A frozen leader keeps its connections open: ask another replica,
+                        // which either is the new leader or names it.
+                        tried_other = true;
+                        last_error = format!("{addr} went silent");
+                        coordinators.failed(&addr, None);
                         break;
                     }
                     // A full buffer means the stream is stuck: the lease check above decides.
@@ -179,23 +336,50 @@ async fn run(
                         kind: Some(pb::node_message::Kind::Heartbeat(pb::Heartbeat {})),
                     });
                 }
-                r = &mut finish => {
-                    if r.is_ok() {
-                        let _ = out
-                            .send(pb::NodeMessage {
-                                kind: Some(pb::node_message::Kind::Finished(pb::NodeFinished {})),
-                            })
-                            .await;
-                        drop(out);
-                        // The coordinator ends the stream once it has read ours to the end.
-                        while let Ok(Some(_)) = stream.message().await {}
+                r = &mut finish, if !finishing => {
+                    if r.is_err() {
+                        return;
                     }
-                    return;
+                    finishing = true;
+                    let _ = out
+                        .send(pb::NodeMessage {
+                            kind: Some(pb::node_message::Kind::Finished(pb::NodeFinished {})),
+                        })
+                        .await;
+                    // Keep the stream open: the coordinator ends it once it has taken this in.
                 }
             }
         }
-        tokio::time::sleep(backoff.min(lease.saturating_sub(last_heard.elapsed()))).await;
-        backoff = (backoff * 2).min(Duration::from_secs(1));
+        drop(out);
+        if broke {
+            if state.streak.is_none() {
+                eprintln!(
+                    "muster-agent: job {}: lost the watch stream ({last_error}); re-attaching to the coordinator's leader (failover budget {} ms)",
+                    attach.job_id,
+                    state.budget.as_millis()
+                );
+                broke_at = Some((Instant::now(), addr.clone()));
+            }
+            state.broke();
+            let _ = reattaching.send(true);
+        }
+        pause(&mut state, &mut backoff).await;
+    }
+}
+
+/// Sleeps one backoff step, cut short at the deadline.
+async fn pause(state: &mut Lease, backoff: &mut failover::Backoff) {
+    tokio::time::sleep(backoff.next_sleep().min(state.remaining())).await;
+}
+
+/// The `GenerationEnded` a refused or ended watch stands for.
+fn superseded(attach: &pb::NodeAttach, status: &tonic::Status) -> pb::GenerationEnded {
+    pb::GenerationEnded {
+        generation: attach.generation,
+        cause: pb::generation_ended::Cause::Superseded as i32,
+        rejoin: true,
+        message: status.message().to_owned(),
+        ..Default::default()
     }
 }
 

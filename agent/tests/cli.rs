@@ -72,6 +72,7 @@ fn help_mentions_the_launch_flags() {
         "--last-call-ms",
         "--rdzv-conf",
         "--lease-ms",
+        "--failover-timeout-ms",
         "--master-addr",
         "--master-port",
         "--gpu-ids",

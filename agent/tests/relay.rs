@@ -135,6 +135,7 @@ async fn join(addr: &str, job: &str, local_sizes: &[u32]) -> Vec<pb::JoinRespons
                     max_nodes: nodes,
                     ..Default::default()
                 }),
+                ..Default::default()
             };
             tokio::spawn(async move { client.join(request).await.unwrap().into_inner() })
         })
@@ -150,6 +151,7 @@ async fn join(addr: &str, job: &str, local_sizes: &[u32]) -> Vec<pb::JoinRespons
 fn assignment(addr: &str, n: &pb::JoinResponse) -> NodeAssignment {
     NodeAssignment {
         coordinator: addr.to_owned(),
+        failover_timeout: std::time::Duration::from_secs(30),
         job_id: n.job_id.clone(),
         generation: n.generation,
         node_rank: n.node_rank,

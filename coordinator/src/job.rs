@@ -147,7 +147,7 @@ impl Failure {
 
 struct Joiner {
     req: JoinReq,
-    reply: oneshot::Sender<Result<pb::JoinResponse, Status>>,
+    reply: JoinReply,
     /// Which call holds the place (a retry of the same join takes it over).
     attempt: u64,
 }
@@ -293,11 +293,18 @@ pub struct JobContext {
     pub store: Option<Arc<dyn Store>>,
 }
 
+/// The record writer's queue: the latest record and its version.
+type RecordQueue = (u64, Option<Arc<pb::JobRecord>>);
+
+/// A join's reply channel, and its receiving end.
+type JoinReply = oneshot::Sender<Result<pb::JoinResponse, Status>>;
+type JoinAnswer = oneshot::Receiver<Result<pb::JoinResponse, Status>>;
+
 /// The job's record writer: the latest record to write (with its version), and the version
 /// last written. Writes are ordered and only the latest matters, so a record superseded while
 /// an earlier write is in flight is skipped.
 struct Persist {
-    pending: watch::Sender<(u64, Option<Arc<pb::JobRecord>>)>,
+    pending: watch::Sender<RecordQueue>,
     written: watch::Sender<u64>,
 }
 
@@ -575,7 +582,7 @@ impl Gen {
 async fn write_records(
     key: String,
     store: Arc<dyn Store>,
-    mut pending: watch::Receiver<(u64, Option<Arc<pb::JobRecord>>)>,
+    mut pending: watch::Receiver<RecordQueue>,
     written: watch::Sender<u64>,
     retired: CancellationToken,
 ) {
@@ -1006,17 +1013,7 @@ impl Job {
     /// Adds a node to the open round (opening the next one if the job is running). Returns the
     /// round's generation, the call's attempt id (for [`Job::withdraw`]) and the receiver of
     /// the node's assignment.
-    pub fn join(
-        self: &Arc<Self>,
-        req: JoinReq,
-    ) -> Result<
-        (
-            u64,
-            u64,
-            oneshot::Receiver<Result<pb::JoinResponse, Status>>,
-        ),
-        Status,
-    > {
+    pub fn join(self: &Arc<Self>, req: JoinReq) -> Result<(u64, u64, JoinAnswer), Status> {
         let mut st = self.lock();
         let attempt = st.next_watch;
         st.next_watch += 1;

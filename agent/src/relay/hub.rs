@@ -19,7 +19,10 @@
 //!   fails with RANK_FAILED once the coordinator confirms the death (its `failed` event, with
 //!   the agent's exit report), or after [`DEATH_CONFIRM`] with an error naming the rank;
 //! - a rank that left makes every barrier it had not entered fail with RANK_LEFT;
-//! - the coordinator's `failed` event fails every pending and later barrier with its error.
+//! - the coordinator's `failed` event fails every pending and later barrier with its error;
+//! - across a coordinator failover, the relay re-registers with [`Hub::released`] and
+//!   [`Hub::resend`]s the global barriers in flight, exactly as they were first sent; the local
+//!   ranks keep waiting and see nothing of it.
 
 use crate::env::NodeAssignment;
 use muster_coordinator::model::{
@@ -108,6 +111,8 @@ struct Barrier {
     diverged: Option<pb::BarrierError>,
     /// Handed to the coordinator (global scope): its answer ends the barrier.
     sent: bool,
+    /// What was handed to the coordinator, to send again after a failover.
+    enter: Option<pb::GroupEnter>,
 }
 
 impl Barrier {
@@ -119,6 +124,7 @@ impl Barrier {
             arrivals: Vec::new(),
             diverged: None,
             sent: false,
+            enter: None,
         }
     }
 
@@ -161,6 +167,8 @@ pub struct Hub {
     to: Vec<u32>,
     /// The deadline the timer is armed for.
     armed: Option<Instant>,
+    /// The last global seq the coordinator answered with a result that uses the seq up.
+    released: u64,
 }
 
 fn result(scope: i32, seq: u64, error: Option<pb::BarrierError>) -> pb::CoordinatorMessage {
@@ -236,6 +244,7 @@ impl Hub {
             closed: None,
             to: Vec::with_capacity(node.local_world_size as usize),
             armed: None,
+            released: 0,
         }
     }
 
@@ -448,6 +457,9 @@ impl Hub {
     pub fn on_event(&mut self, event: pb::RelayEvent, sink: &mut impl Sink) {
         match event.kind {
             Some(pb::relay_event::Kind::Barrier(r)) => {
+                if consumes_seq(r.error.as_ref()) {
+                    self.released = self.released.max(r.seq);
+                }
                 let Some(bi) = self
                     .barriers
                     .iter()
@@ -461,6 +473,25 @@ impl Hub {
             }
             Some(pb::relay_event::Kind::Failed(err)) => self.fail_all(err, sink),
             Some(pb::relay_event::Kind::Registered(_)) | None => {}
+        }
+    }
+
+    /// The last global barrier seq the coordinator released this node from (0 if none): what
+    /// the relay tells the next leader when it registers again after a failover.
+    pub fn released(&self) -> u64 {
+        self.released
+    }
+
+    /// After a failover: sends the coordinator every global barrier handed to it and not yet
+    /// answered, again, exactly as first sent (same seq, groups and timeout). The coordinator
+    /// answers each once.
+    pub fn resend(&mut self, sink: &mut impl Sink) {
+        for b in &self.barriers {
+            if let (true, Some(enter)) = (b.sent, &b.enter) {
+                sink.coordinator(pb::RelayMessage {
+                    kind: Some(pb::relay_message::Kind::Enter(enter.clone())),
+                });
+            }
         }
     }
 
@@ -592,6 +623,7 @@ impl Hub {
             b.arrivals.clear();
             b.diverged = None;
             b.sent = false;
+            b.enter = None;
             self.spare.push(b);
         }
     }
@@ -658,12 +690,14 @@ impl Hub {
                 pb::BarrierName { name, ranks }
             })
             .collect();
+        let enter = pb::GroupEnter {
+            seq: b.seq,
+            groups,
+            timeout_ms,
+        };
+        b.enter = Some(enter.clone());
         sink.coordinator(pb::RelayMessage {
-            kind: Some(pb::relay_message::Kind::Enter(pb::GroupEnter {
-                seq: b.seq,
-                groups,
-                timeout_ms,
-            })),
+            kind: Some(pb::relay_message::Kind::Enter(enter)),
         });
     }
 
@@ -816,6 +850,7 @@ mod tests {
     fn node() -> NodeAssignment {
         NodeAssignment {
             coordinator: "127.0.0.1:1".into(),
+            failover_timeout: crate::failover::DEFAULT_BUDGET,
             job_id: "j".into(),
             generation: 2,
             node_rank: 1,
@@ -927,7 +962,9 @@ mod tests {
     /// - `+MS`: the clock moves on and expired waits are answered
     /// - `result SEQ ok|timeout|failed`: the coordinator's answer to global barrier SEQ
     /// - `failed`, `dead`: the coordinator's failure event (superseded; rank 6 exited);
-    ///   `closed`: the coordinator stream broke
+    ///   `closed`: the coordinator stream broke for good
+    /// - `failover`: the relay registers again after a failover (recorded with the `released`
+    ///   seq it sends) and re-sends the barriers in flight
     /// - `reg R [job=J] [gen=G]`: a further registration (refusals are recorded)
     fn check(script: &str, expected: &str) {
         check_on(&node(), script, expected);
@@ -948,6 +985,7 @@ mod tests {
                 rank,
                 pid: 100 + rank,
                 host: String::new(),
+                ..Default::default()
             })
         };
         for rank in offset..offset + node.local_world_size {
@@ -1002,6 +1040,11 @@ mod tests {
                     hub.on_event(event, &mut rec);
                 }
                 "closed" => hub.coordinator_lost("no coordinator".into(), &mut rec),
+                "failover" => {
+                    rec.lines
+                        .push(format!("re-register released={}", hub.released()));
+                    hub.resend(&mut rec);
+                }
                 "reg" => {
                     let mut job = "j";
                     let mut generation = 2;
@@ -1094,6 +1137,41 @@ mod tests {
              enter 5 node 1 b
              enter 6 node 1 b",
             "4 <- node #1 TIMEOUT [missing 5,6]: node 1 barrier #1 (a) timed out after 0.100s on rank 4 of job 'j' generation 2; missing ranks: 5 (node 1, host host-b), 6 (node 1, host host-b)
+             4,5,6 <- node #1 ok",
+        );
+    }
+
+    #[test]
+    fn a_failover_resends_the_barriers_in_flight_and_the_ranks_see_nothing() {
+        check(
+            "failover
+             enter 4 global 1 g
+             enter 5 global 1 g
+             enter 6 global 1 h 2000
+             +100
+             failover
+             result 1 ok
+             failover
+             enter 4 global 2 g
+             enter 5 global 2 g
+             enter 6 global 2 g
+             result 2 timeout
+             failover
+             enter 4 node 1 n
+             enter 5 node 1 n
+             failover
+             enter 6 node 1 n
+             +5000",
+            "re-register released=0
+             => enter #1 [g: 4,5] [h: 6] timeout 2000
+             re-register released=0
+             => enter #1 [g: 4,5] [h: 6] timeout 2000
+             4,5,6 <- global #1 ok
+             re-register released=1
+             => enter #2 [g: 4,5,6] timeout 0
+             4,5,6 <- global #2 TIMEOUT: remote node 0 late
+             re-register released=1
+             re-register released=1
              4,5,6 <- node #1 ok",
         );
     }
@@ -1313,6 +1391,7 @@ mod tests {
                 rank,
                 pid: 1,
                 host: String::new(),
+                ..Default::default()
             };
             assert!(hub.register(&reg).is_ok());
         }
