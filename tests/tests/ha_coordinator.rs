@@ -250,7 +250,7 @@ async fn a_standby_and_a_restarted_replica_take_over_a_running_job() {
     let Some(etcd) = Etcd::start(1) else {
         return;
     };
-    let mut replicas = vec![replica(&etcd, "/ha1/"), replica(&etcd, "/ha1/")];
+    let mut replicas = [replica(&etcd, "/ha1/"), replica(&etcd, "/ha1/")];
     let l = leader(&[&replicas[0], &replicas[1]], Duration::from_secs(10)).await;
     let f = 1 - l;
     let lch = channel(&replicas[l].addr).await;

@@ -24,16 +24,19 @@ use muster_proto::{
     },
 };
 use tokio::{
-    sync::{mpsc, oneshot},
+    sync::{Notify, mpsc, oneshot},
     task::JoinHandle,
     time::{Instant, MissedTickBehavior},
 };
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Streaming, transport::Channel};
 
-use crate::Error;
+use crate::{
+    Error,
+    failover::{self, Retry, Verdict},
+};
 
-/// How long [`Coordinator::connect`] tries to open the TCP connection.
+/// How long [`Coordinator::connect`] tries to open the TCP connection to one address.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// Room for outgoing session messages: at most one barrier per scope, a heartbeat and `leave`
 /// are ever in flight, so a little slack is plenty.
@@ -44,76 +47,296 @@ const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
 const LEAVE_GRACE: Duration = Duration::from_secs(5);
 
 /// A connection to the coordinator, cheap to clone and share: tonic multiplexes every call and
-/// session stream of all clones over one HTTP/2 connection. It remembers the address so that
-/// connection errors can name it.
+/// session stream of all clones over one HTTP/2 connection per coordinator replica.
+///
+/// With several replicas (`host:port,host:port`), it talks to the one it believes is the
+/// leader and fails over when a call or stream fails in a way worth retrying: to the address a
+/// refusing follower names in its `muster-leader` metadata, else to the next address in the
+/// list, with a jittered exponential backoff, for at most the failover budget
+/// (`MUSTER_FAILOVER_TIMEOUT_MS`, 30 s by default). Clones share the choice of leader, so
+/// one failover serves every call.
 #[derive(Clone)]
 pub struct Coordinator {
+    inner: Arc<Replicas>,
+}
+
+/// The replicas a [`Coordinator`] knows and which of them is in use. The lock is held for a
+/// few instructions, never across an await.
+struct Replicas {
+    /// The address list as given, for messages.
+    addrs: Arc<str>,
+    state: Mutex<ReplicaState>,
+}
+
+struct ReplicaState {
+    /// The configured addresses, then any leader named by a follower that was not among them.
+    targets: Vec<Target>,
+    /// Index into `targets` of the replica in use.
+    current: usize,
+    /// Counts switches, so that many calls failing on one replica switch only once.
+    epoch: u64,
+    /// How long calls and sessions keep retrying after a failure.
+    failover_timeout: Duration,
+}
+
+struct Target {
+    addr: Arc<str>,
+    channel: Channel,
+}
+
+/// The replica a call is made on.
+struct Current {
     channel: Channel,
     addr: Arc<str>,
+    epoch: u64,
 }
 
 impl fmt::Debug for Coordinator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Coordinator")
-            .field("addr", &self.addr)
+            .field("addrs", &self.inner.addrs)
+            .field("leader", &self.leader_addr())
             .finish_non_exhaustive()
     }
 }
 
 impl Coordinator {
-    /// Connects to the coordinator at `addr` (`host:port`, as in `MUSTER_COORDINATOR`) with
-    /// TCP_NODELAY (barriers are latency-bound) and no request timeout (barriers and fetches
-    /// wait as long as the generation is alive).
-    pub async fn connect(addr: &str) -> Result<Self, Error> {
-        let endpoint = Self::endpoint(addr)?;
-        let channel = endpoint.connect().await.map_err(|e| Error::Connection {
-            addr: addr.to_owned(),
-            source: Arc::new(e),
-        })?;
-        Ok(Self {
-            channel,
-            addr: addr.into(),
-        })
+    /// Connects to the coordinator at `addrs` (`host:port`, or a comma-separated list of the
+    /// replicas' addresses, as in `MUSTER_COORDINATOR`) with TCP_NODELAY (barriers are
+    /// latency-bound) and no request timeout (barriers and fetches wait as long as the
+    /// generation is alive). Tries the addresses in order and fails only when none accepts a
+    /// connection; the others are connected on first use. Reads the failover budget from
+    /// `MUSTER_FAILOVER_TIMEOUT_MS`.
+    pub async fn connect(addrs: &str) -> Result<Self, Error> {
+        let list = parse_list(addrs)?;
+        let failover_timeout = failover::timeout_from_env()?;
+        let mut last = None;
+        let mut connected = None;
+        for (index, addr) in list.iter().enumerate() {
+            match endpoint(addr)?.connect().await {
+                Ok(channel) => {
+                    connected = Some((index, channel));
+                    break;
+                }
+                Err(e) => {
+                    tracing::debug!(%addr, error = %e, "coordinator replica unreachable");
+                    last = Some((addr.clone(), e));
+                }
+            }
+        }
+        let Some((current, channel)) = connected else {
+            let (addr, source) =
+                last.ok_or_else(|| Error::Config("no coordinator address".into()))?;
+            let addr = if list.len() == 1 {
+                addr
+            } else {
+                addrs.trim().to_owned()
+            };
+            return Err(Error::Connection {
+                addr,
+                source: Arc::new(source),
+            });
+        };
+        let mut channel = Some(channel);
+        let targets = list
+            .iter()
+            .enumerate()
+            .map(|(index, addr)| {
+                let channel = match channel.take_if(|_| index == current) {
+                    Some(channel) => channel,
+                    None => endpoint(addr)?.connect_lazy(),
+                };
+                Ok(Target {
+                    addr: addr.as_str().into(),
+                    channel,
+                })
+            })
+            .collect::<Result<_, Error>>()?;
+        Ok(Self::with_targets(
+            addrs,
+            targets,
+            current,
+            failover_timeout,
+        ))
     }
 
     /// Like [`Coordinator::connect`], but connects on first use; errors then show up in the
     /// first call. Must be called inside a tokio runtime.
-    pub fn connect_lazy(addr: &str) -> Result<Self, Error> {
-        let channel = Self::endpoint(addr)?.connect_lazy();
-        Ok(Self {
-            channel,
-            addr: addr.into(),
-        })
+    pub fn connect_lazy(addrs: &str) -> Result<Self, Error> {
+        let list = parse_list(addrs)?;
+        let failover_timeout = failover::timeout_from_env()?;
+        let targets = list
+            .iter()
+            .map(|addr| {
+                Ok(Target {
+                    addr: addr.as_str().into(),
+                    channel: endpoint(addr)?.connect_lazy(),
+                })
+            })
+            .collect::<Result<_, Error>>()?;
+        Ok(Self::with_targets(addrs, targets, 0, failover_timeout))
     }
 
-    /// Wraps a channel built elsewhere (custom transport, tests); `addr` is only used to name
-    /// the coordinator in errors.
+    /// Wraps a channel built elsewhere (custom transport, tests); `addr` names the coordinator
+    /// in errors. Failures are retried on the same channel (and on a leader a follower names).
     pub fn from_channel(channel: Channel, addr: impl Into<Arc<str>>) -> Self {
-        Self {
+        let addr: Arc<str> = addr.into();
+        let targets = vec![Target {
+            addr: addr.clone(),
             channel,
-            addr: addr.into(),
+        }];
+        Self::with_targets(&addr, targets, 0, failover::DEFAULT_TIMEOUT)
+    }
+
+    fn with_targets(
+        addrs: &str,
+        targets: Vec<Target>,
+        current: usize,
+        failover_timeout: Duration,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Replicas {
+                addrs: addrs.trim().into(),
+                state: Mutex::new(ReplicaState {
+                    targets,
+                    current,
+                    epoch: 0,
+                    failover_timeout,
+                }),
+            }),
         }
     }
 
-    fn endpoint(addr: &str) -> Result<tonic::transport::Endpoint, Error> {
-        let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-            .map_err(|e| Error::Config(format!("coordinator address {addr:?} is invalid: {e}")))?;
-        Ok(endpoint.tcp_nodelay(true).connect_timeout(CONNECT_TIMEOUT))
+    fn state(&self) -> MutexGuard<'_, ReplicaState> {
+        // Every update of the state is a single assignment or push: nothing to repair after a
+        // panic elsewhere.
+        self.inner
+            .state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The underlying channel, for calling services this module does not wrap (Ops).
-    pub fn channel(&self) -> &Channel {
-        &self.channel
+    fn current(&self) -> Current {
+        let state = self.state();
+        let target = &state.targets[state.current];
+        Current {
+            channel: target.channel.clone(),
+            addr: target.addr.clone(),
+            epoch: state.epoch,
+        }
     }
 
-    /// The coordinator's `host:port`.
+    /// Moves to another replica after a failure seen on the replica of `epoch`: to `leader` if
+    /// a follower named it, else to the next address in the list. Does nothing if another call
+    /// already moved on since.
+    fn fail_over(&self, epoch: u64, leader: Option<&str>) {
+        let mut state = self.state();
+        if state.epoch != epoch {
+            return;
+        }
+        let named = leader.and_then(|leader| {
+            if let Some(index) = state.targets.iter().position(|t| &*t.addr == leader) {
+                return Some(index);
+            }
+            // A leader outside the list (its advertise address spelled differently): add it.
+            let channel = endpoint(leader).ok()?.connect_lazy();
+            state.targets.push(Target {
+                addr: leader.into(),
+                channel,
+            });
+            Some(state.targets.len() - 1)
+        });
+        state.current = named.unwrap_or((state.current + 1) % state.targets.len());
+        state.epoch += 1;
+    }
+
+    /// Runs a unary call under the failover policy. `attempt` makes one attempt on the channel
+    /// it is given. Failures that prove the request was not applied are retried for every
+    /// call; other retryable failures only when `idempotent`. On giving up, the error names
+    /// the replica that answered last.
+    async fn call<T, F, Fut>(
+        &self,
+        idempotent: bool,
+        mut attempt: F,
+    ) -> Result<T, (tonic::Status, Arc<str>)>
+    where
+        F: FnMut(Channel) -> Fut,
+        Fut: Future<Output = Result<T, tonic::Status>>,
+    {
+        let mut retry: Option<Retry> = None;
+        loop {
+            let current = self.current();
+            let status = match attempt(current.channel).await {
+                Ok(value) => return Ok(value),
+                Err(status) => status,
+            };
+            let retryable = match failover::classify_call(&status) {
+                Verdict::NotApplied => true,
+                Verdict::Unknown => idempotent,
+                Verdict::Final => false,
+            };
+            if !retryable {
+                return Err((status, current.addr));
+            }
+            let retry = retry.get_or_insert_with(|| Retry::new(self.failover_timeout()));
+            let leader = failover::leader_hint(&status);
+            self.fail_over(current.epoch, leader.as_deref());
+            if !retry.wait().await {
+                return Err((status, current.addr));
+            }
+            tracing::debug!(
+                failed = %current.addr,
+                next = %self.leader_addr(),
+                code = ?status.code(),
+                message = status.message(),
+                "retrying a coordinator call on another replica"
+            );
+        }
+    }
+
+    /// The channel to the replica in use, for calling services this module does not wrap
+    /// (Ops). Calls made on it directly are not retried.
+    pub fn channel(&self) -> Channel {
+        self.current().channel
+    }
+
+    /// The coordinator's `host:port`, or the comma-separated list of its replicas' addresses,
+    /// as given.
     pub fn addr(&self) -> &str {
-        &self.addr
+        &self.inner.addrs
     }
 
-    fn status_error(&self, status: tonic::Status, what: impl FnOnce() -> String) -> Error {
-        Error::from_status(status, &self.addr, what)
+    /// The address of the replica in use: the leader, as far as this client knows.
+    pub fn leader_addr(&self) -> Arc<str> {
+        self.current().addr
     }
+
+    /// How long calls and sessions keep retrying after a failure before it surfaces.
+    pub fn failover_timeout(&self) -> Duration {
+        self.state().failover_timeout
+    }
+
+    /// Changes the failover budget of this connection and all its clones (0: no retries);
+    /// `connect` reads it from `MUSTER_FAILOVER_TIMEOUT_MS`.
+    pub fn set_failover_timeout(&self, timeout: Duration) {
+        self.state().failover_timeout = timeout;
+    }
+}
+
+fn parse_list(addrs: &str) -> Result<Vec<String>, Error> {
+    failover::parse_addrs(addrs).map_err(|why| {
+        Error::Config(if addrs.contains(',') {
+            format!("coordinator address list {addrs:?}: {why}")
+        } else {
+            format!("coordinator address {addrs:?} {why}")
+        })
+    })
+}
+
+fn endpoint(addr: &str) -> Result<tonic::transport::Endpoint, Error> {
+    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+        .map_err(|e| Error::Config(format!("coordinator address {addr:?} is invalid: {e}")))?;
+    Ok(endpoint.tcp_nodelay(true).connect_timeout(CONNECT_TIMEOUT))
 }
 
 /// Which ranks a barrier spans.
@@ -190,16 +413,22 @@ pub struct Registration {
 /// keeps it alive with heartbeats and carries its barriers.
 ///
 /// One background task per session sends the heartbeats and routes barrier results to their
-/// callers. [`Session::leave`] ends the session cleanly. Dropping a session without `leave`
-/// ends the stream without it, which the coordinator treats as this rank failing — the same as
-/// a crash.
+/// callers. When the stream breaks in a way a coordinator failover explains (a transport
+/// error, UNAVAILABLE, or an end without `leave`), the task re-opens it on the leader with
+/// `resume`, telling the coordinator the last barrier of each scope it was released from, and
+/// sends again every barrier entry that was not answered: callers waiting in
+/// [`Session::barrier`] only see a delay, and the [`FailureWatch`] does not fire. Only when
+/// the failover budget ([`Coordinator::failover_timeout`]) runs out, or the coordinator
+/// refuses the re-attach on purpose (the generation failed or was superseded, the job is
+/// gone), is the session lost, as a broken stream was before.
+///
+/// [`Session::leave`] ends the session cleanly. Dropping a session without `leave` ends the
+/// stream without it, which the coordinator treats as this rank failing — the same as a crash.
 pub struct Session {
     coordinator: Coordinator,
     config: SessionConfig,
     registration: Registration,
     shared: Arc<Shared>,
-    /// The only strong sender: dropping it ends the request stream. `None` once leaving.
-    outbound: Option<mpsc::Sender<WorkerMessage>>,
     task: Option<JoinHandle<()>>,
     failures: FailureWatch,
 }
@@ -218,12 +447,33 @@ impl fmt::Debug for Session {
 /// instructions at a time, never across an await.
 struct Shared {
     state: Mutex<RouterState>,
+    /// Wakes the session task to send `leave` (see [`Session::leave`]).
+    leaving: Notify,
 }
 
 struct RouterState {
     scopes: [Slot; 2],
-    /// Set when the stream ended or broke; every later call fails with it.
+    /// The request side of the current stream. `None` while the task re-attaches after a
+    /// failover (entries recorded in the slots are sent when it is back), once `leave` went
+    /// out and once the session is lost. Callers only borrow clones for a send.
+    outbound: Option<mpsc::Sender<WorkerMessage>>,
+    /// Counts the streams opened: room reserved on an earlier stream must not carry an entry,
+    /// since a newer stream already got every entry recorded when it opened.
+    stream: u64,
+    leave: Leave,
+    /// Set when the session ended or broke for good; every later call fails with it.
     lost: Option<Arc<dyn StdError + Send + Sync>>,
+}
+
+/// Where `leave` is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Leave {
+    No,
+    /// [`Session::leave`] asked for it; the session task sends it (on a re-attached stream
+    /// if the current one breaks first).
+    Requested,
+    /// Handed to the stream: its end is now the session's end, not a failover.
+    Sent,
 }
 
 /// One barrier scope: the next sequence number and what is known about the entry for it.
@@ -239,9 +489,10 @@ struct Slot {
 enum Pending {
     /// No entry at the coordinator.
     Idle,
-    /// An entry for `next_seq` is at the coordinator. If the receiver is gone, its caller was
-    /// cancelled and the entry is abandoned (see [`Session::barrier`]).
-    Waiting(oneshot::Sender<Outcome>),
+    /// The entry for `next_seq` is at the coordinator (or will be sent when the stream is
+    /// re-attached; it is sent again after every failover until answered). If the receiver is
+    /// gone, its caller was cancelled and the entry is abandoned (see [`Session::barrier`]).
+    Waiting(oneshot::Sender<Outcome>, pb::BarrierEnter),
     /// The result of the abandoned entry at this seq (the counter has already moved past it
     /// if the result consumed the seq).
     Parked(u64, Option<pb::BarrierError>),
@@ -251,7 +502,7 @@ enum Pending {
 enum Outcome {
     /// The coordinator's result: `None` on success.
     Done(Option<pb::BarrierError>),
-    /// The stream ended or broke.
+    /// The session was lost.
     Lost(Arc<dyn StdError + Send + Sync>),
 }
 
@@ -260,7 +511,66 @@ enum Outcome {
 #[error("{0}")]
 struct StreamEnded(&'static str);
 
+/// Why a session could not be re-attached after its stream broke: what the session's callers
+/// get, with the last failure as its source.
+#[derive(Debug)]
+enum ReattachError {
+    /// The failover budget ran out; the source is the last attempt's failure.
+    OutOfTime {
+        budget: Duration,
+        source: Arc<dyn StdError + Send + Sync>,
+    },
+    /// A replica answered the re-attach with a deliberate status (the source).
+    Refused {
+        addr: Arc<str>,
+        source: tonic::Status,
+    },
+    /// A replica answered something the protocol does not allow.
+    Protocol(String),
+}
+
+impl fmt::Display for ReattachError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let prefix = "the session stream broke and could not re-attach after failover";
+        match self {
+            ReattachError::OutOfTime { budget, .. } => write!(
+                f,
+                "{prefix} within {:.1} s (MUSTER_FAILOVER_TIMEOUT_MS)",
+                budget.as_secs_f64()
+            ),
+            ReattachError::Refused { addr, .. } => {
+                write!(f, "{prefix}: the coordinator at {addr} refused it")
+            }
+            ReattachError::Protocol(message) => write!(f, "{prefix}: {message}"),
+        }
+    }
+}
+
+impl StdError for ReattachError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        // The inner error itself (not the `Arc`), so that a status in it is shown by its code.
+        match self {
+            ReattachError::OutOfTime { source, .. } => Some(&**source),
+            ReattachError::Refused { source, .. } => Some(source),
+            ReattachError::Protocol(_) => None,
+        }
+    }
+}
+
 impl Shared {
+    fn new() -> Self {
+        Self {
+            state: Mutex::new(RouterState {
+                scopes: [Slot::new(), Slot::new()],
+                outbound: None,
+                stream: 0,
+                leave: Leave::No,
+                lost: None,
+            }),
+            leaving: Notify::new(),
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, RouterState> {
         // A panic while holding this lock cannot leave the state half-updated in a way that
         // matters more than losing the session, so poisoning is ignored.
@@ -290,7 +600,7 @@ impl Shared {
             slot.next_seq += 1;
         }
         match std::mem::replace(&mut slot.pending, Pending::Idle) {
-            Pending::Waiting(tx) => {
+            Pending::Waiting(tx, _) => {
                 if let Err(Outcome::Done(error)) = tx.send(Outcome::Done(result.error)) {
                     slot.pending = Pending::Parked(seq, error);
                 }
@@ -299,30 +609,205 @@ impl Shared {
         }
     }
 
-    /// Marks the session lost and fails every waiting caller.
+    /// Marks the session lost, closes its stream and fails every waiting caller.
     fn lose(&self, reason: Arc<dyn StdError + Send + Sync>) {
         let mut state = self.lock();
         if state.lost.is_some() {
             return;
         }
+        state.outbound = None;
         for slot in &mut state.scopes {
-            if let Pending::Waiting(tx) = std::mem::replace(&mut slot.pending, Pending::Idle) {
+            if let Pending::Waiting(tx, _) = std::mem::replace(&mut slot.pending, Pending::Idle) {
                 let _ = tx.send(Outcome::Lost(reason.clone()));
             }
         }
         state.lost = Some(reason);
     }
+
+    /// The current stream's sender, for one send.
+    fn sender(&self) -> Option<mpsc::Sender<WorkerMessage>> {
+        self.lock().outbound.clone()
+    }
+
+    /// The stream broke: until it is re-attached, callers only record their entries.
+    fn detach(&self) {
+        self.lock().outbound = None;
+    }
+
+    /// The last seq of each scope (global, node) this rank was released from: every seq below
+    /// `next_seq` got a result that consumed it.
+    fn released(&self) -> (u64, u64) {
+        let state = self.lock();
+        let released = |scope: Scope| state.scopes[scope.index()].next_seq - 1;
+        (released(Scope::Global), released(Scope::Node))
+    }
+
+    /// Makes `outbound`, the request side of a freshly registered stream, the current one and
+    /// sends on it, before any caller can, every entry that is not answered yet (or `leave`,
+    /// if it was asked for in the meantime).
+    fn attach(&self, outbound: mpsc::Sender<WorkerMessage>) {
+        let mut state = self.lock();
+        if state.lost.is_some() {
+            return;
+        }
+        state.stream += 1;
+        // The channel is fresh and holds at most `register`, so these sends find room; if the
+        // new stream is already gone, the task sees it break and re-attaches again.
+        if state.leave == Leave::Requested {
+            let _ = outbound.try_send(message(worker_message::Kind::Leave(pb::Leave {})));
+            state.leave = Leave::Sent;
+            return;
+        }
+        for slot in &state.scopes {
+            if let Pending::Waiting(_, entry) = &slot.pending {
+                let _ = outbound.try_send(message(worker_message::Kind::Barrier(entry.clone())));
+            }
+        }
+        state.outbound = Some(outbound);
+    }
+
+    /// Sends `leave` on the current stream if [`Session::leave`] asked for it.
+    async fn send_leave(&self) {
+        let outbound = {
+            let mut state = self.lock();
+            if state.leave != Leave::Requested {
+                return;
+            }
+            state.leave = Leave::Sent;
+            state.outbound.take()
+        };
+        let sent = match outbound {
+            Some(outbound) => outbound
+                .send(message(worker_message::Kind::Leave(pb::Leave {})))
+                .await
+                .is_ok(),
+            None => false,
+        };
+        if !sent {
+            // The stream is already gone: send it on the re-attached one.
+            self.lock().leave = Leave::Requested;
+        }
+    }
 }
 
 /// What `barrier` decided under the lock.
 enum Step {
-    /// Enter the barrier at `seq`.
-    Enter(u64, oneshot::Receiver<Outcome>),
+    /// Enter the barrier with this entry.
+    Enter(pb::BarrierEnter, oneshot::Receiver<Outcome>),
     /// Wait for the result of an abandoned entry at `seq`; `same` says whether it had this
     /// call's name.
     Resume(u64, bool, oneshot::Receiver<Outcome>),
     /// The result of an abandoned entry at `seq` already came.
     Parked(u64, bool, Option<pb::BarrierError>),
+}
+
+/// A registered session stream.
+struct Opened {
+    inbound: Streaming<CoordinatorMessage>,
+    registered: pb::Registered,
+    /// The replica it is on, and the [`Coordinator`]'s epoch when it was opened.
+    addr: Arc<str>,
+    epoch: u64,
+}
+
+/// Why a session stream could not be opened, on which replica.
+struct OpenFailure {
+    error: OpenError,
+    addr: Arc<str>,
+    epoch: u64,
+}
+
+enum OpenError {
+    /// The call or the stream failed with this status.
+    Status(tonic::Status),
+    /// The stream ended before `registered`.
+    Ended,
+    /// Something other than `registered` came first.
+    Protocol(String),
+}
+
+impl OpenError {
+    fn verdict(&self) -> (Verdict, Option<String>) {
+        match self {
+            OpenError::Status(status) => (
+                failover::classify_stream(status),
+                failover::leader_hint(status),
+            ),
+            OpenError::Ended => (Verdict::Unknown, None),
+            OpenError::Protocol(_) => (Verdict::Final, None),
+        }
+    }
+}
+
+/// Opens a session stream on the replica in use and registers with `register`; returns the
+/// stream and its request side.
+async fn open(
+    coordinator: &Coordinator,
+    register: pb::Register,
+) -> Result<(Opened, mpsc::Sender<WorkerMessage>), OpenFailure> {
+    let Current {
+        channel,
+        addr,
+        epoch,
+    } = coordinator.current();
+    let fail = |error| OpenFailure {
+        error,
+        addr: addr.clone(),
+        epoch,
+    };
+    let (outbound, rx) = mpsc::channel(OUTBOUND_CAPACITY);
+    outbound
+        .try_send(message(worker_message::Kind::Register(register)))
+        .map_err(|_| {
+            fail(OpenError::Protocol(
+                "the session stream closed before register".into(),
+            ))
+        })?;
+    let mut inbound = SessionClient::new(channel)
+        .attach(ReceiverStream::new(rx))
+        .await
+        .map_err(|status| fail(OpenError::Status(status)))?
+        .into_inner();
+    let registered = match inbound.message().await {
+        Ok(Some(CoordinatorMessage {
+            kind: Some(coordinator_message::Kind::Registered(registered)),
+        })) => registered,
+        Ok(Some(other)) => {
+            return Err(fail(OpenError::Protocol(format!(
+                "expected `registered` as the first session message, got {other:?}"
+            ))));
+        }
+        Ok(None) => return Err(fail(OpenError::Ended)),
+        Err(status) => return Err(fail(OpenError::Status(status))),
+    };
+    let opened = Opened {
+        inbound,
+        registered,
+        addr: addr.clone(),
+        epoch,
+    };
+    Ok((opened, outbound))
+}
+
+fn heartbeat_interval(registered: &pb::Registered) -> Duration {
+    match registered.heartbeat_interval_ms {
+        0 => DEFAULT_HEARTBEAT,
+        ms => Duration::from_millis(ms),
+    }
+}
+
+fn register_message(config: &SessionConfig, resume: Option<(u64, u64)>) -> pb::Register {
+    let (released_global, released_node) = resume.unwrap_or_default();
+    pb::Register {
+        job_id: config.job_id.clone(),
+        generation: config.generation,
+        rank: config.rank,
+        pid: config.pid,
+        host: config.host.clone(),
+        resume: resume.is_some(),
+        released_global,
+        released_node,
+    }
 }
 
 impl Session {
@@ -331,88 +816,66 @@ impl Session {
     /// Fails with the coordinator's status when it refuses the registration (unknown job:
     /// NOT_FOUND; stale generation: FAILED_PRECONDITION; rank outside the world:
     /// INVALID_ARGUMENT; rank registered twice: ALREADY_EXISTS), or with
-    /// [`Error::Connection`] when it cannot be reached.
+    /// [`Error::Connection`] when no replica registers it within the failover budget
+    /// (followers and unreachable replicas are retried as [`Coordinator`] describes).
     pub async fn attach(coordinator: &Coordinator, config: SessionConfig) -> Result<Self, Error> {
-        let (outbound, rx) = mpsc::channel(OUTBOUND_CAPACITY);
-        let register = pb::Register {
-            job_id: config.job_id.clone(),
-            generation: config.generation,
-            rank: config.rank,
-            pid: config.pid,
-            host: config.host.clone(),
-        };
-        let what = || {
-            format!(
-                "registration of rank {} in job {}",
-                config.rank, config.job_id
-            )
-        };
-        outbound
-            .send(message(worker_message::Kind::Register(register)))
-            .await
-            .map_err(|_| Error::Protocol("the session stream closed before register".into()))?;
-        let mut client = SessionClient::new(coordinator.channel.clone());
-        let mut inbound = client
-            .attach(ReceiverStream::new(rx))
-            .await
-            .map_err(|status| coordinator.status_error(status, what))?
-            .into_inner();
-        let registered = match inbound.message().await {
-            Ok(Some(CoordinatorMessage {
-                kind: Some(coordinator_message::Kind::Registered(registered)),
-            })) => registered,
-            Ok(Some(other)) => {
-                return Err(Error::Protocol(format!(
-                    "expected `registered` as the first session message, got {other:?}"
-                )));
+        let mut retry: Option<Retry> = None;
+        let (opened, outbound) = loop {
+            let failure = match open(coordinator, register_message(&config, None)).await {
+                Ok(opened) => break opened,
+                Err(failure) => failure,
+            };
+            let (verdict, leader) = failure.error.verdict();
+            let retried = verdict != Verdict::Final && {
+                let retry = retry.get_or_insert_with(|| Retry::new(coordinator.failover_timeout()));
+                coordinator.fail_over(failure.epoch, leader.as_deref());
+                retry.wait().await
+            };
+            if !retried {
+                return Err(match failure.error {
+                    OpenError::Status(status) => Error::from_status(status, &failure.addr, || {
+                        format!(
+                            "registration of rank {} in job {}",
+                            config.rank, config.job_id
+                        )
+                    }),
+                    OpenError::Ended => Error::Protocol(format!(
+                        "the coordinator closed the session of rank {} without answering register",
+                        config.rank
+                    )),
+                    OpenError::Protocol(message) => Error::Protocol(message),
+                });
             }
-            Ok(None) => {
-                return Err(Error::Protocol(format!(
-                    "the coordinator closed the session of rank {} without answering register",
-                    config.rank
-                )));
-            }
-            Err(status) => return Err(coordinator.status_error(status, what)),
-        };
-        let heartbeat_interval = match registered.heartbeat_interval_ms {
-            0 => DEFAULT_HEARTBEAT,
-            ms => Duration::from_millis(ms),
         };
         let registration = Registration {
-            heartbeat_interval,
-            world_size: registered.world_size,
-            node_rank: registered.node_rank,
-            num_nodes: registered.num_nodes,
+            heartbeat_interval: heartbeat_interval(&opened.registered),
+            world_size: opened.registered.world_size,
+            node_rank: opened.registered.node_rank,
+            num_nodes: opened.registered.num_nodes,
         };
-        let shared = Arc::new(Shared {
-            state: Mutex::new(RouterState {
-                scopes: [Slot::new(), Slot::new()],
-                lost: None,
-            }),
-        });
+        let shared = Arc::new(Shared::new());
+        shared.attach(outbound);
         let failures = FailureWatch::default();
-        let task = tokio::spawn(session_task(
-            shared.clone(),
-            failures.clone(),
-            coordinator.addr.clone(),
-            config.rank,
-            inbound,
-            outbound.downgrade(),
-            heartbeat_interval,
-        ));
+        let link = Link {
+            shared: shared.clone(),
+            failures: failures.clone(),
+            coordinator: coordinator.clone(),
+            config: config.clone(),
+        };
+        let task = tokio::spawn(session_task(link, opened));
         Ok(Self {
             coordinator: coordinator.clone(),
             config,
             registration,
             shared,
-            outbound: Some(outbound),
             task: Some(task),
             failures,
         })
     }
 
     /// Fires when the coordinator reports that this session's generation failed: what
-    /// collectives watch so that a dead peer aborts them instead of hanging them.
+    /// collectives watch so that a dead peer aborts them instead of hanging them. A
+    /// coordinator failover does not fire it.
     pub fn failure_watch(&self) -> FailureWatch {
         self.failures.clone()
     }
@@ -423,7 +886,8 @@ impl Session {
     /// This is the hot path: one channel send and one oneshot per call. Errors: a failed,
     /// departed or superseded rank; diverging names; a timeout listing the missing ranks
     /// (after which the counter stays, so calling again retries the same barrier); a lost
-    /// connection; [`Error::BarrierBusy`] if another call on this scope is in progress.
+    /// session; [`Error::BarrierBusy`] if another call on this scope is in progress. A
+    /// coordinator failover is not an error: the entry is sent again to the new leader.
     ///
     /// # Cancel safety
     ///
@@ -442,58 +906,71 @@ impl Session {
         name: &str,
         timeout: Option<Duration>,
     ) -> Result<(), Error> {
-        let outbound = self
-            .outbound
-            .as_ref()
-            .ok_or_else(|| self.lost_error(None))?;
         let hash = name_hash(name);
         loop {
+            let (outbound, stream) = {
+                let state = self.shared.lock();
+                if let Some(lost) = &state.lost {
+                    return Err(self.lost_error(Some(lost.clone())));
+                }
+                (state.outbound.clone(), state.stream)
+            };
             // Reserve room first, so that once the slot says an entry is at the coordinator,
-            // the send below cannot fail or be cancelled.
-            let permit = outbound
-                .reserve()
-                .await
-                .map_err(|_| self.lost_error(None))?;
+            // the send below cannot fail or be cancelled. Without a stream (the session task is
+            // re-attaching, or will be: reserving failed), the entry is only recorded, and the
+            // task sends it when the stream is back.
+            let permit = match &outbound {
+                Some(outbound) => outbound.reserve().await.ok(),
+                None => None,
+            };
             let step = {
                 let mut state = self.shared.lock();
                 if let Some(lost) = &state.lost {
                     return Err(self.lost_error(Some(lost.clone())));
+                }
+                if state.stream != stream {
+                    // A new stream opened meanwhile and took the recorded entries: the room
+                    // reserved on the old one is worthless.
+                    continue;
                 }
                 let slot = &mut state.scopes[scope.index()];
                 let seq = slot.next_seq;
                 match std::mem::replace(&mut slot.pending, Pending::Idle) {
                     Pending::Idle => {
                         let (tx, rx) = oneshot::channel();
-                        slot.pending = Pending::Waiting(tx);
+                        let entry = pb::BarrierEnter {
+                            scope: scope.to_proto() as i32,
+                            seq,
+                            name: name.to_owned(),
+                            timeout_ms: timeout.map_or(0, |t| {
+                                u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(1)
+                            }),
+                        };
+                        slot.pending = Pending::Waiting(tx, entry.clone());
                         slot.name_hash = hash;
-                        Step::Enter(seq, rx)
+                        Step::Enter(entry, rx)
                     }
-                    Pending::Waiting(tx) if !tx.is_closed() => {
-                        slot.pending = Pending::Waiting(tx);
+                    Pending::Waiting(tx, entry) if !tx.is_closed() => {
+                        slot.pending = Pending::Waiting(tx, entry);
                         return Err(Error::BarrierBusy {
                             scope,
                             rank: self.config.rank,
                         });
                     }
-                    Pending::Waiting(_) => {
+                    Pending::Waiting(_, entry) => {
                         let (tx, rx) = oneshot::channel();
-                        slot.pending = Pending::Waiting(tx);
+                        slot.pending = Pending::Waiting(tx, entry);
                         Step::Resume(seq, slot.name_hash == hash, rx)
                     }
                     Pending::Parked(seq, error) => Step::Parked(seq, slot.name_hash == hash, error),
                 }
             };
             let (seq, same, error) = match step {
-                Step::Enter(seq, rx) => {
-                    let timeout_ms = timeout.map_or(0, |t| {
-                        u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(1)
-                    });
-                    permit.send(message(worker_message::Kind::Barrier(pb::BarrierEnter {
-                        scope: scope.to_proto() as i32,
-                        seq,
-                        name: name.to_owned(),
-                        timeout_ms,
-                    })));
+                Step::Enter(entry, rx) => {
+                    let seq = entry.seq;
+                    if let Some(permit) = permit {
+                        permit.send(message(worker_message::Kind::Barrier(entry)));
+                    }
                     return match self.wait(rx).await? {
                         None => Ok(()),
                         Some(error) => Err(barrier_error(error, scope, name, seq)),
@@ -538,7 +1015,7 @@ impl Session {
             .or_else(|| self.shared.lock().lost.clone())
             .unwrap_or_else(|| Arc::new(StreamEnded("the session stream is closed")));
         Error::Connection {
-            addr: self.coordinator.addr.to_string(),
+            addr: self.coordinator.leader_addr().to_string(),
             source: reason,
         }
     }
@@ -550,31 +1027,38 @@ impl Session {
 
     /// Ends the session cleanly: sends `leave`, closes the stream and waits briefly for the
     /// coordinator to close its side. Other ranks waiting on this one then learn it left
-    /// instead of waiting forever.
+    /// instead of waiting forever. During a failover, `leave` goes to the new leader once the
+    /// session is re-attached (waiting up to the failover budget for that).
     pub async fn leave(mut self) -> Result<(), Error> {
-        let Some(outbound) = self.outbound.take() else {
+        let Some(mut task) = self.task.take() else {
             return Ok(());
         };
-        if let Some(lost) = self.shared.lock().lost.clone() {
-            return Err(self.lost_error(Some(lost)));
-        }
-        let sent = outbound
-            .send(message(worker_message::Kind::Leave(pb::Leave {})))
-            .await;
-        drop(outbound);
-        if sent.is_err() {
-            return Err(self.lost_error(None));
-        }
-        if let Some(mut task) = self.task.take()
-            && tokio::time::timeout(LEAVE_GRACE, &mut task).await.is_err()
-        {
+        let grace = {
+            let mut state = self.shared.lock();
+            if let Some(lost) = state.lost.clone() {
+                drop(state);
+                return Err(self.lost_error(Some(lost)));
+            }
+            state.leave = Leave::Requested;
+            if state.outbound.is_some() {
+                LEAVE_GRACE
+            } else {
+                self.coordinator.failover_timeout() + LEAVE_GRACE
+            }
+        };
+        self.shared.leaving.notify_one();
+        if tokio::time::timeout(grace, &mut task).await.is_err() {
             tracing::debug!(
                 rank = self.config.rank,
                 "coordinator did not close the session after leave"
             );
             task.abort();
         }
-        Ok(())
+        if self.shared.lock().leave == Leave::Sent {
+            Ok(())
+        } else {
+            Err(self.lost_error(None))
+        }
     }
 
     /// What the coordinator answered at registration.
@@ -662,52 +1146,180 @@ pub(crate) fn barrier_error(error: pb::BarrierError, scope: Scope, name: &str, s
     Error::from_barrier_error(error, || format!("{scope} barrier '{name}' (seq {seq})"))
 }
 
-/// The session's one background task: sends heartbeats while the session is alive and routes
-/// incoming barrier results. Policy: on a broken or ended stream it marks the session lost
-/// (failing every waiter) and exits; it is aborted when the session is dropped.
-async fn session_task(
+/// What the session task works with besides its stream.
+struct Link {
     shared: Arc<Shared>,
     failures: FailureWatch,
-    addr: Arc<str>,
-    rank: u32,
-    mut inbound: Streaming<CoordinatorMessage>,
-    outbound: mpsc::WeakSender<WorkerMessage>,
+    coordinator: Coordinator,
+    config: SessionConfig,
+}
+
+/// Why a session stream ended.
+enum StreamEnd {
+    /// For good: after `leave`, after the generation failed, or by a deliberate status.
+    Over(Arc<dyn StdError + Send + Sync>),
+    /// In a way a failover may repair; with the leader a refusal named, if any.
+    Broken(Arc<dyn StdError + Send + Sync>, Option<String>),
+}
+
+/// The session's one background task: sends heartbeats while the session is alive, routes
+/// incoming barrier results, sends `leave` when asked, and re-attaches after a failover.
+/// Policy: when the stream ends for good, or cannot be re-attached within the failover budget,
+/// it marks the session lost (failing every waiter) and exits; it is aborted when the session
+/// is dropped.
+async fn session_task(link: Link, mut opened: Opened) {
+    let rank = link.config.rank;
+    loop {
+        let interval = heartbeat_interval(&opened.registered);
+        let (reason, leader) = match pump(&link, &mut opened.inbound, interval).await {
+            StreamEnd::Over(reason) => {
+                tracing::debug!(rank, addr = %opened.addr, %reason, "the session stream ended");
+                link.shared.lose(reason);
+                return;
+            }
+            StreamEnd::Broken(reason, leader) => (reason, leader),
+        };
+        tracing::debug!(rank, addr = %opened.addr, %reason, "the session stream broke; failing over");
+        match reattach(&link, opened.epoch, reason, leader).await {
+            Ok(next) => opened = next,
+            Err(error) => {
+                tracing::warn!(rank, job = %link.config.job_id, "{error}: {}", error_chain(&error));
+                link.shared.lose(Arc::new(error));
+                return;
+            }
+        }
+    }
+}
+
+/// Runs one stream until it ends.
+async fn pump(
+    link: &Link,
+    inbound: &mut Streaming<CoordinatorMessage>,
     interval: Duration,
-) {
+) -> StreamEnd {
+    let rank = link.config.rank;
     let mut ticker = tokio::time::interval_at(Instant::now() + interval, interval);
     ticker.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    let mut leaving = false;
     loop {
         tokio::select! {
-            _ = ticker.tick(), if !leaving => match outbound.upgrade() {
+            _ = ticker.tick() => {
                 // A full queue already carries traffic; a skipped heartbeat does not matter.
-                Some(tx) => { let _ = tx.try_send(message(worker_message::Kind::Heartbeat(pb::Heartbeat {}))); }
-                // The session dropped its sender: it is leaving or gone.
-                None => leaving = true,
-            },
+                if let Some(outbound) = link.shared.sender() {
+                    let _ = outbound.try_send(message(worker_message::Kind::Heartbeat(pb::Heartbeat {})));
+                }
+            }
+            () = link.shared.leaving.notified() => link.shared.send_leave().await,
             // `Streaming::message` is cancel-safe: its state lives in the stream.
             received = inbound.message() => match received {
                 Ok(Some(CoordinatorMessage { kind: Some(coordinator_message::Kind::Barrier(result)) })) => {
-                    shared.route(result);
+                    link.shared.route(result);
                 }
                 Ok(Some(CoordinatorMessage { kind: Some(coordinator_message::Kind::GenerationFailed(error)) })) => {
                     tracing::debug!(rank, failed = error.rank, "the generation failed");
-                    failures.fire(error);
+                    link.failures.fire(error);
                 }
                 Ok(Some(other)) => tracing::debug!(rank, ?other, "ignoring an unexpected session message"),
+                Ok(None) if link.ended_for_good() => {
+                    return StreamEnd::Over(Arc::new(StreamEnded("the coordinator closed the session stream")));
+                }
                 Ok(None) => {
-                    tracing::debug!(rank, %addr, "the coordinator closed the session stream");
-                    shared.lose(Arc::new(StreamEnded("the coordinator closed the session stream")));
-                    return;
+                    return StreamEnd::Broken(
+                        Arc::new(StreamEnded("the coordinator ended the session stream without leave")),
+                        None,
+                    );
                 }
                 Err(status) => {
-                    tracing::debug!(rank, %addr, %status, "the session stream broke");
-                    shared.lose(Arc::new(status));
-                    return;
+                    if link.ended_for_good() || failover::classify_stream(&status) == Verdict::Final {
+                        return StreamEnd::Over(Arc::new(status));
+                    }
+                    let leader = failover::leader_hint(&status);
+                    return StreamEnd::Broken(Arc::new(status), leader);
                 }
             },
         }
     }
+}
+
+impl Link {
+    /// Whether the end of the stream is the session's end rather than a failover: `leave` went
+    /// out, or the generation failed (there is nothing to resume).
+    fn ended_for_good(&self) -> bool {
+        self.shared.lock().leave == Leave::Sent || self.failures.has_fired()
+    }
+}
+
+/// Re-opens the session on the leader after its stream (opened at the coordinator's `epoch`)
+/// broke for `reason`, within the failover budget: registers with `resume` and the released
+/// seqs, then hands the new stream the unanswered entries.
+async fn reattach(
+    link: &Link,
+    epoch: u64,
+    reason: Arc<dyn StdError + Send + Sync>,
+    leader: Option<String>,
+) -> Result<Opened, ReattachError> {
+    link.shared.detach();
+    let coordinator = &link.coordinator;
+    let mut retry = Retry::new(coordinator.failover_timeout());
+    let (mut epoch, mut leader, mut last) = (epoch, leader, reason);
+    loop {
+        coordinator.fail_over(epoch, leader.as_deref());
+        if !retry.wait().await {
+            return Err(ReattachError::OutOfTime {
+                budget: retry.budget(),
+                source: last,
+            });
+        }
+        let released = link.shared.released();
+        let failure = match open(coordinator, register_message(&link.config, Some(released))).await
+        {
+            Ok((opened, outbound)) => {
+                link.shared.attach(outbound);
+                tracing::info!(
+                    rank = link.config.rank,
+                    job = %link.config.job_id,
+                    addr = %opened.addr,
+                    took_ms = retry.elapsed().as_millis() as u64,
+                    "session re-attached to the coordinator at {} after a failover ({} ms)",
+                    opened.addr,
+                    retry.elapsed().as_millis()
+                );
+                return Ok(opened);
+            }
+            Err(failure) => failure,
+        };
+        let (verdict, hint) = failure.error.verdict();
+        tracing::debug!(rank = link.config.rank, addr = %failure.addr, ?verdict, "re-attach attempt failed");
+        match failure.error {
+            OpenError::Status(status) if verdict == Verdict::Final => {
+                return Err(ReattachError::Refused {
+                    addr: failure.addr,
+                    source: status,
+                });
+            }
+            OpenError::Status(status) => last = Arc::new(status),
+            OpenError::Ended => {
+                last = Arc::new(StreamEnded(
+                    "the coordinator ended the session stream before answering register",
+                ))
+            }
+            OpenError::Protocol(message) => return Err(ReattachError::Protocol(message)),
+        }
+        (epoch, leader) = (failure.epoch, hint);
+    }
+}
+
+/// An error's sources on one line, for the log.
+fn error_chain(error: &dyn StdError) -> String {
+    let mut parts = Vec::new();
+    let mut next = error.source();
+    while let Some(error) = next {
+        parts.push(match error.downcast_ref::<tonic::Status>() {
+            Some(status) => format!("{:?}: {}", status.code(), status.message()),
+            None => error.to_string(),
+        });
+        next = error.source();
+    }
+    parts.join(": ")
 }
 
 /// Whether the coordinator has reported this rank's generation failed (a peer crashed, was
@@ -728,6 +1340,15 @@ impl FailureWatch {
             *state = Some(error);
         }
         cvar.notify_all();
+    }
+
+    /// Whether the failure was reported, without building its error.
+    pub(crate) fn has_fired(&self) -> bool {
+        let (state, _) = &*self.inner;
+        state
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some()
     }
 
     /// The failure ([`Error::RankFailed`] naming the rank, its node and why), if it happened.
@@ -762,28 +1383,30 @@ pub struct CasOutcome {
 }
 
 /// The job's key-value store (TCPStore parity): small coordination data that user code shares
-/// between ranks. Every method is a single RPC and cancel-safe.
+/// between ranks. Every method is a single RPC, cancel-safe, and retried across a coordinator
+/// failover within the failover budget: `set`, `get`, `get_wait`, `delete` and `list` on any
+/// retryable failure; `add` and `compare_and_set`, which are not idempotent, only when the
+/// failure proves the request was not applied (a follower refused it, or no connection was
+/// made). Otherwise their error surfaces, and the counter or value may or may not have changed.
 #[derive(Debug, Clone)]
 pub struct Kv {
     coordinator: Coordinator,
-    client: KeyValueClient<Channel>,
     job_id: String,
 }
 
 impl Kv {
     /// The store of `job_id` on `coordinator`.
     pub fn new(coordinator: Coordinator, job_id: impl Into<String>) -> Self {
-        let client = KeyValueClient::new(coordinator.channel.clone());
         Self {
             coordinator,
-            client,
             job_id: job_id.into(),
         }
     }
 
-    fn error(&self, status: tonic::Status, key: &str) -> Error {
-        self.coordinator
-            .status_error(status, || format!("key '{key}' in job {}", self.job_id))
+    fn error(&self, (status, addr): (tonic::Status, Arc<str>), key: &str) -> Error {
+        Error::from_status(status, &addr, || {
+            format!("key '{key}' in job {}", self.job_id)
+        })
     }
 
     /// Sets `key`, replacing any value.
@@ -793,11 +1416,13 @@ impl Kv {
             key: key.to_owned(),
             value: value.into(),
         };
-        self.client
-            .clone()
-            .set(request)
+        self.coordinator
+            .call(true, |channel| {
+                let request = request.clone();
+                async move { KeyValueClient::new(channel).set(request).await }
+            })
             .await
-            .map_err(|s| self.error(s, key))?;
+            .map_err(|e| self.error(e, key))?;
         Ok(())
     }
 
@@ -808,28 +1433,36 @@ impl Kv {
             key: key.to_owned(),
             wait_ms: 0,
         };
-        match self.client.clone().get(request).await {
+        let response = self
+            .coordinator
+            .call(true, |channel| {
+                let request = request.clone();
+                async move { KeyValueClient::new(channel).get(request).await }
+            })
+            .await;
+        match response {
             Ok(response) => Ok(Some(response.into_inner().value)),
-            Err(status) if status.code() == tonic::Code::NotFound => Ok(None),
-            Err(status) => Err(self.error(status, key)),
+            Err((status, _)) if status.code() == tonic::Code::NotFound => Ok(None),
+            Err(e) => Err(self.error(e, key)),
         }
     }
 
     /// The value of `key`, waiting up to `wait` for another rank to set it
-    /// ([`Error::Timeout`] after).
+    /// ([`Error::Timeout`] after). A retry after a failover waits only for what is left.
     pub async fn get_wait(&self, key: &str, wait: Duration) -> Result<Vec<u8>, Error> {
-        let wait_ms = u64::try_from(wait.as_millis()).unwrap_or(u64::MAX).max(1);
-        let request = pb::GetRequest {
-            job_id: self.job_id.clone(),
-            key: key.to_owned(),
-            wait_ms,
-        };
+        let started = Instant::now();
         let response = self
-            .client
-            .clone()
-            .get(request)
+            .coordinator
+            .call(true, |channel| {
+                let request = pb::GetRequest {
+                    job_id: self.job_id.clone(),
+                    key: key.to_owned(),
+                    wait_ms: wait_ms(Some(wait.saturating_sub(started.elapsed()))),
+                };
+                async move { KeyValueClient::new(channel).get(request).await }
+            })
             .await
-            .map_err(|s| self.error(s, key))?;
+            .map_err(|e| self.error(e, key))?;
         Ok(response.into_inner().value)
     }
 
@@ -841,11 +1474,13 @@ impl Kv {
             delta,
         };
         let response = self
-            .client
-            .clone()
-            .add(request)
+            .coordinator
+            .call(false, |channel| {
+                let request = request.clone();
+                async move { KeyValueClient::new(channel).add(request).await }
+            })
             .await
-            .map_err(|s| self.error(s, key))?;
+            .map_err(|e| self.error(e, key))?;
         Ok(response.into_inner().value)
     }
 
@@ -864,11 +1499,13 @@ impl Kv {
             desired: desired.into(),
         };
         let response = self
-            .client
-            .clone()
-            .compare_and_set(request)
+            .coordinator
+            .call(false, |channel| {
+                let request = request.clone();
+                async move { KeyValueClient::new(channel).compare_and_set(request).await }
+            })
             .await
-            .map_err(|s| self.error(s, key))?;
+            .map_err(|e| self.error(e, key))?;
         let response = response.into_inner();
         Ok(CasOutcome {
             swapped: response.swapped,
@@ -876,18 +1513,21 @@ impl Kv {
         })
     }
 
-    /// Deletes `key`; says whether it existed.
+    /// Deletes `key`; says whether it existed (a retry after a failover that the first
+    /// attempt had applied says it did not).
     pub async fn delete(&self, key: &str) -> Result<bool, Error> {
         let request = pb::DeleteRequest {
             job_id: self.job_id.clone(),
             key: key.to_owned(),
         };
         let response = self
-            .client
-            .clone()
-            .delete(request)
+            .coordinator
+            .call(true, |channel| {
+                let request = request.clone();
+                async move { KeyValueClient::new(channel).delete(request).await }
+            })
             .await
-            .map_err(|s| self.error(s, key))?;
+            .map_err(|e| self.error(e, key))?;
         Ok(response.into_inner().existed)
     }
 
@@ -897,11 +1537,18 @@ impl Kv {
             job_id: self.job_id.clone(),
             prefix: prefix.to_owned(),
         };
-        let response = self.client.clone().list(request).await.map_err(|s| {
-            self.coordinator.status_error(s, || {
-                format!("keys under '{prefix}' in job {}", self.job_id)
+        let response = self
+            .coordinator
+            .call(true, |channel| {
+                let request = request.clone();
+                async move { KeyValueClient::new(channel).list(request).await }
             })
-        })?;
+            .await
+            .map_err(|(status, addr)| {
+                Error::from_status(status, &addr, || {
+                    format!("keys under '{prefix}' in job {}", self.job_id)
+                })
+            })?;
         Ok(response
             .into_inner()
             .items
@@ -912,11 +1559,11 @@ impl Kv {
 }
 
 /// NCCL unique ids of one generation: the communicator's root publishes its id, the other
-/// ranks fetch it. Fenced by generation, so a restarted job never reuses an old id.
+/// ranks fetch it. Fenced by generation, so a restarted job never reuses an old id. Both calls
+/// are idempotent and retried across a coordinator failover.
 #[derive(Debug, Clone)]
 pub struct UniqueIds {
     coordinator: Coordinator,
-    client: UniqueIdsClient<Channel>,
     job_id: String,
     generation: u64,
     rank: u32,
@@ -930,10 +1577,8 @@ impl UniqueIds {
         generation: u64,
         rank: u32,
     ) -> Self {
-        let client = UniqueIdsClient::new(coordinator.channel.clone());
         Self {
             coordinator,
-            client,
             job_id: job_id.into(),
             generation,
             rank,
@@ -954,10 +1599,17 @@ impl UniqueIds {
             communicator: communicator.to_owned(),
             unique_id: id.to_vec(),
         };
-        self.client.clone().publish(request).await.map_err(|s| {
-            self.coordinator
-                .status_error(s, || format!("publishing unique id '{communicator}'"))
-        })?;
+        self.coordinator
+            .call(true, |channel| {
+                let request = request.clone();
+                async move { UniqueIdsClient::new(channel).publish(request).await }
+            })
+            .await
+            .map_err(|(status, addr)| {
+                Error::from_status(status, &addr, || {
+                    format!("publishing unique id '{communicator}'")
+                })
+            })?;
         Ok(())
     }
 
@@ -968,17 +1620,23 @@ impl UniqueIds {
         communicator: &str,
         wait: Option<Duration>,
     ) -> Result<[u8; NCCL_UNIQUE_ID_BYTES], Error> {
-        let request = pb::FetchUniqueIdRequest {
-            job_id: self.job_id.clone(),
-            generation: self.generation,
-            rank: self.rank,
-            communicator: communicator.to_owned(),
-            wait_ms: wait_ms(wait),
-        };
-        let response = self.client.clone().fetch(request).await.map_err(|s| {
-            self.coordinator
-                .status_error(s, || format!("NCCL unique id '{communicator}'"))
-        })?;
+        let started = Instant::now();
+        let response = self
+            .coordinator
+            .call(true, |channel| {
+                let request = pb::FetchUniqueIdRequest {
+                    job_id: self.job_id.clone(),
+                    generation: self.generation,
+                    rank: self.rank,
+                    communicator: communicator.to_owned(),
+                    wait_ms: wait_ms(wait.map(|w| w.saturating_sub(started.elapsed()))),
+                };
+                async move { UniqueIdsClient::new(channel).fetch(request).await }
+            })
+            .await
+            .map_err(|(status, addr)| {
+                Error::from_status(status, &addr, || format!("NCCL unique id '{communicator}'"))
+            })?;
         let bytes = response.into_inner().unique_id;
         <[u8; NCCL_UNIQUE_ID_BYTES]>::try_from(bytes.as_slice()).map_err(|_| {
             Error::Protocol(format!(
@@ -990,11 +1648,11 @@ impl UniqueIds {
 }
 
 /// Values computed once per generation and shared (`main_process_first_share`): the publisher
-/// stores bytes under a name, the others fetch them instead of computing them again.
+/// stores bytes under a name, the others fetch them instead of computing them again. Both
+/// calls are idempotent and retried across a coordinator failover.
 #[derive(Debug, Clone)]
 pub struct SharedValues {
     coordinator: Coordinator,
-    client: SharedValuesClient<Channel>,
     job_id: String,
     generation: u64,
     rank: u32,
@@ -1008,10 +1666,8 @@ impl SharedValues {
         generation: u64,
         rank: u32,
     ) -> Self {
-        let client = SharedValuesClient::new(coordinator.channel.clone());
         Self {
             coordinator,
-            client,
             job_id: job_id.into(),
             generation,
             rank,
@@ -1028,27 +1684,40 @@ impl SharedValues {
             name: name.to_owned(),
             value: value.into(),
         };
-        self.client.clone().publish(request).await.map_err(|s| {
-            self.coordinator
-                .status_error(s, || format!("publishing shared value '{name}'"))
-        })?;
+        self.coordinator
+            .call(true, |channel| {
+                let request = request.clone();
+                async move { SharedValuesClient::new(channel).publish(request).await }
+            })
+            .await
+            .map_err(|(status, addr)| {
+                Error::from_status(status, &addr, || {
+                    format!("publishing shared value '{name}'")
+                })
+            })?;
         Ok(())
     }
 
     /// Fetches the value under `name`, waiting until it is published, the generation fails or
     /// `wait` passes (`None`: as long as the generation is alive).
     pub async fn fetch(&self, name: &str, wait: Option<Duration>) -> Result<Vec<u8>, Error> {
-        let request = pb::FetchValueRequest {
-            job_id: self.job_id.clone(),
-            generation: self.generation,
-            rank: self.rank,
-            name: name.to_owned(),
-            wait_ms: wait_ms(wait),
-        };
-        let response = self.client.clone().fetch(request).await.map_err(|s| {
-            self.coordinator
-                .status_error(s, || format!("shared value '{name}'"))
-        })?;
+        let started = Instant::now();
+        let response = self
+            .coordinator
+            .call(true, |channel| {
+                let request = pb::FetchValueRequest {
+                    job_id: self.job_id.clone(),
+                    generation: self.generation,
+                    rank: self.rank,
+                    name: name.to_owned(),
+                    wait_ms: wait_ms(wait.map(|w| w.saturating_sub(started.elapsed()))),
+                };
+                async move { SharedValuesClient::new(channel).fetch(request).await }
+            })
+            .await
+            .map_err(|(status, addr)| {
+                Error::from_status(status, &addr, || format!("shared value '{name}'"))
+            })?;
         Ok(response.into_inner().value)
     }
 }

@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::Error;
+use crate::{Error, failover};
 
 /// The job id used in single-process mode, where there is no coordinator to name a job.
 pub const SINGLE_PROCESS_JOB_ID: &str = "local";
@@ -13,8 +13,9 @@ pub const SINGLE_PROCESS_JOB_ID: &str = "local";
 /// benchmarks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RankInfo {
-    /// The coordinator's `host:port`; `None` means single-process mode (no launcher, no
-    /// network: every call succeeds locally, as Accelerate does without `accelerate launch`).
+    /// The coordinator's `host:port`, or a comma-separated list of its replicas' addresses;
+    /// `None` means single-process mode (no launcher, no network: every call succeeds
+    /// locally, as Accelerate does without `accelerate launch`).
     pub coordinator: Option<String>,
     /// The job id.
     pub job_id: String,
@@ -64,7 +65,8 @@ impl RankInfo {
     /// Reads the process environment. No `MUSTER_COORDINATOR` means single-process mode (the
     /// other `MUSTER_*` variables are then ignored); with it, every variable of the contract
     /// must be present and well-formed (`MUSTER_RESTART_COUNT` defaults to 0 and `MUSTER_HOST`
-    /// to this machine's hostname; `MUSTER_AGENT_SOCKET` is optional).
+    /// to this machine's hostname; `MUSTER_AGENT_SOCKET` is optional, and so is
+    /// `MUSTER_FAILOVER_TIMEOUT_MS`, the coordinator failover budget, 30000 by default).
     pub fn from_env() -> Result<Self, Error> {
         Self::from_lookup(|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))
     }
@@ -76,6 +78,8 @@ impl RankInfo {
             return Ok(Self::single_process());
         };
         check_coordinator_addr(&coordinator)?;
+        // Read again when connecting; checked here so that a bad value fails at start.
+        failover::timeout_from(lookup(failover::TIMEOUT_ENV).as_deref())?;
         let vars = Vars { lookup: &lookup };
         let info = Self {
             coordinator: Some(coordinator),
@@ -209,19 +213,18 @@ fn missing(name: &str) -> Error {
     ))
 }
 
-/// The coordinator address must be `host:port` with no scheme, as the agent writes it.
+/// The coordinator address must be `host:port` with no scheme, as the agent writes it, or a
+/// comma-separated list of such addresses (the replicas of a highly available coordinator).
 fn check_coordinator_addr(addr: &str) -> Result<(), Error> {
-    let bad = |why: &str| Err(Error::Config(format!("MUSTER_COORDINATOR={addr:?} {why}")));
     if addr.trim().is_empty() {
-        return bad("is empty (unset it to run as a single process)");
+        return Err(Error::Config(format!(
+            "MUSTER_COORDINATOR={addr:?} is empty (unset it to run as a single process)"
+        )));
     }
-    if addr.contains("://") {
-        return bad("has a scheme; expected host:port");
-    }
-    match addr.rsplit_once(':') {
-        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => Ok(()),
-        _ => bad("is not host:port"),
-    }
+    let separator = if addr.contains(',') { ": " } else { " " };
+    failover::parse_addrs(addr)
+        .map(drop)
+        .map_err(|why| Error::Config(format!("MUSTER_COORDINATOR={addr:?}{separator}{why}")))
 }
 
 /// This machine's hostname, for error messages only: best effort, never an error.
@@ -330,6 +333,16 @@ mod tests {
             Ok(|info| assert!(info.is_distributed())),
         );
         check(&[("MUSTER_COORDINATOR", Some("[::1]:29470"))], Ok(|_| {}));
+        check(
+            &[("MUSTER_COORDINATOR", Some("10.0.0.1:1,10.0.0.2:1, [::1]:2"))],
+            Ok(|info| {
+                assert_eq!(
+                    info.coordinator.as_deref(),
+                    Some("10.0.0.1:1,10.0.0.2:1, [::1]:2")
+                )
+            }),
+        );
+        check(&[("MUSTER_FAILOVER_TIMEOUT_MS", Some("5000"))], Ok(|_| {}));
     }
 
     #[test]
@@ -375,6 +388,22 @@ mod tests {
             (
                 &[("MUSTER_COORDINATOR", Some(":29470"))],
                 "is not host:port",
+            ),
+            (
+                &[("MUSTER_COORDINATOR", Some("a:1,b"))],
+                "MUSTER_COORDINATOR=\"a:1,b\": entry \"b\" is not host:port",
+            ),
+            (
+                &[("MUSTER_COORDINATOR", Some("a:1,,b:2"))],
+                "MUSTER_COORDINATOR=\"a:1,,b:2\": entry \"\" is empty",
+            ),
+            (
+                &[("MUSTER_COORDINATOR", Some("a:1,http://b:2"))],
+                "entry \"http://b:2\" has a scheme",
+            ),
+            (
+                &[("MUSTER_FAILOVER_TIMEOUT_MS", Some("soon"))],
+                "MUSTER_FAILOVER_TIMEOUT_MS=\"soon\" is not a number of milliseconds",
             ),
             (
                 &[("MUSTER_RANK", Some("x"))],

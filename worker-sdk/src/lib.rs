@@ -11,7 +11,9 @@
 //!   message per node.
 //! - [`client`] is the async core ([`client::Coordinator`], [`client::Session`] and typed
 //!   wrappers over the key-value, unique-id and shared-value services), for async code and for
-//!   benchmarks that simulate many ranks in one process.
+//!   benchmarks that simulate many ranks in one process. It fails over between coordinator
+//!   replicas (`MUSTER_COORDINATOR=host:port,host:port`) by the policy in `failover.rs`:
+//!   running sessions re-attach to the new leader without their callers noticing.
 //! - [`install_error_hook`] and [`record_error`] hand a fatal error (a panic's message and
 //!   backtrace) to the agent in the JSON file PyTorch's `@record` writes
 //!   (`TORCHELASTIC_ERROR_FILE`), so the agent reports it as the root cause.
@@ -36,6 +38,7 @@ pub mod data;
 pub mod env;
 pub mod error;
 pub mod error_file;
+mod failover;
 pub mod relay;
 pub mod train;
 

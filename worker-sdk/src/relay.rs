@@ -118,6 +118,10 @@ impl RelayConn {
                     rank: config.rank,
                     pid: config.pid,
                     host: config.host.clone(),
+                    // The relay is local: a coordinator failover is the agent's to handle.
+                    resume: false,
+                    released_global: 0,
+                    released_node: 0,
                 })),
             },
             &mut out,

@@ -286,7 +286,10 @@ async fn registration_errors_keep_the_coordinators_status() {
 async fn a_lost_coordinator_fails_pending_and_later_calls_naming_its_address() {
     let mut coordinator = TestCoordinator::start();
     let addr = coordinator.addr.clone();
-    let (_c, sessions) = sessions(&addr, "lost", 2).await;
+    let (connection, sessions) = sessions(&addr, "lost", 2).await;
+    // Calls and sessions retry a lost coordinator within the failover budget (30 s by
+    // default), in case another replica takes over; here none will.
+    connection.set_failover_timeout(Duration::from_millis(500));
     let sessions = Arc::new(sessions);
     let waiter = {
         let sessions = sessions.clone();

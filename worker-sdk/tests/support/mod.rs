@@ -93,6 +93,8 @@ pub async fn join(addr: &str, job: &str, local_sizes: &[u32]) -> Vec<pb::JoinRes
                     max_nodes: nodes,
                     ..Default::default()
                 }),
+                // One per join attempt (the coordinator requires it, to make retries safe).
+                request_id: format!("{job}-node-{i}-{:016x}", rand::random::<u64>()),
             };
             tokio::spawn(async move { client.join(request).await.unwrap().into_inner() })
         })
