@@ -5,7 +5,7 @@
 //! The policy: calls go to the replica believed to lead. A retryable failure (UNAVAILABLE,
 //! a transport or connect error, a stream that ended without a deliberate status) moves to
 //! the address the refusal named in its `muster-leader` metadata, else to the next address of
-//! the list (round robin), after a jittered exponential backoff (50 ms doubling to 1 s, each
+//! the list (round robin), after a jittered exponential backoff (50 ms doubling to 250 ms, each
 //! sleep uniform in [0.5x, 1.5x]); after the failover budget the last error surfaces as it
 //! would have without failover. One address works the same way (a restarted coordinator is
 //! waited for, within the budget).
@@ -34,8 +34,9 @@ pub const LEADER_KEY: &str = "muster-leader";
 pub const BUDGET_ENV: &str = "MUSTER_FAILOVER_TIMEOUT_MS";
 /// The first backoff sleep (before jitter).
 const FIRST_BACKOFF: Duration = Duration::from_millis(50);
-/// The longest backoff sleep (before jitter).
-const MAX_BACKOFF: Duration = Duration::from_secs(1);
+/// The longest backoff sleep (before jitter): short, because a standby leads about one lease
+/// TTL after the leader dies, and a longer sleep adds up to its own length to the failover.
+const MAX_BACKOFF: Duration = Duration::from_millis(250);
 /// How long one connection attempt may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -327,7 +328,7 @@ pub fn endpoint(addr: &str) -> Result<Endpoint, Status> {
         .keep_alive_timeout(Duration::from_secs(5)))
 }
 
-/// Jittered exponential backoff: 50 ms doubling to 1 s, each sleep uniform in [0.5x, 1.5x].
+/// Jittered exponential backoff: 50 ms doubling to 250 ms, each sleep uniform in [0.5x, 1.5x].
 #[derive(Debug, Clone)]
 pub struct Backoff {
     base: Duration,
@@ -350,7 +351,7 @@ impl Backoff {
         }
     }
 
-    /// The next sleep; the one after it is twice as long (up to 1 s before jitter).
+    /// The next sleep; the one after it is twice as long (up to 250 ms before jitter).
     pub fn next_sleep(&mut self) -> Duration {
         // xorshift64.
         self.rng ^= self.rng << 13;

@@ -11,10 +11,10 @@
 //! any handler runs, so a refused call was certainly not applied; `grpc.health.v1` reports
 //! NOT_SERVING for the empty service and every muster service.
 
-use crate::election::{Election, ElectionConfig, Role};
+use crate::election::{Election, ElectionConfig, Leadership, Role};
 use crate::service::Coordinator;
 use crate::store::EtcdStore;
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 use tokio::sync::watch;
 use tonic::Status;
@@ -36,6 +36,10 @@ pub enum Readiness {
 #[derive(Clone)]
 pub struct Gate {
     state: Arc<watch::Sender<Readiness>>,
+    /// The term this replica serves under: a request is refused the moment its lease deadline
+    /// passes, before the leadership task has run (a process woken from SIGSTOP runs queued
+    /// requests first).
+    term: Arc<RwLock<Option<Leadership>>>,
     /// This replica's address, for the refusal message.
     me: Arc<str>,
 }
@@ -45,6 +49,7 @@ impl Gate {
     pub fn new(initial: Readiness, me: &str) -> Self {
         Self {
             state: Arc::new(watch::channel(initial).0),
+            term: Arc::new(RwLock::new(None)),
             me: me.into(),
         }
     }
@@ -56,6 +61,12 @@ impl Gate {
             *s = r;
             changed
         });
+    }
+
+    /// Serves under `term` (`None`: no term, the memory store).
+    fn serve(&self, term: Option<Leadership>) {
+        *self.term.write().unwrap_or_else(PoisonError::into_inner) = term;
+        self.set(Readiness::Serving);
     }
 
     /// Updates the leader named while following (no change while serving).
@@ -77,7 +88,13 @@ impl Gate {
     /// Ok while serving; otherwise the UNAVAILABLE status that names the leader.
     pub fn check(&self) -> Result<(), Status> {
         let leader = match &*self.state.borrow() {
-            Readiness::Serving => return Ok(()),
+            Readiness::Serving => {
+                let term = self.term.read().unwrap_or_else(PoisonError::into_inner);
+                if term.as_ref().is_none_or(Leadership::is_current) {
+                    return Ok(());
+                }
+                None
+            }
             Readiness::Following(l) => l.clone(),
         };
         let mut metadata = MetadataMap::new();
@@ -152,7 +169,7 @@ pub async fn lead(
         match coordinator.recover().await {
             Ok(jobs) if leadership.is_current() => {
                 backoff = Duration::from_millis(100);
-                gate.set(Readiness::Serving);
+                gate.serve(Some(leadership.clone()));
                 tracing::info!(
                     jobs,
                     token = leadership.token(),

@@ -34,6 +34,10 @@ pub struct Coordinator {
     /// job deleted from the store and started again under the same id must never be served
     /// an earlier generation 1's unique id), and the durable store for job records.
     ctx: JobContext,
+    /// Whether `jobs` holds the current state: false from a lost term until the next term's
+    /// state is loaded, so that a request that got past the gate just before it closed is told
+    /// UNAVAILABLE, not that its job does not exist.
+    leading: std::sync::atomic::AtomicBool,
 }
 
 impl Coordinator {
@@ -53,6 +57,7 @@ impl Coordinator {
             jobs: Mutex::new(HashMap::new()),
             pool: Pool::default(),
             next_job: std::sync::atomic::AtomicU64::new(1),
+            leading: std::sync::atomic::AtomicBool::new(ctx.store.is_none()),
             ctx,
         })
     }
@@ -65,6 +70,8 @@ impl Coordinator {
     /// Drops every job from memory (this coordinator stopped leading): their streams end with
     /// UNAVAILABLE and `why`, so that clients re-attach to the new leader.
     pub fn retire_all(&self, why: &str) {
+        self.leading
+            .store(false, std::sync::atomic::Ordering::SeqCst);
         let jobs: Vec<Arc<Job>> = self.jobs().drain().map(|(_, j)| j).collect();
         for job in &jobs {
             job.retire(why);
@@ -118,6 +125,7 @@ impl Coordinator {
         for job in old {
             job.retire("the coordinator reloaded its state from the store");
         }
+        self.leading.store(true, std::sync::atomic::Ordering::SeqCst);
         Ok(n)
     }
 
@@ -149,7 +157,13 @@ impl Coordinator {
     fn job(&self, id: &str) -> Result<Arc<Job>, Status> {
         let id = JobId::parse(id)?;
         self.jobs().get(&id).cloned().ok_or_else(|| {
-            Status::not_found(format!("job '{id}' not found (no node has joined it)"))
+            if self.leading.load(std::sync::atomic::Ordering::SeqCst) {
+                Status::not_found(format!("job '{id}' not found (no node has joined it)"))
+            } else {
+                Status::unavailable(
+                    "this coordinator is not leading (its state is not loaded); ask the leader",
+                )
+            }
         })
     }
 
