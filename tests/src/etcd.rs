@@ -401,11 +401,21 @@ fn find_etcd() -> Option<PathBuf> {
 
 /// A port that was free a moment ago (bound on 127.0.0.1:0 and released: a small race,
 /// acceptable in tests).
+/// A free loopback port below Linux's ephemeral range (32768 and up): a server restarted on
+/// it can never find it taken by a client's source port (a client reconnecting to that very
+/// port while the server is down can connect to itself and hold it).
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let salt = std::process::id().wrapping_mul(7919);
+    for _ in 0..2000 {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = 20_000 + (salt.wrapping_add(n.wrapping_mul(13)) % 12_000) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in 20000..32000");
 }
 
 /// Whether etcd's `/health` on `port` says healthy (it does once the member has a leader).
