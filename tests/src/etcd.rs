@@ -111,9 +111,9 @@ impl Etcd {
         let members: Vec<Member> = (0..members)
             .map(|i| Member {
                 name: format!("m{i}"),
-                client_port: free_port(),
-                peer_port: free_port(),
-                health_port: free_port(),
+                client_port: crate::free_port(),
+                peer_port: crate::free_port(),
+                health_port: crate::free_port(),
                 data_dir: dir.join(format!("m{i}.data")),
                 log: dir.join(format!("m{i}.log")),
                 child: None,
@@ -401,22 +401,6 @@ fn find_etcd() -> Option<PathBuf> {
 
 /// A port that was free a moment ago (bound on 127.0.0.1:0 and released: a small race,
 /// acceptable in tests).
-/// A free loopback port below Linux's ephemeral range (32768 and up): a server restarted on
-/// it can never find it taken by a client's source port (a client reconnecting to that very
-/// port while the server is down can connect to itself and hold it).
-fn free_port() -> u16 {
-    use std::sync::atomic::{AtomicU32, Ordering};
-    static NEXT: AtomicU32 = AtomicU32::new(0);
-    let salt = std::process::id().wrapping_mul(7919);
-    for _ in 0..2000 {
-        let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let port = 20_000 + (salt.wrapping_add(n.wrapping_mul(13)) % 12_000) as u16;
-        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
-            return port;
-        }
-    }
-    panic!("no free port in 20000..32000");
-}
 
 /// Whether etcd's `/health` on `port` says healthy (it does once the member has a leader).
 fn health(port: u16) -> bool {

@@ -17,6 +17,7 @@
 pub mod coordinator;
 pub mod etcd;
 pub mod peers;
+pub mod replicas;
 pub use peers::peers_python;
 pub mod netns;
 
@@ -465,3 +466,20 @@ pub fn group_alive(pgid: i32) -> bool {
 /// Generous limit for things that take milliseconds on an idle machine: the tests run on
 /// loaded 2-core CI machines, in parallel.
 pub const SLOW: Duration = Duration::from_secs(30);
+
+/// A free loopback port below Linux's ephemeral range (32768 and up): a server restarted on
+/// it can never find it taken by a client's source port (a client reconnecting to that very
+/// port while the server is down can connect to itself and hold it).
+pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let salt = std::process::id().wrapping_mul(7919);
+    for _ in 0..2000 {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = 20_000 + (salt.wrapping_add(n.wrapping_mul(13)) % 12_000) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in 20000..32000");
+}
