@@ -125,7 +125,8 @@ impl Coordinator {
         for job in old {
             job.retire("the coordinator reloaded its state from the store");
         }
-        self.leading.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.leading
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         Ok(n)
     }
 

@@ -399,9 +399,6 @@ fn find_etcd() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-/// A port that was free a moment ago (bound on 127.0.0.1:0 and released: a small race,
-/// acceptable in tests).
-
 /// Whether etcd's `/health` on `port` says healthy (it does once the member has a leader).
 fn health(port: u16) -> bool {
     http(port, "GET", "/health", "").is_ok_and(|a| a.contains("\"health\":\"true\""))

@@ -424,8 +424,6 @@ async fn check(addr: &str, service: &str) -> Result<i32, String> {
     }
 }
 
-/// A port that was free a moment ago.
-
 /// The last 8 KiB of a file.
 fn read_tail(path: &Path) -> String {
     let mut text = String::new();
