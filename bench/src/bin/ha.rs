@@ -10,8 +10,9 @@
 //! The ranks speak the wire protocol directly (as in `scale`), one session stream per rank,
 //! so what is measured is the coordinator. Across a failover each rank re-attaches with
 //! `Register.resume` to whichever replica accepts it and re-sends its pending barrier, retrying
-//! either like the SDK does (exponential backoff from 50 ms to 1 s, jittered) or at a fixed
-//! short interval (what the coordinator alone allows); both are reported.
+//! either like the SDK does (`worker-sdk/src/failover.rs`: exponential backoff from 50 ms to
+//! 250 ms, jittered) or at a fixed short interval (what the coordinator alone allows); both
+//! are reported.
 //!
 //! `target/release/ha [--ranks 8] [--iters 2000] [--rounds 10] [--rendezvous-rounds 5]`
 
@@ -326,7 +327,7 @@ enum Retry {
 impl Retry {
     fn describe(self) -> String {
         match self {
-            Retry::Sdk => "SDK policy (50 ms -> 1 s backoff, jittered)".into(),
+            Retry::Sdk => "SDK policy (50 ms -> 250 ms backoff, jittered)".into(),
             Retry::Every(d) => format!("every {} ms", d.as_millis()),
         }
     }
@@ -448,7 +449,7 @@ impl Rank {
                 Retry::Every(d) => d,
                 Retry::Sdk => {
                     let s = backoff.mul_f64(jitter(&mut self.rng));
-                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                    backoff = (backoff * 2).min(Duration::from_millis(250));
                     s
                 }
             };
