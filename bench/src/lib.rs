@@ -90,3 +90,18 @@ pub fn quantile(xs: &mut [f64], q: f64) -> f64 {
     xs.sort_by(f64::total_cmp);
     xs[((q * xs.len() as f64) as usize).min(xs.len() - 1)]
 }
+
+/// How many nodes wait in `job`'s open round (0 if the job is unknown or unreachable).
+pub async fn waiting(ch: &Channel, job: &str) -> u32 {
+    muster_proto::v1::ops_client::OpsClient::new(ch.clone())
+        .list_jobs(muster_proto::v1::ListJobsRequest {})
+        .await
+        .map(|r| {
+            r.into_inner()
+                .jobs
+                .iter()
+                .find(|j| j.job_id == job)
+                .map_or(0, |j| j.nodes_waiting)
+        })
+        .unwrap_or(0)
+}

@@ -422,7 +422,7 @@ fn http(port: u16, method: &str, path: &str, body: &str) -> std::io::Result<Stri
 }
 
 /// The last 8 KiB of a log file.
-fn read_tail(path: &Path) -> String {
+pub(crate) fn read_tail(path: &Path) -> String {
     let mut text = String::new();
     if let Ok(mut f) = File::open(path) {
         let _ = f.read_to_string(&mut text);

@@ -11,10 +11,9 @@
 //! [`Channel`]): this crate has no `tonic-health` or `prost` dependency, and the two messages
 //! are small enough to encode by hand.
 
-use std::fs::{File, OpenOptions};
-use std::io::Read;
+use std::fs::OpenOptions;
 use std::os::unix::process::CommandExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -255,7 +254,7 @@ impl Replicas {
                     "--- replica {i} ({}, {})\n{}",
                     r.addr,
                     r.log.display(),
-                    read_tail(&r.log)
+                    crate::etcd::read_tail(&r.log)
                 )
             })
             .collect::<Vec<_>>()
@@ -422,17 +421,4 @@ async fn check(addr: &str, service: &str) -> Result<i32, String> {
         Some([0x08, status, ..]) if *status < 0x80 => Ok(i32::from(*status)),
         _ => Err(format!("unexpected health response {data:?}")),
     }
-}
-
-/// The last 8 KiB of a file.
-fn read_tail(path: &Path) -> String {
-    let mut text = String::new();
-    if let Ok(mut f) = File::open(path) {
-        let _ = f.read_to_string(&mut text);
-    }
-    let start = text.len().saturating_sub(8 << 10);
-    let start = (start..text.len())
-        .find(|&i| text.is_char_boundary(i))
-        .unwrap_or(text.len());
-    text[start..].to_owned()
 }

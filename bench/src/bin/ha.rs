@@ -18,11 +18,8 @@
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use muster_bench::{bin_dir, quantile};
+use muster_bench::{bin_dir, quantile, waiting};
 use muster_proto::v1 as pb;
-use std::io::{Read, Write};
-use std::net::TcpListener;
-use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -58,105 +55,7 @@ struct Args {
 // ------------------------------------------------------------------------------------------
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
-/// A one-member etcd in a temporary directory; killed and removed on drop.
-struct Etcd {
-    child: Child,
-    dir: PathBuf,
-    endpoint: String,
-}
-
-impl Etcd {
-    /// `/usr/bin/etcd`, else `etcd` on PATH.
-    fn find() -> Option<PathBuf> {
-        let usr = PathBuf::from("/usr/bin/etcd");
-        if usr.is_file() {
-            return Some(usr);
-        }
-        std::env::split_paths(&std::env::var_os("PATH")?)
-            .map(|d| d.join("etcd"))
-            .find(|p| p.is_file())
-    }
-
-    fn start(bin: &Path) -> anyhow::Result<Self> {
-        let dir = std::env::temp_dir().join(format!("muster-bench-ha-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir)?;
-        let (client, peer, health) = (free_port()?, free_port()?, free_port()?);
-        let log = std::fs::File::create(dir.join("etcd.log"))?;
-        let mut cmd = Command::new(bin);
-        cmd.arg("--name")
-            .arg("bench")
-            .arg("--data-dir")
-            .arg(dir.join("data"))
-            .arg("--listen-client-urls")
-            .arg(format!("http://127.0.0.1:{client}"))
-            .arg("--advertise-client-urls")
-            .arg(format!("http://127.0.0.1:{client}"))
-            .arg("--listen-peer-urls")
-            .arg(format!("http://127.0.0.1:{peer}"))
-            .arg("--initial-advertise-peer-urls")
-            .arg(format!("http://127.0.0.1:{peer}"))
-            .arg("--initial-cluster")
-            .arg(format!("bench=http://127.0.0.1:{peer}"))
-            .arg("--listen-metrics-urls")
-            .arg(format!("http://127.0.0.1:{health}"))
-            .args(["--logger", "zap", "--log-level", "warn"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::from(log));
-        if std::env::consts::ARCH == "aarch64" {
-            cmd.env("ETCD_UNSUPPORTED_ARCH", "arm64");
-        }
-        let child = cmd
-            .spawn()
-            .with_context(|| format!("cannot start {}", bin.display()))?;
-        let etcd = Self {
-            child,
-            dir,
-            endpoint: format!("127.0.0.1:{client}"),
-        };
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !healthy(health) {
-            if Instant::now() > deadline {
-                bail!(
-                    "etcd not healthy within 30 s (log in {})",
-                    etcd.dir.display()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Ok(etcd)
-    }
-}
-
-impl Drop for Etcd {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// Whether etcd's `/health` on `port` says healthy.
-fn healthy(port: u16) -> bool {
-    let Ok(mut s) = std::net::TcpStream::connect_timeout(
-        &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
-        Duration::from_millis(200),
-    ) else {
-        return false;
-    };
-    let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
-    if s.write_all(b"GET /health HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n")
-        .is_err()
-    {
-        return false;
-    }
-    let mut answer = String::new();
-    let _ = s.read_to_string(&mut answer);
-    answer.contains("\"health\":\"true\"")
+    Ok(muster_tests::free_port())
 }
 
 /// A coordinator process with fixed flags on a fixed port: restartable; killed on drop.
@@ -270,20 +169,6 @@ fn join_req(job: &str, node: u32, nodes: u32) -> pb::JoinRequest {
         }),
         request_id: format!("{job}-{node}-{}", std::process::id()),
     }
-}
-
-async fn waiting(ch: &Channel, job: &str) -> u32 {
-    pb::ops_client::OpsClient::new(ch.clone())
-        .list_jobs(pb::ListJobsRequest {})
-        .await
-        .map(|r| {
-            r.into_inner()
-                .jobs
-                .iter()
-                .find(|j| j.job_id == job)
-                .map_or(0, |j| j.nodes_waiting)
-        })
-        .unwrap_or(0)
 }
 
 /// Forms `job` of `nodes` one-rank nodes: joins all but one, waits until they wait, then times
@@ -685,13 +570,11 @@ async fn failover(
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let Some(etcd_bin) = Etcd::find() else {
-        println!(
-            "skipped: no etcd binary (/usr/bin/etcd or etcd on PATH); scripts/install-deps.sh installs it"
-        );
+    // A one-member etcd on loopback ports, in a temporary directory (the tests' fixture).
+    let Some(etcd) = muster_tests::etcd::Etcd::start(1) else {
+        println!("skipped: no etcd binary; scripts/install-deps.sh installs it");
         return Ok(());
     };
-    let etcd = Etcd::start(&etcd_bin)?;
     let ttl: Vec<String> = args
         .lease_ttl_ms
         .map(|t| vec!["--lease-ttl-ms".to_owned(), t.to_string()])
@@ -701,7 +584,7 @@ async fn main() -> anyhow::Result<()> {
             "--store".to_owned(),
             "etcd".to_owned(),
             "--etcd-endpoints".to_owned(),
-            etcd.endpoint.clone(),
+            etcd.endpoints_arg(),
             "--etcd-prefix".to_owned(),
             prefix.to_owned(),
         ];

@@ -4,7 +4,7 @@
 //! `cargo run --release -p muster-bench --bin scale -- [--nodes 1000,10000] [--ranks 512,4096]`
 
 use clap::Parser;
-use muster_bench::{CoordinatorProcess, channels, quantile};
+use muster_bench::{CoordinatorProcess, channels, quantile, waiting};
 use muster_proto::v1 as pb;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -43,20 +43,6 @@ fn join_req(job: &str, node: u32, local: u32, nodes: u32) -> pb::JoinRequest {
         }),
         request_id: String::new(),
     }
-}
-
-async fn waiting(ch: &Channel, job: &str) -> u32 {
-    pb::ops_client::OpsClient::new(ch.clone())
-        .list_jobs(pb::ListJobsRequest {})
-        .await
-        .map(|r| {
-            r.into_inner()
-                .jobs
-                .iter()
-                .find(|j| j.job_id == job)
-                .map_or(0, |j| j.nodes_waiting)
-        })
-        .unwrap_or(0)
 }
 
 /// Joins `nodes - 1` nodes, waits until they are all in, then times the last join until every
