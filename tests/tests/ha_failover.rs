@@ -84,7 +84,24 @@ async fn form(addr: &str, id: &str, nodes: u32, local: u32) -> Job {
         .map(|r| {
             let mut client = pb::rendezvous_client::RendezvousClient::new(ch.clone());
             let r = r.clone();
-            tokio::spawn(async move { client.join(r).await })
+            // As the agent does: a join refused UNAVAILABLE (the coordinator lost its term
+            // between the health check and the join, which a starved 2-core machine can
+            // cause at TTL 2 s) is sent again with the same request id.
+            tokio::spawn(async move {
+                let t = Instant::now();
+                loop {
+                    match client.join(r.clone()).await {
+                        Err(e)
+                            if e.code() == tonic::Code::Unavailable
+                                && t.elapsed() < Duration::from_secs(15) =>
+                        {
+                            eprintln!("join retried: {}", e.message());
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
+                        other => return other,
+                    }
+                }
+            })
         })
         .collect();
     let mut answers = Vec::new();
