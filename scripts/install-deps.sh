@@ -2,14 +2,15 @@
 # Installs what muster's build and tests need beyond the Rust toolchain, on Debian. Safe to run
 # again: it installs only what is missing: protoc (etcd-client compiles etcd's .proto files
 # with it; our own compile with protox), etcd (the etcd store's tests start real servers on
-# loopback ports), iproute2 (ip netns, for the multi-host tests) and procps (ps/pgrep, used by
-# end-to-end tests).
+# loopback ports), iproute2 (ip netns, for the multi-host tests), procps (ps/pgrep, used by
+# end-to-end tests) and systemd (systemd-analyze verify checks the units in deploy/systemd).
 set -euo pipefail
 need=()
 command -v ps >/dev/null 2>&1 || need+=(procps)
 command -v ip >/dev/null 2>&1 || need+=(iproute2)
 command -v protoc >/dev/null 2>&1 || need+=(protobuf-compiler)
 command -v etcd >/dev/null 2>&1 || need+=(etcd-server)
+command -v systemd-analyze >/dev/null 2>&1 || need+=(systemd)
 if [ ${#need[@]} -gt 0 ]; then
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
   $sudo apt-get update -qq

@@ -450,6 +450,10 @@ fn update(job_id: &str, result: &Result<Outcome, String>) -> pb::AgentMessage {
             "every worker exited 0".to_owned(),
         ),
         Ok(Outcome::Cancelled) => (pb::JobOutcome::Cancelled, "cancelled".to_owned()),
+        Ok(Outcome::Drained) => (
+            pb::JobOutcome::Drained,
+            "this node was drained; the job goes on without it".to_owned(),
+        ),
         Ok(Outcome::Failed) => (pb::JobOutcome::Failed, "failed".to_owned()),
         Ok(Outcome::Interrupted(sig)) => (
             pb::JobOutcome::Cancelled,

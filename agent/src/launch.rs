@@ -64,6 +64,9 @@ pub enum Outcome {
     Failed,
     /// An operator cancelled the job.
     Cancelled,
+    /// An operator drained this node (`Ops.DrainNode`): its workers were stopped and the job
+    /// goes on without it. Exits 0: nothing failed here.
+    Drained,
     /// The agent got this signal and stopped the workers.
     Interrupted(Signal),
 }
@@ -73,7 +76,7 @@ impl Outcome {
     /// exits 1 too: it did not finish.
     pub fn exit_code(self) -> u8 {
         match self {
-            Self::Succeeded => 0,
+            Self::Succeeded | Self::Drained => 0,
             Self::Failed | Self::Cancelled => 1,
             Self::Interrupted(sig) => u8::try_from(128 + sig as i32).unwrap_or(1),
         }
@@ -219,6 +222,16 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
         let mut node = match joined {
             Waited::Done(Ok(node)) => node,
             Waited::Done(Err(LaunchError::Join { status, .. }))
+                if status.metadata().contains_key("muster-drained") =>
+            {
+                // Drained while this node waited in an open round.
+                eprintln!(
+                    "muster-agent: job {job}: {}; this node leaves the job (exit 0)",
+                    status.message()
+                );
+                return Ok(Outcome::Drained);
+            }
+            Waited::Done(Err(LaunchError::Join { status, .. }))
                 if last_failure.is_some() && status.code() == tonic::Code::FailedPrecondition =>
             {
                 // The job ended for good while this node was stopping its workers.
@@ -321,6 +334,13 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
                 if cause == pb::generation_ended::Cause::Cancelled {
                     eprintln!("muster-agent: job {job}: {}; workers stopped", v.message);
                     return Ok(Outcome::Cancelled);
+                }
+                if cause == pb::generation_ended::Cause::Drained {
+                    eprintln!(
+                        "muster-agent: job {job}: {}; workers stopped, this node leaves the job (exit 0)",
+                        v.message
+                    );
+                    return Ok(Outcome::Drained);
                 }
                 match &last_failure {
                     Some(f) => report_root_cause(&job, f),

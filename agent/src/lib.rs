@@ -25,6 +25,7 @@ pub mod guard;
 pub mod launch;
 pub mod program;
 pub mod relay;
+pub mod systemd;
 pub mod watch;
 pub mod worker;
 

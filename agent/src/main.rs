@@ -34,13 +34,25 @@ fn main() -> ExitCode {
                     return ExitCode::from(LAUNCH_ERROR_EXIT);
                 }
             };
-            let code = match runtime.block_on(muster_agent::daemon::run(request)) {
+            // `serve` under systemd (Type=notify): READY=1 and watchdog pings from this runtime,
+            // STOPPING=1 once it returned. No-ops outside systemd and for the other commands.
+            let serving = match &request {
+                muster_agent::daemon::Request::Serve(a) => Some(a.coordinator.clone()),
+                _ => None,
+            };
+            let code = match runtime.block_on(async {
+                let _watchdog = serving.as_deref().and_then(muster_agent::systemd::serving);
+                muster_agent::daemon::run(request).await
+            }) {
                 Ok(code) => code,
                 Err(e) => {
                     eprintln!("muster-agent: {e}");
                     LAUNCH_ERROR_EXIT
                 }
             };
+            if serving.is_some() {
+                muster_agent::systemd::stopped(code);
+            }
             runtime.shutdown_timeout(Duration::from_millis(200));
             return ExitCode::from(code);
         }

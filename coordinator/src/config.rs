@@ -27,6 +27,8 @@ pub struct Config {
     pub store: StoreKind,
     /// How to reach etcd; set only with [`StoreKind::Etcd`] (checked by [`Config::validate`]).
     pub etcd: EtcdConfig,
+    /// Where to serve Prometheus metrics (`GET /metrics`, plain HTTP); none when unset.
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 /// Which [`Store`](crate::Store) implementation the coordinator runs on.
@@ -226,6 +228,7 @@ impl Default for Config {
             max_message_bytes: 4 << 20,
             store: StoreKind::Memory,
             etcd: EtcdConfig::default(),
+            metrics_addr: None,
         }
     }
 }
@@ -268,6 +271,8 @@ pub struct Layer {
     pub advertise_addr: Option<String>,
     /// `lease_ttl_ms = 3000`.
     pub lease_ttl_ms: Option<u64>,
+    /// `metrics_addr = "0.0.0.0:29471"`.
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 /// etcd endpoints as a config file writes them: a list, or one comma-separated string (as on
@@ -350,6 +355,7 @@ impl Layer {
             etcd_password_file: get("MUSTER_COORDINATOR_ETCD_PASSWORD_FILE").map(PathBuf::from),
             advertise_addr: get("MUSTER_COORDINATOR_ADVERTISE_ADDR"),
             lease_ttl_ms: parse(&get, "MUSTER_COORDINATOR_LEASE_TTL_MS")?,
+            metrics_addr: parse(&get, "MUSTER_COORDINATOR_METRICS_ADDR")?,
         })
     }
 }
@@ -408,6 +414,9 @@ impl Config {
         if l.lease_ttl_ms.is_some() {
             etcd.lease_ttl_ms = l.lease_ttl_ms;
         }
+        if l.metrics_addr.is_some() {
+            self.metrics_addr = l.metrics_addr;
+        }
         self
     }
 
@@ -432,6 +441,14 @@ impl Config {
             return Err(format!(
                 "max_message_bytes must be at least 65536 (got {})",
                 self.max_message_bytes
+            ));
+        }
+        if let Some(m) = self.metrics_addr
+            && m.port() != 0
+            && m == self.listen
+        {
+            return Err(format!(
+                "metrics_addr ({m}) must differ from the gRPC listen address"
             ));
         }
         match self.store {
@@ -506,6 +523,25 @@ mod tests {
         c.validate().unwrap();
         assert_eq!(Config::default().etcd.prefix(), EtcdConfig::DEFAULT_PREFIX);
         assert!(toml::from_str::<Layer>("store = \"disk\"").is_err());
+    }
+
+    #[test]
+    fn metrics_addr_layers_and_validates() {
+        let file: Layer = toml::from_str("metrics_addr = \"127.0.0.1:9100\"").unwrap();
+        let c = Config::default().apply(&file);
+        assert_eq!(c.metrics_addr, Some("127.0.0.1:9100".parse().unwrap()));
+        c.validate().unwrap();
+        let env: HashMap<&str, &str> = [("MUSTER_COORDINATOR_METRICS_ADDR", "0.0.0.0:9101")].into();
+        let c = c.apply(&Layer::from_env(|k| env.get(k).map(|v| v.to_string())).unwrap());
+        assert_eq!(c.metrics_addr.unwrap().port(), 9101);
+        let bad: HashMap<&str, &str> = [("MUSTER_COORDINATOR_METRICS_ADDR", "nowhere")].into();
+        let e = Layer::from_env(|k| bad.get(k).map(|v| v.to_string())).unwrap_err();
+        assert!(e.contains("MUSTER_COORDINATOR_METRICS_ADDR"), "{e}");
+        let same = Config {
+            metrics_addr: Some(Config::default().listen),
+            ..Config::default()
+        };
+        assert!(same.validate().unwrap_err().contains("metrics_addr"));
     }
 
     #[test]

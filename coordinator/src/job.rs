@@ -185,6 +185,8 @@ struct NodeSlot {
     finished: bool,
     /// Its agent has attached a watch in this generation (persisted).
     watched: bool,
+    /// When its agent was last heard on its watch (attach or heartbeat).
+    last_seen: Option<Instant>,
 }
 
 struct RankSlot {
@@ -201,6 +203,10 @@ struct RankSlot {
     outbox: Option<Outbox>,
     /// The rank has opened a session in this generation (persisted).
     had_session: bool,
+    /// The name of the last barrier entered, per scope.
+    names: [String; 2],
+    /// The scope of the last barrier entered (an index into `seq`), if any.
+    last_scope: Option<usize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -264,6 +270,8 @@ struct JobState {
     done: Option<Done>,
     /// Ids of watch attaches and join calls.
     next_watch: u64,
+    /// Nodes an operator drained (node id to reason): their joins are refused (persisted).
+    drained: HashMap<String, String>,
 }
 
 /// A job: its lock-protected state plus a change signal for waiters of published values.
@@ -379,6 +387,80 @@ fn join_answer(
     }
 }
 
+/// The ending `node_id` hears: `ended` itself, unless the generation was superseded and the
+/// node is drained: then CAUSE_DRAINED without rejoin, so that its agent stops for good.
+fn drained_end(
+    ended: &pb::GenerationEnded,
+    node_id: &str,
+    drained: &HashMap<String, String>,
+) -> pb::GenerationEnded {
+    match drained.get(node_id) {
+        Some(reason) if ended.cause == pb::generation_ended::Cause::Superseded as i32 => {
+            pb::GenerationEnded {
+                cause: pb::generation_ended::Cause::Drained as i32,
+                rejoin: false,
+                message: format!(
+                    "node '{node_id}' was drained from generation {} by an operator ({reason}); the job continues on the other nodes",
+                    ended.generation
+                ),
+                ..ended.clone()
+            }
+        }
+        _ => ended.clone(),
+    }
+}
+
+/// The answer to a join from a drained node: FAILED_PRECONDITION naming the node and the
+/// reason, marked with the `muster-drained` metadata key so that an agent can tell a drain
+/// from a job that is over.
+fn drained_refusal(job: &JobId, node_id: &str, reason: &str) -> Status {
+    let mut status = Status::failed_precondition(format!(
+        "node '{node_id}' was drained from job '{job}' by an operator ({reason}) and may not join it again; start the agent afresh (a new node id) to add this machine back"
+    ));
+    status.metadata_mut().insert(
+        DRAINED_METADATA,
+        tonic::metadata::MetadataValue::from_static("1"),
+    );
+    status
+}
+
+/// The metadata key set on a join refused because its node was drained.
+pub const DRAINED_METADATA: &str = "muster-drained";
+
+/// A node named by an operator: by its id or by its rank in the running generation.
+#[derive(Debug, Clone)]
+pub enum NodeRef {
+    /// The node id it joined with.
+    Id(String),
+    /// Its node rank in the running generation.
+    Rank(u32),
+}
+
+impl std::fmt::Display for NodeRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Id(id) => write!(f, "node '{id}'"),
+            Self::Rank(r) => write!(f, "node rank {r}"),
+        }
+    }
+}
+
+/// How long ago `at` was, in whole milliseconds.
+fn ms_since(now: Instant, at: Instant) -> u64 {
+    u64::try_from(now.saturating_duration_since(at).as_millis()).unwrap_or(u64::MAX)
+}
+
+/// A rank's state on the wire (waiting when it waits at one of the coordinator's barriers).
+fn rank_state(s: &RankSlot) -> pb::RankState {
+    match s.state {
+        RankState::Pending => pb::RankState::Pending,
+        RankState::Running if s.waiting.contains(&true) => pb::RankState::Waiting,
+        RankState::Running => pb::RankState::Running,
+        RankState::Failed => pb::RankState::Failed,
+        RankState::Left => pb::RankState::Left,
+    }
+}
+
 fn result(scope: Scope, seq: u64, error: Option<pb::BarrierError>) -> pb::CoordinatorMessage {
     pb::CoordinatorMessage {
         kind: Some(pb::coordinator_message::Kind::Barrier(pb::BarrierResult {
@@ -477,12 +559,17 @@ impl Gen {
         }
     }
 
-    /// Sends `ended` to every node's watcher and keeps it for watchers that attach later.
-    fn end(&mut self, ended: pb::GenerationEnded) {
+    /// Sends `ended` to every node's watcher and keeps it for watchers that attach later. A
+    /// drained node (in `drained`) hears its own ending instead (see [`drained_end`]).
+    fn end(&mut self, ended: pb::GenerationEnded, drained: &HashMap<String, String>) {
         for node in &self.nodes {
             if let Some((_, w)) = &node.watch {
                 let _ = w.send(Ok(pb::NodeEvent {
-                    kind: Some(pb::node_event::Kind::Ended(ended.clone())),
+                    kind: Some(pb::node_event::Kind::Ended(drained_end(
+                        &ended,
+                        &node.node_id,
+                        drained,
+                    ))),
                 }));
             }
         }
@@ -650,6 +737,7 @@ impl Gen {
                 watch: None,
                 finished: false,
                 watched: n.watched,
+                last_seen: None,
             });
             for _ in 0..n.local_world_size {
                 let mut slot = RankSlot::new(node_rank as u32);
@@ -712,6 +800,85 @@ impl Gen {
         }
     }
 
+    /// One line saying what `rank` is doing, for the ops view. `held` is the wait its relay
+    /// reported, if any: (scope index, seq, name, milliseconds waited).
+    fn activity(
+        &self,
+        rank: u32,
+        now: Instant,
+        held: Option<&(usize, u64, String, u64)>,
+    ) -> String {
+        let s = &self.ranks[rank as usize];
+        let scope_of = |idx: usize| {
+            if idx == Scope::Node.index() {
+                scope_name(Scope::Node, s.node_rank)
+            } else {
+                scope_name(Scope::Global, s.node_rank)
+            }
+        };
+        let heard = ms_since(now, s.last_seen);
+        let last = match s.last_scope {
+            Some(i) => format!(
+                "last barrier: {} #{} '{}'",
+                scope_of(i),
+                s.seq[i],
+                s.names[i]
+            ),
+            None => "no barrier entered yet".to_owned(),
+        };
+        match s.state {
+            RankState::Pending if s.had_session => {
+                format!("re-attaching after a coordinator failover ({last})")
+            }
+            RankState::Pending => format!(
+                "no session yet (the worker has not connected; {}s since the generation started or it was last heard)",
+                heard / 1000
+            ),
+            RankState::Failed => match &self.failure {
+                Some(f) if f.rank == rank => format!("failed: {} ({last})", f.reason),
+                _ => format!("stopped: its node or generation failed ({last})"),
+            },
+            RankState::Left => format!("left cleanly ({last})"),
+            RankState::Running => {
+                for idx in [Scope::Global.index(), Scope::Node.index()] {
+                    if s.waiting[idx] {
+                        let node_rank = if idx == Scope::Node.index() {
+                            s.node_rank
+                        } else {
+                            0
+                        };
+                        let key = BarrierKey {
+                            scope: if idx == Scope::Node.index() {
+                                Scope::Node
+                            } else {
+                                Scope::Global
+                            },
+                            node_rank,
+                            seq: s.seq[idx],
+                        };
+                        let waited = self
+                            .barriers
+                            .get(&key)
+                            .map_or(0, |b| ms_since(now, b.first_at));
+                        return format!(
+                            "waiting at {} #{} '{}' for {waited} ms (heard {heard} ms ago)",
+                            scope_of(idx),
+                            s.seq[idx],
+                            s.names[idx]
+                        );
+                    }
+                }
+                if let Some((idx, seq, name, waited)) = held {
+                    return format!(
+                        "waiting at its node's relay in {} #{seq} '{name}' for {waited} ms (heard {heard} ms ago)",
+                        scope_of(*idx)
+                    );
+                }
+                format!("running outside barriers ({last}; heard {heard} ms ago)")
+            }
+        }
+    }
+
     /// The highest barrier seq of `scope` known complete.
     fn released(&self, scope: Scope, node_rank: u32) -> u64 {
         let node_rank = if scope == Scope::Node { node_rank } else { 0 };
@@ -732,7 +899,17 @@ impl RankSlot {
             waiting: [false; 2],
             outbox: None,
             had_session: false,
+            names: [String::new(), String::new()],
+            last_scope: None,
         }
+    }
+
+    /// Records the barrier it just entered, for the ops view.
+    fn entered(&mut self, idx: usize, name: &str) {
+        if self.names[idx] != name {
+            self.names[idx] = name.to_owned();
+        }
+        self.last_scope = Some(idx);
     }
 }
 
@@ -746,6 +923,7 @@ impl Job {
             next_round_seq: 1,
             done: None,
             next_watch: 1,
+            drained: HashMap::new(),
             phase: Phase::Open(OpenRound {
                 seq: 0,
                 joiners: vec![],
@@ -828,6 +1006,7 @@ impl Job {
             phase,
             done,
             next_watch: 1,
+            drained: record.drained.clone(),
         };
         Ok(Self::with_state(id, state, kv_bytes, ctx))
     }
@@ -885,6 +1064,7 @@ impl Job {
             failed,
             cancelled,
             ended,
+            drained: st.drained.clone(),
         }
     }
 
@@ -1033,6 +1213,9 @@ impl Job {
             }
             None => {}
         }
+        if let Some(reason) = st.drained.get(&req.node_id) {
+            return Err(drained_refusal(&self.id, &req.node_id, reason));
+        }
         if let Some(r) = req.requested
             && r >= config.max_nodes
         {
@@ -1097,7 +1280,7 @@ impl Job {
                 )));
             }
         } else {
-            self.open_next_round(&mut st);
+            self.open_next_round(&mut st, "a node joined a new rendezvous round");
         }
         let generation = st.generation;
         let (tx, rx) = oneshot::channel();
@@ -1197,13 +1380,14 @@ impl Job {
         st.next_round_seq += 1;
     }
 
-    fn open_next_round(&self, st: &mut JobState) {
+    /// Ends the running generation (superseded, for `why`) and opens the next round.
+    fn open_next_round(&self, st: &mut JobState, why: &str) {
         let old = st.generation;
         let (restarts, max_restarts) = (st.restarts, st.config.max_restarts);
         let mut restart = false;
         if let Phase::Running(g) = &mut st.phase {
             let message = format!(
-                "generation {old} of job '{}' was superseded by generation {}: a node joined a new rendezvous round",
+                "generation {old} of job '{}' was superseded by generation {}: {why}",
                 self.id,
                 old + 1
             );
@@ -1212,19 +1396,23 @@ impl Job {
             g.relays_failed(&err);
             restart = g.failure.is_some();
             if g.ended.is_none() {
-                g.end(pb::GenerationEnded {
-                    generation: old,
-                    cause: pb::generation_ended::Cause::Superseded as i32,
-                    rejoin: true,
-                    failure: None,
-                    message,
-                    restart_count: restarts,
-                    max_restarts,
-                });
+                g.end(
+                    pb::GenerationEnded {
+                        generation: old,
+                        cause: pb::generation_ended::Cause::Superseded as i32,
+                        rejoin: true,
+                        failure: None,
+                        message,
+                        restart_count: restarts,
+                        max_restarts,
+                    },
+                    &st.drained,
+                );
             }
         }
         if restart {
             st.restarts += 1;
+            crate::metrics::restarted();
         }
         st.generation += 1;
         st.phase = Phase::Open(OpenRound {
@@ -1255,6 +1443,7 @@ impl Job {
             return;
         }
         let joiners = std::mem::take(&mut round.joiners);
+        crate::metrics::rendezvous_closed(round.opened.elapsed());
         let mut order: Vec<Option<Joiner>> = (0..n).map(|_| None).collect();
         let mut rest = vec![];
         for j in joiners {
@@ -1284,6 +1473,7 @@ impl Job {
                 watch: None,
                 finished: false,
                 watched: false,
+                last_seen: None,
             });
             for _ in 0..j.req.local_world_size {
                 ranks.push(RankSlot::new(node_rank as u32));
@@ -1502,6 +1692,7 @@ impl Job {
         let slot = &mut g.ranks[rank as usize];
         slot.seq[idx] = seq;
         slot.waiting[idx] = true;
+        slot.entered(idx, &name);
         let b = g.barriers.entry(key).or_insert_with(|| Barrier {
             expected,
             names: vec![],
@@ -1553,6 +1744,7 @@ impl Job {
         if complete {
             let b = g.barriers.remove(&key).expect("present above");
             g.deliver(key, b.arrivals.iter(), None);
+            crate::metrics::barrier_completed(b.first_at.elapsed());
             let known = g.released.entry((key.scope, key.node_rank)).or_insert(0);
             *known = (*known).max(key.seq);
             return;
@@ -1811,12 +2003,13 @@ impl Job {
         g.next_token += 1;
         let expected = g.ranks.len() as u32;
         let now = Instant::now();
-        for (_, ranks) in &groups {
+        for (name, ranks) in &groups {
             for &rank in ranks {
                 let slot = &mut g.ranks[rank as usize];
                 slot.seq[idx] = seq;
                 slot.waiting[idx] = true;
                 slot.last_seen = now;
+                slot.entered(idx, name);
             }
         }
         let b = g.barriers.entry(key).or_insert_with(|| Barrier {
@@ -1882,7 +2075,7 @@ impl Job {
                 {
                     let mut ended = (**ended).clone();
                     ended.failure = Some(f.to_info(generation));
-                    g.end(ended);
+                    g.end(ended, &HashMap::new());
                 }
                 self.persist(&st);
             }
@@ -1975,6 +2168,7 @@ impl Job {
             return;
         };
         tracing::warn!(job = %id, generation, rejoin, "{text}");
+        crate::metrics::generation_failed(&f);
         let err = f.to_error(&id, generation);
         let info = f.to_info(generation);
         g.failure = Some(f);
@@ -1991,15 +2185,18 @@ impl Job {
         } else {
             format!("{text}; no restarts left ({restarts} of {max_restarts} used)")
         };
-        g.end(pb::GenerationEnded {
-            generation,
-            cause: pb::generation_ended::Cause::Failed as i32,
-            rejoin,
-            failure: Some(info),
-            message,
-            restart_count: restarts,
-            max_restarts,
-        });
+        g.end(
+            pb::GenerationEnded {
+                generation,
+                cause: pb::generation_ended::Cause::Failed as i32,
+                rejoin,
+                failure: Some(info),
+                message,
+                restart_count: restarts,
+                max_restarts,
+            },
+            &HashMap::new(),
+        );
         self.persist(st);
         self.notify();
     }
@@ -2019,6 +2216,7 @@ impl Job {
         let watch_id = st.next_watch;
         st.next_watch += 1;
         let id = self.id.clone();
+        let drained = st.drained.clone();
         let g = self.running(&mut st, generation)?;
         let Some(node) = g.nodes.get_mut(node_rank as usize) else {
             return Err(Status::invalid_argument(format!(
@@ -2037,10 +2235,13 @@ impl Job {
         }));
         if let Some(ended) = &g.ended {
             let _ = outbox.send(Ok(pb::NodeEvent {
-                kind: Some(pb::node_event::Kind::Ended((**ended).clone())),
+                kind: Some(pb::node_event::Kind::Ended(drained_end(
+                    ended, node_id, &drained,
+                ))),
             }));
         }
         node.watch = Some((watch_id, outbox));
+        node.last_seen = Some(Instant::now());
         if !std::mem::replace(&mut node.watched, true) {
             self.persist(&st);
         }
@@ -2171,23 +2372,169 @@ impl Job {
             }
             Phase::Running(g) => {
                 let err = simple_error(ErrKind::Cancelled, message.clone());
+                crate::metrics::generation_ended(crate::metrics::Cause::Cancelled);
                 g.fail_all_barriers(&err);
                 g.relays_failed(&err);
-                g.end(pb::GenerationEnded {
-                    generation,
-                    cause: pb::generation_ended::Cause::Cancelled as i32,
-                    rejoin: false,
-                    failure: None,
-                    message,
-                    restart_count: restarts,
-                    max_restarts,
-                });
+                g.end(
+                    pb::GenerationEnded {
+                        generation,
+                        cause: pb::generation_ended::Cause::Cancelled as i32,
+                        rejoin: false,
+                        failure: None,
+                        message,
+                        restart_count: restarts,
+                        max_restarts,
+                    },
+                    &HashMap::new(),
+                );
             }
         }
         self.persist(&st);
         drop(st);
         self.notify();
         true
+    }
+
+    /// Drains a node (`Ops.DrainNode`): marks it drained (persisted, so its joins stay
+    /// refused after a failover) and supersedes the running generation, so that the other
+    /// nodes rejoin without it while the drained node's agent hears CAUSE_DRAINED without
+    /// rejoin. In an open round the node's pending join is refused instead. Not a restart:
+    /// the restart count is unchanged. Refused when fewer than min_nodes would remain.
+    pub fn drain(&self, node: &NodeRef, reason: &str) -> Result<pb::DrainNodeResponse, Status> {
+        let mut st = self.lock();
+        let id = self.id.clone();
+        match &st.done {
+            Some(Done::Failed(why)) => {
+                return Err(Status::failed_precondition(format!(
+                    "job '{id}' is over ({why}); there is nothing to drain"
+                )));
+            }
+            Some(Done::Cancelled(why)) => {
+                return Err(Status::failed_precondition(format!(
+                    "job '{id}' was cancelled ({why}); there is nothing to drain"
+                )));
+            }
+            None => {}
+        }
+        if let NodeRef::Id(node_id) = node
+            && let Some(why) = st.drained.get(node_id)
+        {
+            return Err(Status::failed_precondition(format!(
+                "node '{node_id}' of job '{id}' is already drained ({why})"
+            )));
+        }
+        let min = st.config.min_nodes;
+        let max = st.config.max_nodes;
+        let generation = st.generation;
+        let too_few = |present: usize, node_id: &str| {
+            Status::failed_precondition(format!(
+                "draining node '{node_id}' would leave job '{id}' with {} of its {present} nodes, below its min_nodes {min} (nodes {min}:{max}); the drain was refused",
+                present - 1
+            ))
+        };
+        match &mut st.phase {
+            Phase::Open(round) => {
+                let node_id = match node {
+                    NodeRef::Id(node_id) => node_id,
+                    NodeRef::Rank(r) => {
+                        return Err(Status::invalid_argument(format!(
+                            "node rank {r}: job '{id}' has no running generation (its round for generation {generation} is open, node ranks are given when it closes); name the node by node_id"
+                        )));
+                    }
+                };
+                let Some(pos) = round.joiners.iter().position(|j| j.req.node_id == *node_id) else {
+                    let known: Vec<&str> = round
+                        .joiners
+                        .iter()
+                        .map(|j| j.req.node_id.as_str())
+                        .collect();
+                    return Err(Status::invalid_argument(format!(
+                        "node '{node_id}' has not joined job '{id}' (the open round of generation {generation} has [{}])",
+                        known.join(", ")
+                    )));
+                };
+                let present = round.joiners.len();
+                if (present as u32) - 1 < min {
+                    return Err(too_few(present, node_id));
+                }
+                let j = round.joiners.remove(pos);
+                if (round.joiners.len() as u32) < min {
+                    round.min_reached = None;
+                }
+                let remaining = round.joiners.len() as u32;
+                tracing::info!(job = %id, node_id = %node_id, reason, "joiner drained from the open round");
+                let _ = j.reply.send(Err(drained_refusal(&id, node_id, reason)));
+                st.drained.insert(node_id.clone(), reason.to_owned());
+                self.persist(&st);
+                drop(st);
+                self.notify();
+                Ok(pb::DrainNodeResponse {
+                    node_id: node_id.clone(),
+                    generation,
+                    remaining_nodes: remaining,
+                })
+            }
+            Phase::Running(g) => {
+                let found = match node {
+                    NodeRef::Id(node_id) => g.nodes.iter().position(|n| n.node_id == *node_id),
+                    NodeRef::Rank(r) => ((*r as usize) < g.nodes.len()).then_some(*r as usize),
+                };
+                let Some(node_rank) = found else {
+                    let known: Vec<String> = g
+                        .nodes
+                        .iter()
+                        .enumerate()
+                        .map(|(i, n)| format!("{i}: '{}'", n.node_id))
+                        .collect();
+                    return Err(Status::invalid_argument(format!(
+                        "{node} is not part of job '{id}' generation {generation} (nodes {})",
+                        known.join(", ")
+                    )));
+                };
+                let n = &g.nodes[node_rank];
+                let node_id = n.node_id.clone();
+                if n.finished {
+                    return Err(Status::failed_precondition(format!(
+                        "node {node_rank} ('{node_id}') of job '{id}' has finished: every worker exited 0; there is nothing to drain"
+                    )));
+                }
+                if let Some(ended) = &g.ended {
+                    return Err(Status::failed_precondition(format!(
+                        "generation {generation} of job '{id}' is already ending ({}); drain once the next generation runs",
+                        ended.message
+                    )));
+                }
+                let present = g.nodes.len();
+                if (present as u32) - 1 < min {
+                    return Err(too_few(present, &node_id));
+                }
+                let host = n.host.clone();
+                st.drained.insert(node_id.clone(), reason.to_owned());
+                tracing::info!(job = %id, generation, node_rank, node_id = %node_id, reason, "node drained");
+                self.open_next_round(
+                    &mut st,
+                    &format!(
+                        "node {node_rank} ('{node_id}', host {host}) was drained by an operator ({reason})"
+                    ),
+                );
+                Ok(pb::DrainNodeResponse {
+                    node_id,
+                    generation,
+                    remaining_nodes: present as u32 - 1,
+                })
+            }
+        }
+    }
+
+    /// The node's agent was heard on its watch `watch_id` (a heartbeat).
+    pub fn node_heartbeat(&self, generation: u64, node_rank: u32, watch_id: u64) {
+        let mut st = self.lock();
+        if let Ok(g) = self.running(&mut st, generation)
+            && let Some(node) = g.nodes.get_mut(node_rank as usize)
+            && node.watch.as_ref().is_some_and(|(id, _)| *id == watch_id)
+        {
+            node.last_seen = Some(Instant::now());
+        }
     }
 
     /// `rank` ends its session cleanly.
@@ -2224,7 +2571,9 @@ impl Job {
         }
     }
 
-    /// The ops view of this job.
+    /// The ops view of this job: its nodes, ranks, pending barriers (the coordinator's and
+    /// those its relays reported) and, for every rank a barrier waits for, what that rank is
+    /// doing instead.
     pub fn describe(&self) -> pb::DescribeJobResponse {
         let st = self.lock();
         let config = pb::RendezvousConfig {
@@ -2238,8 +2587,10 @@ impl Job {
             summary: Some(self.summary_locked(&st)),
             config: Some(config),
             restart_count: st.restarts,
+            drained: st.drained.clone(),
             ..Default::default()
         };
+        let now = Instant::now();
         match &st.phase {
             Phase::Open(round) => {
                 resp.nodes = round
@@ -2251,44 +2602,92 @@ impl Job {
                         host: j.req.host.clone(),
                         local_world_size: j.req.local_world_size,
                         rank_offset: 0,
+                        state: pb::NodeState::Joining as i32,
+                        ..Default::default()
                     })
                     .collect();
             }
             Phase::Running(g) => {
-                let now = Instant::now();
                 resp.nodes = g
                     .nodes
                     .iter()
                     .enumerate()
-                    .map(|(i, n)| pb::NodeInfo {
-                        node_id: n.node_id.clone(),
-                        node_rank: i as u32,
-                        host: n.host.clone(),
-                        local_world_size: n.local_world_size,
-                        rank_offset: n.rank_offset,
+                    .map(|(i, n)| {
+                        let ranks = n.rank_offset..n.rank_offset + n.local_world_size;
+                        let failed = ranks
+                            .clone()
+                            .any(|r| g.ranks[r as usize].state == RankState::Failed);
+                        let state = if st.drained.contains_key(&n.node_id) {
+                            pb::NodeState::Drained
+                        } else if n.finished {
+                            pb::NodeState::Finished
+                        } else if failed {
+                            pb::NodeState::Failed
+                        } else if n.watch.is_some() {
+                            pb::NodeState::Running
+                        } else {
+                            pb::NodeState::Starting
+                        };
+                        pb::NodeInfo {
+                            node_id: n.node_id.clone(),
+                            node_rank: i as u32,
+                            host: n.host.clone(),
+                            local_world_size: n.local_world_size,
+                            rank_offset: n.rank_offset,
+                            state: state as i32,
+                            last_seen_ms_ago: n.last_seen.map(|at| ms_since(now, at)),
+                            ..Default::default()
+                        }
                     })
                     .collect();
+                // Waits held by relays, by rank: (scope index, seq, name, reported age).
+                let mut held: HashMap<u32, (usize, u64, String, u64)> = HashMap::new();
+                for node in &g.nodes {
+                    let Some((at, barriers)) = &node.report else {
+                        continue;
+                    };
+                    let age = ms_since(now, *at);
+                    for b in barriers {
+                        let idx = if b.scope == pb::BarrierScope::Node as i32 {
+                            Scope::Node.index()
+                        } else {
+                            Scope::Global.index()
+                        };
+                        for n in &b.names {
+                            for r in &n.ranks {
+                                held.insert(*r, (idx, b.seq, n.name.clone(), b.waiting_ms + age));
+                            }
+                        }
+                    }
+                }
+                let restarts = st.restarts;
                 resp.ranks = g
                     .ranks
                     .iter()
                     .enumerate()
-                    .map(|(r, s)| pb::RankInfo {
-                        rank: r as u32,
-                        node_rank: s.node_rank,
-                        host: g.location(r as u32).host,
-                        pid: s.pid,
-                        state: match s.state {
-                            RankState::Pending => pb::RankState::Pending,
-                            RankState::Running if s.waiting.contains(&true) => {
-                                pb::RankState::Waiting
-                            }
-                            RankState::Running => pb::RankState::Running,
-                            RankState::Failed => pb::RankState::Failed,
-                            RankState::Left => pb::RankState::Left,
-                        } as i32,
-                        last_seen_ms_ago: now.duration_since(s.last_seen).as_millis() as u64,
-                        global_seq: s.seq[0],
-                        node_seq: s.seq[1],
+                    .map(|(r, s)| {
+                        let r = r as u32;
+                        let node = &g.nodes[s.node_rank as usize];
+                        let mut state = rank_state(s);
+                        if state == pb::RankState::Running && held.contains_key(&r) {
+                            state = pb::RankState::Waiting;
+                        }
+                        pb::RankInfo {
+                            rank: r,
+                            node_rank: s.node_rank,
+                            host: g.location(r).host,
+                            pid: s.pid,
+                            state: state as i32,
+                            last_seen_ms_ago: ms_since(now, s.last_seen),
+                            global_seq: s.seq[0],
+                            node_seq: s.seq[1],
+                            local_rank: r - node.rank_offset,
+                            restart_count: restarts,
+                            last_barrier: s
+                                .last_scope
+                                .map_or_else(String::new, |i| s.names[i].clone()),
+                            activity: g.activity(r, now, held.get(&r)),
+                        }
                     })
                     .collect();
                 let mut barriers: Vec<_> = g.barriers.iter().collect();
@@ -2314,29 +2713,48 @@ impl Job {
                             })
                             .collect(),
                         missing: g.missing(k, b),
-                        waiting_ms: now.duration_since(b.first_at).as_millis() as u64,
+                        waiting_ms: ms_since(now, b.first_at),
+                        missing_detail: vec![],
                     })
                     .collect();
-                // Waits held by relays: shown as reported, aged to now, and their ranks as
-                // waiting.
+                // Waits held by relays: shown as reported, aged to now.
                 for node in &g.nodes {
                     let Some((at, barriers)) = &node.report else {
                         continue;
                     };
-                    let age = now.duration_since(*at).as_millis() as u64;
+                    let age = ms_since(now, *at);
                     for b in barriers {
-                        for r in b.names.iter().flat_map(|n| &n.ranks) {
-                            if let Some(info) = resp.ranks.get_mut(*r as usize)
-                                && info.state == pb::RankState::Running as i32
-                            {
-                                info.state = pb::RankState::Waiting as i32;
-                            }
-                        }
                         resp.barriers.push(pb::BarrierInfo {
                             waiting_ms: b.waiting_ms + age,
                             ..b.clone()
                         });
                     }
+                }
+                // What each missing rank does instead.
+                for b in &mut resp.barriers {
+                    let idx = if b.scope == pb::BarrierScope::Node as i32 {
+                        Scope::Node.index()
+                    } else {
+                        Scope::Global.index()
+                    };
+                    b.missing_detail = b
+                        .missing
+                        .iter()
+                        .filter_map(|m| {
+                            let s = g.ranks.get(m.rank as usize)?;
+                            let info = &resp.ranks[m.rank as usize];
+                            Some(pb::MissingRank {
+                                rank: m.rank,
+                                node_rank: m.node_rank,
+                                host: m.host.clone(),
+                                state: info.state,
+                                last_seen_ms_ago: info.last_seen_ms_ago,
+                                last_seq: s.seq[idx],
+                                last_barrier: s.names[idx].clone(),
+                                activity: info.activity.clone(),
+                            })
+                        })
+                        .collect();
                 }
                 resp.failure = g.failure.as_ref().map(|f| f.to_info(g.generation));
             }
@@ -2383,5 +2801,55 @@ impl Job {
             }
         }
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    fn req(node_id: &str) -> JoinReq {
+        JoinReq {
+            node_id: node_id.into(),
+            host: format!("host-{node_id}"),
+            local_world_size: 1,
+            requested: None,
+            request_id: String::new(),
+        }
+    }
+
+    #[tokio::test]
+    async fn the_drained_set_is_in_the_record_and_a_restored_job_still_refuses_the_node() {
+        let ctx = JobContext {
+            incarnation: 1,
+            store: None,
+        };
+        let config = RoundConfig {
+            min_nodes: 1,
+            max_nodes: 2,
+            last_call: Duration::from_secs(60),
+            join_timeout: Duration::from_secs(60),
+            max_restarts: 2,
+        };
+        let job = Job::new(JobId::parse("j").unwrap(), config, &ctx);
+        let (_, _, a) = job.join(req("a")).unwrap();
+        let (_, _, b) = job.join(req("b")).unwrap();
+        a.await.unwrap().unwrap();
+        b.await.unwrap().unwrap();
+        let resp = job.drain(&NodeRef::Id("b".into()), "maintenance").unwrap();
+        assert_eq!((resp.generation, resp.remaining_nodes), (1, 1));
+        let record = job.record(&job.lock());
+        assert_eq!(
+            record.drained.get("b").map(String::as_str),
+            Some("maintenance")
+        );
+        assert_eq!((record.generation, record.restarts), (2, 0));
+        let restored = Job::restore(&record, 0, &ctx).unwrap();
+        let err = restored.join(req("b")).unwrap_err();
+        assert_eq!(err.code(), tonic::Code::FailedPrecondition);
+        assert!(err.message().contains("was drained"), "{err:?}");
+        assert!(err.metadata().contains_key(DRAINED_METADATA));
+        assert!(restored.join(req("a")).is_ok());
     }
 }

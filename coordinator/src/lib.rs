@@ -9,10 +9,12 @@ pub mod config;
 pub mod election;
 pub mod ha;
 pub mod job;
+pub mod metrics;
 pub mod model;
 pub mod pool;
 pub mod service;
 pub mod store;
+pub mod systemd;
 
 pub use config::Config;
 pub use store::{EtcdStore, MemoryStore, Store, StoreError};
@@ -55,6 +57,16 @@ pub async fn serve_with_store(
         .clone()
         .unwrap_or_else(|| addr.to_string());
     let ttl = config.etcd.lease_ttl();
+    // Bound before anything starts, so that a taken metrics port fails the start.
+    let metrics_listener = match config.metrics_addr {
+        Some(a) => Some(
+            TcpListener::bind(a)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot listen on metrics address {a}: {e}"))?,
+        ),
+        None => None,
+    };
+    let store = store::timed(store);
     let coordinator = Coordinator::new(config, Arc::clone(&store));
     let durable = store.as_etcd().is_some();
     let gate = ha::Gate::new(
@@ -66,10 +78,15 @@ pub async fn serve_with_store(
         &me,
     );
 
-    let reflection = tonic_reflection::server::Builder::configure()
-        .register_encoded_file_descriptor_set(muster_proto::FILE_DESCRIPTOR_SET)
-        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
-        .build_v1()?;
+    // Reflection in both versions: grpc.reflection.v1, and v1alpha for older grpcurl and
+    // for grpcio-reflection's ready-made Python client.
+    let reflection_builder = || {
+        tonic_reflection::server::Builder::configure()
+            .register_encoded_file_descriptor_set(muster_proto::FILE_DESCRIPTOR_SET)
+            .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+    };
+    let reflection = reflection_builder().build_v1()?;
+    let reflection_alpha = reflection_builder().build_v1alpha()?;
     let (health_reporter, health) = tonic_health::server::health_reporter();
     // Task "health": mirrors the gate into grpc.health.v1 for "" and every muster service.
     // Ends with the runtime.
@@ -105,15 +122,28 @@ pub async fn serve_with_store(
     }
     let open = move |request: tonic::Request<()>| gate.check().map(|()| request);
 
+    // Task "metrics": answers GET /metrics; aborted when serving ends.
+    let metrics_task = metrics_listener.map(|listener| {
+        if let Ok(a) = listener.local_addr() {
+            tracing::info!(addr = %a, "metrics endpoint serving");
+        }
+        let coordinator = Arc::clone(&coordinator);
+        tokio::spawn(metrics::serve_http(listener, move || {
+            let coordinator = Arc::clone(&coordinator);
+            async move { metrics::render(&coordinator).await }
+        }))
+    });
     let values = ValuesService(Arc::clone(&coordinator));
     tracing::info!(%addr, advertise = %me, store = if durable { "etcd" } else { "memory" }, "coordinator serving");
-    tonic::transport::Server::builder()
+    let served = tonic::transport::Server::builder()
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(5)))
         .max_concurrent_streams(Some(1 << 20))
+        .layer(metrics::RpcLatencyLayer)
         .add_service(health)
         .add_service(reflection)
+        .add_service(reflection_alpha)
         .add_service(InterceptedService::new(
             pb::rendezvous_server::RendezvousServer::new(RendezvousService(Arc::clone(
                 &coordinator,
@@ -160,7 +190,11 @@ pub async fn serve_with_store(
             tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
             shutdown,
         )
-        .await?;
+        .await;
+    if let Some(task) = metrics_task {
+        task.abort();
+    }
+    served?;
     tracing::info!("coordinator stopped");
     Ok(())
 }

@@ -17,7 +17,7 @@ struct Args {
     /// TOML config file (keys: listen, heartbeat_timeout_ms, last_call_ms, join_timeout_ms,
     /// max_value_bytes, max_job_bytes, max_message_bytes, store, etcd_endpoints, etcd_prefix,
     /// etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file, advertise_addr,
-    /// lease_ttl_ms).
+    /// lease_ttl_ms, metrics_addr).
     #[arg(long, env = "MUSTER_COORDINATOR_CONFIG")]
     config: Option<PathBuf>,
     /// A worker silent for this long is marked failed [default: 10000].
@@ -63,6 +63,9 @@ struct Args {
     /// about this long, and a leader cut off from etcd this long steps down [default: 3000].
     #[arg(long)]
     lease_ttl_ms: Option<u64>,
+    /// Address to serve Prometheus metrics on (`GET /metrics`, plain HTTP) [default: none].
+    #[arg(long, value_name = "HOST:PORT")]
+    metrics_addr: Option<SocketAddr>,
     /// Runtime threads: 1 runs everything on one thread, 0 means one per core [default: 0].
     #[arg(long, default_value_t = 0)]
     worker_threads: usize,
@@ -94,6 +97,7 @@ fn load(args: &Args) -> Result<Config, String> {
         etcd_password_file: args.etcd_password_file.clone(),
         advertise_addr: args.advertise_addr.clone(),
         lease_ttl_ms: args.lease_ttl_ms,
+        metrics_addr: args.metrics_addr,
         ..Layer::default()
     });
     config.validate()?;
@@ -145,7 +149,33 @@ fn main() -> ExitCode {
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.listen))?;
         // Handlers are installed before serving, so a signal never meets the default action.
         let shutdown = shutdown_signal()?;
-        muster_coordinator::serve_with_store(listener, config, store, shutdown).await
+        // systemd (Type=notify): ready once bound (and, over etcd, once the store answered);
+        // STOPPING=1 when a signal starts the drain. No-ops outside systemd.
+        let _watchdog = muster_coordinator::systemd::spawn_watchdog();
+        muster_coordinator::systemd::ready(&format!("listening on {}", config.listen));
+        // After the signal, in-flight calls get DRAIN_GRACE to finish; long waits (joins,
+        // barriers, waiting gets) cannot, so returning then drops them with the runtime and
+        // their clients see the connection close (and retry elsewhere) well within
+        // Kubernetes' 30 s and the units' TimeoutStopSec.
+        const DRAIN_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+        let (signalled, drain_started) = tokio::sync::oneshot::channel::<()>();
+        let shutdown = async move {
+            shutdown.await;
+            muster_coordinator::systemd::stopping("draining in-flight calls");
+            let _ = signalled.send(());
+        };
+        let serving = muster_coordinator::serve_with_store(listener, config, store, shutdown);
+        tokio::select! {
+            result = serving => result,
+            Ok(()) = async move {
+                drain_started.await?;
+                tokio::time::sleep(DRAIN_GRACE).await;
+                Ok::<(), tokio::sync::oneshot::error::RecvError>(())
+            } => {
+                tracing::warn!("calls still in flight {DRAIN_GRACE:?} after the signal: cut");
+                Ok(())
+            }
+        }
     });
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -39,6 +39,8 @@ struct Submitted {
     agents: BTreeSet<String>,
     /// A node reported the job's end, or it was cancelled: no agent is added any more.
     over: bool,
+    /// Agents whose node was drained from the job: never offered it again.
+    drained: BTreeSet<String>,
 }
 
 #[derive(Default)]
@@ -66,6 +68,7 @@ impl PoolState {
         }
         for (id, job) in &mut self.jobs {
             if job.over
+                || job.drained.contains(agent_id)
                 || job.agents.len() as u32 >= max_nodes(&job.spec)
                 || !matches(&agent.info.labels, &job.spec.node_selector)
             {
@@ -263,11 +266,17 @@ impl Pool {
         }
     }
 
-    /// A job ended on an agent: the job takes no more agents, and the agent is free.
+    /// A job ended on an agent: the job takes no more agents (unless the agent's node was
+    /// only drained: the job goes on without it), and the agent is free.
     pub fn job_ended(&self, agent_id: &str, update: &pb::JobUpdate) {
         let mut st = self.lock();
         if let Some(j) = st.jobs.get_mut(&update.job_id) {
-            j.over = true;
+            if update.outcome == pb::JobOutcome::Drained as i32 {
+                j.drained.insert(agent_id.to_owned());
+                j.agents.remove(agent_id);
+            } else {
+                j.over = true;
+            }
         }
         let idle = match st.agents.get_mut(agent_id) {
             Some(a) => {
@@ -350,6 +359,7 @@ impl Pool {
                 spec,
                 agents: chosen.iter().cloned().collect(),
                 over: false,
+                drained: BTreeSet::new(),
             },
         );
         Ok(chosen)
@@ -374,6 +384,28 @@ impl Pool {
             }
         }
         true
+    }
+
+    /// A node of `job_id` was drained: if it is a daemon agent (its agent id is the node
+    /// id), the job is never offered to it again. Agents with another id are recorded when
+    /// they report the drain (`JOB_OUTCOME_DRAINED`).
+    pub fn drained(&self, job_id: &str, node_id: &str) {
+        let mut st = self.lock();
+        if let Some(j) = st.jobs.get_mut(job_id)
+            && j.agents.contains(node_id)
+        {
+            j.drained.insert(node_id.to_owned());
+        }
+    }
+
+    /// The machines of the agents that run `job_id` now (for the ops view's labels).
+    pub fn machines(&self, job_id: &str) -> Vec<pb::MachineInfo> {
+        let st = self.lock();
+        st.agents
+            .values()
+            .filter(|a| a.jobs.contains(job_id))
+            .map(|a| a.info.clone())
+            .collect()
     }
 
     /// The registered agents, by id.
@@ -458,6 +490,30 @@ mod tests {
         let listed = pool.list();
         assert_eq!(listed.len(), 4);
         assert_eq!(listed[0].jobs, ["j"]);
+    }
+
+    #[test]
+    fn a_drained_agent_is_not_offered_the_job_again_and_the_job_goes_on() {
+        let pool = Pool::default();
+        let mut a = agent(&pool, "a", &[]);
+        let mut b = agent(&pool, "b", &[]);
+        assert_eq!(pool.submit(spec(1, 3), |_| Ok(())).unwrap(), ["a", "b"]);
+        assert_eq!(started(&mut a).as_deref(), Some("j"));
+        assert_eq!(started(&mut b).as_deref(), Some("j"));
+        assert_eq!(pool.machines("j").len(), 2);
+        pool.job_ended(
+            "b",
+            &pb::JobUpdate {
+                job_id: "j".into(),
+                outcome: pb::JobOutcome::Drained as i32,
+                message: "drained".into(),
+            },
+        );
+        // b is idle now but drained from j; a newcomer still joins (the job is not over).
+        assert_eq!(started(&mut b), None);
+        let mut c = agent(&pool, "c", &[]);
+        assert_eq!(started(&mut c).as_deref(), Some("j"));
+        assert_eq!(pool.machines("j").len(), 2);
     }
 
     #[test]

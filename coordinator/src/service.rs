@@ -3,7 +3,7 @@
 //! and in [`Values`] (key-value store, unique ids, shared values over the [`Store`]).
 
 use crate::config::Config;
-use crate::job::{FailureDetail, Job, JobContext, JoinReq, Outbox, RoundConfig};
+use crate::job::{FailureDetail, Job, JobContext, JoinReq, NodeRef, Outbox, RoundConfig};
 use crate::model::{self, Invalid, JobId, Scope};
 use crate::pool::{self, Pool};
 use crate::store::{Store, StoreError};
@@ -444,6 +444,7 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
                     Ok(Ok(None)) => break "its agent disconnected".to_owned(),
                     Ok(Ok(Some(msg))) => match msg.kind {
                         Some(Kind::Heartbeat(_)) => {
+                            job.node_heartbeat(generation, node_rank, watch_id);
                             let _ = tx.send(Ok(pb::NodeEvent {
                                 kind: Some(pb::node_event::Kind::Heartbeat(pb::Heartbeat {})),
                             }));
@@ -1068,8 +1069,22 @@ impl pb::ops_server::Ops for OpsService {
         &self,
         request: Request<pb::DescribeJobRequest>,
     ) -> Rpc<pb::DescribeJobResponse> {
-        let job = self.0.job(&request.into_inner().job_id)?;
-        Ok(Response::new(job.describe()))
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        let mut resp = job.describe();
+        // Daemon agents' machines: their labels and host names.
+        let machines = self.0.pool.machines(&r.job_id);
+        for node in &mut resp.nodes {
+            if let Some(m) = machines
+                .iter()
+                .find(|m| m.agent_id == node.node_id)
+                .or_else(|| machines.iter().find(|m| m.address == node.host))
+            {
+                node.labels = m.labels.clone();
+                node.hostname = m.hostname.clone();
+            }
+        }
+        Ok(Response::new(resp))
     }
 
     async fn submit_job(
@@ -1115,6 +1130,32 @@ impl pb::ops_server::Ops for OpsService {
         Ok(Response::new(pb::ListAgentsResponse {
             agents: self.0.pool.list(),
         }))
+    }
+
+    async fn drain_node(
+        &self,
+        request: Request<pb::DrainNodeRequest>,
+    ) -> Rpc<pb::DrainNodeResponse> {
+        use pb::drain_node_request::Node;
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        let node = match r.node {
+            Some(Node::NodeId(id)) => NodeRef::Id(model::node_id(&id)?),
+            Some(Node::NodeRank(rank)) => NodeRef::Rank(rank),
+            None => {
+                return Err(Status::invalid_argument(
+                    "name the node to drain: set node_id or node_rank",
+                ));
+            }
+        };
+        let reason = if r.reason.is_empty() {
+            "drained by an operator".to_owned()
+        } else {
+            model::label("reason", &r.reason, 1024)?
+        };
+        let resp = job.drain(&node, &reason)?;
+        self.0.pool.drained(&r.job_id, &resp.node_id);
+        Ok(Response::new(resp))
     }
 }
 

@@ -48,6 +48,21 @@ fn bad_configuration_is_one_line_and_exit_64() {
         &[("MUSTER_COORDINATOR_LISTEN", "nowhere")],
         "MUSTER_COORDINATOR_LISTEN",
     );
+    check_rejected(
+        &[],
+        &[("MUSTER_COORDINATOR_METRICS_ADDR", "nowhere")],
+        "MUSTER_COORDINATOR_METRICS_ADDR",
+    );
+    check_rejected(
+        &[
+            "--listen",
+            "127.0.0.1:29999",
+            "--metrics-addr",
+            "127.0.0.1:29999",
+        ],
+        &[],
+        "metrics_addr",
+    );
     let out = Command::new(BIN)
         .args(["--listen", "not-an-address"])
         .output()

@@ -175,6 +175,7 @@ async fn waits_a_relay_holds_show_in_the_ops_view_until_cleared() {
             host: "host-n1".into(),
         }],
         waiting_ms: 1500,
+        missing_detail: vec![],
     };
     relay.report(vec![held]).await;
     let mut d = describe(&s.channel, "held").await;
@@ -196,6 +197,15 @@ async fn waits_a_relay_holds_show_in_the_ops_view_until_cleared() {
         "rank 0 is not on node 1 and must be dropped"
     );
     assert_eq!(b.missing[0].rank, 3);
+    assert_eq!(b.missing_detail[0].rank, 3);
+    assert!(
+        b.missing_detail[0]
+            .activity
+            .starts_with("running outside barriers"),
+        "{:?}",
+        b.missing_detail[0]
+    );
+    assert!(d.ranks[2].activity.contains("relay"), "{:?}", d.ranks[2]);
     assert!(b.waiting_ms >= 1500);
     assert_eq!(d.ranks[2].state, pb::RankState::Waiting as i32);
     assert_eq!(d.ranks[3].state, pb::RankState::Running as i32);

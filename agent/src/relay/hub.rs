@@ -583,6 +583,8 @@ impl Hub {
                         .collect(),
                     missing: self.missing(b, None),
                     waiting_ms: u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+                    // The coordinator fills it in from its view of the ranks.
+                    missing_detail: vec![],
                 })
             })
             .collect()

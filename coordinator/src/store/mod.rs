@@ -19,6 +19,7 @@ pub use memory::MemoryStore;
 use crate::config::{Config, StoreKind};
 use async_trait::async_trait;
 use std::sync::Arc;
+use std::time::Instant;
 
 /// A failure of the store itself (not of the caller's request): the gRPC handlers answer it
 /// with UNAVAILABLE and this message.
@@ -57,4 +58,49 @@ pub async fn open(config: &Config) -> Result<Arc<dyn Store>, StoreError> {
         StoreKind::Memory => Arc::new(MemoryStore::default()),
         StoreKind::Etcd => Arc::new(EtcdStore::connect(&config.etcd).await?),
     })
+}
+
+/// Wraps `inner` so that every operation's latency is recorded in
+/// `muster_store_operation_seconds{op}` (see [`crate::metrics`]); [`Store::as_etcd`] still
+/// reaches the etcd store underneath.
+pub fn timed(inner: Arc<dyn Store>) -> Arc<dyn Store> {
+    Arc::new(Timed(inner))
+}
+
+/// The store [`timed`] returns.
+struct Timed(Arc<dyn Store>);
+
+impl Timed {
+    async fn time<T>(&self, op: &'static str, f: impl Future<Output = T>) -> T {
+        let start = Instant::now();
+        let out = f.await;
+        crate::metrics::store_op(op, start.elapsed());
+        out
+    }
+}
+
+#[async_trait]
+impl Store for Timed {
+    fn as_etcd(&self) -> Option<&EtcdStore> {
+        self.0.as_etcd()
+    }
+    async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
+        self.time("get", self.0.get(key)).await
+    }
+    async fn put(&self, key: &str, value: Vec<u8>) -> Result<(), StoreError> {
+        self.time("put", self.0.put(key, value)).await
+    }
+    async fn create(&self, key: &str, value: Vec<u8>) -> Result<Option<Vec<u8>>, StoreError> {
+        self.time("create", self.0.create(key, value)).await
+    }
+    async fn delete(&self, key: &str) -> Result<bool, StoreError> {
+        self.time("delete", self.0.delete(key)).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
+        self.time("list", self.0.list(prefix)).await
+    }
+    async fn delete_prefix(&self, prefix: &str) -> Result<u64, StoreError> {
+        self.time("delete_prefix", self.0.delete_prefix(prefix))
+            .await
+    }
 }
