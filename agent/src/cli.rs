@@ -14,7 +14,7 @@ use clap::{Args, Parser, Subcommand};
 use muster_coordinator::model::{self, JobId};
 use std::ffi::{OsStr, OsString};
 use std::fmt::Display;
-use std::net::Ipv6Addr;
+use std::net::{Ipv6Addr, SocketAddr};
 use std::path::PathBuf;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -127,6 +127,12 @@ pub struct LaunchArgs {
     /// debugging).
     #[arg(long)]
     pub no_relay: bool,
+
+    /// Where to serve Prometheus metrics (`GET /metrics`, plain HTTP), as an IP address and
+    /// port (0.0.0.0:29472): this node's workers by state, restarts, failures by cause,
+    /// coordinator failovers and the relay's barrier latency. Default: none.
+    #[arg(long, value_name = "IP:PORT", alias = "metrics_addr")]
+    pub metrics_addr: Option<SocketAddr>,
 
     /// How long the rendezvous waits for MIN nodes before failing. Default: the
     /// coordinator's.
@@ -473,6 +479,8 @@ pub struct LaunchSpec {
     pub cpu_affinity: bool,
     /// Whether to run the node relay (not `--no-relay`).
     pub relay: bool,
+    /// `--metrics-addr`: where to serve Prometheus metrics; `None`: nowhere.
+    pub metrics_addr: Option<SocketAddr>,
     /// The worker program, resolved on `PATH`.
     pub program: Program,
 }
@@ -1000,6 +1008,7 @@ impl LaunchArgs {
             debug: self.debug || config.debug == Some(true),
             cpu_affinity: self.enable_cpu_affinity || config.enable_cpu_affinity == Some(true),
             relay: !self.no_relay,
+            metrics_addr: self.metrics_addr,
             program,
         };
         Ok((spec, warnings))
@@ -1285,6 +1294,9 @@ mod tests {
         if let Some(a) = &s.advertise_addr {
             add(format!("advertise={a}"));
         }
+        if let Some(a) = &s.metrics_addr {
+            add(format!("metrics={a}"));
+        }
         if s.max_restarts > 0 {
             add(format!("restarts={}", s.max_restarts));
         }
@@ -1469,6 +1481,8 @@ mod tests {
             ("--advertise-addr 10.1.2.3", " advertise=10.1.2.3"),
             ("--host node-a.example", " advertise=node-a.example"),
             ("--advertise_addr fe80::1", " advertise=fe80::1"),
+            ("--metrics-addr 0.0.0.0:29472", " metrics=0.0.0.0:29472"),
+            ("--metrics_addr [::1]:9100", " metrics=[::1]:9100"),
             (
                 "--join-timeout-ms 5000 --last-call-ms 0",
                 " join=5000ms last_call=0ms",
@@ -2051,6 +2065,14 @@ my_key: 1
                 "--nnodes 1:2 needs --job-id (or the main machine's address: --master-addr, --main_process_ip): every node must name the same one",
             ),
         );
+        for bad in ["localhost:9100", "9100", "1.2.3.4", "1.2.3.4:99999"] {
+            check(
+                &format!("--metrics-addr={bad} -- sh"),
+                Err(&format!(
+                    "invalid value '{bad}' for '--metrics-addr <IP:PORT>': invalid socket address syntax (see `muster-agent launch --help`)"
+                )),
+            );
+        }
         check(
             "--nproc-per-node 1 --bogus -- sh",
             Err("unexpected argument '--bogus' found (see `muster-agent launch --help`)"),

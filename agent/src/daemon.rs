@@ -81,6 +81,11 @@ pub struct ServeArgs {
     /// says otherwise.
     #[arg(long, value_name = "MS", default_value_t = 5000)]
     pub grace_period_ms: u64,
+    /// Where to serve Prometheus metrics (`GET /metrics`, plain HTTP), as an IP address and
+    /// port (0.0.0.0:29472): the workers of the jobs run here by state, restarts, failures by
+    /// cause, coordinator failovers and the relays' barrier latency. Default: none.
+    #[arg(long, value_name = "IP:PORT")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// `muster-agent submit`.
@@ -483,6 +488,11 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
         .clone()
         .unwrap_or_else(|| format!("{hostname}-{}", std::process::id()));
     let list = crate::cli::coordinator_list(&args.coordinator).map_err(|e| e.to_string())?;
+    // Served for as long as the agent runs.
+    let _metrics = match args.metrics_addr {
+        Some(addr) => Some(crate::metrics::Endpoint::start(addr).await?),
+        None => None,
+    };
     let coordinators = Coordinators::from_list(&list, failover::DEFAULT_BUDGET);
     let address = match &args.advertise_addr {
         Some(a) => a.clone(),
@@ -556,7 +566,10 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
             _ = int.recv() => break 'connect,
         };
         backoff = Duration::from_millis(100);
-        if !announced {
+        if announced {
+            // Registered again after losing the coordinator.
+            crate::metrics::failover(crate::metrics::Stream::Registration);
+        } else {
             eprintln!(
                 "muster-agent: serving as {} ({}, {} cpus, {} gpus) for coordinator {}",
                 agent_id,

@@ -20,6 +20,7 @@
 use crate::cli::LaunchSpec;
 use crate::env::{NodeAssignment, worker_env};
 use crate::failover::{self, Coordinators};
+use crate::metrics::{self, FailureCause, WorkerState, WorkerStates};
 use crate::relay::Relay;
 use crate::watch::{Watch, WatchEvent};
 use crate::worker::{Exit, Worker};
@@ -109,6 +110,9 @@ pub enum LaunchError {
         /// Why.
         why: String,
     },
+    /// The metrics endpoint (`--metrics-addr`) could not listen.
+    #[error("{0}")]
+    Metrics(String),
     /// Installing the SIGINT/SIGTERM handlers failed.
     #[error("cannot install signal handlers: {0}")]
     Signals(#[source] std::io::Error),
@@ -192,6 +196,15 @@ pub async fn run(spec: LaunchSpec) -> Result<Outcome, LaunchError> {
 /// Runs a launch to its end, stopped by `stops`.
 pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, LaunchError> {
     let started = Instant::now();
+    // Served for as long as the launch runs.
+    let _metrics = match spec.metrics_addr {
+        Some(addr) => Some(
+            metrics::Endpoint::start(addr)
+                .await
+                .map_err(LaunchError::Metrics)?,
+        ),
+        None => None,
+    };
     let (coordinator, embedded) = match &spec.coordinator {
         Some(addr) => (addr.clone(), false),
         None => (start_embedded()?, true),
@@ -327,6 +340,9 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
                 let cause = pb::generation_ended::Cause::try_from(v.cause)
                     .unwrap_or(pb::generation_ended::Cause::Unspecified);
                 if v.rejoin {
+                    if cause == pb::generation_ended::Cause::Failed {
+                        metrics::restarted();
+                    }
                     eprintln!("muster-agent: job {job}: {}; joining again", v.message);
                     failed_at = Some(at);
                     continue;
@@ -773,6 +789,8 @@ struct Supervisor<'a> {
     report: Option<JoinHandle<()>>,
     /// When the previous generation failed (to report how long the restart took).
     failed_at: Option<Instant>,
+    /// This generation's workers in `muster_agent_workers{state}`.
+    states: WorkerStates,
 }
 
 impl<'a> Supervisor<'a> {
@@ -801,6 +819,7 @@ impl<'a> Supervisor<'a> {
             lease_lost: None,
             report: None,
             failed_at,
+            states: WorkerStates::starting(spec.nproc_per_node),
         }
     }
 
@@ -913,10 +932,13 @@ impl<'a> Supervisor<'a> {
             }
             match Worker::spawn(&self.spec.program, &env, rank, local_rank, &output) {
                 Ok((worker, exit)) => {
+                    self.states
+                        .moved(WorkerState::Starting, WorkerState::Running);
                     self.workers.push(worker);
                     self.exits.push(Box::pin(exit));
                 }
                 Err(e) => {
+                    metrics::failed(FailureCause::Spawn);
                     self.spawn_error = Some(format!(
                         "cannot start rank {rank} (local rank {local_rank}), {}: {e}",
                         self.spec.program.path.display()
@@ -929,6 +951,15 @@ impl<'a> Supervisor<'a> {
     }
 
     fn on_exit(&mut self, exit: Exit) {
+        let signalled = matches!(self.stop, Stop::Terminating(_) | Stop::Killed);
+        let state = if exit.success() {
+            WorkerState::Exited
+        } else if signalled || self.interrupted.is_some() {
+            WorkerState::Stopped
+        } else {
+            WorkerState::Failed
+        };
+        self.states.moved(WorkerState::Running, state);
         if exit.success() {
             return;
         }
@@ -949,6 +980,7 @@ impl<'a> Supervisor<'a> {
                 workers(running)
             );
         }
+        metrics::failed(FailureCause::of(&exit));
         self.report = Some(self.report_failure(&exit, &info));
         self.local = Some(info);
         self.ended_at.get_or_insert_with(Instant::now);
@@ -1014,6 +1046,7 @@ impl<'a> Supervisor<'a> {
                         "muster-agent: job {}: {why}; stopping the workers",
                         self.spec.job_id
                     );
+                    metrics::failed(FailureCause::Lost);
                     self.lease_lost = Some(why);
                     if matches!(self.stop, Stop::No | Stop::Settling(_)) {
                         self.stop_all();

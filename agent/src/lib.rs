@@ -10,6 +10,7 @@
 //! ([`error_file`]).
 //! With several coordinator replicas (`--coordinator a,b,c`), every call and stream follows
 //! the leader across a failover within `--failover-timeout-ms` ([`failover`]).
+//! With `--metrics-addr`, it serves Prometheus metrics of its workers ([`metrics`]).
 //!
 //! The binary (`main.rs`) only parses the command line ([`cli::parse`]) and calls
 //! [`launch::run`]; tests call both directly.
@@ -23,6 +24,7 @@ pub mod failover;
 pub mod gpu;
 pub mod guard;
 pub mod launch;
+pub mod metrics;
 pub mod program;
 pub mod relay;
 pub mod systemd;

@@ -12,13 +12,13 @@ fn main() -> ExitCode {
     if let Some(code) = muster_agent::guard::dispatch() {
         return code;
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER)),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    // Stderr logging, plus OTLP traces when OTEL_EXPORTER_OTLP_ENDPOINT is set; the guard
+    // flushes them when main returns.
+    let _telemetry = muster_coordinator::telemetry::init(
+        "muster-agent",
+        tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER)),
+    );
 
     let path = std::env::var_os("PATH");
     let spec = match cli::parse(std::env::args_os(), path.as_deref()) {

@@ -586,6 +586,7 @@ async fn coordinator_loop(
                     }
                     st.hub.resend(&mut st.wires);
                     inbound = stream;
+                    crate::metrics::failover(crate::metrics::Stream::Relay);
                     eprintln!(
                         "muster-agent: job {}: node relay re-registered with the coordinator at {} {:.0} ms after losing {addr}",
                         node.job_id,

@@ -274,6 +274,7 @@ async fn run(
                                     let _ = reattaching.send(false);
                                 }
                                 if let Some((at, from)) = broke_at.take() {
+                                    crate::metrics::failover(crate::metrics::Stream::Watch);
                                     eprintln!(
                                         "muster-agent: job {}: re-attached to the coordinator at {addr} {:.0} ms after losing {from}",
                                         attach.job_id,

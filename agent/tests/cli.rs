@@ -88,6 +88,7 @@ fn help_mentions_the_launch_flags() {
         "--mixed-precision",
         "--cpu",
         "--multi_gpu",
+        "--metrics-addr",
     ] {
         assert!(help.contains(flag), "{flag} missing from\n{help}");
     }
@@ -167,6 +168,22 @@ fn bad_input_is_one_line_and_status_2() {
             "5",
         ],
         "--local-ranks-filter '5': local rank 5 does not exist (local ranks are 0..2)",
+    );
+    refused(
+        &["launch", "--metrics-addr", "localhost:9100"],
+        "invalid value 'localhost:9100' for '--metrics-addr <IP:PORT>': invalid socket address syntax (see `muster-agent launch --help`)",
+    );
+    let out = agent(&[
+        "serve",
+        "--coordinator",
+        "127.0.0.1:1",
+        "--metrics-addr",
+        "9100",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        text(&out.stderr),
+        "muster-agent: invalid value '9100' for '--metrics-addr <IP:PORT>': invalid socket address syntax (see `muster-agent launch --help`)\n"
     );
 }
 

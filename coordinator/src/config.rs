@@ -23,6 +23,13 @@ pub struct Config {
     pub max_job_bytes: usize,
     /// Largest gRPC message the coordinator accepts.
     pub max_message_bytes: usize,
+    /// Most client connections served at once; further ones wait in the listen backlog until
+    /// one closes (see `serve_with_store`).
+    pub max_connections: usize,
+    /// Most concurrent HTTP/2 streams (calls and sessions) on one connection, announced in
+    /// SETTINGS_MAX_CONCURRENT_STREAMS: clients queue calls beyond it. Simulated ranks and
+    /// agents multiplex many sessions over few connections, so the default is generous.
+    pub max_streams_per_connection: u32,
     /// Where durable state (key-value data, unique ids, shared values) is kept.
     pub store: StoreKind,
     /// How to reach etcd; set only with [`StoreKind::Etcd`] (checked by [`Config::validate`]).
@@ -226,6 +233,8 @@ impl Default for Config {
             max_value_bytes: 1 << 20,
             max_job_bytes: 64 << 20,
             max_message_bytes: 4 << 20,
+            max_connections: Self::DEFAULT_MAX_CONNECTIONS,
+            max_streams_per_connection: Self::DEFAULT_MAX_STREAMS_PER_CONNECTION,
             store: StoreKind::Memory,
             etcd: EtcdConfig::default(),
             metrics_addr: None,
@@ -251,6 +260,10 @@ pub struct Layer {
     pub max_job_bytes: Option<usize>,
     /// `max_message_bytes = 4194304`.
     pub max_message_bytes: Option<usize>,
+    /// `max_connections = 16384`.
+    pub max_connections: Option<usize>,
+    /// `max_streams_per_connection = 16384`.
+    pub max_streams_per_connection: Option<u32>,
     /// `store = "etcd"` (or `"memory"`).
     pub store: Option<StoreKind>,
     /// `etcd_endpoints = ["10.0.0.1:2379", "10.0.0.2:2379"]` (or one comma-separated string).
@@ -315,8 +328,15 @@ impl Layer {
     pub fn from_file(path: &Path) -> Result<Self, String> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| format!("cannot read config file {}: {e}", path.display()))?;
-        toml::from_str(&text)
-            .map_err(|e| format!("config file {}: {}", path.display(), e.message().trim_end()))
+        Self::from_toml_str(&text).map_err(|e| format!("config file {}: {e}", path.display()))
+    }
+
+    /// Parses a config file's text (the fuzz target `config` feeds it arbitrary input); the
+    /// error is the parser's message, one line.
+    pub fn from_toml_str(text: &str) -> Result<Self, String> {
+        toml::from_str(text).map_err(|e: toml::de::Error| {
+            e.message().split_whitespace().collect::<Vec<_>>().join(" ")
+        })
     }
 
     /// Reads `MUSTER_COORDINATOR_<FIELD>` variables through `get` (the process environment in
@@ -345,6 +365,11 @@ impl Layer {
             max_value_bytes: parse(&get, "MUSTER_COORDINATOR_MAX_VALUE_BYTES")?,
             max_job_bytes: parse(&get, "MUSTER_COORDINATOR_MAX_JOB_BYTES")?,
             max_message_bytes: parse(&get, "MUSTER_COORDINATOR_MAX_MESSAGE_BYTES")?,
+            max_connections: parse(&get, "MUSTER_COORDINATOR_MAX_CONNECTIONS")?,
+            max_streams_per_connection: parse(
+                &get,
+                "MUSTER_COORDINATOR_MAX_STREAMS_PER_CONNECTION",
+            )?,
             store: parse(&get, "MUSTER_COORDINATOR_STORE")?,
             etcd_endpoints: parse(&get, "MUSTER_COORDINATOR_ETCD_ENDPOINTS")?,
             etcd_prefix: get("MUSTER_COORDINATOR_ETCD_PREFIX"),
@@ -361,6 +386,18 @@ impl Layer {
 }
 
 impl Config {
+    /// Connections served at once unless configured: far above one agent per machine plus
+    /// admins, far below the file descriptors a coordinator is given (see deploy/).
+    pub const DEFAULT_MAX_CONNECTIONS: usize = 16384;
+
+    /// Streams per connection unless configured: enough for the scale bench (10 000 nodes'
+    /// joins or 4096 ranks' sessions over 8 connections) with room to spare.
+    pub const DEFAULT_MAX_STREAMS_PER_CONNECTION: u32 = 16384;
+
+    /// Largest HTTP/2 header list (all metadata of one call) the coordinator accepts; muster's
+    /// clients send a few hundred bytes.
+    pub const MAX_HEADER_LIST_BYTES: u32 = 16 << 10;
+
     /// Applies a layer on top of this configuration.
     pub fn apply(mut self, l: &Layer) -> Self {
         let ms = Duration::from_millis;
@@ -384,6 +421,12 @@ impl Config {
         }
         if let Some(v) = l.max_message_bytes {
             self.max_message_bytes = v;
+        }
+        if let Some(v) = l.max_connections {
+            self.max_connections = v;
+        }
+        if let Some(v) = l.max_streams_per_connection {
+            self.max_streams_per_connection = v;
         }
         if let Some(v) = l.store {
             self.store = v;
@@ -441,6 +484,24 @@ impl Config {
             return Err(format!(
                 "max_message_bytes must be at least 65536 (got {})",
                 self.max_message_bytes
+            ));
+        }
+        if self.max_message_bytes > 1 << 30 {
+            return Err(format!(
+                "max_message_bytes must be at most 1073741824 (got {})",
+                self.max_message_bytes
+            ));
+        }
+        if !(1..=1 << 20).contains(&self.max_connections) {
+            return Err(format!(
+                "max_connections must be between 1 and 1048576 (got {})",
+                self.max_connections
+            ));
+        }
+        if !(1..=1 << 20).contains(&self.max_streams_per_connection) {
+            return Err(format!(
+                "max_streams_per_connection must be between 1 and 1048576 (got {})",
+                self.max_streams_per_connection
             ));
         }
         if let Some(m) = self.metrics_addr
@@ -542,6 +603,36 @@ mod tests {
             ..Config::default()
         };
         assert!(same.validate().unwrap_err().contains("metrics_addr"));
+    }
+
+    #[test]
+    fn limits_layer_and_validate() {
+        let file =
+            Layer::from_toml_str("max_connections = 8\nmax_streams_per_connection = 4").unwrap();
+        let c = Config::default().apply(&file);
+        assert_eq!((c.max_connections, c.max_streams_per_connection), (8, 4));
+        c.validate().unwrap();
+        let env: HashMap<&str, &str> = [
+            ("MUSTER_COORDINATOR_MAX_CONNECTIONS", "2"),
+            ("MUSTER_COORDINATOR_MAX_STREAMS_PER_CONNECTION", "3"),
+        ]
+        .into();
+        let c = c.apply(&Layer::from_env(|k| env.get(k).map(|v| v.to_string())).unwrap());
+        assert_eq!((c.max_connections, c.max_streams_per_connection), (2, 3));
+        for (toml, field) in [
+            ("max_connections = 0", "max_connections"),
+            (
+                "max_streams_per_connection = 0",
+                "max_streams_per_connection",
+            ),
+            ("max_message_bytes = 2147483648", "max_message_bytes"),
+        ] {
+            let c = Config::default().apply(&Layer::from_toml_str(toml).unwrap());
+            let e = c.validate().unwrap_err();
+            assert!(e.contains(field) && !e.contains('\n'), "{e}");
+        }
+        let e = Layer::from_toml_str("max_connections = -1\n[x\n").unwrap_err();
+        assert!(!e.contains('\n'), "{e}");
     }
 
     #[test]

@@ -1647,7 +1647,18 @@ impl Job {
             return reply_now(f.to_error(&self.id, generation));
         }
         let idx = scope.index();
-        let node_rank = g.ranks[rank as usize].node_rank;
+        // Sessions only pass ranks `register` checked; the check keeps that assumption from
+        // ever becoming a panic (found by the job_ops fuzz target).
+        let Some(node_rank) = g.ranks.get(rank as usize).map(|s| s.node_rank) else {
+            return reply_now(simple_error(
+                ErrKind::Unspecified,
+                format!(
+                    "rank {rank} is outside job '{}' generation {generation} (world size {})",
+                    self.id,
+                    g.ranks.len()
+                ),
+            ));
+        };
         if seq <= g.released(scope, node_rank) {
             // Completed under the previous leader; this rank's answer was lost in the failover.
             let slot = &mut g.ranks[rank as usize];

@@ -9,12 +9,14 @@ pub mod config;
 pub mod election;
 pub mod ha;
 pub mod job;
+pub mod limits;
 pub mod metrics;
 pub mod model;
 pub mod pool;
 pub mod service;
 pub mod store;
 pub mod systemd;
+pub mod telemetry;
 
 pub use config::Config;
 pub use store::{EtcdStore, MemoryStore, Store, StoreError};
@@ -50,6 +52,8 @@ pub async fn serve_with_store(
 ) -> anyhow::Result<()> {
     config.validate().map_err(anyhow::Error::msg)?;
     let max = config.max_message_bytes;
+    let (max_connections, max_streams) =
+        (config.max_connections, config.max_streams_per_connection);
     let addr = listener.local_addr()?;
     let me = config
         .etcd
@@ -139,8 +143,15 @@ pub async fn serve_with_store(
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(5)))
-        .max_concurrent_streams(Some(1 << 20))
+        // Resource limits, all explicit (ARCHITECTURE.md, "Resource limits"): streams per
+        // connection (clients queue calls beyond it), the header list of one call, message
+        // sizes per service below, and connections at the acceptor. No per-call timeout:
+        // joins, barriers and value fetches are long polls bounded by their own deadlines.
+        .max_concurrent_streams(Some(max_streams))
+        .http2_max_header_list_size(Some(Config::MAX_HEADER_LIST_BYTES))
         .layer(metrics::RpcLatencyLayer)
+        // A span per call, child of the caller's W3C trace context (telemetry.rs).
+        .trace_fn(telemetry::server_span)
         .add_service(health)
         .add_service(reflection)
         .add_service(reflection_alpha)
@@ -187,7 +198,10 @@ pub async fn serve_with_store(
         ))
         .serve_with_incoming_shutdown(
             // TCP_NODELAY on every accepted connection: barrier results are small writes.
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+            limits::limit_connections(
+                tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
+                max_connections,
+            ),
             shutdown,
         )
         .await;

@@ -17,7 +17,7 @@ struct Args {
     /// TOML config file (keys: listen, heartbeat_timeout_ms, last_call_ms, join_timeout_ms,
     /// max_value_bytes, max_job_bytes, max_message_bytes, store, etcd_endpoints, etcd_prefix,
     /// etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file, advertise_addr,
-    /// lease_ttl_ms, metrics_addr).
+    /// lease_ttl_ms, metrics_addr, max_connections, max_streams_per_connection).
     #[arg(long, env = "MUSTER_COORDINATOR_CONFIG")]
     config: Option<PathBuf>,
     /// A worker silent for this long is marked failed [default: 10000].
@@ -66,6 +66,13 @@ struct Args {
     /// Address to serve Prometheus metrics on (`GET /metrics`, plain HTTP) [default: none].
     #[arg(long, value_name = "HOST:PORT")]
     metrics_addr: Option<SocketAddr>,
+    /// Most client connections served at once; more wait in the listen backlog
+    /// [default: 16384].
+    #[arg(long)]
+    max_connections: Option<usize>,
+    /// Most concurrent gRPC streams (calls) per connection [default: 16384].
+    #[arg(long)]
+    max_streams_per_connection: Option<u32>,
     /// Runtime threads: 1 runs everything on one thread, 0 means one per core [default: 0].
     #[arg(long, default_value_t = 0)]
     worker_threads: usize,
@@ -98,6 +105,8 @@ fn load(args: &Args) -> Result<Config, String> {
         advertise_addr: args.advertise_addr.clone(),
         lease_ttl_ms: args.lease_ttl_ms,
         metrics_addr: args.metrics_addr,
+        max_connections: args.max_connections,
+        max_streams_per_connection: args.max_streams_per_connection,
         ..Layer::default()
     });
     config.validate()?;
@@ -111,10 +120,12 @@ fn main() -> ExitCode {
         .clone()
         .or_else(|| std::env::var("RUST_LOG").ok())
         .unwrap_or_else(|| "info".into());
-    tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
-        .with_writer(std::io::stderr)
-        .init();
+    // Flushes unexported spans when main returns (the runtime below is gone by then; the
+    // exporter runs on its own).
+    let _telemetry = muster_coordinator::telemetry::init(
+        "muster-coordinator",
+        tracing_subscriber::EnvFilter::new(filter),
+    );
     let config = match load(&args) {
         Ok(c) => c,
         Err(e) => {

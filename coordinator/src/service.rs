@@ -568,6 +568,19 @@ async fn session_loop(
                             model::wait("timeout_ms", b.timeout_ms)?,
                         ))
                     });
+                    // A span per entry, child of the worker's span when it sent its trace
+                    // context; disabled (no work) unless DEBUG spans are recorded.
+                    let span = tracing::debug_span!(
+                        "barrier",
+                        otel.kind = "server",
+                        job = %job.id,
+                        generation,
+                        rank,
+                        seq = b.seq,
+                        name = %b.name,
+                    );
+                    crate::telemetry::set_parent(&span, &b.trace_context);
+                    let _entered = span.enter();
                     match checked {
                         Ok((scope, name, timeout)) => {
                             job.barrier(generation, rank, scope, b.seq, name, timeout, &outbox)

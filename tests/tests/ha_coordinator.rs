@@ -150,6 +150,7 @@ impl Rank {
                     seq,
                     name: "loop".into(),
                     timeout_ms: 0,
+                    trace_context: Default::default(),
                 },
             )))
             .await

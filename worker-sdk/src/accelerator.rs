@@ -285,7 +285,16 @@ impl Accelerator {
             Backend::Remote(remote) => {
                 let session = remote.session()?;
                 match &remote.relay {
-                    Some(relay) => relay.barrier(scope, name, timeout),
+                    // The same `muster.barrier` span as a session barrier's; the relay does
+                    // not carry trace context to the coordinator (yet).
+                    Some(relay) => tracing::info_span!(
+                        "muster.barrier",
+                        otel.kind = "client",
+                        scope = ?scope,
+                        name,
+                        relayed = true,
+                    )
+                    .in_scope(|| relay.barrier(scope, name, timeout)),
                     None => remote.block_on(session.barrier(scope, name, timeout)),
                 }
             }

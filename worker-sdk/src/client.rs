@@ -31,9 +31,12 @@ use tokio::{
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Streaming, transport::Channel};
 
+use tracing::Instrument as _;
+
 use crate::{
     Error,
     failover::{self, Retry, Verdict},
+    trace_context,
 };
 
 /// How long [`Coordinator::connect`] tries to open the TCP connection to one address.
@@ -900,13 +903,37 @@ impl Session {
     /// keeps waiting on one barrier, and giving up on a barrier to move on to the next one
     /// keeps the ranks' sequence numbers aligned. A dropped future whose entry was never sent
     /// leaves nothing behind.
+    ///
+    /// The wait is a `muster.barrier` span (INFO); when the application records spans with
+    /// OpenTelemetry, the entry carries the span's W3C trace context to the coordinator, whose
+    /// span for it joins the same trace.
     pub async fn barrier(
         &self,
         scope: Scope,
         name: &str,
         timeout: Option<Duration>,
     ) -> Result<(), Error> {
+        let span = tracing::info_span!(
+            "muster.barrier",
+            otel.kind = "client",
+            scope = ?scope,
+            name,
+            rank = self.config.rank,
+        );
+        self.enter_barrier(scope, name, timeout)
+            .instrument(span)
+            .await
+    }
+
+    async fn enter_barrier(
+        &self,
+        scope: Scope,
+        name: &str,
+        timeout: Option<Duration>,
+    ) -> Result<(), Error> {
         let hash = name_hash(name);
+        // Empty, without allocating, unless an OpenTelemetry layer records this span.
+        let trace_context = trace_context::carrier();
         loop {
             let (outbound, stream) = {
                 let state = self.shared.lock();
@@ -945,6 +972,7 @@ impl Session {
                             timeout_ms: timeout.map_or(0, |t| {
                                 u64::try_from(t.as_millis()).unwrap_or(u64::MAX).max(1)
                             }),
+                            trace_context: trace_context.clone(),
                         };
                         slot.pending = Pending::Waiting(tx, entry.clone());
                         slot.name_hash = hash;
@@ -1419,7 +1447,11 @@ impl Kv {
         self.coordinator
             .call(true, |channel| {
                 let request = request.clone();
-                async move { KeyValueClient::new(channel).set(request).await }
+                async move {
+                    KeyValueClient::new(channel)
+                        .set(trace_context::request(request))
+                        .await
+                }
             })
             .await
             .map_err(|e| self.error(e, key))?;
@@ -1437,7 +1469,11 @@ impl Kv {
             .coordinator
             .call(true, |channel| {
                 let request = request.clone();
-                async move { KeyValueClient::new(channel).get(request).await }
+                async move {
+                    KeyValueClient::new(channel)
+                        .get(trace_context::request(request))
+                        .await
+                }
             })
             .await;
         match response {
@@ -1459,7 +1495,11 @@ impl Kv {
                     key: key.to_owned(),
                     wait_ms: wait_ms(Some(wait.saturating_sub(started.elapsed()))),
                 };
-                async move { KeyValueClient::new(channel).get(request).await }
+                async move {
+                    KeyValueClient::new(channel)
+                        .get(trace_context::request(request))
+                        .await
+                }
             })
             .await
             .map_err(|e| self.error(e, key))?;
@@ -1477,7 +1517,11 @@ impl Kv {
             .coordinator
             .call(false, |channel| {
                 let request = request.clone();
-                async move { KeyValueClient::new(channel).add(request).await }
+                async move {
+                    KeyValueClient::new(channel)
+                        .add(trace_context::request(request))
+                        .await
+                }
             })
             .await
             .map_err(|e| self.error(e, key))?;
@@ -1502,7 +1546,11 @@ impl Kv {
             .coordinator
             .call(false, |channel| {
                 let request = request.clone();
-                async move { KeyValueClient::new(channel).compare_and_set(request).await }
+                async move {
+                    KeyValueClient::new(channel)
+                        .compare_and_set(trace_context::request(request))
+                        .await
+                }
             })
             .await
             .map_err(|e| self.error(e, key))?;
@@ -1524,7 +1572,11 @@ impl Kv {
             .coordinator
             .call(true, |channel| {
                 let request = request.clone();
-                async move { KeyValueClient::new(channel).delete(request).await }
+                async move {
+                    KeyValueClient::new(channel)
+                        .delete(trace_context::request(request))
+                        .await
+                }
             })
             .await
             .map_err(|e| self.error(e, key))?;
@@ -1541,7 +1593,11 @@ impl Kv {
             .coordinator
             .call(true, |channel| {
                 let request = request.clone();
-                async move { KeyValueClient::new(channel).list(request).await }
+                async move {
+                    KeyValueClient::new(channel)
+                        .list(trace_context::request(request))
+                        .await
+                }
             })
             .await
             .map_err(|(status, addr)| {
@@ -1602,7 +1658,11 @@ impl UniqueIds {
         self.coordinator
             .call(true, |channel| {
                 let request = request.clone();
-                async move { UniqueIdsClient::new(channel).publish(request).await }
+                async move {
+                    UniqueIdsClient::new(channel)
+                        .publish(trace_context::request(request))
+                        .await
+                }
             })
             .await
             .map_err(|(status, addr)| {
@@ -1631,7 +1691,11 @@ impl UniqueIds {
                     communicator: communicator.to_owned(),
                     wait_ms: wait_ms(wait.map(|w| w.saturating_sub(started.elapsed()))),
                 };
-                async move { UniqueIdsClient::new(channel).fetch(request).await }
+                async move {
+                    UniqueIdsClient::new(channel)
+                        .fetch(trace_context::request(request))
+                        .await
+                }
             })
             .await
             .map_err(|(status, addr)| {
@@ -1687,7 +1751,11 @@ impl SharedValues {
         self.coordinator
             .call(true, |channel| {
                 let request = request.clone();
-                async move { SharedValuesClient::new(channel).publish(request).await }
+                async move {
+                    SharedValuesClient::new(channel)
+                        .publish(trace_context::request(request))
+                        .await
+                }
             })
             .await
             .map_err(|(status, addr)| {
@@ -1712,7 +1780,11 @@ impl SharedValues {
                     name: name.to_owned(),
                     wait_ms: wait_ms(wait.map(|w| w.saturating_sub(started.elapsed()))),
                 };
-                async move { SharedValuesClient::new(channel).fetch(request).await }
+                async move {
+                    SharedValuesClient::new(channel)
+                        .fetch(trace_context::request(request))
+                        .await
+                }
             })
             .await
             .map_err(|(status, addr)| {

@@ -17,6 +17,10 @@
 //! - [`install_error_hook`] and [`record_error`] hand a fatal error (a panic's message and
 //!   backtrace) to the agent in the JSON file PyTorch's `@record` writes
 //!   (`TORCHELASTIC_ERROR_FILE`), so the agent reports it as the root cause.
+//! - Traces: a barrier is a `muster.barrier` span, and when the application records spans
+//!   with `tracing-opentelemetry`, barriers on a coordinator session and key-value,
+//!   unique-id and shared-value calls carry the W3C trace context to the coordinator, whose
+//!   spans join the worker's trace. Barriers sent to the agent's relay do not (yet).
 //! - [`Error`] is the one error type; its messages name the rank, node, host or barrier at
 //!   fault.
 //!
@@ -40,6 +44,7 @@ pub mod error;
 pub mod error_file;
 mod failover;
 pub mod relay;
+mod trace_context;
 pub mod train;
 
 pub use accelerator::{Accelerator, KvStore};

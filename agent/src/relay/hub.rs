@@ -321,6 +321,7 @@ impl Hub {
             seq,
             name,
             timeout_ms,
+            trace_context: _,
         } = entry;
         let scope = match Scope::from_wire(wire_scope) {
             Ok(scope) => scope,
@@ -714,6 +715,11 @@ impl Hub {
         let b = &mut barriers[bi];
         let idx = b.scope.index();
         let consumes = consumes_seq(error);
+        if error.is_none()
+            && let Some(first) = b.arrivals.iter().map(|a| a.entered).min()
+        {
+            crate::metrics::relay_barrier(b.scope == Scope::Global, first.elapsed());
+        }
         to.clear();
         for a in &mut b.arrivals {
             let slot = &mut slots[a.local as usize];
@@ -1010,6 +1016,7 @@ mod tests {
                         seq: num(3),
                         name: words[4].into(),
                         timeout_ms: if words.len() > 5 { num(5) } else { 0 },
+                        trace_context: Default::default(),
                     };
                     hub.enter(local(1), entry, now, &mut rec);
                 }
@@ -1415,6 +1422,7 @@ mod tests {
                     seq,
                     name: "n".into(),
                     timeout_ms: 0,
+                    trace_context: Default::default(),
                 };
                 hub.enter(local, entry, now, &mut rec);
             }
@@ -1433,6 +1441,7 @@ mod tests {
             seq,
             name: "train.rs:9".into(),
             timeout_ms: 0,
+            trace_context: Default::default(),
         };
         hub.enter(0, enter(pb::BarrierScope::Node, 1), t0, &mut rec);
         hub.enter(1, enter(pb::BarrierScope::Node, 1), t0, &mut rec);

@@ -366,6 +366,7 @@ impl Rank {
                     seq,
                     name: "bench".into(),
                     timeout_ms: 0,
+                    trace_context: Default::default(),
                 })),
             };
             if tx.send(enter).await.is_err() {

@@ -152,6 +152,7 @@ async fn barriers(
                         seq,
                         name: "bench".into(),
                         timeout_ms: 0,
+                        trace_context: Default::default(),
                     })),
                 })
                 .await?;

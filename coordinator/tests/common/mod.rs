@@ -165,6 +165,7 @@ impl Raw {
             seq,
             name: name.into(),
             timeout_ms,
+            trace_context: Default::default(),
         }))
         .await;
     }
