@@ -11,73 +11,8 @@ use pb::generation_ended::Cause;
 use pb::ops_client::OpsClient;
 use pb::rendezvous_client::RendezvousClient;
 use std::time::Duration;
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
 use tonic::transport::Channel;
-use tonic::{Code, Status, Streaming};
-
-/// A node agent's watch stream at the wire level.
-struct RawWatch {
-    tx: mpsc::Sender<pb::NodeMessage>,
-    rx: Streaming<pb::NodeEvent>,
-}
-
-impl RawWatch {
-    async fn attach(
-        ch: &Channel,
-        job: &str,
-        generation: u64,
-        node_rank: u32,
-        node_id: &str,
-    ) -> Self {
-        let (tx, rx) = mpsc::channel(16);
-        tx.send(pb::NodeMessage {
-            kind: Some(pb::node_message::Kind::Attach(pb::NodeAttach {
-                job_id: job.into(),
-                generation,
-                node_rank,
-                node_id: node_id.into(),
-                resume: false,
-            })),
-        })
-        .await
-        .unwrap();
-        let mut rx = RendezvousClient::new(ch.clone())
-            .watch(ReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
-        let first = rx.message().await.unwrap().unwrap();
-        assert!(matches!(
-            first.kind,
-            Some(pb::node_event::Kind::Attached(_))
-        ));
-        Self { tx, rx }
-    }
-
-    async fn heartbeat(&self) {
-        self.tx
-            .send(pb::NodeMessage {
-                kind: Some(pb::node_message::Kind::Heartbeat(pb::Heartbeat {})),
-            })
-            .await
-            .unwrap();
-    }
-
-    /// The next `ended` event (heartbeat answers skipped).
-    async fn ended(&mut self) -> pb::GenerationEnded {
-        loop {
-            let msg = tokio::time::timeout(Duration::from_secs(20), self.rx.message())
-                .await
-                .expect("no node event within 20 s")
-                .expect("stream error")
-                .expect("stream ended");
-            if let Some(pb::node_event::Kind::Ended(e)) = msg.kind {
-                return e;
-            }
-        }
-    }
-}
+use tonic::{Code, Status};
 
 async fn drain(ch: &Channel, job: &str, node: Node) -> Result<pb::DrainNodeResponse, Status> {
     OpsClient::new(ch.clone())
@@ -115,7 +50,11 @@ async fn a_drained_node_stops_and_the_job_continues_on_the_others_without_a_rest
     let ids_by_rank: Vec<String> = d.nodes.iter().map(|n| n.node_id.clone()).collect();
     let mut watches = vec![];
     for (r, id) in ids_by_rank.iter().enumerate() {
-        watches.push(RawWatch::attach(&s.channel, job, 1, r as u32, id).await);
+        watches.push(
+            RawWatch::attach(&s.channel, job, 1, r as u32, id)
+                .await
+                .unwrap(),
+        );
     }
     let mut ranks = attach_all(&s.channel, job, 1, 3).await;
     // Rank 0 waits at a barrier when the drain comes: it is told the generation is stale.
@@ -288,7 +227,9 @@ async fn describe_says_what_each_missing_rank_is_doing() {
     let d = describe(&s.channel, job).await;
     assert_eq!(d.nodes[0].state, pb::NodeState::Starting as i32);
     assert_eq!(d.nodes[0].last_seen_ms_ago, None);
-    let w = RawWatch::attach(&s.channel, job, 1, 0, &d.nodes[0].node_id).await;
+    let w = RawWatch::attach(&s.channel, job, 1, 0, &d.nodes[0].node_id)
+        .await
+        .unwrap();
     w.heartbeat().await;
     let mut ranks = attach_all(&s.channel, job, 1, 3).await;
     // Everyone passes "init"; then ranks 0 and 1 wait at "step" while rank 2 is at a node

@@ -10,84 +10,8 @@ use muster_proto::v1 as pb;
 use pb::generation_ended::Cause;
 use pb::rendezvous_client::RendezvousClient;
 use std::time::{Duration, Instant};
-use tokio::sync::mpsc;
-use tokio_stream::wrappers::ReceiverStream;
+use tonic::Code;
 use tonic::transport::Channel;
-use tonic::{Code, Status, Streaming};
-
-/// A node agent's watch stream at the wire level.
-struct RawWatch {
-    tx: Option<mpsc::Sender<pb::NodeMessage>>,
-    rx: Streaming<pb::NodeEvent>,
-}
-
-impl RawWatch {
-    async fn attach(
-        ch: &Channel,
-        job: &str,
-        generation: u64,
-        node_rank: u32,
-        node_id: &str,
-    ) -> Result<RawWatch, Status> {
-        let (tx, rx) = mpsc::channel(16);
-        tx.send(pb::NodeMessage {
-            kind: Some(pb::node_message::Kind::Attach(pb::NodeAttach {
-                job_id: job.into(),
-                generation,
-                node_rank,
-                node_id: node_id.into(),
-                resume: false,
-            })),
-        })
-        .await
-        .unwrap();
-        let mut stream = RendezvousClient::new(ch.clone())
-            .watch(ReceiverStream::new(rx))
-            .await?
-            .into_inner();
-        let first = stream
-            .message()
-            .await?
-            .ok_or_else(|| Status::internal("no attached"))?;
-        assert!(
-            matches!(first.kind, Some(pb::node_event::Kind::Attached(_))),
-            "{first:?}"
-        );
-        Ok(RawWatch {
-            tx: Some(tx),
-            rx: stream,
-        })
-    }
-
-    async fn send(&self, kind: pb::node_message::Kind) {
-        self.tx
-            .as_ref()
-            .unwrap()
-            .send(pb::NodeMessage { kind: Some(kind) })
-            .await
-            .unwrap();
-    }
-
-    /// The next `ended` event (heartbeat answers skipped).
-    async fn ended(&mut self) -> pb::GenerationEnded {
-        loop {
-            let msg = tokio::time::timeout(Duration::from_secs(20), self.rx.message())
-                .await
-                .expect("no node event within 20 s")
-                .expect("stream error")
-                .expect("stream ended");
-            if let Some(pb::node_event::Kind::Ended(e)) = msg.kind {
-                return e;
-            }
-        }
-    }
-
-    async fn nothing_within(&mut self, d: Duration) {
-        if let Ok(m) = tokio::time::timeout(d, self.rx.message()).await {
-            panic!("unexpected node event: {m:?}");
-        }
-    }
-}
 
 fn restart_req(job: &str, node: &str, nodes: u32, max_restarts: u32) -> pb::JoinRequest {
     let mut r = join_req(job, node, 1, nodes, nodes);

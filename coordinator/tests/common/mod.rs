@@ -344,3 +344,82 @@ impl RawRelay {
         }
     }
 }
+
+/// A node agent's watch stream at the wire level.
+pub struct RawWatch {
+    pub tx: Option<mpsc::Sender<pb::NodeMessage>>,
+    pub rx: Streaming<pb::NodeEvent>,
+}
+
+impl RawWatch {
+    pub async fn attach(
+        ch: &Channel,
+        job: &str,
+        generation: u64,
+        node_rank: u32,
+        node_id: &str,
+    ) -> Result<RawWatch, Status> {
+        let (tx, rx) = mpsc::channel(16);
+        tx.send(pb::NodeMessage {
+            kind: Some(pb::node_message::Kind::Attach(pb::NodeAttach {
+                job_id: job.into(),
+                generation,
+                node_rank,
+                node_id: node_id.into(),
+                resume: false,
+            })),
+        })
+        .await
+        .unwrap();
+        let mut stream = RendezvousClient::new(ch.clone())
+            .watch(ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        let first = stream
+            .message()
+            .await?
+            .ok_or_else(|| Status::internal("no attached"))?;
+        assert!(
+            matches!(first.kind, Some(pb::node_event::Kind::Attached(_))),
+            "{first:?}"
+        );
+        Ok(RawWatch {
+            tx: Some(tx),
+            rx: stream,
+        })
+    }
+
+    pub async fn heartbeat(&self) {
+        self.send(pb::node_message::Kind::Heartbeat(pb::Heartbeat {}))
+            .await;
+    }
+
+    pub async fn send(&self, kind: pb::node_message::Kind) {
+        self.tx
+            .as_ref()
+            .unwrap()
+            .send(pb::NodeMessage { kind: Some(kind) })
+            .await
+            .unwrap();
+    }
+
+    /// The next `ended` event (heartbeat answers skipped).
+    pub async fn ended(&mut self) -> pb::GenerationEnded {
+        loop {
+            let msg = tokio::time::timeout(Duration::from_secs(20), self.rx.message())
+                .await
+                .expect("no node event within 20 s")
+                .expect("stream error")
+                .expect("stream ended");
+            if let Some(pb::node_event::Kind::Ended(e)) = msg.kind {
+                return e;
+            }
+        }
+    }
+
+    pub async fn nothing_within(&mut self, d: Duration) {
+        if let Ok(m) = tokio::time::timeout(d, self.rx.message()).await {
+            panic!("unexpected node event: {m:?}");
+        }
+    }
+}
