@@ -33,7 +33,9 @@ RUN groupadd --gid 65532 muster \
       --shell /usr/sbin/nologin muster
 COPY --from=build /out/muster-coordinator /out/muster-agent /usr/local/bin/
 USER 65532:65532
-# The coordinator's gRPC port (set --listen 0.0.0.0:29470 or listen in the config file).
-EXPOSE 29470
+# The coordinator's gRPC port, and the plaintext health port (--health-addr) for probes.
+EXPOSE 29470 29473
 ENTRYPOINT ["/usr/local/bin/muster-coordinator"]
-CMD ["--listen", "0.0.0.0:29470"]
+# Listening on 0.0.0.0 needs TLS and the cluster token (mounted as deploy/kubernetes does), or
+# --insecure on a network you trust; the default reads them from a mounted config file.
+CMD ["--config", "/etc/muster/coordinator.toml"]

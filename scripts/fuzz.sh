@@ -21,7 +21,9 @@ for t in "${targets[@]}"; do
     mkdir -p "corpus/$t"
     echo "== $t: ${secs}s"
     log="$(mktemp)"
-    if cargo +nightly fuzz run -O "$t" -- -max_total_time="$secs" -rss_limit_mb=2048 >"$log" 2>&1; then
+    # -close_fd_mask=1: the targets' stdout (agent_flags prints clap's help and version) is
+    # dropped; libFuzzer reports and panic messages are on stderr.
+    if cargo +nightly fuzz run -O "$t" -- -max_total_time="$secs" -rss_limit_mb=2048 -close_fd_mask=1 >"$log" 2>&1; then
         grep -E '^(#[0-9]+ +DONE|Done [0-9]+ runs)' "$log" || tail -n 3 "$log"
     else
         grep -E '(ERROR|SUMMARY|panicked|Test unit written)' "$log" || tail -n 20 "$log"

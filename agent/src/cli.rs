@@ -9,6 +9,7 @@ use crate::accelerate_config::{self, AccelerateConfig, ConfigError};
 use crate::env::WorkerOptions;
 use crate::gpu::{self, Discovery, GpuError, GpuIds, GpuMapping, GpuPlan};
 use crate::program::{Program, ProgramError};
+use crate::security::{Security, SecurityArgs};
 use crate::worker::OutputSpec;
 use clap::{Args, Parser, Subcommand};
 use muster_coordinator::model::{self, JobId};
@@ -337,6 +338,10 @@ pub struct LaunchArgs {
     )]
     pub enable_cpu_affinity: bool,
 
+    /// TLS and authentication towards the coordinator (`--tls-*`, `--auth-token-file`).
+    #[command(flatten)]
+    pub security: SecurityArgs,
+
     /// The program to run and its arguments, after `--`.
     #[arg(value_name = "PROGRAM", trailing_var_arg = true)]
     pub command: Vec<OsString>,
@@ -481,6 +486,9 @@ pub struct LaunchSpec {
     pub relay: bool,
     /// `--metrics-addr`: where to serve Prometheus metrics; `None`: nowhere.
     pub metrics_addr: Option<SocketAddr>,
+    /// TLS and the cluster token for the coordinator given (plaintext for the embedded one);
+    /// its `Debug` hides the token.
+    pub security: Security,
     /// The worker program, resolved on `PATH`.
     pub program: Program,
 }
@@ -495,6 +503,7 @@ impl LaunchSpec {
             use_cpu: self.use_cpu,
             debug: self.debug,
             cpu_affinity: self.cpu_affinity,
+            security: Some(&self.security),
         }
     }
 }
@@ -639,14 +648,22 @@ where
             .map(|(spec, warnings)| (Parsed::Launch(spec), warnings)),
         Command::Serve(a) => {
             crate::daemon::pairs("--labels", &a.labels).map_err(UsageError::Invalid)?;
+            a.security.resolve().map_err(UsageError::Invalid)?;
             Ok((Parsed::Daemon(crate::daemon::Request::Serve(a)), vec![]))
         }
         Command::Submit(a) => {
             a.check().map_err(UsageError::Invalid)?;
+            a.security.resolve().map_err(UsageError::Invalid)?;
             Ok((Parsed::Daemon(crate::daemon::Request::Submit(a)), vec![]))
         }
-        Command::Status(a) => Ok((Parsed::Daemon(crate::daemon::Request::Status(a)), vec![])),
-        Command::Cancel(a) => Ok((Parsed::Daemon(crate::daemon::Request::Cancel(a)), vec![])),
+        Command::Status(a) => {
+            a.security.resolve().map_err(UsageError::Invalid)?;
+            Ok((Parsed::Daemon(crate::daemon::Request::Status(a)), vec![]))
+        }
+        Command::Cancel(a) => {
+            a.security.resolve().map_err(UsageError::Invalid)?;
+            Ok((Parsed::Daemon(crate::daemon::Request::Cancel(a)), vec![]))
+        }
     }
 }
 
@@ -982,6 +999,15 @@ impl LaunchArgs {
         if let Some(h) = &self.advertise_addr {
             plain_host(h).map_err(|why| UsageError::Invalid(format!("--advertise-addr {why}")))?;
         }
+        let mut security = self.security.resolve().map_err(UsageError::Invalid)?;
+        if coordinator.is_none() && self.security.any() {
+            warnings.push(
+                "--tls-* and --auth-token-file have no use without --coordinator: the agent's \
+                 own coordinator listens on 127.0.0.1 without TLS or authentication"
+                    .to_owned(),
+            );
+            security = Security::plaintext();
+        }
 
         let mut command = self.command.into_iter();
         let name = command.next().ok_or(UsageError::NoProgram)?;
@@ -1009,6 +1035,7 @@ impl LaunchArgs {
             cpu_affinity: self.enable_cpu_affinity || config.enable_cpu_affinity == Some(true),
             relay: !self.no_relay,
             metrics_addr: self.metrics_addr,
+            security,
             program,
         };
         Ok((spec, warnings))
@@ -1339,6 +1366,9 @@ mod tests {
         }
         if let Some(mp) = &s.mixed_precision {
             add(format!("mp={mp}"));
+        }
+        if !s.security.is_plaintext() {
+            add(format!("{:?}", s.security));
         }
         for (on, name) in [
             (s.use_cpu, "cpu"),
@@ -2104,5 +2134,168 @@ my_key: 1
             assert!(plain_host(bad).is_err(), "{bad} accepted");
         }
         assert_eq!(derived_job_id("fe80::1", 29500), "muster-fe80--1-29500");
+    }
+
+    /// A directory with a CA, a client certificate and key (their content is read, not
+    /// parsed, at this stage), a good token file and a short one; removed on drop.
+    struct SecurityFiles(PathBuf);
+
+    impl SecurityFiles {
+        const TOKEN: &str = "cli-test-cluster-token-0123456789";
+
+        fn new(name: &str) -> Self {
+            let dir = std::env::temp_dir()
+                .join(format!("muster-agent-cli-{}-{name}", std::process::id()));
+            std::fs::create_dir_all(&dir).expect("create a temporary directory");
+            for (file, content) in [
+                ("ca.pem", "CA"),
+                ("client.pem", "CERT"),
+                ("client-key.pem", "KEY"),
+                ("token", &format!("{}\n", Self::TOKEN)),
+                ("short", "abc\n"),
+            ] {
+                std::fs::write(dir.join(file), content).expect("write a file");
+            }
+            Self(dir)
+        }
+
+        fn path(&self, file: &str) -> String {
+            self.0.join(file).to_string_lossy().into_owned()
+        }
+    }
+
+    impl Drop for SecurityFiles {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn security_flags() {
+        let f = SecurityFiles::new("launch");
+        let (ca, cert, key, token) = (
+            f.path("ca.pem"),
+            f.path("client.pem"),
+            f.path("client-key.pem"),
+            f.path("token"),
+        );
+        let remote = "--nproc-per-node 1 --coordinator 10.0.0.1:29470";
+        let base = r#"n=1 nodes=1:1 rank=None coord=Some("10.0.0.1:29470") job=<fresh> grace=5000ms relay=true prog=sh args=[]"#;
+        // Mutual TLS and the token; the token is never shown.
+        check(
+            &format!(
+                "{remote} --tls-ca {ca} --tls-cert {cert} --tls-key {key} --tls-domain coord.svc \
+                 --auth-token-file {token} -- sh"
+            ),
+            Ok(&format!(
+                r#"{base} Security {{ tls: Some(TlsFiles {{ ca: "{ca}", identity: Some(("{cert}", "{key}")), domain: Some("coord.svc") }}), token: Some(<redacted>) }}"#
+            )),
+        );
+        // TLS without a client certificate; the token alone (snake_case spellings too).
+        check(
+            &format!("{remote} --tls_ca {ca} -- sh"),
+            Ok(&format!(
+                r#"{base} Security {{ tls: Some(TlsFiles {{ ca: "{ca}", identity: None, domain: None }}), token: None }}"#
+            )),
+        );
+        check(
+            &format!("{remote} --auth_token_file {token} -- sh"),
+            Ok(&format!(
+                "{base} Security {{ tls: None, token: Some(<redacted>) }}"
+            )),
+        );
+        // The agent's own coordinator is plaintext: the flags are checked, then unused.
+        check(
+            &format!("--nproc-per-node 1 --tls-ca {ca} --auth-token-file {token} -- sh"),
+            Ok(&one_node(
+                1,
+                " | warning: --tls-* and --auth-token-file have no use without --coordinator: \
+                 the agent's own coordinator listens on 127.0.0.1 without TLS or authentication",
+            )),
+        );
+        // Misuse.
+        for (flags, error) in [
+            (
+                format!("--tls-cert {cert} --tls-key {key}"),
+                "--tls-cert needs --tls-ca (the CA that signed the coordinator's certificate)"
+                    .to_owned(),
+            ),
+            (
+                format!("--tls-key {key}"),
+                "--tls-key needs --tls-ca (the CA that signed the coordinator's certificate)"
+                    .to_owned(),
+            ),
+            (
+                "--tls-domain coord.svc".to_owned(),
+                "--tls-domain needs --tls-ca (the CA that signed the coordinator's certificate)"
+                    .to_owned(),
+            ),
+            (
+                format!("--tls-ca {ca} --tls-cert {cert}"),
+                "--tls-cert needs --tls-key (the certificate's private key)".to_owned(),
+            ),
+            (
+                format!("--tls-ca {ca} --tls-key {key}"),
+                "--tls-key needs --tls-cert (the client certificate)".to_owned(),
+            ),
+            (
+                format!("--tls-ca {ca} --tls-domain a:b"),
+                "--tls-domain 'a:b' is not a host name".to_owned(),
+            ),
+            (
+                "--tls-ca /nonexistent/ca.pem".to_owned(),
+                "TLS: cannot read /nonexistent/ca.pem: No such file or directory (os error 2)"
+                    .to_owned(),
+            ),
+            (
+                "--auth-token-file /nonexistent/token".to_owned(),
+                "--auth-token-file: cannot read token file /nonexistent/token: No such file or \
+                 directory (os error 2)"
+                    .to_owned(),
+            ),
+            (
+                format!("--auth-token-file {}", f.path("short")),
+                format!(
+                    "--auth-token-file: token file {}: the token is 3 characters; at least 16 \
+                     are required",
+                    f.path("short")
+                ),
+            ),
+        ] {
+            check(&format!("{remote} {flags} -- sh"), Err(&error));
+        }
+        // The same checks for the daemon and the operator commands.
+        for command in [
+            "serve --coordinator a:1",
+            "submit --coordinator a:1 --nproc-per-node 1",
+            "status --coordinator a:1",
+            "cancel --coordinator a:1 j",
+        ] {
+            let argv = |extra: &str| {
+                let mut argv = vec!["muster-agent".to_owned()];
+                argv.extend(command.split_whitespace().map(str::to_owned));
+                argv.extend(extra.split_whitespace().map(str::to_owned));
+                if command.starts_with("submit") {
+                    argv.extend(["--".to_owned(), "sh".to_owned()]);
+                }
+                argv
+            };
+            let Err(err) = parse_in(argv(&format!("--tls-cert {cert}")), &machine(None)) else {
+                panic!("{command}: --tls-cert without --tls-ca accepted");
+            };
+            assert_eq!(
+                err.to_string(),
+                "--tls-cert needs --tls-ca (the CA that signed the coordinator's certificate)",
+                "{command}"
+            );
+            let (parsed, _) = parse_in(
+                argv(&format!("--tls-ca {ca} --auth-token-file {token}")),
+                &machine(None),
+            )
+            .unwrap_or_else(|e| panic!("{command}: {e}"));
+            let shown = format!("{parsed:?}");
+            assert!(shown.contains(&token), "{shown}");
+            assert!(!shown.contains(SecurityFiles::TOKEN), "{shown}");
+        }
     }
 }

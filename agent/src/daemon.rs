@@ -18,6 +18,7 @@
 use crate::cli::{LaunchSpec, Parsed};
 use crate::failover::{self, Coordinators};
 use crate::launch::{self, Outcome, Stops};
+use crate::security::SecurityArgs;
 use clap::Args;
 use muster_proto::v1 as pb;
 use muster_proto::v1::agents_client::AgentsClient;
@@ -86,6 +87,9 @@ pub struct ServeArgs {
     /// cause, coordinator failovers and the relays' barrier latency. Default: none.
     #[arg(long, value_name = "IP:PORT")]
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// TLS and the cluster token, for this agent's calls and the jobs it runs.
+    #[command(flatten)]
+    pub security: SecurityArgs,
 }
 
 /// `muster-agent submit`.
@@ -118,6 +122,9 @@ pub struct SubmitArgs {
     /// Wait until the job ends and exit 0 only if it finished.
     #[arg(long)]
     pub wait: bool,
+    /// TLS and the cluster token.
+    #[command(flatten)]
+    pub security: SecurityArgs,
     /// The program and its arguments, after `--`.
     #[arg(value_name = "PROGRAM", trailing_var_arg = true, required = true)]
     pub command: Vec<String>,
@@ -144,6 +151,9 @@ pub struct StatusArgs {
     pub coordinator: String,
     /// A job to describe. Without it: every job and every daemon agent.
     pub job_id: Option<String>,
+    /// TLS and the cluster token.
+    #[command(flatten)]
+    pub security: SecurityArgs,
 }
 
 /// `muster-agent cancel`.
@@ -157,6 +167,9 @@ pub struct CancelArgs {
     /// Why (shown to the job's agents and workers).
     #[arg(long, default_value = "cancelled by an operator")]
     pub reason: String,
+    /// TLS and the cluster token.
+    #[command(flatten)]
+    pub security: SecurityArgs,
 }
 
 /// Parses `key=value` items; the error names the flag and the item.
@@ -190,10 +203,12 @@ fn node_range(s: &str) -> Result<(u32, u32), String> {
 }
 
 /// The replicas of a `--coordinator` value, one of them reached (tried in turn for a few
-/// seconds); calls then follow the leader with [`failover::call`].
-async fn connect(list: &str) -> Result<Coordinators, String> {
+/// seconds) with `security`; calls then follow the leader with [`failover::call`].
+async fn connect(list: &str, security: &SecurityArgs) -> Result<Coordinators, String> {
     let list = crate::cli::coordinator_list(list).map_err(|e| e.to_string())?;
-    let coordinators = Coordinators::from_list(&list, failover::DEFAULT_BUDGET);
+    let security = security.resolve()?;
+    let coordinators = Coordinators::from_list(&list, failover::DEFAULT_BUDGET)
+        .with_security(security.client().clone());
     coordinators
         .connect(CONNECT_WINDOW)
         .await
@@ -214,7 +229,7 @@ pub async fn submit(args: SubmitArgs) -> Result<u8, String> {
         .command
         .split_first()
         .ok_or("no program to run: give it after `--`")?;
-    let coordinators = connect(&args.coordinator).await?;
+    let coordinators = connect(&args.coordinator, &args.security).await?;
     let spec = pb::JobSpec {
         job_id: args.job_id.clone().unwrap_or_default(),
         program: program.clone(),
@@ -239,7 +254,7 @@ pub async fn submit(args: SubmitArgs) -> Result<u8, String> {
         },
     )
     .await
-    .map_err(|s| format!("submit refused: {}", s.message()))?
+    .map_err(|s| format!("submit refused: {}", crate::security::explain(&s)))?
     .into_inner();
     println!(
         "job {} submitted to {}",
@@ -251,9 +266,13 @@ pub async fn submit(args: SubmitArgs) -> Result<u8, String> {
     }
     let mut last = String::new();
     loop {
-        let d = describe(&coordinators, &answer.job_id)
-            .await
-            .map_err(|s| format!("cannot follow job {}: {}", answer.job_id, s.message()))?;
+        let d = describe(&coordinators, &answer.job_id).await.map_err(|s| {
+            format!(
+                "cannot follow job {}: {}",
+                answer.job_id,
+                crate::security::explain(&s)
+            )
+        })?;
         let line = status_line(&d);
         if line != last {
             println!("{line}");
@@ -319,11 +338,11 @@ fn status_line(d: &pb::DescribeJobResponse) -> String {
 
 /// `muster-agent status`.
 pub async fn status(args: StatusArgs) -> Result<u8, String> {
-    let coordinators = connect(&args.coordinator).await?;
+    let coordinators = connect(&args.coordinator, &args.security).await?;
     if let Some(job) = args.job_id {
         let d = describe(&coordinators, &job)
             .await
-            .map_err(|s| s.message().to_owned())?;
+            .map_err(|s| crate::security::explain(&s))?;
         println!("{}", status_line(&d));
         for n in &d.nodes {
             println!(
@@ -337,7 +356,7 @@ pub async fn status(args: StatusArgs) -> Result<u8, String> {
         OpsClient::new(ch).list_jobs(pb::ListJobsRequest {}).await
     })
     .await
-    .map_err(|s| s.message().to_owned())?
+    .map_err(|s| crate::security::explain(&s))?
     .into_inner();
     for s in jobs.jobs {
         println!(
@@ -354,7 +373,7 @@ pub async fn status(args: StatusArgs) -> Result<u8, String> {
             .await
     })
     .await
-    .map_err(|s| s.message().to_owned())?
+    .map_err(|s| crate::security::explain(&s))?
     .into_inner();
     for a in agents.agents {
         let m = a.machine.unwrap_or_default();
@@ -377,7 +396,7 @@ pub async fn status(args: StatusArgs) -> Result<u8, String> {
 
 /// `muster-agent cancel`.
 pub async fn cancel(args: CancelArgs) -> Result<u8, String> {
-    let coordinators = connect(&args.coordinator).await?;
+    let coordinators = connect(&args.coordinator, &args.security).await?;
     // Idempotent: a second cancel of a cancelled job answers "already over".
     let request = pb::CancelJobRequest {
         job_id: args.job_id.clone(),
@@ -388,7 +407,7 @@ pub async fn cancel(args: CancelArgs) -> Result<u8, String> {
         async move { OpsClient::new(ch).cancel_job(request).await }
     })
     .await
-    .map_err(|s| format!("cancel refused: {}", s.message()))?
+    .map_err(|s| format!("cancel refused: {}", crate::security::explain(&s)))?
     .into_inner();
     if answer.cancelled {
         println!("job {} cancelled", args.job_id);
@@ -432,6 +451,9 @@ fn launch_spec(
         argv.push("--advertise-addr".into());
         argv.push(a.clone().into());
     }
+    // The agent's own TLS settings and token (the files are read again: a rotated token
+    // is picked up by the next job).
+    argv.extend(args.security.to_args());
     argv.push("--".into());
     argv.push(spec.program.clone().into());
     argv.extend(spec.args.iter().map(OsString::from));
@@ -493,7 +515,9 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
         Some(addr) => Some(crate::metrics::Endpoint::start(addr).await?),
         None => None,
     };
-    let coordinators = Coordinators::from_list(&list, failover::DEFAULT_BUDGET);
+    let security = args.security.resolve()?;
+    let coordinators = Coordinators::from_list(&list, failover::DEFAULT_BUDGET)
+        .with_security(security.client().clone());
     let address = match &args.advertise_addr {
         Some(a) => a.clone(),
         None => launch::advertise_default(&coordinators.current()).await,
@@ -543,14 +567,17 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
                     if failover::retryable(&s) {
                         coordinators.failed(&addr, failover::leader_hint(&s).as_deref());
                     }
-                    format!("registration refused by {addr}: {}", s.message())
+                    format!(
+                        "registration refused by {addr}: {}",
+                        crate::security::explain(&s)
+                    )
                 })?
                 .into_inner();
-            Ok::<_, String>((out, stream))
+            Ok::<_, String>((addr, out, stream))
         };
-        let (out, mut stream) = tokio::select! {
+        let (addr, out, mut stream) = tokio::select! {
             r = opened => match r {
-                Ok(pair) => pair,
+                Ok(opened) => opened,
                 Err(e) => {
                     eprintln!("muster-agent: {e}; retrying in {} ms", backoff.as_millis());
                     tokio::select! {
@@ -579,6 +606,8 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
                 list
             );
             announced = true;
+            // The coordinator read and accepted the registration before opening the stream.
+            crate::systemd::registered(&addr);
         }
         for msg in pending.drain(..) {
             let _ = out.send(msg).await;

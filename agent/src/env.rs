@@ -60,6 +60,9 @@ pub struct WorkerOptions<'a> {
     pub debug: bool,
     /// `ACCELERATE_CPU_AFFINITY=1` when set.
     pub cpu_affinity: bool,
+    /// How the workers reach the coordinator: `MUSTER_TOKEN` (a job token) and `MUSTER_TLS_*`
+    /// ([`crate::security::Security::worker_env`]); `None`: nothing of the kind.
+    pub security: Option<&'a crate::security::Security>,
 }
 
 impl Default for WorkerOptions<'_> {
@@ -76,6 +79,7 @@ impl Default for WorkerOptions<'_> {
             use_cpu: false,
             debug: false,
             cpu_affinity: false,
+            security: None,
         }
     }
 }
@@ -91,6 +95,9 @@ impl Default for WorkerOptions<'_> {
 /// `CUDA_VISIBLE_DEVICES` is set only when the GPU plan says so (a `--gpu-ids` list, or one GPU
 /// per process); otherwise the agent's own value passes through. `ACCELERATE_*` variables are
 /// set only when asked for, so that an inherited value survives a plain torchrun-style launch.
+///
+/// With the launch's security settings, `MUSTER_TOKEN` is the worker's job token: a secret,
+/// which nothing in the agent logs or prints (keep it so).
 pub fn worker_env(
     node: &NodeAssignment,
     local_rank: u32,
@@ -173,6 +180,9 @@ pub fn worker_env(
     }
     if options.cpu_affinity {
         env.push(("ACCELERATE_CPU_AFFINITY", "1".to_owned()));
+    }
+    if let Some(security) = options.security {
+        env.extend(security.worker_env(&node.job_id));
     }
     env
 }
@@ -371,6 +381,7 @@ mod tests {
             use_cpu: false,
             debug: true,
             cpu_affinity: true,
+            security: None,
         };
         assert_eq!(
             added(&options, 1),
@@ -387,5 +398,51 @@ mod tests {
             added(&options, 0),
             "ACCELERATE_MIXED_PRECISION=no ACCELERATE_USE_CPU=True"
         );
+    }
+
+    #[test]
+    fn security_settings() {
+        use crate::security::SecurityArgs;
+        let dir = std::env::temp_dir().join(format!("muster-agent-env-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("{e}"));
+        let token = "env-test-cluster-token-0123456789";
+        for (file, content) in [
+            ("ca.pem", "CA"),
+            ("c.pem", "C"),
+            ("k.pem", "K"),
+            ("t", token),
+        ] {
+            std::fs::write(dir.join(file), content).unwrap_or_else(|e| panic!("{e}"));
+        }
+        let args = SecurityArgs {
+            tls_ca: Some(dir.join("ca.pem")),
+            tls_cert: Some(dir.join("c.pem")),
+            tls_key: Some(dir.join("k.pem")),
+            tls_domain: Some("coord.svc".into()),
+            auth_token_file: Some(dir.join("t")),
+        };
+        let security = args.resolve().unwrap_or_else(|e| panic!("{e}"));
+        let _ = std::fs::remove_dir_all(&dir);
+        let options = WorkerOptions {
+            security: Some(&security),
+            ..WorkerOptions::default()
+        };
+        let d = dir.to_string_lossy();
+        let job_token = muster_coordinator::auth::job_token(token, "job7");
+        assert!(job_token.starts_with("mj1."), "{job_token}");
+        assert_eq!(
+            added(&options, 0),
+            format!(
+                "MUSTER_TOKEN={job_token} MUSTER_TLS_CA={d}/ca.pem MUSTER_TLS_CERT={d}/c.pem \
+                 MUSTER_TLS_KEY={d}/k.pem MUSTER_TLS_DOMAIN=coord.svc"
+            )
+        );
+        // Plaintext adds nothing.
+        let plain = crate::security::Security::plaintext();
+        let options = WorkerOptions {
+            security: Some(&plain),
+            ..WorkerOptions::default()
+        };
+        assert_eq!(added(&options, 0), "");
     }
 }

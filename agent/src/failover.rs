@@ -17,9 +17,13 @@
 //!
 //! The channels are lazily connected and cached per [`Coordinators`]; a tonic channel runs
 //! its connection on the runtime it was made on, so a thread with a runtime of its own (the
-//! node relay) uses a [`Coordinators::fork`] of its own.
+//! node relay) uses a [`Coordinators::fork`] of its own. Every channel handed out is an
+//! [`AuthChannel`]: it connects with the agent's TLS settings and adds its credentials to
+//! every call ([`Coordinators::with_security`]), so no client of the agent can forget them.
 
+use muster_proto::security::{AuthChannel, ClientSecurity};
 use std::collections::HashMap;
+use std::fmt;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -116,12 +120,26 @@ pub struct Coordinators {
     inner: Arc<Inner>,
 }
 
-#[derive(Debug)]
 struct Inner {
     /// The addresses given, in order.
     addrs: Vec<String>,
     budget: Duration,
+    /// TLS settings and credentials of every channel.
+    security: ClientSecurity,
     state: Mutex<State>,
+}
+
+impl fmt::Debug for Inner {
+    /// Without the TLS settings: tonic's `Debug` of a client identity shows its private key.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Inner")
+            .field("addrs", &self.addrs)
+            .field("budget", &self.budget)
+            .field("tls", &self.security.is_tls())
+            .field("credentials", self.security.credentials())
+            .field("state", &self.state)
+            .finish()
+    }
 }
 
 #[derive(Debug)]
@@ -134,13 +152,25 @@ struct State {
 }
 
 impl Coordinators {
-    /// The replicas `addrs` (not empty; the first is tried first) with this budget.
+    /// The replicas `addrs` (not empty; the first is tried first) with this budget, over
+    /// plaintext and without credentials.
     pub fn new(addrs: Vec<String>, budget: Duration) -> Self {
+        Self::secured(addrs, budget, ClientSecurity::plaintext())
+    }
+
+    /// The same replicas and budget, connected with `security` (TLS settings, credentials);
+    /// starts afresh (no channel, the first address).
+    pub fn with_security(self, security: ClientSecurity) -> Self {
+        Self::secured(self.inner.addrs.clone(), self.inner.budget, security)
+    }
+
+    fn secured(addrs: Vec<String>, budget: Duration, security: ClientSecurity) -> Self {
         let current = addrs.first().cloned().unwrap_or_default();
         Self {
             inner: Arc::new(Inner {
                 addrs,
                 budget,
+                security,
                 state: Mutex::new(State {
                     current,
                     index: 0,
@@ -161,7 +191,11 @@ impl Coordinators {
     /// The same replicas, budget and current leader, with channels of its own: for a thread
     /// that runs a runtime of its own.
     pub fn fork(&self) -> Self {
-        let fork = Self::new(self.inner.addrs.clone(), self.inner.budget);
+        let fork = Self::secured(
+            self.inner.addrs.clone(),
+            self.inner.budget,
+            self.inner.security.clone(),
+        );
         {
             let mine = self.lock();
             let mut theirs = fork.lock();
@@ -203,17 +237,23 @@ impl Coordinators {
         self.lock().current.clone()
     }
 
+    /// The security settings of the channels.
+    pub fn security(&self) -> &ClientSecurity {
+        &self.inner.security
+    }
+
     /// The current address and a channel to it (lazily connected: a connection failure shows
-    /// up as the call's UNAVAILABLE). Must be called within a tokio runtime.
-    pub fn channel(&self) -> Result<(String, Channel), Status> {
+    /// up as the call's UNAVAILABLE), carrying the credentials. Must be called within a tokio
+    /// runtime.
+    pub fn channel(&self) -> Result<(String, AuthChannel), Status> {
         let mut state = self.lock();
         let addr = state.current.clone();
         if let Some(channel) = state.channels.get(&addr) {
-            return Ok((addr, channel.clone()));
+            return Ok((addr, self.inner.security.wrap(channel.clone())));
         }
-        let channel = endpoint(&addr)?.connect_lazy();
+        let channel = endpoint(&addr, &self.inner.security)?.connect_lazy();
         state.channels.insert(addr.clone(), channel.clone());
-        Ok((addr, channel))
+        Ok((addr, self.inner.security.wrap(channel)))
     }
 
     /// Makes `addr` (which answered) the current address, with its connected `channel`.
@@ -261,22 +301,30 @@ impl Coordinators {
 
     /// Connects to one of the addresses, trying them in turn with backoff for at most
     /// `window`; the one that answered becomes the current address. The error is the last
-    /// connection failure.
-    pub async fn connect(&self, window: Duration) -> Result<(String, Channel), ConnectError> {
+    /// connection failure. With TLS, a failed handshake counts as a connection failure.
+    pub async fn connect(&self, window: Duration) -> Result<(String, AuthChannel), ConnectError> {
         let mut retry = Retry::new(window);
         loop {
             let addr = self.current();
-            let endpoint = endpoint(&addr).map_err(|e| ConnectError::Address {
-                addr: addr.clone(),
-                why: e.message().to_owned(),
-            })?;
+            let endpoint =
+                endpoint(&addr, &self.inner.security).map_err(|e| ConnectError::Address {
+                    addr: addr.clone(),
+                    why: e.message().to_owned(),
+                })?;
             match endpoint.connect().await {
                 Ok(channel) => {
+                    if self.inner.security.is_tls() {
+                        probe(&addr, &channel).await?;
+                    }
                     self.settle(&addr, channel.clone());
-                    return Ok((addr, channel));
+                    return Ok((addr, self.inner.security.wrap(channel)));
                 }
                 Err(e) => {
                     let why = crate::launch::chain(&e);
+                    if crate::security::is_tls_failure(&why) {
+                        // A configuration error: retrying changes nothing.
+                        return Err(ConnectError::Tls { addr, why });
+                    }
                     tracing::debug!(%why, addr, "coordinator not reachable yet; retrying");
                     self.failed(&addr, None);
                     if !retry.pause().await {
@@ -291,6 +339,39 @@ impl Coordinators {
     }
 }
 
+/// One health check on a freshly connected TLS channel. With TLS 1.3 the client's handshake
+/// completes before the coordinator has checked the client certificate; a coordinator that
+/// rejects it closes the connection then, and without this probe the first real call would
+/// fail with a bare "connection closed". A coordinator that answers anything (even an error)
+/// accepted the handshake.
+async fn probe(addr: &str, channel: &Channel) -> Result<(), ConnectError> {
+    use tonic_health::pb::HealthCheckRequest;
+    use tonic_health::pb::health_client::HealthClient;
+    let mut client = HealthClient::new(channel.clone());
+    let check = client.check(HealthCheckRequest {
+        service: String::new(),
+    });
+    match tokio::time::timeout(CONNECT_TIMEOUT, check).await {
+        Err(_) | Ok(Ok(_)) => Ok(()),
+        Ok(Err(status))
+            if matches!(
+                status.code(),
+                Code::Unknown | Code::Cancelled | Code::Unavailable | Code::Internal
+            ) && std::error::Error::source(&status).is_some() =>
+        {
+            Err(ConnectError::Tls {
+                addr: addr.to_owned(),
+                why: format!(
+                    "the coordinator closed the connection after the handshake ({}): it does not \
+                     accept this agent's client certificate (--tls-cert, --tls-key), or requires one",
+                    crate::security::explain(&status)
+                ),
+            })
+        }
+        Ok(Err(_)) => Ok(()),
+    }
+}
+
 /// Why [`Coordinators::connect`] found no coordinator.
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
@@ -300,6 +381,14 @@ pub enum ConnectError {
         /// The address.
         addr: String,
         /// Why.
+        why: String,
+    },
+    /// The TLS handshake failed (an untrusted certificate, a rejected client certificate).
+    #[error("TLS handshake with the coordinator at {addr} failed: {why}")]
+    Tls {
+        /// The address.
+        addr: String,
+        /// The handshake error.
         why: String,
     },
     /// None answered within the window.
@@ -312,16 +401,13 @@ pub enum ConnectError {
     },
 }
 
-/// The endpoint of one coordinator address, with the agent's connection settings (HTTP/2
-/// keep-alive, so that a silently dead connection is noticed).
-pub fn endpoint(addr: &str) -> Result<Endpoint, Status> {
-    Ok(Endpoint::from_shared(format!("http://{addr}"))
-        .map_err(|e| {
-            Status::invalid_argument(format!(
-                "bad coordinator address '{addr}': {}",
-                crate::launch::chain(&e)
-            ))
-        })?
+/// The endpoint of one coordinator address, with the agent's connection settings (`https://`
+/// and the TLS settings of `security` when it has them; HTTP/2 keep-alive, so that a silently
+/// dead connection is noticed).
+pub fn endpoint(addr: &str, security: &ClientSecurity) -> Result<Endpoint, Status> {
+    Ok(security
+        .endpoint(addr)
+        .map_err(Status::invalid_argument)?
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(10))
@@ -421,7 +507,7 @@ pub async fn call<T, F, Fut>(
     attempt: F,
 ) -> Result<T, Status>
 where
-    F: FnMut(Channel) -> Fut,
+    F: FnMut(AuthChannel) -> Fut,
     Fut: Future<Output = Result<T, Status>>,
 {
     call_if(coordinators, what, retryable, attempt).await
@@ -435,7 +521,7 @@ pub async fn call_if<T, F, Fut>(
     mut attempt: F,
 ) -> Result<T, Status>
 where
-    F: FnMut(Channel) -> Fut,
+    F: FnMut(AuthChannel) -> Fut,
     Fut: Future<Output = Result<T, Status>>,
 {
     let budget = coordinators.budget();

@@ -95,7 +95,7 @@ pub enum LaunchError {
     #[error(transparent)]
     Connect(#[from] failover::ConnectError),
     /// The coordinator refused or failed the rendezvous.
-    #[error("rendezvous of job '{job}' failed: {}", .status.message())]
+    #[error("rendezvous of job '{job}' failed: {}", crate::security::explain(.status))]
     Join {
         /// The job id.
         job: String,
@@ -209,7 +209,10 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
         Some(addr) => (addr.clone(), false),
         None => (start_embedded()?, true),
     };
-    let coordinators = Coordinators::from_list(&coordinator, spec.failover_timeout);
+    // The embedded coordinator is plaintext without authentication (the spec's security is
+    // plaintext then).
+    let coordinators = Coordinators::from_list(&coordinator, spec.failover_timeout)
+        .with_security(spec.security.client().clone());
     let job = spec.job_id.clone();
     let reached = match waiting(coordinators.connect(CONNECT_WINDOW), &mut stops, || {
         format!("muster-agent: waiting for the coordinator at {coordinator} (job {job})")
@@ -667,7 +670,7 @@ async fn master_port(
                 async move { KeyValueClient::new(channel).set(request).await }
             })
             .await
-            .map_err(|s| s.message().to_owned())?;
+            .map_err(|s| crate::security::explain(&s))?;
         }
         return Ok(port);
     }
@@ -681,7 +684,12 @@ async fn master_port(
         async move { KeyValueClient::new(channel).get(request).await }
     })
     .await
-    .map_err(|s| format!("node 0 did not publish it: {}", s.message()))?
+    .map_err(|s| {
+        format!(
+            "node 0 did not publish it: {}",
+            crate::security::explain(&s)
+        )
+    })?
     .into_inner()
     .value;
     std::str::from_utf8(&value)

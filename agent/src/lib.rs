@@ -11,6 +11,8 @@
 //! With several coordinator replicas (`--coordinator a,b,c`), every call and stream follows
 //! the leader across a failover within `--failover-timeout-ms` ([`failover`]).
 //! With `--metrics-addr`, it serves Prometheus metrics of its workers ([`metrics`]).
+//! With `--tls-ca` and `--auth-token-file` it connects with TLS and the cluster token, and
+//! hands each worker a token for its job only ([`security`]).
 //!
 //! The binary (`main.rs`) only parses the command line ([`cli::parse`]) and calls
 //! [`launch::run`]; tests call both directly.
@@ -27,6 +29,7 @@ pub mod launch;
 pub mod metrics;
 pub mod program;
 pub mod relay;
+pub mod security;
 pub mod systemd;
 pub mod watch;
 pub mod worker;

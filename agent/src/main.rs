@@ -34,23 +34,18 @@ fn main() -> ExitCode {
                     return ExitCode::from(LAUNCH_ERROR_EXIT);
                 }
             };
-            // `serve` under systemd (Type=notify): READY=1 and watchdog pings from this runtime,
-            // STOPPING=1 once it returned. No-ops outside systemd and for the other commands.
-            let serving = match &request {
-                muster_agent::daemon::Request::Serve(a) => Some(a.coordinator.clone()),
-                _ => None,
-            };
-            let code = match runtime.block_on(async {
-                let _watchdog = serving.as_deref().and_then(muster_agent::systemd::serving);
-                muster_agent::daemon::run(request).await
-            }) {
+            // `serve` under systemd (Type=notify): READY=1 and watchdog pings once the
+            // coordinator accepted the registration (daemon.rs), STOPPING=1 once it returned.
+            // No-ops outside systemd and for the other commands.
+            let serving = matches!(&request, muster_agent::daemon::Request::Serve(_));
+            let code = match runtime.block_on(muster_agent::daemon::run(request)) {
                 Ok(code) => code,
                 Err(e) => {
                     eprintln!("muster-agent: {e}");
                     LAUNCH_ERROR_EXIT
                 }
             };
-            if serving.is_some() {
+            if serving {
                 muster_agent::systemd::stopped(code);
             }
             runtime.shutdown_timeout(Duration::from_millis(200));

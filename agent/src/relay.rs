@@ -5,6 +5,11 @@
 //! The ranks' coordinator sessions still carry registration, liveness and everything that is
 //! not a barrier. The protocol is in `docs/contract.md` ("Node relay").
 //!
+//! Traces: a worker's barrier frame carries its W3C trace context in `BarrierEnter`'s
+//! `trace_context` when it traces (the map is empty, and absent from the frame, otherwise),
+//! and the `GroupEnter` passes one context on to the coordinator: see `Hub::send_group` for
+//! which, and for the agent's own `muster.relay.barrier` span when it exports traces.
+//!
 //! # Threads and tasks
 //!
 //! The relay runs on an OS thread of its own ("muster-relay") with a `current_thread` tokio
@@ -383,13 +388,13 @@ async fn first_attach(
                     tonic::Code::Unavailable if status.message().contains("connect") => {
                         RelayError::Connect {
                             addr,
-                            why: status.message().to_owned(),
+                            why: crate::security::explain(&status),
                         }
                     }
                     _ => RelayError::Attach {
                         addr,
                         node_rank: node.node_rank,
-                        why: status.message().to_owned(),
+                        why: crate::security::explain(&status),
                     },
                 });
             }
@@ -601,7 +606,7 @@ async fn coordinator_loop(
                 Err((to, status)) => {
                     break 'relay format!(
                         "the node relay lost its stream to the coordinator at {addr} ({why}), and the coordinator at {to} refused it back: {}",
-                        status.message()
+                        crate::security::explain(&status)
                     );
                 }
             }

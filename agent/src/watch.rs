@@ -236,7 +236,7 @@ async fn run(
                 return;
             }
             Ok(Err(status)) => {
-                last_error = format!("{addr}: {}", status.message());
+                last_error = format!("{addr}: {}", crate::security::explain(&status));
                 if failover::retryable(&status) {
                     // A follower (it may name the leader), or a replica that is down. Before
                     // the first attach, that is a failover right after the join; after a
@@ -310,7 +310,7 @@ async fn run(
                         return;
                     }
                     Err(status) => {
-                        last_error = format!("{addr}: {}", status.message());
+                        last_error = format!("{addr}: {}", crate::security::explain(&status));
                         if failover::retryable(&status) {
                             broke = true;
                             coordinators.failed(&addr, failover::leader_hint(&status).as_deref());

@@ -6,6 +6,8 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::auth::Auth;
+
 /// Everything the coordinator can be told. Built with [`Config::default`] and [`Layer`]s.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -36,6 +38,47 @@ pub struct Config {
     pub etcd: EtcdConfig,
     /// Where to serve Prometheus metrics (`GET /metrics`, plain HTTP); none when unset.
     pub metrics_addr: Option<SocketAddr>,
+    /// A second, plaintext gRPC listener serving only `grpc.health.v1`, for probes that cannot
+    /// speak TLS (Kubernetes' native gRPC probes); none when unset.
+    pub health_addr: Option<SocketAddr>,
+    /// TLS on the gRPC listener (`--tls-cert`, `--tls-key`, `--tls-client-ca`).
+    pub tls: TlsConfig,
+    /// File holding the cluster token (`--auth-token-file`); turns authentication on. Read
+    /// when serving starts, unless [`Config::auth`] is already on.
+    pub auth_token_file: Option<PathBuf>,
+    /// The credential check in force; set programmatically by embedders (the agent's embedded
+    /// coordinator, tests), or from [`Config::auth_token_file`] at start.
+    pub auth: Auth,
+    /// Serve on a non-loopback address without TLS and authentication (`--insecure`): refused
+    /// otherwise, and warned about when given.
+    pub insecure: bool,
+}
+
+/// The listener's TLS settings; all unset means plaintext.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsConfig {
+    /// Server certificate chain (PEM).
+    pub cert: Option<PathBuf>,
+    /// The certificate's private key (PEM).
+    pub key: Option<PathBuf>,
+    /// CA (PEM) that must have signed every client's certificate: mutual TLS.
+    pub client_ca: Option<PathBuf>,
+}
+
+impl TlsConfig {
+    /// Whether the listener serves TLS.
+    pub fn is_on(&self) -> bool {
+        self.cert.is_some()
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        match (&self.cert, &self.key, &self.client_ca) {
+            (Some(_), None, _) => Err("--tls-cert needs --tls-key".into()),
+            (None, Some(_), _) => Err("--tls-key needs --tls-cert".into()),
+            (None, None, Some(_)) => Err("--tls-client-ca needs --tls-cert and --tls-key".into()),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// Which [`Store`](crate::Store) implementation the coordinator runs on.
@@ -238,6 +281,11 @@ impl Default for Config {
             store: StoreKind::Memory,
             etcd: EtcdConfig::default(),
             metrics_addr: None,
+            health_addr: None,
+            tls: TlsConfig::default(),
+            auth_token_file: None,
+            auth: Auth::off(),
+            insecure: false,
         }
     }
 }
@@ -286,6 +334,18 @@ pub struct Layer {
     pub lease_ttl_ms: Option<u64>,
     /// `metrics_addr = "0.0.0.0:29471"`.
     pub metrics_addr: Option<SocketAddr>,
+    /// `health_addr = "0.0.0.0:29472"`.
+    pub health_addr: Option<SocketAddr>,
+    /// `tls_cert = "/etc/muster/tls/server.pem"`.
+    pub tls_cert: Option<PathBuf>,
+    /// `tls_key = "/etc/muster/tls/server-key.pem"`.
+    pub tls_key: Option<PathBuf>,
+    /// `tls_client_ca = "/etc/muster/tls/ca.pem"` (mutual TLS).
+    pub tls_client_ca: Option<PathBuf>,
+    /// `auth_token_file = "/run/credentials/muster-coordinator.service/cluster-token"`.
+    pub auth_token_file: Option<PathBuf>,
+    /// `insecure = true`: serve a non-loopback address without TLS and authentication.
+    pub insecure: Option<bool>,
 }
 
 /// etcd endpoints as a config file writes them: a list, or one comma-separated string (as on
@@ -381,6 +441,12 @@ impl Layer {
             advertise_addr: get("MUSTER_COORDINATOR_ADVERTISE_ADDR"),
             lease_ttl_ms: parse(&get, "MUSTER_COORDINATOR_LEASE_TTL_MS")?,
             metrics_addr: parse(&get, "MUSTER_COORDINATOR_METRICS_ADDR")?,
+            health_addr: parse(&get, "MUSTER_COORDINATOR_HEALTH_ADDR")?,
+            tls_cert: get("MUSTER_COORDINATOR_TLS_CERT").map(PathBuf::from),
+            tls_key: get("MUSTER_COORDINATOR_TLS_KEY").map(PathBuf::from),
+            tls_client_ca: get("MUSTER_COORDINATOR_TLS_CLIENT_CA").map(PathBuf::from),
+            auth_token_file: get("MUSTER_COORDINATOR_AUTH_TOKEN_FILE").map(PathBuf::from),
+            insecure: parse(&get, "MUSTER_COORDINATOR_INSECURE")?,
         })
     }
 }
@@ -460,7 +526,40 @@ impl Config {
         if l.metrics_addr.is_some() {
             self.metrics_addr = l.metrics_addr;
         }
+        if l.health_addr.is_some() {
+            self.health_addr = l.health_addr;
+        }
+        for (to, from) in [
+            (&mut self.tls.cert, &l.tls_cert),
+            (&mut self.tls.key, &l.tls_key),
+            (&mut self.tls.client_ca, &l.tls_client_ca),
+            (&mut self.auth_token_file, &l.auth_token_file),
+        ] {
+            if from.is_some() {
+                to.clone_from(from);
+            }
+        }
+        if let Some(v) = l.insecure {
+            self.insecure = v;
+        }
         self
+    }
+
+    /// The safe default: a listener on `addr` that other machines can reach (not loopback)
+    /// needs TLS and authentication, unless `--insecure` says otherwise.
+    pub fn check_exposure(&self, addr: SocketAddr) -> Result<(), String> {
+        let auth = self.auth.is_on() || self.auth_token_file.is_some();
+        if addr.ip().is_loopback() || self.insecure || (self.tls.is_on() && auth) {
+            return Ok(());
+        }
+        let missing = match (self.tls.is_on(), auth) {
+            (false, false) => "TLS (--tls-cert, --tls-key) and authentication (--auth-token-file)",
+            (false, true) => "TLS (--tls-cert, --tls-key)",
+            _ => "authentication (--auth-token-file)",
+        };
+        Err(format!(
+            "refusing to serve {addr} without {missing}: anyone who can reach it could join jobs and read their NCCL unique ids; pass --insecure to do it anyway"
+        ))
     }
 
     /// Checks the whole configuration; the error is one line naming the setting.
@@ -512,6 +611,16 @@ impl Config {
                 "metrics_addr ({m}) must differ from the gRPC listen address"
             ));
         }
+        if let Some(h) = self.health_addr
+            && h.port() != 0
+            && (h == self.listen || Some(h) == self.metrics_addr)
+        {
+            return Err(format!(
+                "health_addr ({h}) must differ from the gRPC listen and metrics addresses"
+            ));
+        }
+        self.tls.validate()?;
+        self.check_exposure(self.listen)?;
         match self.store {
             StoreKind::Memory => {
                 if let Some(flag) = self.etcd.first_set() {
@@ -538,13 +647,63 @@ mod tests {
     #[test]
     fn layers_apply_in_order() {
         let file: Layer =
-            toml::from_str("listen = \"0.0.0.0:1\"\nheartbeat_timeout_ms = 5000").unwrap();
+            toml::from_str("listen = \"0.0.0.0:1\"\nheartbeat_timeout_ms = 5000\ninsecure = true")
+                .unwrap();
         let env: HashMap<&str, &str> = [("MUSTER_COORDINATOR_HEARTBEAT_TIMEOUT_MS", "2000")].into();
         let env = Layer::from_env(|k| env.get(k).map(|v| v.to_string())).unwrap();
         let c = Config::default().apply(&file).apply(&env);
         assert_eq!(c.listen.port(), 1);
         assert_eq!(c.heartbeat_timeout, Duration::from_secs(2));
         c.validate().unwrap();
+    }
+
+    #[test]
+    fn security_settings_layer_and_validate() {
+        let file: Layer = toml::from_str(
+            "listen = \"0.0.0.0:29470\"\ntls_cert = \"/c.pem\"\ntls_key = \"/k.pem\"\nhealth_addr = \"0.0.0.0:29472\"",
+        )
+        .unwrap();
+        let c = Config::default().apply(&file);
+        assert!(c.tls.is_on());
+        let e = c.validate().unwrap_err();
+        assert!(
+            e.starts_with("refusing to serve 0.0.0.0:29470 without authentication"),
+            "{e}"
+        );
+        let env: HashMap<&str, &str> = [
+            ("MUSTER_COORDINATOR_AUTH_TOKEN_FILE", "/run/token"),
+            ("MUSTER_COORDINATOR_TLS_CLIENT_CA", "/ca.pem"),
+        ]
+        .into();
+        let c = c.apply(&Layer::from_env(|k| env.get(k).map(|v| v.to_string())).unwrap());
+        c.validate().unwrap();
+        assert_eq!(c.tls.client_ca.as_deref(), Some(Path::new("/ca.pem")));
+        for (layer, error) in [
+            ("tls_cert = \"/c\"", "--tls-cert needs --tls-key"),
+            ("tls_key = \"/k\"", "--tls-key needs --tls-cert"),
+            ("tls_client_ca = \"/a\"", "--tls-client-ca needs"),
+            (
+                "health_addr = \"127.0.0.1:29470\"",
+                "health_addr (127.0.0.1:29470) must differ",
+            ),
+        ] {
+            let c = Config::default().apply(&toml::from_str(layer).unwrap());
+            assert!(c.validate().unwrap_err().contains(error), "{layer}");
+        }
+        // Loopback needs nothing; --insecure opens the rest.
+        Config::default().validate().unwrap();
+        let insecure = Layer::from_env(|k| {
+            (k == "MUSTER_COORDINATOR_INSECURE" || k == "MUSTER_COORDINATOR_LISTEN").then(|| {
+                if k.ends_with("INSECURE") {
+                    "true"
+                } else {
+                    "0.0.0.0:1"
+                }
+                .into()
+            })
+        })
+        .unwrap();
+        Config::default().apply(&insecure).validate().unwrap();
     }
 
     #[test]

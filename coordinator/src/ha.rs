@@ -6,10 +6,12 @@
 //! loads every job from the store (`Coordinator::recover`) and opens the gate; when the term
 //! ends (lease lost, etcd unreachable past the TTL, a fenced write refused) it closes the
 //! gate and drops every job from memory, ending their streams with UNAVAILABLE so that
-//! clients re-attach to whoever leads next, and campaigns again. A closed gate answers every
-//! call UNAVAILABLE naming the leader (also in the `muster-leader` response metadata) before
-//! any handler runs, so a refused call was certainly not applied; `grpc.health.v1` reports
-//! NOT_SERVING for the empty service and every muster service.
+//! clients re-attach to whoever leads next, and campaigns again. On shutdown (SIGTERM) it
+//! closes the gate and resigns, revoking its lease so that a standby leads at once instead of
+//! after the TTL. A closed gate answers every call UNAVAILABLE naming the leader (also in the
+//! `muster-leader` response metadata) before any handler runs, so a refused call was
+//! certainly not applied; `grpc.health.v1` reports NOT_SERVING for the empty service and
+//! every muster service.
 
 use crate::election::{Election, ElectionConfig, Leadership, Role};
 use crate::service::Coordinator;
@@ -17,6 +19,7 @@ use crate::store::EtcdStore;
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
 use tonic::Status;
 use tonic::metadata::MetadataMap;
 
@@ -125,13 +128,21 @@ impl Gate {
     }
 }
 
-/// Runs this replica's leadership for ever (until the runtime ends): see the module comment.
+/// How long a replica shutting down waits for etcd to revoke its lease
+/// ([`Election::resign`]): less than the binary's 2 s drain, so that a stuck etcd delays the
+/// exit by at most this (the lease then expires by itself, within its TTL).
+pub const RESIGN_TIMEOUT: Duration = Duration::from_millis(1500);
+
+/// Runs this replica's leadership (see the module comment) until `stop` is cancelled (the
+/// process is shutting down); then closes the gate and resigns, revoking its lease so that a
+/// standby leads at once rather than after the TTL, within [`RESIGN_TIMEOUT`].
 pub async fn lead(
     coordinator: Arc<Coordinator>,
     etcd: &EtcdStore,
     me: String,
     ttl: Duration,
     gate: Gate,
+    stop: CancellationToken,
 ) {
     let config =
         ElectionConfig::new(me.clone(), format!("{}election/", etcd.prefix())).with_ttl(ttl);
@@ -152,6 +163,40 @@ pub async fn lead(
             }
         }
     });
+    tokio::select! {
+        () = terms(&coordinator, etcd, &me, &election, &gate) => {}
+        () = stop.cancelled() => {}
+    }
+    // Shutting down: refuse calls from now on, then give the leader key up (the election's
+    // own revoke on drop would never run: the runtime ends with the process).
+    gate.set(Readiness::Following(None));
+    let leading = election.leadership().is_some();
+    let started = tokio::time::Instant::now();
+    match tokio::time::timeout(RESIGN_TIMEOUT, election.resign()).await {
+        Ok(Ok(())) if leading => tracing::info!(
+            ms = started.elapsed().as_millis() as u64,
+            "resigned: the leader key is released"
+        ),
+        Ok(Ok(())) => tracing::debug!("withdrew from the election (not leading)"),
+        Ok(Err(e)) => tracing::warn!("could not resign; the lease expires within its TTL: {e}"),
+        Err(_) => tracing::warn!(
+            "etcd did not answer the resignation within {RESIGN_TIMEOUT:?}; the lease expires within its TTL"
+        ),
+    }
+    coordinator.retire_all(&format!(
+        "coordinator {me} is shutting down; re-attach to the new leader"
+    ));
+}
+
+/// Campaigns, leads while the term lasts, and again, for ever. Cancel-safe: dropped when
+/// the replica shuts down, which then resigns.
+async fn terms(
+    coordinator: &Coordinator,
+    etcd: &EtcdStore,
+    me: &str,
+    election: &Election,
+    gate: &Gate,
+) {
     let mut backoff = Duration::from_millis(100);
     loop {
         let leadership = match election.campaign().await {
@@ -164,7 +209,7 @@ pub async fn lead(
             }
         };
         let started = tokio::time::Instant::now();
-        gate.follow(Some(me.clone()));
+        gate.follow(Some(me.to_owned()));
         etcd.set_fence(Some(leadership.fence()));
         match coordinator.recover().await {
             Ok(jobs) if leadership.is_current() => {

@@ -5,6 +5,7 @@
 //! The binary (`main.rs`) only parses configuration and calls [`serve`]; tests and the agent's
 //! embedded coordinator call [`serve`] directly on a listener of their own.
 
+pub mod auth;
 pub mod config;
 pub mod election;
 pub mod ha;
@@ -50,11 +51,30 @@ pub async fn serve_with_store(
     store: Arc<dyn Store>,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    let mut config = config;
     config.validate().map_err(anyhow::Error::msg)?;
+    let addr = listener.local_addr()?;
+    if config.auth_token_file.is_some() && !config.auth.is_on() {
+        let path = config
+            .auth_token_file
+            .as_deref()
+            .unwrap_or(std::path::Path::new(""));
+        let token = muster_proto::security::read_token_file(path).map_err(anyhow::Error::msg)?;
+        config.auth = auth::Auth::with_cluster_token(token);
+    }
+    // The listener actually bound decides, not the configured address (embedders bind their
+    // own): see `Config::check_exposure`.
+    config.check_exposure(addr).map_err(anyhow::Error::msg)?;
+    let tls = server_tls(&config.tls)?;
+    let secured = tls.is_some() && config.auth.is_on();
+    if !addr.ip().is_loopback() && !secured {
+        tracing::warn!(%addr, tls = tls.is_some(), auth = config.auth.is_on(),
+            "--insecure: serving a non-loopback address without TLS and authentication; anyone who can reach it can join jobs and read their NCCL unique ids");
+    }
+    let auth = config.auth.clone();
     let max = config.max_message_bytes;
     let (max_connections, max_streams) =
         (config.max_connections, config.max_streams_per_connection);
-    let addr = listener.local_addr()?;
     let me = config
         .etcd
         .advertise_addr
@@ -67,6 +87,14 @@ pub async fn serve_with_store(
             TcpListener::bind(a)
                 .await
                 .map_err(|e| anyhow::anyhow!("cannot listen on metrics address {a}: {e}"))?,
+        ),
+        None => None,
+    };
+    let health_listener = match config.health_addr {
+        Some(a) => Some(
+            TcpListener::bind(a)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot listen on health address {a}: {e}"))?,
         ),
         None => None,
     };
@@ -109,22 +137,47 @@ pub async fn serve_with_store(
             }
         }
     });
-    if durable {
-        let (coordinator, store, gate, me) = (
+    // Cancelled when `shutdown` completes: the leadership resigns while calls drain.
+    let stopping = tokio_util::sync::CancellationToken::new();
+    let leadership = durable.then(|| {
+        let (coordinator, store, gate, me, stop) = (
             Arc::clone(&coordinator),
             Arc::clone(&store),
             gate.clone(),
             me.clone(),
+            stopping.clone(),
         );
         // Task "leadership": campaigns, loads the state, serves while leading, again after
-        // every lost term. Ends with the runtime.
+        // every lost term; on shutdown resigns (within `ha::RESIGN_TIMEOUT`) and ends, and
+        // serving waits for it.
         tokio::spawn(async move {
             if let Some(etcd) = store.as_etcd() {
-                ha::lead(coordinator, etcd, me, ttl, gate).await;
+                ha::lead(coordinator, etcd, me, ttl, gate, stop).await;
             }
-        });
-    }
-    let open = move |request: tonic::Request<()>| gate.check().map(|()| request);
+        })
+    });
+    let shutdown = {
+        let stopping = stopping.clone();
+        async move {
+            shutdown.await;
+            stopping.cancel();
+        }
+    };
+    // Every muster service: credentials first (so that strangers learn nothing, not even the
+    // leader), then the HA gate. Reflection needs any valid credential (grpcurl sends `-H
+    // authorization`) but no leadership; health is open to everyone, for probes.
+    let guard = |service: &'static str, scope: auth::Scope| {
+        let (auth, gate) = (auth.clone(), gate.clone());
+        move |request: tonic::Request<()>| {
+            let request = auth.check(request, service, scope)?;
+            gate.check().map(|()| request)
+        }
+    };
+    use auth::Scope::{Cluster, Job};
+    let described = |service: &'static str| {
+        let auth = auth.clone();
+        move |request: tonic::Request<()>| auth.check(request, service, Job)
+    };
 
     // Task "metrics": answers GET /metrics; aborted when serving ends.
     let metrics_task = metrics_listener.map(|listener| {
@@ -137,9 +190,30 @@ pub async fn serve_with_store(
             async move { metrics::render(&coordinator).await }
         }))
     });
+    // Task "health-listener": plaintext grpc.health.v1 only (no muster service, so no
+    // credentials needed and nothing to protect); aborted when serving ends.
+    let health_task = health_listener.map(|listener| {
+        if let Ok(a) = listener.local_addr() {
+            tracing::info!(addr = %a, "plaintext health endpoint serving");
+        }
+        let health = health.clone();
+        tokio::spawn(async move {
+            let served = tonic::transport::Server::builder()
+                .add_service(health)
+                .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+                .await;
+            if let Err(e) = served {
+                tracing::error!(%e, "the health endpoint failed");
+            }
+        })
+    });
     let values = ValuesService(Arc::clone(&coordinator));
     tracing::info!(%addr, advertise = %me, store = if durable { "etcd" } else { "memory" }, "coordinator serving");
-    let served = tonic::transport::Server::builder()
+    let mut server = tonic::transport::Server::builder();
+    if let Some(tls) = tls {
+        server = server.tls_config(tls)?;
+    }
+    let served = server
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(10)))
         .http2_keepalive_timeout(Some(std::time::Duration::from_secs(5)))
@@ -153,48 +227,54 @@ pub async fn serve_with_store(
         // A span per call, child of the caller's W3C trace context (telemetry.rs).
         .trace_fn(telemetry::server_span)
         .add_service(health)
-        .add_service(reflection)
-        .add_service(reflection_alpha)
+        .add_service(InterceptedService::new(
+            reflection,
+            described("grpc.reflection.v1.ServerReflection"),
+        ))
+        .add_service(InterceptedService::new(
+            reflection_alpha,
+            described("grpc.reflection.v1alpha.ServerReflection"),
+        ))
         .add_service(InterceptedService::new(
             pb::rendezvous_server::RendezvousServer::new(RendezvousService(Arc::clone(
                 &coordinator,
             )))
             .max_decoding_message_size(max),
-            open.clone(),
+            guard("muster.v1.Rendezvous", Cluster),
         ))
         .add_service(InterceptedService::new(
             pb::session_server::SessionServer::new(SessionService(Arc::clone(&coordinator)))
                 .max_decoding_message_size(max),
-            open.clone(),
+            guard("muster.v1.Session", Job),
         ))
         .add_service(InterceptedService::new(
             pb::relay_server::RelayServer::new(RelayService(Arc::clone(&coordinator)))
                 .max_decoding_message_size(max),
-            open.clone(),
+            guard("muster.v1.Relay", Cluster),
         ))
         .add_service(InterceptedService::new(
             pb::key_value_server::KeyValueServer::new(values.clone())
                 .max_decoding_message_size(max),
-            open.clone(),
+            guard("muster.v1.KeyValue", Job),
         ))
         .add_service(InterceptedService::new(
             pb::unique_ids_server::UniqueIdsServer::new(values.clone())
                 .max_decoding_message_size(max),
-            open.clone(),
+            guard("muster.v1.UniqueIds", Job),
         ))
         .add_service(InterceptedService::new(
             pb::shared_values_server::SharedValuesServer::new(values)
                 .max_decoding_message_size(max),
-            open.clone(),
+            guard("muster.v1.SharedValues", Job),
         ))
         .add_service(InterceptedService::new(
             pb::agents_server::AgentsServer::new(AgentsService(Arc::clone(&coordinator)))
                 .max_decoding_message_size(max),
-            open.clone(),
+            guard("muster.v1.Agents", Cluster),
         ))
         .add_service(InterceptedService::new(
             pb::ops_server::OpsServer::new(OpsService(coordinator)).max_decoding_message_size(max),
-            open,
+            guard("muster.v1.Ops", Cluster),
         ))
         .serve_with_incoming_shutdown(
             // TCP_NODELAY on every accepted connection: barrier results are small writes.
@@ -205,12 +285,39 @@ pub async fn serve_with_store(
             shutdown,
         )
         .await;
-    if let Some(task) = metrics_task {
+    for task in [metrics_task, health_task].into_iter().flatten() {
         task.abort();
+    }
+    // Serving can also end on an error: resign then too. The task is bounded by
+    // `ha::RESIGN_TIMEOUT` once stopped.
+    stopping.cancel();
+    if let Some(task) = leadership
+        && let Err(e) = task.await
+    {
+        tracing::error!(%e, "the leadership task failed");
     }
     served?;
     tracing::info!("coordinator stopped");
     Ok(())
+}
+
+/// The listener's TLS settings, read from the PEM files (errors name the file).
+fn server_tls(
+    tls: &config::TlsConfig,
+) -> anyhow::Result<Option<tonic::transport::ServerTlsConfig>> {
+    use tonic::transport::{Certificate, Identity, ServerTlsConfig};
+    let read = |p: &std::path::Path| {
+        std::fs::read(p).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", p.display()))
+    };
+    let (Some(cert), Some(key)) = (&tls.cert, &tls.key) else {
+        return Ok(None);
+    };
+    let mut config = ServerTlsConfig::new().identity(Identity::from_pem(read(cert)?, read(key)?));
+    if let Some(ca) = &tls.client_ca {
+        // Mutual TLS: a client without a certificate from this CA fails the handshake.
+        config = config.client_ca_root(Certificate::from_pem(read(ca)?));
+    }
+    Ok(Some(config))
 }
 
 /// The muster services, by their gRPC names (for health reporting).

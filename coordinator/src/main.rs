@@ -17,7 +17,8 @@ struct Args {
     /// TOML config file (keys: listen, heartbeat_timeout_ms, last_call_ms, join_timeout_ms,
     /// max_value_bytes, max_job_bytes, max_message_bytes, store, etcd_endpoints, etcd_prefix,
     /// etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file, advertise_addr,
-    /// lease_ttl_ms, metrics_addr, max_connections, max_streams_per_connection).
+    /// lease_ttl_ms, metrics_addr, max_connections, max_streams_per_connection, health_addr,
+    /// tls_cert, tls_key, tls_client_ca, auth_token_file, insecure).
     #[arg(long, env = "MUSTER_COORDINATOR_CONFIG")]
     config: Option<PathBuf>,
     /// A worker silent for this long is marked failed [default: 10000].
@@ -66,6 +67,10 @@ struct Args {
     /// Address to serve Prometheus metrics on (`GET /metrics`, plain HTTP) [default: none].
     #[arg(long, value_name = "HOST:PORT")]
     metrics_addr: Option<SocketAddr>,
+    /// Address of a plaintext gRPC listener serving only grpc.health.v1, for probes that
+    /// cannot speak TLS (Kubernetes' gRPC probes) [default: none].
+    #[arg(long, value_name = "HOST:PORT")]
+    health_addr: Option<SocketAddr>,
     /// Most client connections served at once; more wait in the listen backlog
     /// [default: 16384].
     #[arg(long)]
@@ -73,6 +78,24 @@ struct Args {
     /// Most concurrent gRPC streams (calls) per connection [default: 16384].
     #[arg(long)]
     max_streams_per_connection: Option<u32>,
+    /// Server certificate chain (PEM): serve TLS (with --tls-key).
+    #[arg(long, value_name = "FILE", help_heading = "Security")]
+    tls_cert: Option<PathBuf>,
+    /// Private key (PEM) of --tls-cert.
+    #[arg(long, value_name = "FILE", help_heading = "Security")]
+    tls_key: Option<PathBuf>,
+    /// CA (PEM) that signed every client's certificate: require mutual TLS.
+    #[arg(long, value_name = "FILE", help_heading = "Security")]
+    tls_client_ca: Option<PathBuf>,
+    /// File holding the cluster token (16+ printable characters): every call but health must
+    /// then send `authorization: Bearer <token>`, or a job token derived from it for workers
+    /// (tokens are never taken on the command line).
+    #[arg(long, value_name = "FILE", help_heading = "Security")]
+    auth_token_file: Option<PathBuf>,
+    /// Serve a non-loopback address without TLS and authentication, which is otherwise
+    /// refused (anyone who reaches it can join jobs and read their NCCL unique ids).
+    #[arg(long, help_heading = "Security")]
+    insecure: bool,
     /// Runtime threads: 1 runs everything on one thread, 0 means one per core [default: 0].
     #[arg(long, default_value_t = 0)]
     worker_threads: usize,
@@ -107,9 +130,20 @@ fn load(args: &Args) -> Result<Config, String> {
         metrics_addr: args.metrics_addr,
         max_connections: args.max_connections,
         max_streams_per_connection: args.max_streams_per_connection,
+        health_addr: args.health_addr,
+        tls_cert: args.tls_cert.clone(),
+        tls_key: args.tls_key.clone(),
+        tls_client_ca: args.tls_client_ca.clone(),
+        auth_token_file: args.auth_token_file.clone(),
+        insecure: args.insecure.then_some(true),
         ..Layer::default()
     });
     config.validate()?;
+    // Read now, so that a missing or weak token exits 64 like any bad setting.
+    if let Some(path) = &config.auth_token_file {
+        let token = muster_proto::security::read_token_file(path)?;
+        config.auth = muster_coordinator::auth::Auth::with_cluster_token(token);
+    }
     Ok(config)
 }
 
@@ -167,7 +201,8 @@ fn main() -> ExitCode {
         // After the signal, in-flight calls get DRAIN_GRACE to finish; long waits (joins,
         // barriers, waiting gets) cannot, so returning then drops them with the runtime and
         // their clients see the connection close (and retry elsewhere) well within
-        // Kubernetes' 30 s and the units' TimeoutStopSec.
+        // Kubernetes' 30 s and the units' TimeoutStopSec. Over etcd a leader resigns at the
+        // signal, within DRAIN_GRACE (`ha::RESIGN_TIMEOUT`), so a standby takes over at once.
         const DRAIN_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
         let (signalled, drain_started) = tokio::sync::oneshot::channel::<()>();
         let shutdown = async move {

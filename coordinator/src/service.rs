@@ -2,6 +2,7 @@
 //! job registry. Handlers are thin; the rules live in `job.rs` (rounds, sessions, barriers)
 //! and in [`Values`] (key-value store, unique ids, shared values over the [`Store`]).
 
+use crate::auth;
 use crate::config::Config;
 use crate::job::{FailureDetail, Job, JobContext, JoinReq, NodeRef, Outbox, RoundConfig};
 use crate::model::{self, Invalid, JobId, Scope};
@@ -502,6 +503,7 @@ impl pb::session_server::Session for SessionService {
 
     async fn attach(&self, request: Request<Streaming<pb::WorkerMessage>>) -> Rpc<AttachStream> {
         let hb = self.0.config.heartbeat_timeout;
+        let principal = request.extensions().get::<auth::Principal>().cloned();
         let mut inbound = request.into_inner();
         let first = first_message(&mut inbound, hb, "session").await?;
         let Some(pb::worker_message::Kind::Register(reg)) = first.kind else {
@@ -509,6 +511,14 @@ impl pb::session_server::Session for SessionService {
                 "the first session message must be register",
             ));
         };
+        if let Some(auth::Principal::Job(own)) = &principal
+            && *own != reg.job_id
+        {
+            return Err(Status::permission_denied(format!(
+                "the job token is for job '{own}', not job '{}'",
+                reg.job_id
+            )));
+        }
         let job = self.0.job(&reg.job_id)?;
         let generation = model::generation(reg.generation)?;
         let host = if reg.host.is_empty() {
@@ -680,6 +690,20 @@ impl pb::relay_server::Relay for RelayService {
                             .and_then(|groups| {
                                 Ok((groups, model::wait("timeout_ms", e.timeout_ms)?))
                             });
+                        // A span per group entry, like a session's barrier span: a child of
+                        // the trace context the relay passed on (the agent's relay span, or a
+                        // worker's); disabled (no work) unless DEBUG spans are recorded.
+                        let span = tracing::debug_span!(
+                            "barrier",
+                            otel.kind = "server",
+                            job = %job.id,
+                            generation,
+                            node_rank,
+                            seq = e.seq,
+                            relayed = true,
+                        );
+                        crate::telemetry::set_parent(&span, &e.trace_context);
+                        let _entered = span.enter();
                         match checked {
                             Ok((groups, timeout)) => job
                                 .barrier_group(generation, node_rank, e.seq, groups, timeout, &tx),
@@ -852,10 +876,45 @@ impl ValuesService {
     }
 }
 
+/// A request about one job, which a job token may make only for its own job.
+trait JobScoped {
+    fn job_id(&self) -> &str;
+}
+
+macro_rules! job_scoped {
+    ($($t:ty),* $(,)?) => {
+        $(impl JobScoped for $t {
+            fn job_id(&self) -> &str {
+                &self.job_id
+            }
+        })*
+    };
+}
+
+job_scoped!(
+    pb::SetRequest,
+    pb::GetRequest,
+    pb::AddRequest,
+    pb::CompareAndSetRequest,
+    pb::DeleteRequest,
+    pb::ListRequest,
+    pb::PublishUniqueIdRequest,
+    pb::FetchUniqueIdRequest,
+    pb::PublishValueRequest,
+    pb::FetchValueRequest,
+);
+
+/// The request's message, once its caller may act on the job it names (`auth`): before the
+/// job is even looked up, so a worker of one job cannot probe for others.
+fn authorized<T: JobScoped>(request: Request<T>) -> Result<T, Status> {
+    auth::authorize_job(&request, request.get_ref().job_id())?;
+    Ok(request.into_inner())
+}
+
 #[tonic::async_trait]
 impl pb::key_value_server::KeyValue for ValuesService {
     async fn set(&self, request: Request<pb::SetRequest>) -> Rpc<pb::SetResponse> {
-        let r = request.into_inner();
+        let r = authorized(request)?;
         let job = self.0.job(&r.job_id)?;
         let key = model::kv_key(&r.key)?;
         self.check_value(&r.value)?;
@@ -872,7 +931,7 @@ impl pb::key_value_server::KeyValue for ValuesService {
     }
 
     async fn get(&self, request: Request<pb::GetRequest>) -> Rpc<pb::GetResponse> {
-        let r = request.into_inner();
+        let r = authorized(request)?;
         let job = self.0.job(&r.job_id)?;
         let key = model::kv_key(&r.key)?;
         let deadline = deadline("wait_ms", r.wait_ms)?;
@@ -898,7 +957,7 @@ impl pb::key_value_server::KeyValue for ValuesService {
     }
 
     async fn add(&self, request: Request<pb::AddRequest>) -> Rpc<pb::AddResponse> {
-        let r = request.into_inner();
+        let r = authorized(request)?;
         let job = self.0.job(&r.job_id)?;
         let key = model::kv_key(&r.key)?;
         let full = kv_key(&job.id, &key);
@@ -936,7 +995,7 @@ impl pb::key_value_server::KeyValue for ValuesService {
         &self,
         request: Request<pb::CompareAndSetRequest>,
     ) -> Rpc<pb::CompareAndSetResponse> {
-        let r = request.into_inner();
+        let r = authorized(request)?;
         let job = self.0.job(&r.job_id)?;
         let key = model::kv_key(&r.key)?;
         self.check_value(&r.desired)?;
@@ -958,7 +1017,7 @@ impl pb::key_value_server::KeyValue for ValuesService {
     }
 
     async fn delete(&self, request: Request<pb::DeleteRequest>) -> Rpc<pb::DeleteResponse> {
-        let r = request.into_inner();
+        let r = authorized(request)?;
         let job = self.0.job(&r.job_id)?;
         let key = model::kv_key(&r.key)?;
         let mut total = job.kv_bytes.lock().await;
@@ -971,7 +1030,7 @@ impl pb::key_value_server::KeyValue for ValuesService {
     }
 
     async fn list(&self, request: Request<pb::ListRequest>) -> Rpc<pb::ListResponse> {
-        let r = request.into_inner();
+        let r = authorized(request)?;
         let job = self.0.job(&r.job_id)?;
         if r.prefix.len() > 512 {
             return Err(Status::invalid_argument("prefix is longer than 512 bytes"));
@@ -998,7 +1057,7 @@ impl pb::unique_ids_server::UniqueIds for ValuesService {
         &self,
         request: Request<pb::PublishUniqueIdRequest>,
     ) -> Rpc<pb::PublishUniqueIdResponse> {
-        let r = request.into_inner();
+        let r = authorized(request)?;
         let job = self.0.job(&r.job_id)?;
         let generation = model::generation(r.generation)?;
         let comm = model::communicator(&r.communicator)?;
@@ -1018,7 +1077,7 @@ impl pb::unique_ids_server::UniqueIds for ValuesService {
         &self,
         request: Request<pb::FetchUniqueIdRequest>,
     ) -> Rpc<pb::FetchUniqueIdResponse> {
-        let r = request.into_inner();
+        let r = authorized(request)?;
         let job = self.0.job(&r.job_id)?;
         let generation = model::generation(r.generation)?;
         let comm = model::communicator(&r.communicator)?;
@@ -1037,7 +1096,7 @@ impl pb::shared_values_server::SharedValues for ValuesService {
         &self,
         request: Request<pb::PublishValueRequest>,
     ) -> Rpc<pb::PublishValueResponse> {
-        let r = request.into_inner();
+        let r = authorized(request)?;
         let job = self.0.job(&r.job_id)?;
         let generation = model::generation(r.generation)?;
         let name = model::label("name", &r.name, 256)?;
@@ -1047,7 +1106,7 @@ impl pb::shared_values_server::SharedValues for ValuesService {
     }
 
     async fn fetch(&self, request: Request<pb::FetchValueRequest>) -> Rpc<pb::FetchValueResponse> {
-        let r = request.into_inner();
+        let r = authorized(request)?;
         let job = self.0.job(&r.job_id)?;
         let generation = model::generation(r.generation)?;
         let name = model::label("name", &r.name, 256)?;

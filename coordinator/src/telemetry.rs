@@ -1,15 +1,17 @@
 //! Logging and OpenTelemetry traces for the daemons: a `tracing` subscriber that always logs to
 //! stderr and, when the standard `OTEL_EXPORTER_OTLP_ENDPOINT` (or
 //! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) variable is set, also exports spans over OTLP/gRPC;
-//! and the two places a caller's W3C trace context enters the coordinator (gRPC headers of a
-//! call, and the `trace_context` map of a session's `BarrierEnter`).
+//! and where a caller's W3C trace context enters a daemon (gRPC headers of a call, the
+//! `trace_context` map of a `BarrierEnter` on a session or on the agent's relay socket, and
+//! that of a relay's `GroupEnter`) or leaves one (the agent's relay span, passed on in the
+//! `GroupEnter` it sends).
 //!
 //! The coordinator's own spans are at DEBUG level, so that with plain logging at the default
 //! `info` they are disabled at their call sites and cost nothing; the exporting layer has its
 //! own filter that records DEBUG spans of muster's crates whatever the log filter says.
 
 use opentelemetry::propagation::{Extractor, TextMapPropagator};
-use opentelemetry::trace::TracerProvider as _;
+use opentelemetry::trace::{TraceContextExt as _, TracerProvider as _};
 use opentelemetry_sdk::propagation::TraceContextPropagator;
 use opentelemetry_sdk::trace::SdkTracerProvider;
 use std::collections::HashMap;
@@ -157,14 +159,31 @@ pub fn server_span(request: &http::Request<()>) -> tracing::Span {
     span
 }
 
-/// Makes `span` a child of the W3C trace context in `carrier` (a `BarrierEnter`'s
-/// `trace_context`). Nothing happens for an empty carrier or a disabled span.
+/// Makes `span` a child of the W3C trace context in `carrier` (the `trace_context` of a
+/// `BarrierEnter` or a relay's `GroupEnter`). Nothing happens for an empty carrier or a
+/// disabled span.
 pub fn set_parent(span: &tracing::Span, carrier: &HashMap<String, String>) {
     if carrier.is_empty() || span.is_disabled() {
         return;
     }
     let parent = TraceContextPropagator::new().extract(carrier);
     let _ = span.set_parent(parent);
+}
+
+/// `span`'s W3C trace context as a `trace_context` map, for a span of this process that a
+/// message sent on should be a child of (the agent relay's span of a group entry); `None`
+/// when the span is disabled or not recorded by an OpenTelemetry layer.
+pub fn carrier(span: &tracing::Span) -> Option<HashMap<String, String>> {
+    if span.is_disabled() {
+        return None;
+    }
+    let cx = span.context();
+    if !cx.span().span_context().is_valid() {
+        return None;
+    }
+    let mut carrier = HashMap::with_capacity(2);
+    TraceContextPropagator::new().inject_context(&cx, &mut carrier);
+    Some(carrier)
 }
 
 /// gRPC request headers as an OpenTelemetry [`Extractor`].

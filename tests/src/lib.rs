@@ -20,6 +20,8 @@ pub mod peers;
 pub mod replicas;
 pub use peers::peers_python;
 pub mod netns;
+pub mod notify;
+pub mod pki;
 
 use std::io::{BufRead, BufReader, Read};
 use std::os::unix::process::CommandExt;

@@ -3,8 +3,12 @@
 //! across the nodes; then one node is cut off (link down) or its agent is SIGKILLed, and the
 //! others must fail fast naming it, or, with restarts, carry on as a smaller generation.
 //! Needs root for `ip netns`; skipped with a printed reason otherwise.
+//!
+//! The coordinator listens on a non-loopback address, so it runs as a cluster should: mutual
+//! TLS and the cluster token, and the agents hand their workers job tokens.
 
 use muster_tests::netns::Net;
+use muster_tests::pki::Pki;
 use muster_tests::{Agent, Finished, SLOW, Stream, agent_bin, coordinator_bin, example_bin};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -31,6 +35,8 @@ struct Cluster {
     coordinator: String,
     /// Kept for its drop (and its output, on failure).
     coordinator_process: Agent,
+    /// The agents' TLS and token flags.
+    security: Vec<String>,
 }
 
 impl Cluster {
@@ -45,9 +51,19 @@ impl Cluster {
         names.extend((0..nodes).map(|i| format!("n{i}")));
         let names: Vec<&str> = names.iter().map(String::as_str).collect();
         let net = Net::setup(&names)?;
-        let listen = format!("{}:{PORT}", net.addr("coord"));
+        let coord_ip = net.addr("coord");
+        let listen = format!("{coord_ip}:{PORT}");
         let timeout_ms = HEARTBEAT_TIMEOUT.as_millis().to_string();
         let last_call_ms = LAST_CALL.as_millis().to_string();
+        // One PKI per cluster: the tests run in parallel, and workers read the files when
+        // they start.
+        static CLUSTERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+        let n = CLUSTERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let pki = Pki::generate(
+            &std::env::temp_dir().join(format!("muster-multinode-pki-{}-{n}", std::process::id())),
+            &[&coord_ip.to_string()],
+        );
+        let path = |p: &std::path::Path| p.to_str().expect("a UTF-8 temp path").to_owned();
         let coordinator_process = net.spawn(
             "coord",
             coordinator_bin(),
@@ -58,9 +74,27 @@ impl Cluster {
                 &timeout_ms,
                 "--last-call-ms",
                 &last_call_ms,
+                "--tls-cert",
+                &path(&pki.server_cert),
+                "--tls-key",
+                &path(&pki.server_key),
+                "--tls-client-ca",
+                &path(&pki.ca),
+                "--auth-token-file",
+                &path(&pki.token_file),
             ],
             &[("NO_COLOR", "1")],
         );
+        let security = vec![
+            "--tls-ca".to_owned(),
+            path(&pki.ca),
+            "--tls-cert".to_owned(),
+            path(&pki.client_cert),
+            "--tls-key".to_owned(),
+            path(&pki.client_key),
+            "--auth-token-file".to_owned(),
+            path(&pki.token_file),
+        ];
         coordinator_process.wait_for_lines(Stream::Stderr, 1, SLOW, |l| {
             l.contains("coordinator serving")
         });
@@ -73,6 +107,7 @@ impl Cluster {
                 net,
                 coordinator: listen,
                 coordinator_process,
+                security,
             },
             barrier_loop,
         ))
@@ -94,6 +129,7 @@ impl Cluster {
             "--grace-period-ms",
             "1000",
         ];
+        args.extend(self.security.iter().map(String::as_str));
         args.extend_from_slice(flags);
         args.extend_from_slice(&["--", "sh", "-c", script]);
         self.net

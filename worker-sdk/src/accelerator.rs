@@ -23,7 +23,10 @@ use serde::{Serialize, de::DeserializeOwned};
 
 use crate::{
     Error, RankInfo,
-    client::{CasOutcome, Coordinator, Kv, Scope, Session, SessionConfig, SharedValues, UniqueIds},
+    client::{
+        CasOutcome, ClientSecurity, Coordinator, Kv, Scope, Session, SessionConfig, SharedValues,
+        UniqueIds,
+    },
     relay::RelayConn,
 };
 
@@ -87,17 +90,32 @@ impl fmt::Debug for Accelerator {
 }
 
 impl Accelerator {
-    /// Reads the `MUSTER_*` environment, connects to the coordinator and registers this rank
-    /// (or runs as a single process when there is no `MUSTER_COORDINATOR`). Installs the panic
-    /// hook that writes the worker's error file ([`crate::install_error_hook`]) first.
+    /// Reads the `MUSTER_*` environment, connects to the coordinator (with TLS and the
+    /// credentials of `MUSTER_TLS_*` and `MUSTER_TOKEN`, see [`crate::env`]) and registers
+    /// this rank (or runs as a single process when there is no `MUSTER_COORDINATOR`). Installs
+    /// the panic hook that writes the worker's error file ([`crate::install_error_hook`])
+    /// first.
     pub fn from_env() -> Result<Self, Error> {
         crate::install_error_hook();
         Self::new(RankInfo::from_env()?)
     }
 
     /// Builds an accelerator for `info` (a coordinator address means connect and register).
-    /// Checks that the coordinator's view of the generation matches `info`.
+    /// Checks that the coordinator's view of the generation matches `info`. With a
+    /// coordinator, TLS and credentials come from the environment (`MUSTER_TLS_*`,
+    /// `MUSTER_TOKEN`: [`crate::env::security_from_env`]).
     pub fn new(info: RankInfo) -> Result<Self, Error> {
+        let security = if info.is_distributed() {
+            crate::env::security_from_env()?
+        } else {
+            ClientSecurity::plaintext()
+        };
+        Self::with_security(info, security)
+    }
+
+    /// Like [`Accelerator::new`], with explicit TLS settings and credentials instead of the
+    /// environment's (unused in single-process mode).
+    pub fn with_security(info: RankInfo, security: ClientSecurity) -> Result<Self, Error> {
         info.validate()?;
         let Some(addr) = info.coordinator.clone() else {
             return Ok(Self::with_backend(info, Backend::Local(Mutex::default())));
@@ -123,7 +141,7 @@ impl Accelerator {
             host: info.host.clone(),
         };
         let session = runtime.block_on(async {
-            let coordinator = Coordinator::connect(&addr).await?;
+            let coordinator = Coordinator::connect_with(&addr, security).await?;
             Session::attach(&coordinator, config).await
         })?;
         let registration = *session.registration();
@@ -285,8 +303,9 @@ impl Accelerator {
             Backend::Remote(remote) => {
                 let session = remote.session()?;
                 match &remote.relay {
-                    // The same `muster.barrier` span as a session barrier's; the relay does
-                    // not carry trace context to the coordinator (yet).
+                    // The same `muster.barrier` span as a session barrier's; its trace
+                    // context goes with the entry to the agent, which passes it on to the
+                    // coordinator.
                     Some(relay) => tracing::info_span!(
                         "muster.barrier",
                         otel.kind = "client",

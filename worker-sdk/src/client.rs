@@ -31,6 +31,10 @@ use tokio::{
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Streaming, transport::Channel};
 
+/// How a [`Coordinator`] connects (TLS or plaintext) and the credentials it sends: re-exported
+/// so that SDK users need not depend on `muster-proto`.
+pub use muster_proto::security::{AuthChannel, ClientSecurity, Credentials};
+
 use tracing::Instrument as _;
 
 use crate::{
@@ -52,6 +56,11 @@ const LEAVE_GRACE: Duration = Duration::from_secs(5);
 /// A connection to the coordinator, cheap to clone and share: tonic multiplexes every call and
 /// session stream of all clones over one HTTP/2 connection per coordinator replica.
 ///
+/// Every connection uses the same [`ClientSecurity`]: TLS (or plaintext) and the credentials
+/// sent with every call and stream (`authorization: Bearer <token>`). [`Coordinator::connect`]
+/// takes them from the environment (`MUSTER_TLS_*`, `MUSTER_TOKEN`: see [`crate::env`]);
+/// [`Coordinator::connect_with`] takes them explicitly.
+///
 /// With several replicas (`host:port,host:port`), it talks to the one it believes is the
 /// leader and fails over when a call or stream fails in a way worth retrying: to the address a
 /// refusing follower names in its `muster-leader` metadata, else to the next address in the
@@ -68,6 +77,8 @@ pub struct Coordinator {
 struct Replicas {
     /// The address list as given, for messages.
     addrs: Arc<str>,
+    /// TLS and credentials, for every replica (including a leader named later).
+    security: ClientSecurity,
     state: Mutex<ReplicaState>,
 }
 
@@ -84,12 +95,12 @@ struct ReplicaState {
 
 struct Target {
     addr: Arc<str>,
-    channel: Channel,
+    channel: AuthChannel,
 }
 
 /// The replica a call is made on.
 struct Current {
-    channel: Channel,
+    channel: AuthChannel,
     addr: Arc<str>,
     epoch: u64,
 }
@@ -109,14 +120,23 @@ impl Coordinator {
     /// latency-bound) and no request timeout (barriers and fetches wait as long as the
     /// generation is alive). Tries the addresses in order and fails only when none accepts a
     /// connection; the others are connected on first use. Reads the failover budget from
-    /// `MUSTER_FAILOVER_TIMEOUT_MS`.
+    /// `MUSTER_FAILOVER_TIMEOUT_MS`, and TLS and credentials from `MUSTER_TLS_*` and
+    /// `MUSTER_TOKEN` ([`crate::env::security_from_env`]: plaintext without credentials when
+    /// none is set).
     pub async fn connect(addrs: &str) -> Result<Self, Error> {
+        Self::connect_with(addrs, crate::env::security_from_env()?).await
+    }
+
+    /// Like [`Coordinator::connect`], with explicit TLS settings and credentials instead of
+    /// the environment's. With TLS, a coordinator whose certificate does not verify (another
+    /// CA, another name, expired) fails the connection here, with the TLS error as the cause.
+    pub async fn connect_with(addrs: &str, security: ClientSecurity) -> Result<Self, Error> {
         let list = parse_list(addrs)?;
         let failover_timeout = failover::timeout_from_env()?;
         let mut last = None;
         let mut connected = None;
         for (index, addr) in list.iter().enumerate() {
-            match endpoint(addr)?.connect().await {
+            match endpoint(&security, addr)?.connect().await {
                 Ok(channel) => {
                     connected = Some((index, channel));
                     break;
@@ -147,16 +167,17 @@ impl Coordinator {
             .map(|(index, addr)| {
                 let channel = match channel.take_if(|_| index == current) {
                     Some(channel) => channel,
-                    None => endpoint(addr)?.connect_lazy(),
+                    None => endpoint(&security, addr)?.connect_lazy(),
                 };
                 Ok(Target {
                     addr: addr.as_str().into(),
-                    channel,
+                    channel: security.wrap(channel),
                 })
             })
             .collect::<Result<_, Error>>()?;
         Ok(Self::with_targets(
             addrs,
+            security,
             targets,
             current,
             failover_timeout,
@@ -166,6 +187,13 @@ impl Coordinator {
     /// Like [`Coordinator::connect`], but connects on first use; errors then show up in the
     /// first call. Must be called inside a tokio runtime.
     pub fn connect_lazy(addrs: &str) -> Result<Self, Error> {
+        Self::connect_lazy_with(addrs, crate::env::security_from_env()?)
+    }
+
+    /// Like [`Coordinator::connect_lazy`], with explicit TLS settings and credentials. A
+    /// connection (or TLS handshake) that fails is retried within the failover budget, then
+    /// surfaces as [`Error::Connection`] from the call that needed it.
+    pub fn connect_lazy_with(addrs: &str, security: ClientSecurity) -> Result<Self, Error> {
         let list = parse_list(addrs)?;
         let failover_timeout = failover::timeout_from_env()?;
         let targets = list
@@ -173,26 +201,44 @@ impl Coordinator {
             .map(|addr| {
                 Ok(Target {
                     addr: addr.as_str().into(),
-                    channel: endpoint(addr)?.connect_lazy(),
+                    channel: security.wrap(endpoint(&security, addr)?.connect_lazy()),
                 })
             })
             .collect::<Result<_, Error>>()?;
-        Ok(Self::with_targets(addrs, targets, 0, failover_timeout))
+        Ok(Self::with_targets(
+            addrs,
+            security,
+            targets,
+            0,
+            failover_timeout,
+        ))
     }
 
     /// Wraps a channel built elsewhere (custom transport, tests); `addr` names the coordinator
     /// in errors. Failures are retried on the same channel (and on a leader a follower names).
+    /// Sends no credentials: see [`Coordinator::from_channel_with`].
     pub fn from_channel(channel: Channel, addr: impl Into<Arc<str>>) -> Self {
+        Self::from_channel_with(channel, addr, ClientSecurity::plaintext())
+    }
+
+    /// Like [`Coordinator::from_channel`], sending `security`'s credentials with every call;
+    /// its TLS settings only serve a leader a follower names (the channel has its own).
+    pub fn from_channel_with(
+        channel: Channel,
+        addr: impl Into<Arc<str>>,
+        security: ClientSecurity,
+    ) -> Self {
         let addr: Arc<str> = addr.into();
         let targets = vec![Target {
             addr: addr.clone(),
-            channel,
+            channel: security.wrap(channel),
         }];
-        Self::with_targets(&addr, targets, 0, failover::DEFAULT_TIMEOUT)
+        Self::with_targets(&addr, security, targets, 0, failover::DEFAULT_TIMEOUT)
     }
 
     fn with_targets(
         addrs: &str,
+        security: ClientSecurity,
         targets: Vec<Target>,
         current: usize,
         failover_timeout: Duration,
@@ -200,6 +246,7 @@ impl Coordinator {
         Self {
             inner: Arc::new(Replicas {
                 addrs: addrs.trim().into(),
+                security,
                 state: Mutex::new(ReplicaState {
                     targets,
                     current,
@@ -242,7 +289,8 @@ impl Coordinator {
                 return Some(index);
             }
             // A leader outside the list (its advertise address spelled differently): add it.
-            let channel = endpoint(leader).ok()?.connect_lazy();
+            let security = &self.inner.security;
+            let channel = security.wrap(endpoint(security, leader).ok()?.connect_lazy());
             state.targets.push(Target {
                 addr: leader.into(),
                 channel,
@@ -263,7 +311,7 @@ impl Coordinator {
         mut attempt: F,
     ) -> Result<T, (tonic::Status, Arc<str>)>
     where
-        F: FnMut(Channel) -> Fut,
+        F: FnMut(AuthChannel) -> Fut,
         Fut: Future<Output = Result<T, tonic::Status>>,
     {
         let mut retry: Option<Retry> = None;
@@ -298,9 +346,14 @@ impl Coordinator {
     }
 
     /// The channel to the replica in use, for calling services this module does not wrap
-    /// (Ops). Calls made on it directly are not retried.
-    pub fn channel(&self) -> Channel {
+    /// (Ops). Calls made on it carry this connection's credentials, but are not retried.
+    pub fn channel(&self) -> AuthChannel {
         self.current().channel
+    }
+
+    /// The TLS settings and credentials every connection of this coordinator uses.
+    pub fn security(&self) -> &ClientSecurity {
+        &self.inner.security
     }
 
     /// The coordinator's `host:port`, or the comma-separated list of its replicas' addresses,
@@ -336,9 +389,9 @@ fn parse_list(addrs: &str) -> Result<Vec<String>, Error> {
     })
 }
 
-fn endpoint(addr: &str) -> Result<tonic::transport::Endpoint, Error> {
-    let endpoint = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
-        .map_err(|e| Error::Config(format!("coordinator address {addr:?} is invalid: {e}")))?;
+/// The endpoint of one replica: `https://` with `security`'s TLS settings, else `http://`.
+fn endpoint(security: &ClientSecurity, addr: &str) -> Result<tonic::transport::Endpoint, Error> {
+    let endpoint = security.endpoint(addr).map_err(Error::Config)?;
     Ok(endpoint.tcp_nodelay(true).connect_timeout(CONNECT_TIMEOUT))
 }
 

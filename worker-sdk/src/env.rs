@@ -1,7 +1,24 @@
 //! Reads a worker's place in the job from the `MUSTER_*` environment that `muster-agent` sets
 //! (see `docs/contract.md`), validated once so that nothing later has to second-guess it.
+//!
+//! How to reach the coordinator securely comes from the environment too ([`security_from_env`]):
+//!
+//! - `MUSTER_TOKEN`: the credential sent as `authorization: Bearer <token>` on every call: the
+//!   job token (`mj1.…`) that `muster-agent` gives its workers, or the cluster token for tools
+//!   run by hand. Unset: no credentials (a coordinator without authentication).
+//! - `MUSTER_TLS_CA`: PEM file of the CA that signed the coordinator's certificate; set means
+//!   TLS (`https`). Unset: plaintext.
+//! - `MUSTER_TLS_CERT` and `MUSTER_TLS_KEY`: this process's certificate chain and key (PEM),
+//!   for a coordinator that requires mutual TLS; both or neither, and only with
+//!   `MUSTER_TLS_CA`.
+//! - `MUSTER_TLS_DOMAIN`: the name to verify the coordinator's certificate against when it is
+//!   not the host part of `MUSTER_COORDINATOR`; only with `MUSTER_TLS_CA`.
+//!
+//! Errors name the variable (and a file's path), never the token.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+
+use muster_proto::security::{ClientSecurity, Credentials, env as vars};
 
 use crate::{Error, failover};
 
@@ -166,6 +183,133 @@ impl RankInfo {
     pub fn is_distributed(&self) -> bool {
         self.coordinator.is_some()
     }
+}
+
+/// How to connect to the coordinator as the process environment says: TLS settings from
+/// `MUSTER_TLS_*` and the credentials in `MUSTER_TOKEN` (see the [module docs](self)); with
+/// none of them set, plaintext without credentials. The files are read and checked now, so
+/// that a bad value fails at start with one line naming the variable.
+pub fn security_from_env() -> Result<ClientSecurity, Error> {
+    security_from_lookup(|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))
+}
+
+/// Like [`security_from_env`], reading variables through `lookup`.
+pub fn security_from_lookup(
+    lookup: impl Fn(&str) -> Option<String>,
+) -> Result<ClientSecurity, Error> {
+    let set = |name: &str| -> Result<Option<String>, Error> {
+        match lookup(name) {
+            Some(value) if value.trim().is_empty() => {
+                Err(Error::Config(format!("{name} is set but empty")))
+            }
+            Some(value) => Ok(Some(value.trim().to_owned())),
+            None => Ok(None),
+        }
+    };
+    let (ca, cert, key, domain) = (
+        set(vars::TLS_CA)?,
+        set(vars::TLS_CERT)?,
+        set(vars::TLS_KEY)?,
+        set(vars::TLS_DOMAIN)?,
+    );
+    let mut security = ClientSecurity::plaintext();
+    match ca {
+        Some(ca) => {
+            let identity = match (cert, key) {
+                (Some(cert), Some(key)) => Some((PathBuf::from(cert), PathBuf::from(key))),
+                (Some(_), None) => return Err(needs(vars::TLS_CERT, vars::TLS_KEY)),
+                (None, Some(_)) => return Err(needs(vars::TLS_KEY, vars::TLS_CERT)),
+                (None, None) => None,
+            };
+            let ca = PathBuf::from(ca);
+            check_pem(
+                vars::TLS_CA,
+                &ca,
+                "-----BEGIN CERTIFICATE-----",
+                "certificate",
+            )?;
+            if let Some((cert, key)) = &identity {
+                check_pem(
+                    vars::TLS_CERT,
+                    cert,
+                    "-----BEGIN CERTIFICATE-----",
+                    "certificate",
+                )?;
+                check_pem(vars::TLS_KEY, key, "PRIVATE KEY-----", "private key")?;
+            }
+            if let Some(domain) = &domain
+                && (domain.contains(char::is_whitespace) || domain.contains(['/', ':']))
+            {
+                return Err(Error::Config(format!(
+                    "{}={domain:?} is not a host name",
+                    vars::TLS_DOMAIN
+                )));
+            }
+            let named = if identity.is_some() {
+                format!("{}, {} and {}", vars::TLS_CA, vars::TLS_CERT, vars::TLS_KEY)
+            } else {
+                vars::TLS_CA.to_owned()
+            };
+            security = security
+                .with_tls(
+                    &ca,
+                    identity.as_ref().map(|(c, k)| (c.as_path(), k.as_path())),
+                    domain.as_deref(),
+                )
+                .map_err(|why| Error::Config(format!("{named}: {why}")))?;
+            // Builds the TLS client once: certificates, key and name are parsed now rather
+            // than at the first connection.
+            security.endpoint("localhost:1").map_err(|_| {
+                Error::Config(format!(
+                    "{named}{}: the TLS settings cannot be used (a malformed certificate or \
+                         key, or a key that does not match the certificate)",
+                    if domain.is_some() {
+                        format!(", {}", vars::TLS_DOMAIN)
+                    } else {
+                        String::new()
+                    }
+                ))
+            })?;
+        }
+        None => {
+            for name in [vars::TLS_CERT, vars::TLS_KEY, vars::TLS_DOMAIN] {
+                if lookup(name).is_some() {
+                    return Err(Error::Config(format!(
+                        "{name} is set but {} is not (TLS needs the CA that signed the \
+                         coordinator's certificate)",
+                        vars::TLS_CA
+                    )));
+                }
+            }
+        }
+    }
+    if let Some(token) = set(vars::TOKEN)? {
+        // The token's value never goes into an error: check_token's reasons do not show it.
+        let credentials = Credentials::bearer(&token)
+            .map_err(|why| Error::Config(format!("{}: {why}", vars::TOKEN)))?;
+        security = security.with_credentials(credentials);
+    }
+    Ok(security)
+}
+
+fn needs(set: &str, missing: &str) -> Error {
+    Error::Config(format!(
+        "{set} is set but {missing} is not: both or neither"
+    ))
+}
+
+/// Checks that the file `name` points at can be read and holds a PEM `what` (`marker`); the
+/// error names the variable and the path, never the content.
+fn check_pem(name: &str, path: &Path, marker: &str, what: &str) -> Result<(), Error> {
+    let text = std::fs::read(path)
+        .map_err(|e| Error::Config(format!("{name}={}: cannot read it: {e}", path.display())))?;
+    if !String::from_utf8_lossy(&text).contains(marker) {
+        return Err(Error::Config(format!(
+            "{name}={}: no PEM {what} in the file",
+            path.display()
+        )));
+    }
+    Ok(())
 }
 
 /// Reads required variables and names the variable and value in every error.
@@ -343,6 +487,122 @@ mod tests {
             }),
         );
         check(&[("MUSTER_FAILOVER_TIMEOUT_MS", Some("5000"))], Ok(|_| {}));
+    }
+
+    /// Parses the security variables in `vars`.
+    fn security(vars: &[(&str, &str)]) -> Result<ClientSecurity, Error> {
+        security_from_lookup(|name| {
+            vars.iter()
+                .find(|(k, _)| *k == name)
+                .map(|(_, v)| (*v).to_owned())
+        })
+    }
+
+    #[test]
+    fn security_defaults_to_plaintext_and_reads_the_token() {
+        let plain = security(&[]).expect("nothing set is fine");
+        assert!(!plain.is_tls() && !plain.credentials().is_set());
+        let token = "mj1.6a6f622d61.0123456789abcdef";
+        let with_token = security(&[("MUSTER_TOKEN", token)]).expect("a valid token");
+        assert!(!with_token.is_tls() && with_token.credentials().is_set());
+        assert!(!format!("{with_token:?}").contains("0123456789abcdef"));
+        // A trailing newline (a token read from a file into the variable) is not part of it.
+        let newline = format!("{token}\n");
+        assert!(security(&[("MUSTER_TOKEN", &newline)]).is_ok());
+    }
+
+    #[test]
+    fn bad_security_variables_name_the_variable_and_never_the_token() {
+        let dir = std::env::temp_dir().join(format!("muster-env-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        let not_pem = dir.join("not-pem.txt");
+        std::fs::write(&not_pem, "hello").expect("write");
+        let not_pem = not_pem.to_str().expect("utf-8 path");
+        let fake_cert = dir.join("cert.pem");
+        std::fs::write(
+            &fake_cert,
+            "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n",
+        )
+        .expect("write");
+        let fake_cert = fake_cert.to_str().expect("utf-8 path");
+        let fake_key = dir.join("key.pem");
+        std::fs::write(
+            &fake_key,
+            "-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n",
+        )
+        .expect("write");
+        let fake_key = fake_key.to_str().expect("utf-8 path");
+        let secret = "s3cr3t-value";
+        let cases: &[(&[(&str, &str)], &str)] = &[
+            (&[("MUSTER_TOKEN", "")], "MUSTER_TOKEN is set but empty"),
+            (
+                &[("MUSTER_TOKEN", secret)],
+                "MUSTER_TOKEN: the token is 12 characters",
+            ),
+            (
+                &[("MUSTER_TOKEN", "s3cr3t value with spaces")],
+                "MUSTER_TOKEN: the token must be printable ASCII",
+            ),
+            (&[("MUSTER_TLS_CA", " ")], "MUSTER_TLS_CA is set but empty"),
+            (
+                &[("MUSTER_TLS_CERT", "/c.pem"), ("MUSTER_TLS_KEY", "/k.pem")],
+                "MUSTER_TLS_CERT is set but MUSTER_TLS_CA is not",
+            ),
+            (
+                &[("MUSTER_TLS_KEY", "/k.pem")],
+                "MUSTER_TLS_KEY is set but MUSTER_TLS_CA is not",
+            ),
+            (
+                &[("MUSTER_TLS_DOMAIN", "coord.svc")],
+                "MUSTER_TLS_DOMAIN is set but MUSTER_TLS_CA is not",
+            ),
+            (
+                &[("MUSTER_TLS_CA", fake_cert), ("MUSTER_TLS_CERT", fake_cert)],
+                "MUSTER_TLS_CERT is set but MUSTER_TLS_KEY is not: both or neither",
+            ),
+            (
+                &[("MUSTER_TLS_CA", fake_cert), ("MUSTER_TLS_KEY", not_pem)],
+                "MUSTER_TLS_KEY is set but MUSTER_TLS_CERT is not: both or neither",
+            ),
+            (
+                &[("MUSTER_TLS_CA", "/nonexistent/ca.pem")],
+                "MUSTER_TLS_CA=/nonexistent/ca.pem: cannot read it",
+            ),
+            (&[("MUSTER_TLS_CA", not_pem)], "MUSTER_TLS_CA="),
+            (
+                &[
+                    ("MUSTER_TLS_CA", fake_cert),
+                    ("MUSTER_TLS_CERT", fake_cert),
+                    ("MUSTER_TLS_KEY", not_pem),
+                ],
+                "MUSTER_TLS_KEY=",
+            ),
+            (
+                &[("MUSTER_TLS_CA", fake_cert), ("MUSTER_TLS_DOMAIN", "a b")],
+                "MUSTER_TLS_DOMAIN=\"a b\" is not a host name",
+            ),
+            // Keys are parsed now, not at the first connection.
+            (
+                &[
+                    ("MUSTER_TLS_CA", fake_cert),
+                    ("MUSTER_TLS_CERT", fake_cert),
+                    ("MUSTER_TLS_KEY", fake_key),
+                ],
+                "MUSTER_TLS_CA, MUSTER_TLS_CERT and MUSTER_TLS_KEY: the TLS settings cannot be \
+                 used",
+            ),
+        ];
+        for (vars, want) in cases {
+            match security(vars) {
+                Err(Error::Config(text)) => {
+                    assert!(text.contains(want), "{vars:?}: {text:?} lacks {want:?}");
+                    assert!(!text.contains(secret), "{vars:?}: {text:?} shows the token");
+                    assert!(!text.contains('\n'), "{vars:?}: {text:?} is not one line");
+                }
+                other => panic!("{vars:?}: expected a config error, got {other:?}"),
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -94,6 +94,22 @@ pub enum Error {
     #[error("the muster coordinator answered {:?}: {}", .0.code(), .0.message())]
     Rpc(tonic::Status),
 
+    /// The coordinator refused this process's credentials: none, or a token it does not
+    /// accept (UNAUTHENTICATED), or one that does not open this call, such as another job's
+    /// token (PERMISSION_DENIED). Retrying cannot help; `MUSTER_TOKEN` must change.
+    #[error(
+        "the muster coordinator at {addr} refused the credentials ({:?}): {}{}",
+        .status.code(),
+        .status.message(),
+        credentials_hint(.status.code())
+    )]
+    Unauthorized {
+        /// The coordinator's `host:port`.
+        addr: String,
+        /// Its answer (the message says what was wrong, never the token).
+        status: tonic::Status,
+    },
+
     /// The `MUSTER_*` environment is malformed (the message names the variable and value).
     #[error("bad muster environment: {0}")]
     Config(String),
@@ -264,6 +280,16 @@ fn peer(addr: &str) -> String {
     }
 }
 
+/// What to check after a refusal of the credentials.
+fn credentials_hint(code: Code) -> &'static str {
+    match code {
+        Code::Unauthenticated => {
+            " (MUSTER_TOKEN must hold this job's token, which muster-agent sets for its workers)"
+        }
+        _ => "",
+    }
+}
+
 fn missing_suffix(missing: &[RankLocation]) -> String {
     if missing.is_empty() {
         return String::new();
@@ -327,16 +353,27 @@ impl Error {
         }
     }
 
-    /// Maps a gRPC status from a unary call or the session stream. UNAVAILABLE means the
-    /// coordinator at `addr` could not be reached; DEADLINE_EXCEEDED means a wait with a
-    /// deadline (for `what`) ran out — the coordinator's message only repeats that. Everything else keeps the status and shows its message: in
-    /// particular FAILED_PRECONDITION (stale or failed generation) stays `Rpc`, since its
-    /// message is the only thing that tells those apart.
+    /// Maps a gRPC status from a unary call or the session stream. UNAVAILABLE, or any status
+    /// tonic made from a transport error, means the coordinator at `addr` could not be
+    /// reached; DEADLINE_EXCEEDED means a wait with a deadline (for `what`) ran out — the
+    /// coordinator's message only repeats that; UNAUTHENTICATED and PERMISSION_DENIED are a
+    /// refusal of the credentials ([`Error::Unauthorized`]). Everything else keeps the status
+    /// and shows its message: in particular FAILED_PRECONDITION (stale or failed generation)
+    /// stays `Rpc`, since its message is the only thing that tells those apart.
     pub(crate) fn from_status(
         status: tonic::Status,
         addr: &str,
         what: impl FnOnce() -> String,
     ) -> Self {
+        // A status with a source was made on this side from a transport error (a broken or
+        // refused connection, an HTTP/2 protocol error such as plaintext against a TLS port):
+        // the coordinator never answered, whatever code tonic gave it.
+        if status.source().is_some() {
+            return Error::Connection {
+                addr: addr.to_owned(),
+                source: Arc::new(status),
+            };
+        }
         match status.code() {
             Code::Unavailable => Error::Connection {
                 addr: addr.to_owned(),
@@ -345,6 +382,10 @@ impl Error {
             Code::DeadlineExceeded => Error::Timeout {
                 what: what(),
                 missing: Vec::new(),
+            },
+            Code::Unauthenticated | Code::PermissionDenied => Error::Unauthorized {
+                addr: addr.to_owned(),
+                status,
             },
             _ => Error::Rpc(status),
         }
@@ -458,6 +499,30 @@ mod tests {
             "key 'k'".into()
         });
         assert_eq!(got.to_string(), "timed out waiting for key 'k'");
+
+        let got = Error::from_status(
+            tonic::Status::unauthenticated("KeyValue needs credentials"),
+            addr,
+            String::new,
+        );
+        assert!(matches!(&got, Error::Unauthorized { status, .. }
+                if status.code() == Code::Unauthenticated));
+        assert_eq!(
+            got.to_string(),
+            "the muster coordinator at coord:29470 refused the credentials (Unauthenticated): \
+             KeyValue needs credentials (MUSTER_TOKEN must hold this job's token, which \
+             muster-agent sets for its workers)"
+        );
+        let got = Error::from_status(
+            tonic::Status::permission_denied("the job token is for job 'a', not job 'b'"),
+            addr,
+            String::new,
+        );
+        assert_eq!(
+            got.to_string(),
+            "the muster coordinator at coord:29470 refused the credentials (PermissionDenied): \
+             the job token is for job 'a', not job 'b'"
+        );
 
         let got = Error::from_status(
             tonic::Status::failed_precondition("generation 2 failed: rank 1 exited"),

@@ -14,6 +14,14 @@
 //!   benchmarks that simulate many ranks in one process. It fails over between coordinator
 //!   replicas (`MUSTER_COORDINATOR=host:port,host:port`) by the policy in `failover.rs`:
 //!   running sessions re-attach to the new leader without their callers noticing.
+//! - Security: every connection to the coordinator uses TLS when `MUSTER_TLS_CA` is set (the
+//!   CA that signed the coordinator's certificate; `MUSTER_TLS_CERT` and `MUSTER_TLS_KEY` add
+//!   a client certificate for mutual TLS, `MUSTER_TLS_DOMAIN` overrides the name verified),
+//!   and every call and session stream carries `MUSTER_TOKEN` (the job token `muster-agent`
+//!   gives its workers) as `authorization: Bearer <token>`. See [`env`](mod@env); async code passes
+//!   them explicitly with [`client::Coordinator::connect_with`]. A refused token is
+//!   [`Error::Unauthorized`]; a coordinator whose certificate does not verify is
+//!   [`Error::Connection`] with the TLS error as its cause.
 //! - [`install_error_hook`] and [`record_error`] hand a fatal error (a panic's message and
 //!   backtrace) to the agent in the JSON file PyTorch's `@record` writes
 //!   (`TORCHELASTIC_ERROR_FILE`), so the agent reports it as the root cause.

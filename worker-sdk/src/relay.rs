@@ -15,6 +15,13 @@
 //! the agent refuses or drops the connection, and its error message says why. See
 //! `docs/contract.md` ("Node relay").
 //!
+//! A `barrier` entry's `trace_context` (field 5 of `BarrierEnter`, the same map as on the
+//! session) carries the caller's W3C `traceparent` and `tracestate` when its `muster.barrier`
+//! span is recorded by OpenTelemetry, so that the agent can pass it on to the coordinator with
+//! the node's group entry. Untraced, the map is empty and, as proto3 omits empty maps, the
+//! frame is byte for byte what it was before the field was used; agents that predate it
+//! decode the field and ignore it. Both directions are therefore compatible.
+//!
 //! Several threads may use one connection: each scope has at most one barrier in flight (as on
 //! the session), and whichever waiting thread is reading hands the other scope's result over.
 
@@ -36,6 +43,7 @@ use prost::Message;
 use crate::{
     Error,
     client::{Scope, SessionConfig, barrier_error, consumes_seq},
+    trace_context,
 };
 
 /// The largest frame body either side accepts; bigger ones end the connection.
@@ -286,6 +294,8 @@ impl RelayConn {
                 entry.name.clear();
                 entry.name.push_str(name);
                 entry.timeout_ms = timeout_ms;
+                // Empty (nothing sent, nothing allocated) unless the caller is traced.
+                trace_context::fill(&mut entry.trace_context);
             }
             encode_frame(&s.entry, &mut s.out);
             if let Err(e) = (&self.stream).write_all(&s.out) {

@@ -23,13 +23,20 @@
 //! - across a coordinator failover, the relay re-registers with [`Hub::released`] and
 //!   [`Hub::resend`]s the global barriers in flight, exactly as they were first sent; the local
 //!   ranks keep waiting and see nothing of it.
+//!
+//! Traces: a global barrier handed to the coordinator carries one W3C trace context in its
+//! `GroupEnter` (see [`Hub::send_group`]), so that the coordinator's span of it joins a
+//! worker's trace; nothing is carried (or allocated) when no local rank sent one and the agent
+//! does not export traces.
 
 use crate::env::NodeAssignment;
 use muster_coordinator::model::{
     self, Scope, barrier_error as simple_error, list_ranks, scope_name,
 };
+use muster_coordinator::telemetry;
 use muster_proto::v1 as pb;
 use pb::barrier_error::Kind as ErrKind;
+use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
@@ -99,6 +106,8 @@ struct Arrival {
     entered: Instant,
     /// When the wait gives up; cleared once answered.
     deadline: Option<Instant>,
+    /// The rank's W3C trace context from its entry (moved, not copied; usually empty).
+    trace_context: HashMap<String, String>,
 }
 
 #[derive(Debug)]
@@ -113,6 +122,9 @@ struct Barrier {
     sent: bool,
     /// What was handed to the coordinator, to send again after a failover.
     enter: Option<pb::GroupEnter>,
+    /// The agent's `muster.relay.barrier` span while the coordinator holds the barrier
+    /// (disabled unless the agent exports traces); it ends when the barrier is recycled.
+    span: tracing::Span,
 }
 
 impl Barrier {
@@ -125,6 +137,7 @@ impl Barrier {
             diverged: None,
             sent: false,
             enter: None,
+            span: tracing::Span::none(),
         }
     }
 
@@ -321,7 +334,7 @@ impl Hub {
             seq,
             name,
             timeout_ms,
-            trace_context: _,
+            trace_context,
         } = entry;
         let scope = match Scope::from_wire(wire_scope) {
             Ok(scope) => scope,
@@ -384,6 +397,7 @@ impl Hub {
             name,
             entered: now,
             deadline,
+            trace_context,
         });
         if let Some(d) = deadline
             && self.armed.is_none_or(|armed| d < armed)
@@ -627,6 +641,7 @@ impl Hub {
             b.diverged = None;
             b.sent = false;
             b.enter = None;
+            b.span = tracing::Span::none();
             self.spare.push(b);
         }
     }
@@ -667,12 +682,36 @@ impl Hub {
         self.slots.len() as u32 == self.world_size
     }
 
-    /// Hands global barrier `bi` to the coordinator: one group per name, and the shortest
-    /// remaining local timeout.
+    /// Hands global barrier `bi` to the coordinator: one group per name, the shortest
+    /// remaining local timeout, and one trace context for the coordinator's span.
+    ///
+    /// That context is the one of the node's *first arriving* rank that sent one (its wait
+    /// covers the node's whole barrier, so its trace shows all of it). When the agent exports
+    /// traces, a `muster.relay.barrier` span (from here until the coordinator's answer) is made
+    /// a child of it and its own context goes instead, giving worker → agent → coordinator;
+    /// otherwise the worker's context is passed through as it came, moved rather than copied.
     fn send_group(&mut self, bi: usize, now: Instant, sink: &mut impl Sink) {
         let offset = self.offset;
+        let (job_id, node_rank) = (&self.job_id, self.node_rank);
         let b = &mut self.barriers[bi];
         b.sent = true;
+        let worker_context = b
+            .arrivals
+            .iter_mut()
+            .find(|a| !a.trace_context.is_empty())
+            .map(|a| std::mem::take(&mut a.trace_context))
+            .unwrap_or_default();
+        // Disabled (no work: no fields, no parent) unless the agent exports traces.
+        b.span = tracing::debug_span!(
+            "muster.relay.barrier",
+            otel.kind = "client",
+            job = %job_id,
+            node_rank,
+            seq = b.seq,
+            ranks = b.arrivals.len(),
+        );
+        telemetry::set_parent(&b.span, &worker_context);
+        let trace_context = telemetry::carrier(&b.span).unwrap_or(worker_context);
         let timeout_ms = b
             .arrivals
             .iter()
@@ -697,6 +736,7 @@ impl Hub {
             seq: b.seq,
             groups,
             timeout_ms,
+            trace_context,
         };
         b.enter = Some(enter.clone());
         sink.coordinator(pb::RelayMessage {
@@ -942,8 +982,12 @@ mod tests {
                     format!("[{}: {}]", g.name, ranks.join(","))
                 })
                 .collect();
+            let trace = e
+                .trace_context
+                .get("traceparent")
+                .map_or_else(String::new, |t| format!(" trace {t}"));
             self.lines.push(format!(
-                "=> enter #{} {} timeout {}",
+                "=> enter #{} {} timeout {}{trace}",
                 e.seq,
                 groups.join(" "),
                 e.timeout_ms
@@ -965,8 +1009,9 @@ mod tests {
     /// Runs `script` (one command per line) against a fresh hub whose ranks 4, 5 and 6 have
     /// registered, and compares everything sent with `expected` (one line per send, in order;
     /// leading blanks ignored). Commands:
-    /// - `enter R node|global SEQ NAME [TIMEOUT_MS]`, `leave R`, `lost R` (its connection
-    ///   closed without `leave`)
+    /// - `enter R node|global SEQ NAME [TIMEOUT_MS] [trace=T]` (T: the entry's `traceparent`;
+    ///   a group entry shows the one it carries as `trace T`), `leave R`, `lost R` (its
+    ///   connection closed without `leave`)
     /// - `+MS`: the clock moves on and expired waits are answered
     /// - `result SEQ ok|timeout|failed`: the coordinator's answer to global barrier SEQ
     /// - `failed`, `dead`: the coordinator's failure event (superseded; rank 6 exited);
@@ -1011,13 +1056,20 @@ mod tests {
                         "global" => pb::BarrierScope::Global,
                         _ => pb::BarrierScope::Unspecified,
                     };
-                    let entry = pb::BarrierEnter {
+                    let mut entry = pb::BarrierEnter {
                         scope: scope as i32,
                         seq: num(3),
                         name: words[4].into(),
-                        timeout_ms: if words.len() > 5 { num(5) } else { 0 },
-                        trace_context: Default::default(),
+                        ..Default::default()
                     };
+                    for (i, word) in words.iter().enumerate().skip(5) {
+                        match word.strip_prefix("trace=") {
+                            Some(t) => {
+                                entry.trace_context.insert("traceparent".into(), t.into());
+                            }
+                            None => entry.timeout_ms = num(i),
+                        }
+                    }
                     hub.enter(local(1), entry, now, &mut rec);
                 }
                 "leave" => hub.leave(local(1), &mut rec),
@@ -1208,6 +1260,36 @@ mod tests {
              4,5,6 <- global #2 TIMEOUT: remote node 0 late
              => enter #2 [g: 4,5,6] timeout 0
              4,5,6 <- global #2 ok",
+        );
+    }
+
+    /// Without an exporter in the agent, a group entry passes on the trace context of the
+    /// node's first arrival that sent one (the same after a failover); untraced, none.
+    #[test]
+    fn a_group_entry_carries_the_first_arriving_ranks_trace_context() {
+        check(
+            "enter 5 global 1 g
+             enter 6 global 1 g trace=t6
+             enter 4 global 1 g trace=t4
+             failover
+             result 1 ok
+             enter 4 global 2 g 100 trace=t4-withdrawn
+             +100
+             enter 5 global 2 g trace=t5
+             enter 4 global 2 g
+             enter 6 global 2 g trace=t6
+             result 2 ok
+             enter 4 global 3 g
+             enter 5 global 3 g
+             enter 6 global 3 g",
+            "=> enter #1 [g: 4,5,6] timeout 0 trace t6
+             re-register released=0
+             => enter #1 [g: 4,5,6] timeout 0 trace t6
+             4,5,6 <- global #1 ok
+             4 <- global #2 TIMEOUT [missing 5,6]: global barrier #2 (g) timed out after 0.100s on rank 4 of job 'j' generation 2 while ranks of its own node (node 1) had not arrived; remote nodes were not consulted yet; missing ranks: 5 (node 1, host host-b), 6 (node 1, host host-b)
+             => enter #2 [g: 4,5,6] timeout 0 trace t5
+             4,5,6 <- global #2 ok
+             => enter #3 [g: 4,5,6] timeout 0",
         );
     }
 

@@ -20,7 +20,7 @@ use muster_bench::{bin_dir, quantile};
 use std::collections::BTreeMap;
 use std::hint::black_box;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Instant;
 
 /// The gloo side, measured as the muster worker measures.
@@ -78,20 +78,9 @@ impl Figures {
     }
 }
 
+/// Runs `cmd` to its end: its stdout, or an error with its output.
 fn run(cmd: &mut Command) -> anyhow::Result<String> {
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running {cmd:?}"))?;
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    if !out.status.success() {
-        bail!(
-            "{cmd:?} failed ({}): {stdout}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(stdout)
+    muster_bench::run_output(cmd).map(|(stdout, _)| stdout)
 }
 
 /// The number after `key=` in `line`.

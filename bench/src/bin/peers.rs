@@ -9,9 +9,9 @@
 //!
 //! `target/release/peers [--procs 2,8,32] [--launch-procs 8,32] [--rounds 3]`
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use clap::Parser;
-use muster_bench::{bin_dir, quantile};
+use muster_bench::{bin_dir, field, quantile, rank0_latency, run_output as run};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
@@ -39,34 +39,6 @@ struct Args {
     /// The shared/ folder beside the checkout.
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../../shared"))]
     shared: PathBuf,
-}
-
-fn run(cmd: &mut Command) -> anyhow::Result<(String, f64)> {
-    let t = Instant::now();
-    let out = cmd
-        .stdin(Stdio::null())
-        .output()
-        .with_context(|| format!("running {cmd:?}"))?;
-    let secs = t.elapsed().as_secs_f64();
-    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
-    if !out.status.success() {
-        bail!(
-            "{cmd:?} failed ({}): {stdout}{}",
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok((stdout, secs))
-}
-
-/// The number after `key=` in `line`.
-fn field(line: &str, key: &str) -> Option<f64> {
-    let start = line.find(key)? + key.len();
-    let rest = &line[start..];
-    let end = rest
-        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-        .unwrap_or(rest.len());
-    rest[..end].parse().ok()
 }
 
 struct Barrier {
@@ -117,12 +89,9 @@ fn main() -> anyhow::Result<()> {
                 .args(["launch", "--nproc-per-node", &n.to_string(), "--"])
                 .arg(&barrier_loop)
                 .args(["--iters", &args.iters.to_string(), "--warmup", "20"]))?;
-            let line = out
-                .lines()
-                .find(|l| l.contains("rank=0 "))
-                .with_context(|| format!("no rank 0 summary in muster output: {out}"))?;
-            b.muster.0.push(field(line, "p50_us=").context("p50")?);
-            b.muster.1.push(field(line, "p99_us=").context("p99")?);
+            let (p50, p99) = rank0_latency(&out)?;
+            b.muster.0.push(p50);
+            b.muster.1.push(p99);
             let (out, _) = run(Command::new(&torchrun)
                 .args(["--nproc-per-node", &n.to_string()])
                 .arg(&peer)

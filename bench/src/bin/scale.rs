@@ -244,6 +244,7 @@ async fn relayed_barriers(
                         seq,
                         groups,
                         timeout_ms: 0,
+                        trace_context: Default::default(),
                     })),
                 })
                 .await?;

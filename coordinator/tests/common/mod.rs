@@ -306,6 +306,7 @@ impl RawRelay {
                     seq,
                     groups,
                     timeout_ms,
+                    trace_context: Default::default(),
                 })),
             })
             .await
