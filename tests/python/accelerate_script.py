@@ -2,6 +2,8 @@
 # would run it: Accelerator() from the launcher's environment, wait_for_everyone,
 # main_process_first, a gather, and the mixed precision the launcher asked for. Each rank
 # prints lines that tests/tests/interop.rs checks.
+import time
+
 import torch
 from accelerate import Accelerator
 
@@ -9,9 +11,11 @@ accelerator = Accelerator()
 rank = accelerator.process_index
 accelerator.wait_for_everyone()
 
+# CLOCK_MONOTONIC is one clock for every process of the machine: the test orders the blocks by
+# it, not by where the lines land in the agent's merged output (each rank has its own pipe).
 with accelerator.main_process_first():
-    print(f"accelerate rank={rank} main_process_first start", flush=True)
-    print(f"accelerate rank={rank} main_process_first done", flush=True)
+    print(f"accelerate rank={rank} main_process_first start t={time.monotonic_ns()}", flush=True)
+    print(f"accelerate rank={rank} main_process_first done t={time.monotonic_ns()}", flush=True)
 
 gathered = accelerator.gather(torch.tensor([rank * 10 + 1], device=accelerator.device))
 accelerator.wait_for_everyone()

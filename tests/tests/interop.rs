@@ -84,16 +84,17 @@ fn a_plain_accelerate_script_runs_under_the_agent_with_bf16() {
             run.dump()
         );
     }
-    // main_process_first: the main process's block ends before the other's begins.
-    let position = |needle: &str| {
+    // main_process_first: the main process's block ends before the other's begins, by the
+    // machine's monotonic clock (the merged output interleaves the ranks' pipes as read).
+    let at = |needle: &str| -> u64 {
         run.stdout
             .iter()
-            .position(|l| l.ends_with(needle))
-            .unwrap_or_else(|| panic!("no {needle:?}\n{}", run.dump()))
+            .find_map(|l| l.split_once(needle)?.1.strip_prefix(" t=")?.parse().ok())
+            .unwrap_or_else(|| panic!("no {needle:?} with a time\n{}", run.dump()))
     };
     assert!(
-        position("accelerate rank=0 main_process_first done")
-            < position("accelerate rank=1 main_process_first start"),
+        at("accelerate rank=0 main_process_first done")
+            < at("accelerate rank=1 main_process_first start"),
         "{}",
         run.dump()
     );
