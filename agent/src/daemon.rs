@@ -265,14 +265,19 @@ pub async fn submit(args: SubmitArgs) -> Result<u8, String> {
         return Ok(0);
     }
     let mut last = String::new();
+    let mut seen: Option<pb::JobSummary> = None;
     loop {
-        let d = describe(&coordinators, &answer.job_id).await.map_err(|s| {
-            format!(
-                "cannot follow job {}: {}",
-                answer.job_id,
-                crate::security::explain(&s)
-            )
-        })?;
+        // A long poll: the coordinator answers when the job's summary changes, so the
+        // outcome is printed as it happens (bounded, so a failover is noticed).
+        let d = describe(&coordinators, &answer.job_id, seen.take())
+            .await
+            .map_err(|s| {
+                format!(
+                    "cannot follow job {}: {}",
+                    answer.job_id,
+                    crate::security::explain(&s)
+                )
+            })?;
         let line = status_line(&d);
         if line != last {
             println!("{line}");
@@ -286,17 +291,28 @@ pub async fn submit(args: SubmitArgs) -> Result<u8, String> {
         if summary.done {
             return Ok(1);
         }
-        tokio::time::sleep(Duration::from_millis(200)).await;
+        seen = Some(summary);
     }
 }
 
-/// `Ops.DescribeJob` on the leader.
+/// How long one long poll of `submit --wait` may wait for a change of the job.
+const FOLLOW_WAIT: Duration = Duration::from_secs(5);
+
+/// `Ops.DescribeJob` on the leader; with `unless`, a long poll that answers once the job's
+/// summary differs from it (or after [`FOLLOW_WAIT`]).
 async fn describe(
     coordinators: &Coordinators,
     job_id: &str,
+    unless: Option<pb::JobSummary>,
 ) -> Result<pb::DescribeJobResponse, tonic::Status> {
     let request = pb::DescribeJobRequest {
         job_id: job_id.to_owned(),
+        wait_ms: if unless.is_some() {
+            FOLLOW_WAIT.as_millis() as u64
+        } else {
+            0
+        },
+        unless,
     };
     failover::call(coordinators, "Ops.DescribeJob", |ch| {
         let request = request.clone();
@@ -340,7 +356,7 @@ fn status_line(d: &pb::DescribeJobResponse) -> String {
 pub async fn status(args: StatusArgs) -> Result<u8, String> {
     let coordinators = connect(&args.coordinator, &args.security).await?;
     if let Some(job) = args.job_id {
-        let d = describe(&coordinators, &job)
+        let d = describe(&coordinators, &job, None)
             .await
             .map_err(|s| crate::security::explain(&s))?;
         println!("{}", status_line(&d));

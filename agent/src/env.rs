@@ -5,6 +5,9 @@
 
 use crate::gpu::{GpuMapping, GpuPlan, VISIBLE_DEVICES_ENV};
 
+/// The variable torchrun sets to 1 when several workers share a node (see [`worker_env`]).
+pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
+
 /// What the agent knows about its node once the rendezvous round has closed: the inputs of
 /// every worker's environment.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -60,9 +63,19 @@ pub struct WorkerOptions<'a> {
     pub debug: bool,
     /// `ACCELERATE_CPU_AFFINITY=1` when set.
     pub cpu_affinity: bool,
+    /// An `accelerate launch` command line: as Accelerate's launcher does, every worker gets
+    /// `ACCELERATE_MIXED_PRECISION` (`no` unless asked for) and the `ACCELERATE_DYNAMO_*`
+    /// settings (their defaults: no TorchDynamo), so `Accelerator()` reads what it would read
+    /// under `accelerate launch`.
+    pub accelerate: bool,
     /// How the workers reach the coordinator: `MUSTER_TOKEN` (a job token) and `MUSTER_TLS_*`
     /// ([`crate::security::Security::worker_env`]); `None`: nothing of the kind.
     pub security: Option<&'a crate::security::Security>,
+    /// torchrun's `--role`: `ROLE_NAME` (torchrun's default is `default`).
+    pub role: &'a str,
+    /// torchrun's `--virtual-local-rank`: every worker gets `LOCAL_RANK=0` (its GPU, alone in
+    /// its `CUDA_VISIBLE_DEVICES`, is device 0); `MUSTER_LOCAL_RANK` keeps the real one.
+    pub virtual_local_rank: bool,
 }
 
 impl Default for WorkerOptions<'_> {
@@ -80,9 +93,25 @@ impl Default for WorkerOptions<'_> {
             debug: false,
             cpu_affinity: false,
             security: None,
+            role: DEFAULT_ROLE,
+            virtual_local_rank: false,
+            accelerate: false,
         }
     }
 }
+
+/// `ROLE_NAME` when no `--role` is given, as under torchrun.
+pub const DEFAULT_ROLE: &str = "default";
+
+/// What Accelerate's launcher sets for TorchDynamo when no `--dynamo_*` flag is given (checked
+/// against accelerate 1.x, `accelerate/utils/launch.py`).
+pub const ACCELERATE_DYNAMO_DEFAULTS: [(&str, &str); 5] = [
+    ("ACCELERATE_DYNAMO_BACKEND", "NO"),
+    ("ACCELERATE_DYNAMO_MODE", "default"),
+    ("ACCELERATE_DYNAMO_USE_FULLGRAPH", "False"),
+    ("ACCELERATE_DYNAMO_USE_DYNAMIC", "False"),
+    ("ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION", "False"),
+];
 
 /// The variables to set for local rank `local_rank`, on top of the agent's own environment.
 /// `inherited(name)` says whether the agent's environment already has `name`: the
@@ -91,6 +120,9 @@ impl Default for WorkerOptions<'_> {
 /// `TORCHELASTIC_ERROR_FILE` is not one of those: as torchrun does, every worker gets a file of
 /// its own even when the agent inherited the variable, which then names the agent's own error
 /// file (where a launcher above the agent expects the root cause), not the workers'.
+///
+/// `OMP_NUM_THREADS=1` is torchrun's rule: only with more than one worker on the node, and only
+/// when the agent's environment has no `OMP_NUM_THREADS` (one worker keeps every core).
 ///
 /// `CUDA_VISIBLE_DEVICES` is set only when the GPU plan says so (a `--gpu-ids` list, or one GPU
 /// per process); otherwise the agent's own value passes through. `ACCELERATE_*` variables are
@@ -135,13 +167,21 @@ pub fn worker_env(
     }
     env.extend([
         ("RANK", rank.to_string()),
-        ("LOCAL_RANK", local_rank.to_string()),
+        (
+            "LOCAL_RANK",
+            if options.virtual_local_rank {
+                0
+            } else {
+                local_rank
+            }
+            .to_string(),
+        ),
         ("WORLD_SIZE", node.world_size.to_string()),
         ("LOCAL_WORLD_SIZE", node.local_world_size.to_string()),
         ("GROUP_RANK", node.node_rank.to_string()),
         ("GROUP_WORLD_SIZE", node.num_nodes.to_string()),
         ("ROLE_RANK", rank.to_string()),
-        ("ROLE_NAME", "default".to_owned()),
+        ("ROLE_NAME", options.role.to_owned()),
         ("ROLE_WORLD_SIZE", node.world_size.to_string()),
         ("MASTER_ADDR", node.master_addr.clone()),
         ("MASTER_PORT", node.master_port.to_string()),
@@ -153,24 +193,37 @@ pub fn worker_env(
     if let Some(path) = error_file {
         env.push(("TORCHELASTIC_ERROR_FILE", path));
     }
-    for (name, default) in [
-        ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
-        ("OMP_NUM_THREADS", "1"),
-    ] {
-        if !inherited(name) {
-            env.push((name, default.to_owned()));
-        }
+    if !inherited("TORCH_NCCL_ASYNC_ERROR_HANDLING") {
+        env.push(("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1".to_owned()));
+    }
+    if node.local_world_size > 1 && !inherited(OMP_NUM_THREADS) {
+        env.push((OMP_NUM_THREADS, "1".to_owned()));
     }
     let gpus = options.gpus;
     if let Some(visible) = gpus.visible_devices(local_rank) {
         env.push((VISIBLE_DEVICES_ENV, visible));
+    } else if options.virtual_local_rank && !inherited(VISIBLE_DEVICES_ENV) {
+        // torchrun's --virtual-local-rank with no GPU list to pick from: device `local_rank`
+        // (torch/distributed/elastic/agent/server/local_elastic_agent.py).
+        env.push((VISIBLE_DEVICES_ENV, local_rank.to_string()));
     }
     if let Some((gpu, index)) = gpus.assigned(local_rank) {
         env.push(("MUSTER_GPU_IDS", gpu.to_owned()));
         env.push(("MUSTER_CUDA_DEVICE", index.to_string()));
     }
-    if let Some(mp) = options.mixed_precision {
-        env.push(("ACCELERATE_MIXED_PRECISION", mp.to_owned()));
+    match (options.mixed_precision, options.accelerate) {
+        (Some(mp), _) => env.push(("ACCELERATE_MIXED_PRECISION", mp.to_owned())),
+        (None, true) => env.push(("ACCELERATE_MIXED_PRECISION", "no".to_owned())),
+        (None, false) => {}
+    }
+    if options.accelerate {
+        // accelerate/utils/launch.py, prepare_multi_gpu_env and
+        // prepare_simple_launcher_cmd_env, with no --dynamo_* flag given.
+        env.extend(
+            ACCELERATE_DYNAMO_DEFAULTS
+                .iter()
+                .map(|(k, v)| (*k, (*v).to_owned())),
+        );
     }
     if options.use_cpu {
         env.push(("ACCELERATE_USE_CPU", "True".to_owned()));
@@ -273,25 +326,88 @@ mod tests {
              ROLE_RANK=0 ROLE_NAME=default ROLE_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1
              MASTER_PORT=1234 TORCHELASTIC_RESTART_COUNT=0 TORCHELASTIC_MAX_RESTARTS=0
              TORCHELASTIC_RUN_ID=j TORCHELASTIC_USE_AGENT_STORE=False";
+        // One worker on the node: OMP_NUM_THREADS is left alone, as torchrun does.
         for (inherited, tail) in [
-            (
-                &[][..],
-                "TORCH_NCCL_ASYNC_ERROR_HANDLING=1 OMP_NUM_THREADS=1",
-            ),
+            (&[][..], "TORCH_NCCL_ASYNC_ERROR_HANDLING=1"),
             (
                 &["OMP_NUM_THREADS"][..],
                 "TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
             ),
-            (
-                &["TORCH_NCCL_ASYNC_ERROR_HANDLING"][..],
-                "OMP_NUM_THREADS=1",
-            ),
+            (&["TORCH_NCCL_ASYNC_ERROR_HANDLING"][..], ""),
             (
                 &["OMP_NUM_THREADS", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "RANK"][..],
                 "",
             ),
         ] {
             check(&single, 0, inherited, &format!("{common} {tail}"));
+        }
+    }
+
+    #[test]
+    fn omp_num_threads_only_with_several_workers() {
+        // (local world size, inherited, OMP_NUM_THREADS given to the worker)
+        for (local_world_size, inherited, expected) in [
+            (1, false, None),
+            (1, true, None),
+            (2, false, Some("1")),
+            (2, true, None),
+            (8, false, Some("1")),
+        ] {
+            let n = NodeAssignment {
+                local_world_size,
+                ..node()
+            };
+            let env = worker_env(&n, 0, &WorkerOptions::default(), |name| {
+                inherited && name == OMP_NUM_THREADS
+            });
+            let got = env.iter().find(|(k, _)| *k == OMP_NUM_THREADS);
+            assert_eq!(
+                got.map(|(_, v)| v.as_str()),
+                expected,
+                "{local_world_size} workers, inherited: {inherited}"
+            );
+        }
+    }
+
+    #[test]
+    fn role_and_virtual_local_rank() {
+        let own = GpuPlan {
+            mapping: GpuMapping::OnePerProcess,
+            devices: vec!["4".into(), "5".into()],
+            set_visible_devices: true,
+        };
+        let options = WorkerOptions {
+            gpus: &own,
+            role: "trainer",
+            virtual_local_rank: true,
+            ..WorkerOptions::default()
+        };
+        for local in 0..2 {
+            let env = worker_env(&node(), local, &options, |_| false);
+            let get = |k: &str| env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.as_str());
+            assert_eq!(get("LOCAL_RANK"), Some("0"));
+            assert_eq!(get("MUSTER_LOCAL_RANK"), Some(local.to_string().as_str()));
+            assert_eq!(get("ROLE_NAME"), Some("trainer"));
+            assert_eq!(
+                get("CUDA_VISIBLE_DEVICES"),
+                Some(["4", "5"][local as usize])
+            );
+            assert_eq!(get("RANK"), Some((4 + local).to_string().as_str()));
+        }
+        // No GPU found: torchrun's rule, device `local_rank` (or the agent's own list).
+        let options = WorkerOptions {
+            virtual_local_rank: true,
+            ..WorkerOptions::default()
+        };
+        for local in 0..2 {
+            let env = worker_env(&node(), local, &options, |_| false);
+            let get = |k: &str| env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.as_str());
+            assert_eq!(
+                get("CUDA_VISIBLE_DEVICES"),
+                Some(local.to_string().as_str())
+            );
+            let env = worker_env(&node(), local, &options, |k| k == VISIBLE_DEVICES_ENV);
+            assert!(env.iter().all(|(n, _)| *n != VISIBLE_DEVICES_ENV));
         }
     }
 
@@ -382,6 +498,9 @@ mod tests {
             debug: true,
             cpu_affinity: true,
             security: None,
+            role: DEFAULT_ROLE,
+            virtual_local_rank: false,
+            accelerate: false,
         };
         assert_eq!(
             added(&options, 1),
@@ -397,6 +516,19 @@ mod tests {
         assert_eq!(
             added(&options, 0),
             "ACCELERATE_MIXED_PRECISION=no ACCELERATE_USE_CPU=True"
+        );
+        // An `accelerate launch` command line: Accelerate's launcher's defaults as well.
+        let options = WorkerOptions {
+            use_cpu: true,
+            accelerate: true,
+            ..WorkerOptions::default()
+        };
+        assert_eq!(
+            added(&options, 0),
+            "ACCELERATE_MIXED_PRECISION=no ACCELERATE_DYNAMO_BACKEND=NO \
+             ACCELERATE_DYNAMO_MODE=default ACCELERATE_DYNAMO_USE_FULLGRAPH=False \
+             ACCELERATE_DYNAMO_USE_DYNAMIC=False ACCELERATE_DYNAMO_USE_REGIONAL_COMPILATION=False \
+             ACCELERATE_USE_CPU=True"
         );
     }
 

@@ -135,6 +135,8 @@ fn start() -> State {
         .arg(std::process::id().to_string())
         .stdin(Stdio::piped())
         .stdout(Stdio::null())
+        // The real stderr, not the agent's relay pipe (console.rs): the guardian outlives it.
+        .stderr(crate::console::child_stderr())
         .process_group(0)
         .spawn();
     match spawned {

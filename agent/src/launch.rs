@@ -195,6 +195,32 @@ pub async fn run(spec: LaunchSpec) -> Result<Outcome, LaunchError> {
 
 /// Runs a launch to its end, stopped by `stops`.
 pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, LaunchError> {
+    let place = place_coordinator(&spec)?;
+    let Some(hosted) = place.hosted else {
+        return run_at(spec, &mut stops, place.addr, place.embedded).await;
+    };
+    let coordinators = Coordinators::from_list(&place.addr, spec.failover_timeout)
+        .with_security(spec.security.client().clone());
+    let (job, lease) = (spec.job_id.clone(), spec.lease);
+    let outcome = run_at(spec, &mut stops, place.addr, false).await;
+    let serve_on = matches!(
+        outcome,
+        Ok(Outcome::Succeeded | Outcome::Failed | Outcome::Drained)
+    );
+    hosted
+        .finish(serve_on, &job, &coordinators, lease, &mut stops)
+        .await;
+    outcome
+}
+
+/// Runs a launch to its end with the coordinator at `coordinator` (`embedded`: the agent's
+/// own on 127.0.0.1), stopped by `stops`.
+async fn run_at(
+    spec: LaunchSpec,
+    stops: &mut Stops,
+    coordinator: String,
+    embedded: bool,
+) -> Result<Outcome, LaunchError> {
     let started = Instant::now();
     // Served for as long as the launch runs.
     let _metrics = match spec.metrics_addr {
@@ -205,16 +231,12 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
         ),
         None => None,
     };
-    let (coordinator, embedded) = match &spec.coordinator {
-        Some(addr) => (addr.clone(), false),
-        None => (start_embedded()?, true),
-    };
     // The embedded coordinator is plaintext without authentication (the spec's security is
     // plaintext then).
     let coordinators = Coordinators::from_list(&coordinator, spec.failover_timeout)
         .with_security(spec.security.client().clone());
     let job = spec.job_id.clone();
-    let reached = match waiting(coordinators.connect(CONNECT_WINDOW), &mut stops, || {
+    let reached = match waiting(coordinators.connect(CONNECT_WINDOW), stops, || {
         format!("muster-agent: waiting for the coordinator at {coordinator} (job {job})")
     })
     .await
@@ -234,7 +256,7 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
     let mut last_failure: Option<pb::FailureInfo> = None;
     let mut failed_at: Option<Instant> = None;
     loop {
-        let joined = waiting_join(&spec, &coordinators, &host, &node_id, &mut stops).await;
+        let joined = waiting_join(&spec, &coordinators, &host, &node_id, stops).await;
         let mut node = match joined {
             Waited::Done(Ok(node)) => node,
             Waited::Done(Err(LaunchError::Join { status, .. }))
@@ -280,16 +302,9 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
             },
             spec.lease,
         );
-        let end = Supervisor::new(
-            &spec,
-            coordinators.clone(),
-            node,
-            watch,
-            &mut stops,
-            failed_at,
-        )
-        .run()
-        .await;
+        let end = Supervisor::new(&spec, coordinators.clone(), node, watch, stops, failed_at)
+            .run()
+            .await;
         drop(relay);
         match end {
             End::Succeeded { spawned, watch } => {
@@ -346,7 +361,7 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
                     if cause == pb::generation_ended::Cause::Failed {
                         metrics::restarted();
                     }
-                    eprintln!("muster-agent: job {job}: {}; joining again", v.message);
+                    eprint!("{}", rejoin_message(&job, &v));
                     failed_at = Some(at);
                     continue;
                 }
@@ -507,7 +522,10 @@ async fn waiting_join(
                 // One attempt, on whichever replica leads now: this is only a status line.
                 let joined = match coordinators.channel() {
                     Ok((_, channel)) => OpsClient::new(channel)
-                        .describe_job(pb::DescribeJobRequest { job_id: job.clone() })
+                        .describe_job(pb::DescribeJobRequest {
+            job_id: job.clone(),
+            ..Default::default()
+        })
                         .await
                         .ok()
                         .and_then(|r| r.into_inner().summary)
@@ -537,30 +555,242 @@ fn interrupted_early(job: &str, sig: Signal) -> Outcome {
     Outcome::Interrupted(sig)
 }
 
+/// Where the launch's coordinator is, and the one this agent serves, if any.
+struct Place {
+    /// The address (or replica list) the agent and its workers dial.
+    addr: String,
+    /// The agent's own coordinator on 127.0.0.1 (single-node jobs).
+    embedded: bool,
+    /// Set when this agent hosts the job's coordinator at the rendezvous endpoint.
+    hosted: Option<Hosted>,
+}
+
+/// Finds or starts the coordinator: `--coordinator`'s; else, with a rendezvous endpoint
+/// (`--rdzv-endpoint`, or the main machine's address, port 29470), the one this agent serves
+/// there when its machine can bind it (torchrun's c10d: the agent that binds hosts), else the
+/// one another agent serves there; else the agent's own on 127.0.0.1.
+///
+/// Two agents racing for the endpoint cannot both bind it: the loser (address in use), and
+/// every agent whose machine does not own the address (not available), dials.
+fn place_coordinator(spec: &LaunchSpec) -> Result<Place, LaunchError> {
+    let Some(addr) = &spec.coordinator else {
+        return Ok(Place {
+            addr: start_embedded()?,
+            embedded: true,
+            hosted: None,
+        });
+    };
+    let dial = || Place {
+        addr: addr.clone(),
+        embedded: false,
+        hosted: None,
+    };
+    let Some(host) = &spec.self_host else {
+        return Ok(dial());
+    };
+    let listener = match bind_endpoint(addr) {
+        Ok(Some(listener)) => listener,
+        Ok(None) if !host.must => return Ok(dial()),
+        Ok(None) => {
+            return Err(LaunchError::Embedded(std::io::Error::new(
+                std::io::ErrorKind::AddrNotAvailable,
+                format!("--rdzv-conf is_host=1, but this machine cannot bind {addr}"),
+            )));
+        }
+        Err(e) => return Err(LaunchError::Embedded(e)),
+    };
+    let bound = listener.local_addr().map_err(LaunchError::Embedded)?;
+    let mut config = muster_coordinator::Config::default();
+    match &host.secured {
+        Some(s) => {
+            config.tls = muster_coordinator::config::TlsConfig {
+                cert: Some(s.cert.clone()),
+                key: Some(s.key.clone()),
+                client_ca: Some(s.client_ca.clone()),
+            };
+            config.auth_token_file = Some(s.token_file.clone());
+        }
+        None => {
+            // torchrun's TCPStore has no authentication either; say so once, loudly.
+            config.insecure = true;
+            if !bound.ip().is_loopback() {
+                eprintln!(
+                    "muster-agent: warning: this agent serves job {}'s rendezvous at {addr} without TLS or authentication: anyone who can reach {addr} can join the job and read its NCCL unique ids; give every node --tls-ca, --tls-cert, --tls-key (a certificate for the endpoint's host) and --auth-token-file to secure it",
+                    spec.job_id
+                );
+            }
+        }
+    }
+    eprintln!(
+        "muster-agent: job {}: this agent hosts the rendezvous at {addr}",
+        spec.job_id
+    );
+    let stop = CancellationToken::new();
+    let task = serve_here(listener, config, stop.clone());
+    Ok(Place {
+        addr: addr.clone(),
+        embedded: false,
+        hosted: Some(Hosted {
+            addr: addr.clone(),
+            stop,
+            task,
+        }),
+    })
+}
+
+/// Binds `addr` (`HOST:PORT`) if this machine can: `Ok(None)` when none of HOST's addresses
+/// is this machine's, when another process holds the port (another agent won the race), or
+/// when HOST does not resolve (dialing then says why).
+fn bind_endpoint(addr: &str) -> std::io::Result<Option<TcpListener>> {
+    use std::net::ToSocketAddrs as _;
+    let Ok(candidates) = addr.to_socket_addrs() else {
+        return Ok(None);
+    };
+    for candidate in candidates.filter(|a| !a.ip().is_unspecified()) {
+        match nodelay_listener(candidate) {
+            Ok(listener) => return Ok(Some(listener)),
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::AddrNotAvailable | std::io::ErrorKind::AddrInUse
+                ) =>
+            {
+                tracing::debug!(%candidate, %e, "not hosting the rendezvous here");
+            }
+            Err(e) => {
+                return Err(std::io::Error::new(
+                    e.kind(),
+                    format!("cannot bind the rendezvous endpoint {candidate}: {e}"),
+                ));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// The coordinator this agent serves for the whole job at the rendezvous endpoint.
+struct Hosted {
+    addr: String,
+    stop: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl Hosted {
+    /// With `serve_on`, keeps serving after this node's end until the job is over on every
+    /// node (finished, failed for good or cancelled; a node whose agent falls silent is failed
+    /// by the coordinator after its lease, so this ends), then stops accepting and lets the
+    /// other agents' in-flight calls end (they hear the job's end and hang up), for at most
+    /// `lease`. Without `serve_on` (this agent was stopped, or failed to run) or on a stop
+    /// request while serving, the coordinator ends at once.
+    async fn finish(
+        self,
+        serve_on: bool,
+        job: &str,
+        coordinators: &Coordinators,
+        lease: Duration,
+        stops: &mut Stops,
+    ) {
+        let mut drain = false;
+        if serve_on {
+            let over = job_over(coordinators, job);
+            let addr = &self.addr;
+            let waited = waiting(over, stops, || {
+                format!(
+                    "muster-agent: job {job}: this node is done; serving the rendezvous at {addr} until every node is"
+                )
+            })
+            .await;
+            drain = matches!(waited, Waited::Done(()));
+        }
+        self.stop.cancel();
+        if !drain {
+            self.task.abort();
+        } else if tokio::time::timeout(lease, self.task).await.is_err() {
+            tracing::warn!(
+                job,
+                "the hosted coordinator's calls did not end within the lease"
+            );
+        }
+    }
+}
+
+/// Returns once the coordinator says `job` is over on every node, or cannot say (the job is
+/// gone, the coordinator unreachable). Long polls: no timer.
+async fn job_over(coordinators: &Coordinators, job: &str) {
+    let mut seen: Option<pb::JobSummary> = None;
+    loop {
+        let request = pb::DescribeJobRequest {
+            job_id: job.to_owned(),
+            wait_ms: if seen.is_some() { 30_000 } else { 0 },
+            unless: seen.clone(),
+        };
+        let answer = failover::call(coordinators, "Ops.DescribeJob", |channel| {
+            let request = request.clone();
+            async move { OpsClient::new(channel).describe_job(request).await }
+        })
+        .await;
+        let Ok(answer) = answer else {
+            return;
+        };
+        let summary = answer.into_inner().summary.unwrap_or_default();
+        let state = pb::RoundState::try_from(summary.state).unwrap_or_default();
+        if summary.done || matches!(state, pb::RoundState::Finished | pb::RoundState::Cancelled) {
+            return;
+        }
+        seen = Some(summary);
+    }
+}
+
 /// Binds 127.0.0.1:0 and serves a coordinator there for as long as the agent runs; returns
 /// its address.
 fn start_embedded() -> Result<String, LaunchError> {
-    let listener = nodelay_listener().map_err(LaunchError::Embedded)?;
+    let listener =
+        nodelay_listener(SocketAddr::from(([127, 0, 0, 1], 0))).map_err(LaunchError::Embedded)?;
     let addr = listener.local_addr().map_err(LaunchError::Embedded)?;
-    // Task "embedded-coordinator": on error, log it (the rendezvous then fails and says so);
-    // on shutdown, dropped with the runtime when the agent exits (its only clients are this
+    // Never stopped: dropped with the runtime when the agent exits (its only clients are this
     // agent and its workers, which are gone by then).
-    tokio::spawn(async move {
-        let config = muster_coordinator::Config::default();
-        if let Err(e) = muster_coordinator::serve(listener, config, std::future::pending()).await {
-            tracing::error!(%e, "embedded coordinator failed");
-        }
-    });
+    serve_here(
+        listener,
+        muster_coordinator::Config::default(),
+        CancellationToken::new(),
+    );
     Ok(addr.to_string())
 }
 
-/// A listener on 127.0.0.1:0 with TCP_NODELAY set, which Linux passes on to every accepted
+/// Serves a coordinator on `listener` in this process until `stop` is cancelled.
+fn serve_here(
+    listener: TcpListener,
+    config: muster_coordinator::Config,
+    stop: CancellationToken,
+) -> JoinHandle<()> {
+    // Task "embedded-coordinator": on error, log and print it (the rendezvous then fails and
+    // says so); on shutdown, in-flight calls drain (see `Hosted::finish`), or the task is
+    // dropped with the runtime.
+    tokio::spawn(async move {
+        let addr = listener.local_addr().ok();
+        if let Err(e) = muster_coordinator::serve(listener, config, stop.cancelled_owned()).await {
+            tracing::error!(%e, "embedded coordinator failed");
+            if let Some(addr) = addr {
+                eprintln!("muster-agent: the coordinator this agent serves at {addr} failed: {e}");
+            }
+        }
+    })
+}
+
+/// A listener on `addr` with TCP_NODELAY set, which Linux passes on to every accepted
 /// connection. `muster_coordinator::serve` does not set it on the connections it accepts, and
-/// without it each answer of more than one write waits ~40 ms for a delayed ACK.
-fn nodelay_listener() -> std::io::Result<TcpListener> {
-    let socket = TcpSocket::new_v4()?;
+/// without it each answer of more than one write waits ~40 ms for a delayed ACK. A fixed port
+/// (a rendezvous endpoint) is bound with SO_REUSEADDR, so that the last job's connections in
+/// TIME_WAIT do not keep it; two listeners still cannot share it.
+fn nodelay_listener(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        TcpSocket::new_v4()?
+    } else {
+        TcpSocket::new_v6()?
+    };
     socket.set_nodelay(true)?;
-    socket.bind(SocketAddr::from(([127, 0, 0, 1], 0)))?;
+    socket.set_reuseaddr(addr.port() != 0)?;
+    socket.bind(addr)?;
     socket.listen(1024)
 }
 
@@ -1245,6 +1475,54 @@ fn root_cause(job: &str, f: &pb::FailureInfo) -> String {
     text
 }
 
+/// The lines printed when the job goes on in a new generation: what ended the last one and
+/// the restart budget on one line, then the failed rank's error and last stderr lines, each
+/// on a line of its own (indented), not folded into the first.
+fn rejoin_message(job: &str, v: &pb::GenerationEnded) -> String {
+    let failure = v
+        .failure
+        .as_ref()
+        .filter(|_| v.cause == pb::generation_ended::Cause::Failed as i32);
+    let Some(f) = failure else {
+        let mut lines = v.message.lines();
+        let mut text = format!(
+            "muster-agent: job {job}: {}; joining again\n",
+            lines.next().unwrap_or_default()
+        );
+        for line in lines {
+            let _ = writeln!(text, "    {line}");
+        }
+        return text;
+    };
+    let what = if f.node_id.is_empty() {
+        format!(
+            "rank {} (node {}, host {}) of generation {} {}",
+            f.rank, f.node_rank, f.host, f.generation, f.reason
+        )
+    } else {
+        f.reason.clone()
+    };
+    let mut text = format!(
+        "muster-agent: job {job}: {what}; restarting (restart {} of {}); joining again\n",
+        v.restart_count + 1,
+        v.max_restarts
+    );
+    let mut error = f.error_message.trim_end().lines();
+    if let Some(first) = error.next() {
+        let _ = writeln!(text, "muster-agent: error: {first}");
+        for line in error {
+            let _ = writeln!(text, "    {line}");
+        }
+    }
+    if f.node_id.is_empty() && !f.stderr_tail.is_empty() {
+        let _ = writeln!(text, "muster-agent: last stderr lines of rank {}:", f.rank);
+        for line in f.stderr_tail.lines() {
+            let _ = writeln!(text, "    {line}");
+        }
+    }
+    text
+}
+
 async fn sleep_until(deadline: Option<tokio::time::Instant>) {
     match deadline {
         Some(t) => tokio::time::sleep_until(t).await,
@@ -1326,6 +1604,61 @@ mod tests {
             root_cause("j", &lost),
             "muster-agent: job j failed: node 1 (host h1, agent n1) was lost: its agent disconnected\n"
         );
+    }
+
+    #[test]
+    fn rejoin_messages_keep_lines_apart() {
+        let ended = |failure: Option<pb::FailureInfo>, cause: pb::generation_ended::Cause| {
+            pb::GenerationEnded {
+                generation: 2,
+                cause: cause as i32,
+                rejoin: true,
+                failure,
+                message: "node 1 joined\nsecond line".into(),
+                restart_count: 1,
+                max_restarts: 3,
+            }
+        };
+        let failed = pb::FailureInfo {
+            rank: 3,
+            node_rank: 1,
+            host: "h1".into(),
+            reason: "exited with status 3".into(),
+            generation: 2,
+            stderr_tail: "Traceback (most recent call last):\n  File \"t.py\"\nValueError: boom"
+                .into(),
+            error_message: "ValueError: boom\nmore".into(),
+            ..Default::default()
+        };
+        let lost = pb::FailureInfo {
+            reason: "node 1 (host h1, agent n1) was lost".into(),
+            node_id: "n1".into(),
+            stderr_tail: "not ours".into(),
+            ..Default::default()
+        };
+        use pb::generation_ended::Cause;
+        for (v, expected) in [
+            (
+                ended(Some(failed.clone()), Cause::Failed),
+                "muster-agent: job j: rank 3 (node 1, host h1) of generation 2 exited with status 3; restarting (restart 2 of 3); joining again\n\
+                 muster-agent: error: ValueError: boom\n\
+                 \x20   more\n\
+                 muster-agent: last stderr lines of rank 3:\n\
+                 \x20   Traceback (most recent call last):\n\
+                 \x20     File \"t.py\"\n\
+                 \x20   ValueError: boom\n",
+            ),
+            (
+                ended(Some(lost), Cause::Failed),
+                "muster-agent: job j: node 1 (host h1, agent n1) was lost; restarting (restart 2 of 3); joining again\n",
+            ),
+            (
+                ended(Some(failed), Cause::Superseded),
+                "muster-agent: job j: node 1 joined; joining again\n    second line\n",
+            ),
+        ] {
+            assert_eq!(rejoin_message("j", &v), expected);
+        }
     }
 
     #[tokio::test]

@@ -19,6 +19,7 @@
 
 pub mod accelerate_config;
 pub mod cli;
+pub mod console;
 pub mod daemon;
 pub mod env;
 pub mod error_file;

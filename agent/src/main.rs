@@ -12,6 +12,16 @@ fn main() -> ExitCode {
     if let Some(code) = muster_agent::guard::dispatch() {
         return code;
     }
+    // Before any thread or child: a stdout or stderr whose reader goes away (`| head -1`)
+    // must not make a print panic (console.rs).
+    let console = muster_agent::console::protect();
+    let code = run();
+    console.finish();
+    code
+}
+
+/// Everything but the console: the telemetry guard drops (and flushes) before `finish`.
+fn run() -> ExitCode {
     // Stderr logging, plus OTLP traces when OTEL_EXPORTER_OTLP_ENDPOINT is set; the guard
     // flushes them when main returns.
     let _telemetry = muster_coordinator::telemetry::init(

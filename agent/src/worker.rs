@@ -1,7 +1,9 @@
 //! One worker process: spawned in a process group of its own with its environment, its output
-//! pumped line by line to the agent's stdout and stderr under a `[rank R] ` prefix (and to
-//! per-rank log files with `--log-dir`), signalled as a group, and killed (the whole group) if
-//! the agent drops it while it still runs.
+//! pumped line by line to the agent's stdout and stderr under a prefix (`[rank R] ` unless
+//! `--log-line-prefix-template` or `--no-prefix` say otherwise), to per-rank log files with
+//! `--log-dir`, `--redirects` or `--tee`, and to torchrun's filtered files with
+//! `--duplicate-std{out,err}-filters`; signalled as a group, and killed (the whole group) if the
+//! agent drops it while it still runs.
 
 use crate::program::Program;
 use nix::sys::signal::{Signal, killpg};
@@ -92,16 +94,240 @@ pub fn signal_name(sig: i32) -> String {
     Signal::try_from(sig).map_or_else(|_| format!("signal {sig}"), |s| s.as_str().to_owned())
 }
 
-/// Where workers' output goes (`--log-dir`, `--local-ranks-filter`): validated once, then
-/// turned into an [`AttemptOutput`] for each generation's workers.
+/// One of a worker's two output streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stream {
+    /// Its stdout.
+    Stdout,
+    /// Its stderr.
+    Stderr,
+}
+
+/// torchrun's `Std`: a set of a worker's streams, written as 0 (none), 1 (stdout), 2 (stderr)
+/// or 3 (both), as `--redirects` and `--tee` take it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Streams(u8);
+
+impl Streams {
+    /// Neither stream (0).
+    pub const NONE: Self = Self(0);
+    /// Stdout (1).
+    pub const OUT: Self = Self(1);
+    /// Stderr (2).
+    pub const ERR: Self = Self(2);
+    /// Both (3).
+    pub const ALL: Self = Self(3);
+
+    /// `0`..`3` as torchrun numbers them; `None` for anything else.
+    pub fn from_digit(s: &str) -> Option<Self> {
+        match s {
+            "0" => Some(Self::NONE),
+            "1" => Some(Self::OUT),
+            "2" => Some(Self::ERR),
+            "3" => Some(Self::ALL),
+            _ => None,
+        }
+    }
+
+    /// Whether `stream` is in the set.
+    pub fn has(self, stream: Stream) -> bool {
+        let bit = match stream {
+            Stream::Stdout => 1,
+            Stream::Stderr => 2,
+        };
+        self.0 & bit != 0
+    }
+}
+
+/// A [`Streams`] setting per local rank, as torchrun's `--redirects` and `--tee` take it: one
+/// value for every rank (`3`), or `R:V` pairs (`0:1,1:2`) where an unlisted rank gets none.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum PerRank {
+    /// The same streams for every local rank.
+    All(Streams),
+    /// These local ranks' streams; the others get none.
+    Each(Vec<(u32, Streams)>),
+}
+
+impl Default for PerRank {
+    fn default() -> Self {
+        Self::All(Streams::NONE)
+    }
+}
+
+impl PerRank {
+    /// Local rank `local_rank`'s setting.
+    pub fn of(&self, local_rank: u32) -> Streams {
+        match self {
+            Self::All(s) => *s,
+            Self::Each(pairs) => pairs
+                .iter()
+                .find(|(r, _)| *r == local_rank)
+                .map_or(Streams::NONE, |(_, s)| *s),
+        }
+    }
+
+    /// Whether no rank gets any stream (torchrun's default `0`).
+    pub fn is_none(&self) -> bool {
+        match self {
+            Self::All(s) => *s == Streams::NONE,
+            Self::Each(pairs) => pairs.iter().all(|(_, s)| *s == Streams::NONE),
+        }
+    }
+}
+
+/// The console prefix of a worker's lines, from torchrun's `--log-line-prefix-template`
+/// (Python `string.Template` syntax: `${name}` or `$name`, `$$` for a dollar) with its
+/// placeholders `${role_name}`, `${rank}`, `${local_rank}` and `${hostname}`. Empty: no prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixTemplate {
+    pieces: Vec<Piece>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Piece {
+    Text(String),
+    RoleName,
+    Rank,
+    LocalRank,
+    Hostname,
+}
+
+impl Default for PrefixTemplate {
+    /// muster's own prefix, `[rank ${rank}] `: `[rank 3] `.
+    fn default() -> Self {
+        Self {
+            pieces: vec![
+                Piece::Text("[rank ".into()),
+                Piece::Rank,
+                Piece::Text("] ".into()),
+            ],
+        }
+    }
+}
+
+impl PrefixTemplate {
+    /// No prefix at all (`--no-prefix`).
+    pub fn none() -> Self {
+        Self { pieces: Vec::new() }
+    }
+
+    /// Parses a template; the error says what is wrong with it (an unknown placeholder, or a
+    /// `$` that starts none), as Python's `Template.substitute` would refuse it.
+    pub fn parse(template: &str) -> Result<Self, String> {
+        let mut pieces = Vec::new();
+        let mut text = String::new();
+        let mut rest = template;
+        while let Some(found) = rest.find('$') {
+            // The byte offset in the whole template, for messages.
+            let at = template.len() - rest.len() + found;
+            text.push_str(&rest[..found]);
+            let after = &rest[found + 1..];
+            let (name, next) = if let Some(r) = after.strip_prefix('$') {
+                text.push('$');
+                rest = r;
+                continue;
+            } else if let Some(r) = after.strip_prefix('{') {
+                let Some(close) = r.find('}') else {
+                    return Err(format!("'${{' at byte {at} is not closed"));
+                };
+                (&r[..close], &r[close + 1..])
+            } else {
+                let len = after
+                    .char_indices()
+                    .find(|&(i, c)| {
+                        !(c == '_' || c.is_ascii_alphabetic() || (i > 0 && c.is_ascii_digit()))
+                    })
+                    .map_or(after.len(), |(i, _)| i);
+                (&after[..len], &after[len..])
+            };
+            let piece = match name {
+                "role_name" => Piece::RoleName,
+                "rank" => Piece::Rank,
+                "local_rank" => Piece::LocalRank,
+                "hostname" => Piece::Hostname,
+                "" => {
+                    return Err(format!(
+                        "'$' at byte {at} starts no placeholder (write $$ for a dollar sign)"
+                    ));
+                }
+                other => {
+                    return Err(format!(
+                        "unknown placeholder '${{{other}}}' (known: ${{role_name}}, ${{rank}}, ${{local_rank}}, ${{hostname}})"
+                    ));
+                }
+            };
+            if !text.is_empty() {
+                pieces.push(Piece::Text(std::mem::take(&mut text)));
+            }
+            pieces.push(piece);
+            rest = next;
+        }
+        text.push_str(rest);
+        if !text.is_empty() {
+            pieces.push(Piece::Text(text));
+        }
+        Ok(Self { pieces })
+    }
+
+    /// Whether the template renders to nothing.
+    pub fn is_empty(&self) -> bool {
+        self.pieces.is_empty()
+    }
+
+    /// The prefix of one worker; `hostname` is only called when the template names it.
+    pub fn render(
+        &self,
+        role_name: &str,
+        rank: u32,
+        local_rank: u32,
+        hostname: impl FnOnce() -> String,
+    ) -> String {
+        let mut hostname = Some(hostname);
+        let mut host = String::new();
+        let mut out = String::new();
+        for piece in &self.pieces {
+            match piece {
+                Piece::Text(t) => out.push_str(t),
+                Piece::RoleName => out.push_str(role_name),
+                Piece::Rank => out.push_str(&rank.to_string()),
+                Piece::LocalRank => out.push_str(&local_rank.to_string()),
+                Piece::Hostname => {
+                    if let Some(h) = hostname.take() {
+                        host = h();
+                    }
+                    out.push_str(&host);
+                }
+            }
+        }
+        out
+    }
+}
+
+/// Where workers' output goes (`--log-dir`, `--local-ranks-filter`, `--redirects`, `--tee`,
+/// the prefix, the duplicate filters): validated once, then turned into an [`AttemptOutput`]
+/// for each generation's workers.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct OutputSpec {
     /// Per-rank log files under `DIR/<job>/attempt_<restart>/rank_<R>/{stdout,stderr}.log`, as
-    /// torchrun's `--log-dir` (but named by global rank, so nodes can share one folder).
+    /// torchrun's `--log-dir` (but named by global rank, so nodes can share one folder). Every
+    /// stream of every rank is written there, whatever `redirects` and `tee` say.
     pub log_dir: Option<PathBuf>,
     /// The local ranks whose output reaches the console (prefixed); `None`: all of them. Log
     /// files and the stderr tail kept for failure reports are not filtered.
     pub console_ranks: Option<Vec<u32>>,
+    /// torchrun's `--redirects`: these streams go to the log files only, not the console.
+    pub redirects: PerRank,
+    /// torchrun's `--tee`: these streams go to the log files and the console (it wins over
+    /// `redirects`, as in torchrun).
+    pub tee: PerRank,
+    /// The console prefix of each line.
+    pub prefix: PrefixTemplate,
+    /// torchrun's `--duplicate-stdout-filters`: console stdout lines that contain any of these
+    /// are also written (prefixed) to `<attempt>/filtered_stdout.log`, all ranks together.
+    pub duplicate_stdout_filters: Vec<String>,
+    /// The same for stderr, into `<attempt>/filtered_stderr.log`.
+    pub duplicate_stderr_filters: Vec<String>,
 }
 
 impl OutputSpec {
@@ -126,11 +352,26 @@ impl OutputSpec {
             .map(|d| d.join(job).join(format!("attempt_{restart_count}")))
     }
 
-    /// Whether local rank `local_rank`'s output reaches the console.
+    /// Whether local rank `local_rank`'s output reaches the console at all.
     pub fn on_console(&self, local_rank: u32) -> bool {
         self.console_ranks
             .as_ref()
             .is_none_or(|ranks| ranks.contains(&local_rank))
+    }
+
+    /// Whether local rank `local_rank`'s `stream` reaches the console: its rank is shown, and
+    /// the stream is tee'd or not redirected.
+    pub fn console(&self, local_rank: u32, stream: Stream) -> bool {
+        self.on_console(local_rank)
+            && (self.tee.of(local_rank).has(stream) || !self.redirects.of(local_rank).has(stream))
+    }
+
+    /// The duplicate filters of `stream`.
+    fn filters(&self, stream: Stream) -> &[String] {
+        match stream {
+            Stream::Stdout => &self.duplicate_stdout_filters,
+            Stream::Stderr => &self.duplicate_stderr_filters,
+        }
     }
 }
 
@@ -165,6 +406,55 @@ impl AttemptOutput<'_> {
         };
         Ok(Some((open("stdout.log")?, open("stderr.log")?)))
     }
+
+    /// The attempt's filtered file of `stream` (`filtered_stdout.log`, `filtered_stderr.log`)
+    /// when it has duplicate filters: created empty by local rank 0 (spawned first), and opened
+    /// for appending by each rank whose `stream` reaches the console (torchrun duplicates
+    /// only tee'd, shown lines), so that all ranks' lines land whole in one file.
+    fn open_filtered(&self, stream: Stream, local_rank: u32) -> std::io::Result<Option<Dup>> {
+        let needles = self.spec.filters(stream);
+        let Some(dir) = self.dir.as_ref().filter(|_| !needles.is_empty()) else {
+            return Ok(None);
+        };
+        let path = dir.join(match stream {
+            Stream::Stdout => "filtered_stdout.log",
+            Stream::Stderr => "filtered_stderr.log",
+        });
+        let context = |e: std::io::Error| {
+            std::io::Error::new(e.kind(), format!("cannot create {}: {e}", path.display()))
+        };
+        if local_rank == 0 {
+            std::fs::create_dir_all(dir).map_err(context)?;
+            File::create(&path).map_err(context)?;
+        }
+        if !self.spec.console(local_rank, stream) {
+            return Ok(None);
+        }
+        let file = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(&path)
+            .map_err(context)?;
+        Ok(Some(Dup {
+            log: Log { file, path },
+            needles: needles.into(),
+        }))
+    }
+}
+
+/// A filtered file: the console lines that contain any of `needles` are also written there.
+#[derive(Debug)]
+struct Dup {
+    log: Log,
+    needles: Arc<[String]>,
+}
+
+/// Whether `line` contains any of `needles` (torchrun's `any(needle in line ...)`).
+fn matches_any(needles: &[String], line: &[u8]) -> bool {
+    needles.iter().any(|n| {
+        let n = n.as_bytes();
+        line.windows(n.len()).any(|w| w == n)
+    })
 }
 
 /// An open log file and its path (for the message if writing to it fails).
@@ -174,19 +464,13 @@ struct Log {
     path: PathBuf,
 }
 
-/// Where a pumped stream goes.
-#[derive(Debug, Clone, Copy)]
-enum Sink {
-    Stdout,
-    Stderr,
-}
-
 type Tail = Arc<Mutex<VecDeque<String>>>;
 
 impl Worker {
     /// Spawns one worker: its own process group, stdin from /dev/null, stdout and stderr piped
-    /// into pump tasks that write to the console (unless `output` filters the rank out) and to
-    /// the rank's log files (created first, so a folder that cannot be written is an error
+    /// into pump tasks that write to the console under the rank's prefix (unless `output`
+    /// filters the rank out or redirects the stream), to the rank's log files and to the
+    /// attempt's filtered files (created first, so a folder that cannot be written is an error
     /// before anything runs). Returns the handle and a future that resolves when the worker
     /// has exited and its output has been written out (bounded by [`OUTPUT_DRAIN`]); the
     /// future is `'static` so that the supervisor can poll many at once.
@@ -198,7 +482,9 @@ impl Worker {
         output: &AttemptOutput<'_>,
     ) -> std::io::Result<(Self, impl Future<Output = Exit> + Send + 'static)> {
         let (out_log, err_log) = output.open_logs(rank)?.unzip();
-        let console = output.spec.on_console(local_rank);
+        let out_dup = output.open_filtered(Stream::Stdout, local_rank)?;
+        let err_dup = output.open_filtered(Stream::Stderr, local_rank)?;
+        let spec = output.spec;
         let mut child = Command::new(&program.path)
             .arg0(&program.name)
             .args(&program.args)
@@ -216,15 +502,40 @@ impl Worker {
             .ok_or_else(|| std::io::Error::other("the spawned worker has no pid"))?;
         let pid = Pid::from_raw(raw_pid);
         crate::guard::register(pid);
-        let prefix: Arc<[u8]> = format!("[rank {rank}] ").into_bytes().into();
+        // The role as the worker sees it (its ROLE_NAME), for `${role_name}`.
+        let role = env
+            .iter()
+            .rev()
+            .find(|(k, _)| *k == "ROLE_NAME")
+            .map(|(_, v)| v.as_str())
+            .or_else(|| {
+                program
+                    .env
+                    .iter()
+                    .rev()
+                    .find(|(k, _)| k == "ROLE_NAME")
+                    .map(|(_, v)| v.as_str())
+            })
+            .unwrap_or("");
+        let prefix: Arc<[u8]> = spec
+            .prefix
+            .render(role, rank, local_rank, || {
+                nix::unistd::gethostname()
+                    .map(|h| h.to_string_lossy().into_owned())
+                    .unwrap_or_default()
+            })
+            .into_bytes()
+            .into();
         let tail: Tail = Arc::new(Mutex::new(VecDeque::with_capacity(STDERR_TAIL_LINES)));
         let mut pumps = Vec::with_capacity(2);
         if let Some(out) = child.stdout.take() {
             pumps.push(tokio::spawn(pump(
                 out,
                 Arc::clone(&prefix),
-                console.then_some(Sink::Stdout),
+                spec.console(local_rank, Stream::Stdout)
+                    .then_some(Stream::Stdout),
                 out_log,
+                out_dup,
                 None,
             )));
         }
@@ -232,8 +543,10 @@ impl Worker {
             pumps.push(tokio::spawn(pump(
                 err,
                 prefix,
-                console.then_some(Sink::Stderr),
+                spec.console(local_rank, Stream::Stderr)
+                    .then_some(Stream::Stderr),
                 err_log,
+                err_dup,
                 Some(Arc::clone(&tail)),
             )));
         }
@@ -319,21 +632,30 @@ async fn wait(
 }
 
 /// Copies `src` line by line to `sink` (when given), each line prefixed and written whole
-/// under the stream's lock, and to `log` (when given) as it came; lines already buffered are
-/// batched into one write. Keeps the last lines in `tail` when given, whatever is shown. Ends
-/// at end of file or on a read error. The log file is written with blocking calls, like the
-/// console: both are local, buffered writes of up to 64 KiB.
+/// under the stream's lock, to `log` (when given) as it came, and to `dup` (when given) the
+/// console lines that match its filters; lines already buffered are batched into one write.
+/// Keeps the last lines in `tail` when given, whatever is shown. Ends at end of file or on a
+/// read error. The files are written with blocking calls, like the console: all are local,
+/// buffered writes of up to 64 KiB.
 async fn pump(
     src: impl AsyncRead + Unpin,
     prefix: Arc<[u8]>,
-    sink: Option<Sink>,
-    mut log: Option<Log>,
+    sink: Option<Stream>,
+    log: Option<Log>,
+    dup: Option<Dup>,
     tail: Option<Tail>,
 ) {
     let mut reader = BufReader::with_capacity(64 * 1024, src);
     let mut line = Vec::with_capacity(256);
-    let mut out = Vec::with_capacity(4096);
-    let mut raw = Vec::with_capacity(if log.is_some() { 4096 } else { 0 });
+    let (dup_log, needles) = dup.map_or((None, Arc::from([])), |d| (Some(d.log), d.needles));
+    let mut pending = Pending {
+        out: Vec::with_capacity(4096),
+        log,
+        raw: Vec::new(),
+        dup_log,
+        needles,
+        dup_raw: Vec::new(),
+    };
     loop {
         line.clear();
         match reader.read_until(b'\n', &mut line).await {
@@ -348,53 +670,83 @@ async fn pump(
             line.push(b'\n');
         }
         if sink.is_some() {
-            out.extend_from_slice(&prefix);
-            out.extend_from_slice(&line);
+            pending.out.extend_from_slice(&prefix);
+            pending.out.extend_from_slice(&line);
         }
-        if log.is_some() {
-            raw.extend_from_slice(&line);
+        if pending.log.is_some() {
+            pending.raw.extend_from_slice(&line);
+        }
+        if pending.dup_log.is_some() && matches_any(&pending.needles, &line) {
+            pending.dup_raw.extend_from_slice(&prefix);
+            pending.dup_raw.extend_from_slice(&line);
         }
         if let Some(tail) = &tail {
             remember(tail, &line);
         }
-        if out.len().max(raw.len()) >= 64 * 1024 || !reader.buffer().contains(&b'\n') {
-            flush(sink, &mut out, &mut log, &mut raw);
+        if pending.len() >= 64 * 1024 || !reader.buffer().contains(&b'\n') {
+            pending.flush(sink);
         }
     }
-    flush(sink, &mut out, &mut log, &mut raw);
+    pending.flush(sink);
 }
 
-/// Writes out and empties the pending console and log bytes. A log file that fails is closed
-/// (with one message) so that the worker's output keeps flowing to the console.
-fn flush(sink: Option<Sink>, out: &mut Vec<u8>, log: &mut Option<Log>, raw: &mut Vec<u8>) {
-    if let Some(sink) = sink
-        && !out.is_empty()
-    {
-        write(sink, out);
+/// A pump's bytes not yet written: to the console, the log file, the filtered file.
+struct Pending {
+    out: Vec<u8>,
+    log: Option<Log>,
+    raw: Vec<u8>,
+    dup_log: Option<Log>,
+    needles: Arc<[String]>,
+    dup_raw: Vec<u8>,
+}
+
+impl Pending {
+    fn len(&self) -> usize {
+        self.out.len().max(self.raw.len()).max(self.dup_raw.len())
     }
-    out.clear();
+
+    /// Writes out and empties the pending bytes. A file that fails is closed (with one
+    /// message) so that the worker's output keeps flowing elsewhere.
+    fn flush(&mut self, sink: Option<Stream>) {
+        if let Some(sink) = sink
+            && !self.out.is_empty()
+        {
+            write(sink, &self.out);
+        }
+        self.out.clear();
+        write_log(&mut self.log, &mut self.raw);
+        write_log(&mut self.dup_log, &mut self.dup_raw);
+    }
+}
+
+/// Writes `bytes` to `log` and empties them; a failing log is closed with one message.
+fn write_log(log: &mut Option<Log>, bytes: &mut Vec<u8>) {
     if let Some(Log { file, path }) = log
-        && !raw.is_empty()
-        && let Err(e) = file.write_all(raw)
+        && !bytes.is_empty()
+        && let Err(e) = file.write_all(bytes)
     {
-        eprintln!(
-            "muster-agent: cannot write {}: {e}; the rest of this output is not logged there",
-            path.display()
-        );
+        log_failed(path, &e);
         *log = None;
     }
-    raw.clear();
+    bytes.clear();
+}
+
+fn log_failed(path: &Path, e: &std::io::Error) {
+    eprintln!(
+        "muster-agent: cannot write {}: {e}; the rest of this output is not logged there",
+        path.display()
+    );
 }
 
 /// Writes whole lines to the agent's stdout or stderr. A closed or failing stream loses the
 /// output but does not stop the worker.
-fn write(sink: Sink, bytes: &[u8]) {
+fn write(sink: Stream, bytes: &[u8]) {
     let result = match sink {
-        Sink::Stdout => {
+        Stream::Stdout => {
             let mut out = std::io::stdout().lock();
             out.write_all(bytes).and_then(|()| out.flush())
         }
-        Sink::Stderr => std::io::stderr().lock().write_all(bytes),
+        Stream::Stderr => std::io::stderr().lock().write_all(bytes),
     };
     if let Err(e) = result {
         tracing::debug!(%e, "writing worker output failed");

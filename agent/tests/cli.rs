@@ -11,11 +11,26 @@ fn agent(args: &[&str]) -> Output {
 }
 
 /// Runs the agent with extra environment variables (`env`), without the test's
-/// CUDA_VISIBLE_DEVICES so that its GPU checks see the machine as it is.
+/// CUDA_VISIBLE_DEVICES so that its GPU checks see the machine as it is, and without the
+/// torchrun (`PET_*`) and Slurm variables of the test's own environment, which set flags.
 fn agent_in(args: &[&str], env: &[(&str, &str)]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_muster-agent"))
-        .args(args)
-        .env_remove("CUDA_VISIBLE_DEVICES")
+    agent_at(None, args, env)
+}
+
+/// [`agent_in`] in the folder `dir`.
+fn agent_at(dir: Option<&Path>, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_muster-agent"));
+    command.args(args).env_remove("CUDA_VISIBLE_DEVICES");
+    for (name, _) in std::env::vars_os() {
+        let name = name.to_string_lossy();
+        if name.starts_with("PET_") || name.starts_with("SLURM_") {
+            command.env_remove(&*name);
+        }
+    }
+    if let Some(dir) = dir {
+        command.current_dir(dir);
+    }
+    command
         .envs(env.iter().copied())
         .output()
         .expect("muster-agent runs")
@@ -89,6 +104,19 @@ fn help_mentions_the_launch_flags() {
         "--cpu",
         "--multi_gpu",
         "--metrics-addr",
+        "torchrun compatibility:",
+        "-m, --module",
+        "--no-python",
+        "--run-path",
+        "--role",
+        "--shutdown-timeout",
+        "--local-addr",
+        "--virtual-local-rank",
+        "--start-method",
+        "--signals-to-handle",
+        "[env: PET_NNODES=]",
+        "[env: PET_NPROC_PER_NODE=]",
+        "No effect under muster",
     ] {
         assert!(help.contains(flag), "{flag} missing from\n{help}");
     }
@@ -156,8 +184,8 @@ fn bad_input_is_one_line_and_status_2() {
         "--join-timeout-ms 1 conflicts with --rdzv-conf join_timeout=2",
     );
     refused(
-        &["launch", "--rdzv-conf", "timeout=2"],
-        "invalid value 'timeout=2' for '--rdzv-conf <KEY=VALUE,...>': unknown key 'timeout' (muster knows join_timeout, last_call_timeout and close_timeout) (see `muster-agent launch --help`)",
+        &["launch", "--rdzv-conf", "is_host=2"],
+        "invalid value 'is_host=2' for '--rdzv-conf <KEY=VALUE,...>': is_host=2: expected true or false (see `muster-agent launch --help`)",
     );
     refused(
         &[
@@ -377,4 +405,198 @@ fn log_dir_keeps_every_rank_and_the_filter_picks_the_console() {
         );
         assert_eq!(read(&rank_dir.join("stderr.log")), format!("err {rank}\n"));
     }
+}
+
+/// A stand-in interpreter that prints what it was given, so that the tests need no Python.
+fn fake_python(scratch: &Scratch) -> String {
+    let path = scratch.file(
+        "fakepy",
+        "#!/bin/sh\necho \"$LOCAL_RANK $ROLE_NAME ${OMP_NUM_THREADS-unset}: $*\"\n",
+    );
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o755))
+        .expect("chmod");
+    path
+}
+
+/// The workers' output lines, sorted (the ranks print concurrently).
+fn lines(out: &Output) -> Vec<String> {
+    let mut lines: Vec<String> = text(&out.stdout).lines().map(str::to_owned).collect();
+    lines.sort();
+    lines
+}
+
+#[test]
+fn a_python_script_runs_with_python_as_under_torchrun() {
+    let scratch = Scratch::new("implied");
+    let python = fake_python(&scratch);
+    scratch.file("train.py", "print('hi')\n");
+    let env = [("MUSTER_PYTHON", python.as_str()), ("OMP_NUM_THREADS", "3")];
+    // No `--`: the script's flags are its own.
+    let out = agent_at(
+        Some(&scratch.0),
+        &["launch", "--nproc-per-node", "2", "train.py", "--lr", "1"],
+        &env,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        lines(&out),
+        [
+            "[rank 0] 0 default 3: -u train.py --lr 1",
+            "[rank 1] 1 default 3: -u train.py --lr 1"
+        ]
+    );
+    // -m and --role; --no-python runs the program itself.
+    let out = agent_at(
+        Some(&scratch.0),
+        &["launch", "--role", "trainer", "-m", "pkg.train", "--x"],
+        &env,
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(lines(&out), ["[rank 0] 0 trainer 3: -u -m pkg.train --x"]);
+    let out = agent_at(
+        Some(&scratch.0),
+        &["launch", "--no-python", &python, "a"],
+        &env,
+    );
+    assert_eq!(lines(&out), ["[rank 0] 0 default 3: a"]);
+    let out = agent_at(
+        Some(&scratch.0),
+        &["launch", "--no_python", "train.py"],
+        &env,
+    );
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        text(&out.stderr),
+        "muster-agent: program 'train.py' was not found in PATH\n"
+    );
+}
+
+#[test]
+fn pet_variables_set_flags_and_flags_win() {
+    let scratch = Scratch::new("pet");
+    let python = fake_python(&scratch);
+    scratch.file("train.py", "");
+    let env = [
+        ("MUSTER_PYTHON", python.as_str()),
+        ("PET_NPROC_PER_NODE", "2"),
+        ("PET_ROLE", "from-pet"),
+        ("PET_MAX_RESTARTS", "0"),
+        ("OMP_NUM_THREADS", "3"),
+    ];
+    let out = agent_at(Some(&scratch.0), &["launch", "train.py"], &env);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(
+        lines(&out),
+        [
+            "[rank 0] 0 from-pet 3: -u train.py",
+            "[rank 1] 1 from-pet 3: -u train.py"
+        ]
+    );
+    let out = agent_at(
+        Some(&scratch.0),
+        &[
+            "launch",
+            "--nproc-per-node",
+            "1",
+            "--role",
+            "flag",
+            "train.py",
+        ],
+        &env,
+    );
+    assert_eq!(lines(&out), ["[rank 0] 0 flag 3: -u train.py"]);
+    // torchrun's boolean variables: PET_NO_PYTHON=1 is --no-python.
+    let out = agent_at(
+        Some(&scratch.0),
+        &["launch", &python, "x"],
+        &[
+            ("PET_NO_PYTHON", "1"),
+            ("PET_NPROC_PER_NODE", "1"),
+            ("OMP_NUM_THREADS", "3"),
+        ],
+    );
+    assert_eq!(lines(&out), ["[rank 0] 0 default 3: x"]);
+    let out = agent_at(
+        Some(&scratch.0),
+        &["launch", "train.py"],
+        &[
+            ("PET_NO_PYTHON", "0"),
+            ("MUSTER_PYTHON", python.as_str()),
+            ("OMP_NUM_THREADS", "3"),
+        ],
+    );
+    assert_eq!(lines(&out), ["[rank 0] 0 default 3: -u train.py"]);
+    let out = agent_in(&["launch", "--", "true"], &[("PET_NNODES", "0")]);
+    assert_eq!(out.status.code(), Some(2));
+    assert_eq!(
+        text(&out.stderr),
+        "muster-agent: --nnodes '0' is malformed: a job needs at least 1 node\n"
+    );
+}
+
+#[test]
+fn omp_num_threads_only_with_several_workers_and_notes_for_the_rest() {
+    let scratch = Scratch::new("omp");
+    let python = fake_python(&scratch);
+    let run = |n: &str, extra: &[&str]| {
+        let mut args = vec!["launch", "--nproc-per-node", n];
+        args.extend(extra);
+        args.extend(["--no-python", python.as_str()]);
+        let mut command = Command::new(env!("CARGO_BIN_EXE_muster-agent"));
+        command.args(&args).env_remove("OMP_NUM_THREADS");
+        for (name, _) in std::env::vars_os() {
+            let name = name.to_string_lossy();
+            if name.starts_with("PET_") || name.starts_with("SLURM_") {
+                command.env_remove(&*name);
+            }
+        }
+        command.output().expect("muster-agent runs")
+    };
+    let out = run("1", &[]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(lines(&out), ["[rank 0] 0 default unset: "]);
+    assert!(
+        !text(&out.stderr).contains("OMP_NUM_THREADS"),
+        "{}",
+        text(&out.stderr)
+    );
+    let out = run("2", &["--start-method", "forkserver"]);
+    assert_eq!(
+        lines(&out),
+        ["[rank 0] 0 default 1: ", "[rank 1] 1 default 1: "]
+    );
+    let stderr = text(&out.stderr);
+    let warning = "muster-agent: warning: Setting OMP_NUM_THREADS environment variable for each process to be 1 in default";
+    assert_eq!(stderr.matches(warning).count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("muster-agent: note: --start-method forkserver has no effect under muster: every worker is a freshly started process, as with spawn\n"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn srun_steps_need_no_per_node_flags() {
+    let out = agent_in(
+        &[
+            "launch",
+            "--",
+            "sh",
+            "-c",
+            "echo $TORCHELASTIC_RUN_ID $GROUP_RANK $GROUP_WORLD_SIZE",
+        ],
+        &[
+            ("SLURM_JOB_ID", "77"),
+            ("SLURM_STEP_ID", "3"),
+            ("SLURM_NNODES", "1"),
+            ("SLURM_NODEID", "0"),
+            ("SLURM_STEP_NODELIST", "localhost"),
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "[rank 0] slurm-77-3 0 1\n");
+    assert!(
+        text(&out.stderr).starts_with("muster-agent: note: Slurm step: --nnodes 1 --node-rank 0 --job-id slurm-77-3 (flags and PET_* variables override these)\n"),
+        "{}",
+        text(&out.stderr)
+    );
 }

@@ -401,6 +401,7 @@ fn the_ops_view_shows_who_waits_in_a_relay_and_who_is_missing() {
                 .unwrap()
                 .describe_job(pb::DescribeJobRequest {
                     job_id: "held".into(),
+                    ..Default::default()
                 })
                 .await
                 .unwrap()

@@ -3,7 +3,7 @@
 
 use anyhow::{Context, bail};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use tonic::transport::Channel;
@@ -191,4 +191,197 @@ pub fn rank0_latency(out: &str) -> anyhow::Result<(f64, f64)> {
         field(line, "p50_us=").context("p50")?,
         field(line, "p99_us=").context("p99")?,
     ))
+}
+
+/// The peers' venv (torch, torchrun, accelerate): `venv` when given, else where
+/// `scripts/install-peers.sh` puts it, `~/.cache/muster-peers`.
+pub fn peers_venv(venv: Option<PathBuf>) -> PathBuf {
+    venv.unwrap_or_else(|| {
+        PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/muster-peers")
+    })
+}
+
+/// A free loopback TCP port (for torchrun's rendezvous store).
+pub fn free_port() -> anyhow::Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+/// Waits for every child; an error naming `what` when one fails.
+pub fn wait_all(children: Vec<Child>, what: &str) -> anyhow::Result<()> {
+    for mut c in children {
+        let status = c.wait()?;
+        if !status.success() {
+            bail!("{what} exited with {status}");
+        }
+    }
+    Ok(())
+}
+
+/// Torch's barrier figures from `shared/peers/torch_peer.py`'s summary line: gloo
+/// `dist.barrier()` (p50, p99) and TCPStore add+wait (p50, p99), in microseconds.
+pub fn torch_barrier_latency(out: &str) -> anyhow::Result<((f64, f64), (f64, f64))> {
+    let line = out
+        .lines()
+        .find(|l| l.contains("gloo_barrier_us"))
+        .with_context(|| format!("no summary in torch output: {out}"))?;
+    let (gloo, store) = line.split_once('|').context("torch summary format")?;
+    Ok((
+        (
+            field(gloo, "p50=").context("gloo p50")?,
+            field(gloo, "p99=").context("gloo p99")?,
+        ),
+        (
+            field(store, "p50=").context("store p50")?,
+            field(store, "p99=").context("store p99")?,
+        ),
+    ))
+}
+
+/// The gloo side of the all_reduce benchmarks, measured as muster's `allreduce_bench` example
+/// measures (write it to a file and run it under torchrun).
+pub const GLOO_ALLREDUCE_SCRIPT: &str = include_str!("../allreduce_gloo.py");
+
+/// Rank 0's median time in microseconds for an all_reduce of `size` bytes, from the output of
+/// `allreduce_bench` (muster, lines prefixed `[rank 0] `) or `allreduce_gloo.py`.
+pub fn allreduce_p50_us(out: &str, size: usize) -> Option<f64> {
+    out.lines()
+        .map(|l| l.strip_prefix("[rank 0] ").unwrap_or(l))
+        .filter(|l| l.starts_with("size_bytes="))
+        .find(|l| field(l, "size_bytes=") == Some(size as f64))
+        .and_then(|l| field(l, "time_us_p50="))
+}
+
+/// The restart benchmarks' Python worker: each worker appends `start <restart> <wall-ns>` to
+/// `$RESTART_BENCH_LOG` when it starts; on the first generation rank 1 appends `death
+/// <wall-ns>` one second in and exits 3, the others wait. The new generation notes its start
+/// and exits 0.
+pub const RESTART_WORKER: &str = r#"
+import os, sys, time
+log = os.environ["RESTART_BENCH_LOG"]
+def note(line):
+    with open(log, "a") as f:
+        f.write(line + "\n")
+# The new generation is whatever starts after the death (torchrun's restart count is per agent,
+# so it cannot tell the generations apart on several nodes).
+try:
+    after = "death" in open(log).read()
+except FileNotFoundError:
+    after = False
+restart = 1 if after else 0
+note(f"start {restart} {time.time_ns()}")
+if restart == 0:
+    if os.environ.get("RANK") == "1":
+        time.sleep(1.0)
+        note(f"death {time.time_ns()}")
+        sys.exit(3)
+    time.sleep(120)
+"#;
+
+/// Milliseconds from the death to the last start of generation 1 (the restart), from a
+/// [`RESTART_WORKER`] log of `workers` workers.
+pub fn restart_ms(log: &Path, workers: u32) -> anyhow::Result<f64> {
+    let text =
+        std::fs::read_to_string(log).with_context(|| format!("reading {}", log.display()))?;
+    let mut death = None;
+    let mut starts = vec![];
+    for line in text.lines() {
+        let parts: Vec<&str> = line.split(' ').collect();
+        match parts.as_slice() {
+            ["death", t] => death = Some(t.parse::<u128>()?),
+            ["start", "1", t] => starts.push(t.parse::<u128>()?),
+            _ => {}
+        }
+    }
+    let death = death.context("no death line")?;
+    if starts.len() != workers as usize {
+        bail!(
+            "{} of {workers} workers of the new generation started:\n{text}",
+            starts.len()
+        );
+    }
+    let last = starts.into_iter().max().unwrap_or(death);
+    Ok((last.saturating_sub(death)) as f64 / 1e6)
+}
+
+/// One restart round under `muster-agent launch --max-restarts 1`: `nodes` agents of
+/// `per_node` workers running `python worker` (a [`RESTART_WORKER`]), against `coordinator`
+/// when several nodes share a job (job id `bench-<round>`); the restart time in milliseconds.
+pub fn muster_restart_round(
+    agent: &Path,
+    python: &Path,
+    worker: &Path,
+    log: &Path,
+    (nodes, per_node): (u32, u32),
+    coordinator: Option<&CoordinatorProcess>,
+    round: usize,
+) -> anyhow::Result<f64> {
+    let children = (0..nodes)
+        .map(|_| {
+            let mut cmd = Command::new(agent);
+            cmd.args(["launch", "--nproc-per-node", &per_node.to_string()]);
+            cmd.args(["--max-restarts", "1", "--grace-period-ms", "3000"]);
+            if let Some(c) = coordinator {
+                cmd.args(["--coordinator", &c.addr.to_string()]);
+                cmd.args([
+                    "--job-id",
+                    &format!("bench-{round}"),
+                    "--nnodes",
+                    &nodes.to_string(),
+                ]);
+            }
+            cmd.arg("--").arg(python).arg(worker);
+            cmd.env("RESTART_BENCH_LOG", log)
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    wait_all(children, "muster-agent")?;
+    restart_ms(log, nodes * per_node)
+}
+
+/// The same round under `torchrun --max-restarts 1` (a c10d rendezvous on a free port when
+/// `nodes` > 1); the restart time in milliseconds.
+pub fn torch_restart_round(
+    torchrun: &Path,
+    worker: &Path,
+    log: &Path,
+    (nodes, per_node): (u32, u32),
+    round: usize,
+) -> anyhow::Result<f64> {
+    let port = free_port()?;
+    let children = (0..nodes)
+        .map(|_| {
+            let mut cmd = Command::new(torchrun);
+            cmd.args([
+                "--nproc-per-node",
+                &per_node.to_string(),
+                "--max-restarts",
+                "1",
+            ]);
+            if nodes > 1 {
+                cmd.args(["--nnodes", &nodes.to_string(), "--rdzv-backend", "c10d"]);
+                cmd.args(["--rdzv-endpoint", &format!("127.0.0.1:{port}")]);
+                cmd.args(["--rdzv-id", &format!("bench-{round}")]);
+            }
+            cmd.arg(worker);
+            cmd.env("RESTART_BENCH_LOG", log)
+                .env("OMP_NUM_THREADS", "1")
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    wait_all(children, "torchrun")?;
+    restart_ms(log, nodes * per_node)
+}
+
+/// The 1, 5 and 15 minute load averages, as /proc/loadavg gives them.
+pub fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split(' ')
+        .take(3)
+        .collect::<Vec<_>>()
+        .join(" ")
 }

@@ -398,6 +398,7 @@ async fn state_registry(coordinator: &Arc<Coordinator>) -> Registry {
         }
         let request = tonic::Request::new(pb::DescribeJobRequest {
             job_id: s.job_id.clone(),
+            ..Default::default()
         });
         let Ok(d) = ops.describe_job(request).await else {
             continue;

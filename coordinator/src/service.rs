@@ -450,7 +450,13 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
                                 kind: Some(pb::node_event::Kind::Heartbeat(pb::Heartbeat {})),
                             }));
                         }
-                        Some(Kind::Finished(_)) => job.node_finished(generation, node_rank),
+                        Some(Kind::Finished(_)) => {
+                            // Ending the stream is the answer the agent waits for: it exits
+                            // as soon as its node's end is recorded. The node is finished,
+                            // so `node_lost` below only drops its outbox.
+                            job.node_finished(generation, node_rank);
+                            break "its agent finished".to_owned();
+                        }
                         Some(Kind::Attach(_)) | None => {
                             let _ = tx.send(Err(Status::invalid_argument(
                                 "attach may only be the first node watch message",
@@ -639,6 +645,8 @@ async fn session_loop(
 
 /// The most waits one relay report may list.
 const MAX_REPORTED_BARRIERS: usize = 64;
+/// The longest `DescribeJob` long poll (`wait_ms`).
+const DESCRIBE_WAIT_MAX: Duration = Duration::from_secs(60);
 
 /// How long a session that ended without leave waits for its agent's more precise report.
 const AGENT_REPORT_GRACE: Duration = Duration::from_millis(150);
@@ -1143,6 +1151,26 @@ impl pb::ops_server::Ops for OpsService {
     ) -> Rpc<pb::DescribeJobResponse> {
         let r = request.into_inner();
         let job = self.0.job(&r.job_id)?;
+        if let Some(unless) = r.unless.filter(|_| r.wait_ms > 0) {
+            // The long poll: answer once the summary differs from the client's, or at the
+            // deadline (a timeout here is not an error: the answer is the current view).
+            let wait = Duration::from_millis(r.wait_ms).min(DESCRIBE_WAIT_MAX);
+            let changed = wait_for(
+                &job,
+                Some(Instant::now() + wait),
+                || format!("a change of job '{}'", job.id),
+                || {
+                    let differs = job.summary() != unless;
+                    async move { Ok(differs.then_some(())) }
+                },
+            )
+            .await;
+            if let Err(status) = changed
+                && status.code() != tonic::Code::DeadlineExceeded
+            {
+                return Err(status);
+            }
+        }
         let mut resp = job.describe();
         // Daemon agents' machines: their labels and host names.
         let machines = self.0.pool.machines(&r.job_id);

@@ -143,7 +143,10 @@ async fn a_node_drained_while_its_round_is_open_is_refused_its_join() {
     let cj = spawn_join(&s.channel, c3);
     for _ in 0..200 {
         let d = OpsClient::new(s.channel.clone())
-            .describe_job(pb::DescribeJobRequest { job_id: job.into() })
+            .describe_job(pb::DescribeJobRequest {
+                job_id: job.into(),
+                ..Default::default()
+            })
             .await;
         if d.is_ok_and(|d| d.into_inner().nodes.len() == 3) {
             break;
@@ -305,4 +308,73 @@ async fn describe_says_what_each_missing_rank_is_doing() {
         d.ranks[2]
     );
     assert_eq!(d.nodes[0].state, pb::NodeState::Failed as i32);
+}
+
+async fn describe_unless(
+    ch: &Channel,
+    job: &str,
+    unless: pb::JobSummary,
+    wait_ms: u64,
+) -> pb::DescribeJobResponse {
+    OpsClient::new(ch.clone())
+        .describe_job(pb::DescribeJobRequest {
+            job_id: job.into(),
+            wait_ms,
+            unless: Some(unless),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// `DescribeJob` as a long poll (`submit --wait` follows a job with it): the answer comes
+/// when the summary changes, not on a timer; with no change it comes at `wait_ms` with the
+/// current view; a summary that already differs is answered at once.
+#[tokio::test]
+async fn describe_waits_for_a_change_of_the_summary() {
+    let s = start_default().await;
+    let job = "long-poll";
+    let joined = join_all(&s.channel, job, &["n0", "n1"]).await;
+    let seen = describe(&s.channel, job).await.summary.unwrap();
+    assert_eq!(seen.state, pb::RoundState::Running as i32);
+
+    // No change: answered at the deadline, with the same summary.
+    let t = std::time::Instant::now();
+    let d = describe_unless(&s.channel, job, seen.clone(), 300).await;
+    assert!(
+        t.elapsed() >= Duration::from_millis(250),
+        "{:?}",
+        t.elapsed()
+    );
+    assert_eq!(d.summary.unwrap(), seen);
+
+    // A change (the job is cancelled) wakes the poll long before its 20 s deadline.
+    let poll = tokio::spawn({
+        let (ch, seen) = (s.channel.clone(), seen.clone());
+        async move { describe_unless(&ch, job, seen, 20_000).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!poll.is_finished(), "answered before the job changed");
+    let t = std::time::Instant::now();
+    OpsClient::new(s.channel.clone())
+        .cancel_job(pb::CancelJobRequest {
+            job_id: job.into(),
+            reason: "long poll test".into(),
+        })
+        .await
+        .unwrap();
+    let d = tokio::time::timeout(Duration::from_secs(5), poll)
+        .await
+        .expect("the long poll did not see the cancel")
+        .unwrap();
+    assert!(t.elapsed() < Duration::from_secs(5));
+    let now = d.summary.unwrap();
+    assert_ne!(now, seen);
+    assert!(now.done, "{now:?}");
+
+    // A stale summary is answered at once.
+    let t = std::time::Instant::now();
+    describe_unless(&s.channel, job, seen, 20_000).await;
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    drop(joined);
 }

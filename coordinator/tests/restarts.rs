@@ -250,6 +250,42 @@ async fn a_finished_node_may_go_away() {
     assert_eq!(left, 1);
 }
 
+/// The agent keeps its half of the stream open after `finished` (it still heartbeats) and
+/// waits for the coordinator to end the stream: that end is its signal to exit. A coordinator
+/// that never ends it keeps every finished agent waiting out its own timeout.
+#[tokio::test]
+async fn finished_is_answered_by_ending_the_stream() {
+    let s = start_default().await;
+    let job = "finished-ack";
+    let nodes = form_budget(&s.channel, job, 2, 0).await;
+    let mut w0 = RawWatch::attach(&s.channel, job, 1, 0, &nodes[0].1)
+        .await
+        .unwrap();
+    let mut w1 = RawWatch::attach(&s.channel, job, 1, 1, &nodes[1].1)
+        .await
+        .unwrap();
+    w1.send(pb::node_message::Kind::Finished(pb::NodeFinished {}))
+        .await;
+    let end = loop {
+        // Before the fix the stream stayed open for good (heartbeat answers only), so this
+        // waits far longer than the answer takes (about a millisecond).
+        let msg = tokio::time::timeout(Duration::from_secs(5), w1.rx.message())
+            .await
+            .expect("the finished node's stream was not ended within 5 s");
+        match msg {
+            Ok(Some(pb::NodeEvent {
+                kind: Some(pb::node_event::Kind::Heartbeat(_)),
+            })) => continue,
+            other => break other,
+        }
+    };
+    assert!(matches!(end, Ok(None)), "{end:?}");
+    assert!(w1.tx.is_some(), "the agent's half stayed open");
+    w0.nothing_within(Duration::from_millis(300)).await;
+    let d = describe(&s.channel, job).await;
+    assert!(d.failure.is_none(), "{:?}", d.failure);
+}
+
 #[tokio::test]
 async fn a_second_join_must_agree_on_the_budget() {
     let s = start_default().await;

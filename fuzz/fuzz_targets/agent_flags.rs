@@ -95,6 +95,29 @@ const FLAGS: &[&str] = &[
     "--tls-key",
     "--tls-domain",
     "--auth-token-file",
+    "-m",
+    "--module",
+    "--no-python",
+    "--no_python",
+    "--run-path",
+    "--run_path",
+    "--role",
+    "--shutdown-timeout",
+    "--shutdown_timeout",
+    "--local-addr",
+    "--local_addr",
+    "--virtual-local-rank",
+    "--virtual_local_rank",
+    "--start-method",
+    "--start_method",
+    "--event-log-handler",
+    "--event_log_handler",
+    "--numa-binding",
+    "--numa_binding",
+    "--signals-to-handle",
+    "--signals_to_handle",
+    "--print-completion",
+    "--print_completion",
     "--help",
     "--version",
     "-h",
@@ -232,6 +255,7 @@ fuzz_target!(|input: Input| {
         cuda_visible_devices: input.cuda_visible_devices,
         // A real machine has at least one core (`Context::of_process`).
         cpus: u32::from(input.cpus).max(1),
+        ..Context::default()
     };
     let _ = parse_in(args, &ctx);
 });

@@ -45,7 +45,10 @@ async fn a_drained_agent_exits_0_and_the_others_continue_as_a_smaller_generation
         .await
         .unwrap();
     let d = ops
-        .describe_job(pb::DescribeJobRequest { job_id: job.into() })
+        .describe_job(pb::DescribeJobRequest {
+            job_id: job.into(),
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();
@@ -81,7 +84,10 @@ async fn a_drained_agent_exits_0_and_the_others_continue_as_a_smaller_generation
         });
     }
     let d = ops
-        .describe_job(pb::DescribeJobRequest { job_id: job.into() })
+        .describe_job(pb::DescribeJobRequest {
+            job_id: job.into(),
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner();

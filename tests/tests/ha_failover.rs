@@ -391,7 +391,10 @@ async fn describe(addr: &str, job: &str) -> pb::DescribeJobResponse {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         match ops
-            .describe_job(pb::DescribeJobRequest { job_id: job.into() })
+            .describe_job(pb::DescribeJobRequest {
+                job_id: job.into(),
+                ..Default::default()
+            })
             .await
         {
             Ok(r) => return r.into_inner(),

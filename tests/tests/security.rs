@@ -222,7 +222,10 @@ async fn calls_without_valid_credentials_are_unauthenticated_and_change_nothing(
         .expect("get");
     assert_eq!(value.into_inner().value, b"v1", "the key is unchanged");
     let described = OpsClient::new(admin.clone())
-        .describe_job(pb::DescribeJobRequest { job_id: "a".into() })
+        .describe_job(pb::DescribeJobRequest {
+            job_id: "a".into(),
+            ..Default::default()
+        })
         .await
         .expect("the job is still there")
         .into_inner();

@@ -16,15 +16,12 @@
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use muster_bench::{bin_dir, quantile};
+use muster_bench::{GLOO_ALLREDUCE_SCRIPT, bin_dir, free_port, load_average, peers_venv, quantile};
 use std::collections::BTreeMap;
 use std::hint::black_box;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Instant;
-
-/// The gloo side, measured as the muster worker measures.
-const GLOO_SCRIPT: &str = include_str!("../../allreduce_gloo.py");
 
 #[derive(Parser)]
 struct Args {
@@ -159,22 +156,6 @@ fn mem_available() -> u64 {
         .map_or(0, |kb| kb * 1024)
 }
 
-/// The 1, 5 and 15 minute load averages, as /proc/loadavg gives them.
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split(' ')
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 fn human(bytes: usize) -> String {
     match bytes {
         b if b >= 1 << 20 && b % (1 << 20) == 0 => format!("{} MiB", b >> 20),
@@ -227,15 +208,13 @@ fn main() -> anyhow::Result<()> {
             p.display()
         );
     }
-    let venv = args.venv.clone().unwrap_or_else(|| {
-        PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/muster-peers")
-    });
+    let venv = peers_venv(args.venv.clone());
     let torchrun = venv.join("bin/torchrun");
     let dir = std::env::temp_dir().join(format!("muster-allreduce-bench-{}", std::process::id()));
     let gloo = if torchrun.exists() {
         std::fs::create_dir_all(&dir)?;
         let script = dir.join("allreduce_gloo.py");
-        std::fs::write(&script, GLOO_SCRIPT)?;
+        std::fs::write(&script, GLOO_ALLREDUCE_SCRIPT)?;
         Some((torchrun, script))
     } else {
         eprintln!(

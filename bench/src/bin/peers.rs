@@ -9,9 +9,10 @@
 //!
 //! `target/release/peers [--procs 2,8,32] [--launch-procs 8,32] [--rounds 3]`
 
-use anyhow::Context;
 use clap::Parser;
-use muster_bench::{bin_dir, field, quantile, rank0_latency, run_output as run};
+use muster_bench::{
+    bin_dir, peers_venv, quantile, rank0_latency, run_output as run, torch_barrier_latency,
+};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::Instant;
@@ -49,9 +50,7 @@ struct Barrier {
 
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let venv = args.venv.clone().unwrap_or_else(|| {
-        PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/muster-peers")
-    });
+    let venv = peers_venv(args.venv.clone());
     let torchrun = venv.join("bin/torchrun");
     anyhow::ensure!(
         torchrun.exists(),
@@ -97,15 +96,11 @@ fn main() -> anyhow::Result<()> {
                 .arg(&peer)
                 .args(["--iters", &args.iters.to_string(), "--sizes", "0.001"])
                 .env("OMP_NUM_THREADS", "1"))?;
-            let line = out
-                .lines()
-                .find(|l| l.contains("gloo_barrier_us"))
-                .with_context(|| format!("no summary in torch output: {out}"))?;
-            let (gloo, store) = line.split_once('|').context("torch summary format")?;
-            b.gloo.0.push(field(gloo, "p50=").context("gloo p50")?);
-            b.gloo.1.push(field(gloo, "p99=").context("gloo p99")?);
-            b.store.0.push(field(store, "p50=").context("store p50")?);
-            b.store.1.push(field(store, "p99=").context("store p99")?);
+            let (gloo, store) = torch_barrier_latency(&out)?;
+            b.gloo.0.push(gloo.0);
+            b.gloo.1.push(gloo.1);
+            b.store.0.push(store.0);
+            b.store.1.push(store.1);
         }
         let m50 = quantile(&mut b.muster.0, 0.5);
         let m99 = quantile(&mut b.muster.1, 0.5);

@@ -12,11 +12,14 @@
 //!
 //! `target/release/restart [--rounds 5] [--procs 8] [--nodes 3 --node-procs 2]`
 
-use anyhow::{Context, bail};
+use anyhow::Context;
 use clap::Parser;
-use muster_bench::{CoordinatorProcess, bin_dir, quantile};
+use muster_bench::{
+    CoordinatorProcess, RESTART_WORKER, bin_dir, muster_restart_round, peers_venv, quantile,
+    torch_restart_round, wait_all,
+};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
 #[derive(Parser)]
@@ -36,53 +39,6 @@ struct Args {
     /// The peers' venv.
     #[arg(long, env = "MUSTER_PEERS_VENV")]
     venv: Option<PathBuf>,
-}
-
-const WORKER: &str = r#"
-import os, sys, time
-log = os.environ["RESTART_BENCH_LOG"]
-def note(line):
-    with open(log, "a") as f:
-        f.write(line + "\n")
-# The new generation is whatever starts after the death (torchrun's restart count is per agent,
-# so it cannot tell the generations apart on several nodes).
-try:
-    after = "death" in open(log).read()
-except FileNotFoundError:
-    after = False
-restart = 1 if after else 0
-note(f"start {restart} {time.time_ns()}")
-if restart == 0:
-    if os.environ.get("RANK") == "1":
-        time.sleep(1.0)
-        note(f"death {time.time_ns()}")
-        sys.exit(3)
-    time.sleep(120)
-"#;
-
-/// Milliseconds from the death to the last start of generation 1 (the restart), from the log.
-fn restart_ms(log: &Path, workers: u32) -> anyhow::Result<f64> {
-    let text =
-        std::fs::read_to_string(log).with_context(|| format!("reading {}", log.display()))?;
-    let mut death = None;
-    let mut starts = vec![];
-    for line in text.lines() {
-        let parts: Vec<&str> = line.split(' ').collect();
-        match parts.as_slice() {
-            ["death", t] => death = Some(t.parse::<u128>()?),
-            ["start", "1", t] => starts.push(t.parse::<u128>()?),
-            _ => {}
-        }
-    }
-    let death = death.context("no death line")?;
-    if starts.len() != workers as usize {
-        bail!(
-            "{} of {workers} workers of the new generation started:\n{text}",
-            starts.len()
-        );
-    }
-    let last = starts.into_iter().max().unwrap_or(death);
-    Ok((last.saturating_sub(death)) as f64 / 1e6)
 }
 
 /// The floor any launcher adds to: `workers` interpreters of the worker spawned directly, from
@@ -114,27 +70,9 @@ fn floor_ms(python: &Path, worker: &Path, log: &Path, workers: u32) -> anyhow::R
     Ok(last.saturating_sub(t0) as f64 / 1e6)
 }
 
-fn wait_all(children: Vec<Child>, what: &str) -> anyhow::Result<()> {
-    for mut c in children {
-        let status = c.wait()?;
-        if !status.success() {
-            bail!("{what} exited with {status}");
-        }
-    }
-    Ok(())
-}
-
-fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port())
-}
-
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
-    let venv = args.venv.clone().unwrap_or_else(|| {
-        PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/muster-peers")
-    });
+    let venv = peers_venv(args.venv.clone());
     let torchrun = venv.join("bin/torchrun");
     let python = venv.join("bin/python3");
     anyhow::ensure!(
@@ -151,7 +89,7 @@ fn main() -> anyhow::Result<()> {
     let dir = std::env::temp_dir().join(format!("muster-restart-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let worker = dir.join("worker.py");
-    std::fs::write(&worker, WORKER)?;
+    std::fs::write(&worker, RESTART_WORKER)?;
 
     println!(
         "## Restart time (a worker's death to every worker of the new generation running; median of {} rounds)\n",
@@ -178,57 +116,25 @@ fn main() -> anyhow::Result<()> {
             } else {
                 None
             };
-            let children = (0..nodes)
-                .map(|_| {
-                    let mut cmd = Command::new(&agent);
-                    cmd.args(["launch", "--nproc-per-node", &per_node.to_string()]);
-                    cmd.args(["--max-restarts", "1", "--grace-period-ms", "3000"]);
-                    if let Some(c) = &coordinator {
-                        cmd.args(["--coordinator", &c.addr.to_string()]);
-                        cmd.args([
-                            "--job-id",
-                            &format!("bench-{round}"),
-                            "--nnodes",
-                            &nodes.to_string(),
-                        ]);
-                    }
-                    cmd.arg("--").arg(&python).arg(&worker);
-                    cmd.env("RESTART_BENCH_LOG", &log)
-                        .stdout(Stdio::null())
-                        .stderr(Stdio::null())
-                        .spawn()
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            wait_all(children, "muster-agent")?;
-            m.push(restart_ms(&log, workers)?);
+            m.push(muster_restart_round(
+                &agent,
+                &python,
+                &worker,
+                &log,
+                (nodes, per_node),
+                coordinator.as_ref(),
+                round,
+            )?);
             drop(coordinator);
 
             let log = dir.join(format!("torch-{nodes}-{round}.log"));
-            let port = free_port()?;
-            let children = (0..nodes)
-                .map(|_| {
-                    let mut cmd = Command::new(&torchrun);
-                    cmd.args([
-                        "--nproc-per-node",
-                        &per_node.to_string(),
-                        "--max-restarts",
-                        "1",
-                    ]);
-                    if nodes > 1 {
-                        cmd.args(["--nnodes", &nodes.to_string(), "--rdzv-backend", "c10d"]);
-                        cmd.args(["--rdzv-endpoint", &format!("127.0.0.1:{port}")]);
-                        cmd.args(["--rdzv-id", &format!("bench-{round}")]);
-                    }
-                    cmd.arg(&worker);
-                    cmd.env("RESTART_BENCH_LOG", &log)
-                        .env("OMP_NUM_THREADS", "1")
-                        .stdout(Stdio::null())
-                        .stderr(Stdio::null())
-                        .spawn()
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            wait_all(children, "torchrun")?;
-            t.push(restart_ms(&log, workers)?);
+            t.push(torch_restart_round(
+                &torchrun,
+                &worker,
+                &log,
+                (nodes, per_node),
+                round,
+            )?);
             std::thread::sleep(Duration::from_millis(200));
         }
         let (m, t, f) = (

@@ -247,7 +247,10 @@ pub async fn attach_all(ch: &Channel, job: &str, generation: u64, world: u32) ->
 
 pub async fn describe(ch: &Channel, job: &str) -> pb::DescribeJobResponse {
     pb::ops_client::OpsClient::new(ch.clone())
-        .describe_job(pb::DescribeJobRequest { job_id: job.into() })
+        .describe_job(pb::DescribeJobRequest {
+            job_id: job.into(),
+            ..Default::default()
+        })
         .await
         .unwrap()
         .into_inner()

@@ -1,0 +1,1 @@
+"""Package for tests/tests/launch_compat.rs's `-m compat_pkg.dump` rows."""
