@@ -46,7 +46,6 @@ def join(items):
 
 
 def make_loader(args):
-    import torch
     from torch.utils.data import DataLoader, IterableDataset
 
     class Stream(IterableDataset):
@@ -109,7 +108,6 @@ def simulate(args, accelerator, out):
 
 def launched(args):
     from accelerate import Accelerator
-
     from accelerate.utils import DataLoaderConfiguration
 
     accelerator = Accelerator(
