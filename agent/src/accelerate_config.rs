@@ -3,6 +3,13 @@
 //! honours are returned, the ones it cannot honour are named in warnings, and a value of the
 //! wrong kind is an error naming the key.
 //!
+//! The sections that configure Accelerate's training paradigms (`fsdp_config`,
+//! `deepspeed_config`, `megatron_lm_config`, `dynamo_config`, `fp8_config`,
+//! `parallelism_config`) and `distributed_type` are returned as Accelerate's launcher reads
+//! them, as the `accelerate launch` flags they stand for ([`AccelerateConfig::launch_settings`]):
+//! `cli::accelerate_flags` turns flags and file alike into the workers' variables, so a
+//! setting has the same effect from either.
+//!
 //! The file is read as a YAML tree (YAML 1.2, so JSON files, which `accelerate config default`
 //! writes, are read too). Booleans also take PyYAML's YAML 1.1 spellings (`yes`, `no`, `on`,
 //! `off`), since Accelerate reads these files with PyYAML.
@@ -39,8 +46,142 @@ pub struct AccelerateConfig {
     pub max_restarts: Option<u32>,
     /// `monitor_interval`, in seconds: checked, not used (muster learns of exits at once).
     pub monitor_interval: Option<f64>,
+    /// `distributed_type`, upper case (`FSDP`, `DEEPSPEED`, `MULTI_GPU`, ...).
+    pub distributed_type: Option<String>,
+    /// The settings of the paradigm sections under the names of the `accelerate launch`
+    /// flags Accelerate copies them to (`fsdp_config: {sharding_strategy: X}` is
+    /// `fsdp_sharding_strategy`, `dynamo_config: {mode: X}` is `dynamo_mode`), in file order,
+    /// with the section they came from (for messages).
+    pub launch_settings: Vec<LaunchSetting>,
+    /// `deepspeed_config`'s keys as the file writes them: Accelerate passes them to the
+    /// workers (ACCELERATE_CONFIG_DS_FIELDS) so that they beat a DeepSpeed JSON's `auto`.
+    pub deepspeed_fields: Vec<String>,
+    /// `parallelism_config` holds settings: Accelerate then uses it (as with
+    /// `--use_parallelism_config`).
+    pub parallelism_config: bool,
     /// What the file asks for that muster ignores, one line each, naming the key.
     pub warnings: Vec<String>,
+}
+
+/// One setting of a paradigm section, as the `accelerate launch` flag it stands for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LaunchSetting {
+    /// The section (`fsdp_config`), or `""` for a top-level key (the old `dynamo_backend`).
+    pub section: &'static str,
+    /// The key as written in the file.
+    pub key: String,
+    /// The flag's name, snake case without dashes (`fsdp_sharding_strategy`).
+    pub flag: String,
+    /// The value as Python holds it after PyYAML read it.
+    pub value: PyValue,
+}
+
+/// A value as Python holds it after PyYAML or argparse read it. Accelerate's launcher passes
+/// `str(value)` (sometimes lower-cased) to the workers, so the variables keep Python's
+/// spellings: `True`, `1.0`, `None`.
+#[derive(Debug, Clone, PartialEq)]
+pub enum PyValue {
+    /// `None`.
+    None,
+    /// A `bool`.
+    Bool(bool),
+    /// An `int`.
+    Int(i64),
+    /// A `float`.
+    Float(f64),
+    /// A `str`.
+    Str(String),
+    /// A list or tuple (`fp8_override_linear_precision`).
+    List(Vec<PyValue>),
+}
+
+impl PyValue {
+    /// Python's `str(value)`.
+    pub fn py_str(&self) -> String {
+        match self {
+            Self::None => "None".to_owned(),
+            Self::Bool(true) => "True".to_owned(),
+            Self::Bool(false) => "False".to_owned(),
+            Self::Int(i) => i.to_string(),
+            Self::Float(f) => py_float(*f),
+            Self::Str(s) => s.clone(),
+            Self::List(items) => {
+                let items: Vec<String> = items.iter().map(Self::py_repr).collect();
+                format!("[{}]", items.join(", "))
+            }
+        }
+    }
+
+    /// Python's `repr(value)` (a list's items are shown so).
+    fn py_repr(&self) -> String {
+        match self {
+            Self::Str(s) => format!("'{s}'"),
+            v => v.py_str(),
+        }
+    }
+
+    /// Python's truth value (`bool(value)`).
+    pub fn truthy(&self) -> bool {
+        match self {
+            Self::None => false,
+            Self::Bool(b) => *b,
+            Self::Int(i) => *i != 0,
+            Self::Float(f) => *f != 0.0,
+            Self::Str(s) => !s.is_empty(),
+            Self::List(l) => !l.is_empty(),
+        }
+    }
+
+    /// The value as a number, for Accelerate's comparisons (`cp_size > 1`).
+    pub fn as_f64(&self) -> Option<f64> {
+        match self {
+            Self::Bool(b) => Some(f64::from(u8::from(*b))),
+            Self::Int(i) => Some(*i as f64),
+            Self::Float(f) => Some(*f),
+            _ => None,
+        }
+    }
+
+    /// The value PyYAML gives a node (YAML 1.1: `yes`, `no`, `on` and `off` are booleans).
+    fn from_yaml(v: &Yaml) -> Self {
+        match v {
+            Yaml::Null | Yaml::BadValue | Yaml::Alias(_) => Self::None,
+            Yaml::Boolean(b) => Self::Bool(*b),
+            Yaml::Integer(i) => Self::Int(*i),
+            Yaml::Real(r) => r
+                .parse::<f64>()
+                .map_or_else(|_| Self::Str(r.clone()), Self::Float),
+            Yaml::String(s) => match s.as_str() {
+                "yes" | "Yes" | "YES" | "on" | "On" | "ON" => Self::Bool(true),
+                "no" | "No" | "NO" | "off" | "Off" | "OFF" => Self::Bool(false),
+                _ => Self::Str(s.clone()),
+            },
+            Yaml::Array(items) => Self::List(items.iter().map(Self::from_yaml).collect()),
+            Yaml::Hash(_) => Self::Str(shown(v)),
+        }
+    }
+}
+
+/// Python's `repr(float)`: the shortest digits that read back the same, in positional
+/// notation from 1e-4 up to 1e16 (with at least one decimal), else as `1e+16`.
+pub fn py_float(f: f64) -> String {
+    if f.is_nan() {
+        return "nan".to_owned();
+    }
+    if f.is_infinite() {
+        return if f > 0.0 { "inf" } else { "-inf" }.to_owned();
+    }
+    // Rust's `{:e}` gives the same shortest digits: `d.ddddde-7`.
+    let sci = format!("{f:e}");
+    let (mantissa, exp) = sci.split_once('e').unwrap_or((&sci, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    if (-4..16).contains(&exp) {
+        let s = format!("{f}");
+        if s.contains('.') { s } else { format!("{s}.0") }
+    } else {
+        let sign = if exp < 0 { '-' } else { '+' };
+        format!("{mantissa}e{sign}{:02}", exp.abs())
+    }
 }
 
 /// Why a config file cannot be used. The caller names the file.
@@ -121,19 +262,73 @@ pub fn parse(text: &str) -> Result<AccelerateConfig, ConfigError> {
 }
 
 /// Settings muster cannot honour: a warning when they ask for something.
-const IGNORED_SECTIONS: [&str; 9] = [
-    "deepspeed_config",
-    "fsdp_config",
-    "megatron_lm_config",
-    "dynamo_config",
-    "ipex_config",
-    "mpirun_config",
-    "fp8_config",
-    "parallelism_config",
-    "sagemaker_config",
+const IGNORED_SECTIONS: [&str; 3] = ["ipex_config", "mpirun_config", "sagemaker_config"];
+
+/// The sections Accelerate's launcher copies into its flags, and the prefix it gives a key
+/// that lacks it (`accelerate/commands/launch.py`, `_validate_launch_command`).
+const PARADIGM_SECTIONS: [(&str, &str); 6] = [
+    ("fsdp_config", "fsdp"),
+    ("fp8_config", "fp8"),
+    ("dynamo_config", "dynamo_"),
+    ("deepspeed_config", ""),
+    ("megatron_lm_config", ""),
+    ("parallelism_config", ""),
 ];
 
+/// Reads a paradigm section into `config.launch_settings`.
+fn read_section(
+    config: &mut AccelerateConfig,
+    section: &'static str,
+    prefix: &str,
+    value: &Yaml,
+) -> Result<(), ConfigError> {
+    let settings = match value {
+        Yaml::Null => return Ok(()),
+        Yaml::Hash(h) => h,
+        v => {
+            return Err(ConfigError::Invalid {
+                key: section.to_owned(),
+                why: format!("expected a mapping of settings, found {}", shown(v)),
+            });
+        }
+    };
+    for (key, value) in settings {
+        let Yaml::String(key) = key else {
+            config.warnings.push(format!(
+                "{section}: key {} is not a setting name; ignored",
+                shown(key)
+            ));
+            continue;
+        };
+        if section == "deepspeed_config" {
+            config.deepspeed_fields.push(key.clone());
+        }
+        if section == "parallelism_config" {
+            config.parallelism_config = true;
+        }
+        // Accelerate: `fsdp_` + key unless the key starts with `fsdp` (so `fsdp_version`
+        // stays), likewise `fp8`, and `dynamo_` for dynamo_config.
+        let flag = if prefix.is_empty() || key.starts_with(prefix) {
+            key.clone()
+        } else if prefix.ends_with('_') {
+            format!("{prefix}{key}")
+        } else {
+            format!("{prefix}_{key}")
+        };
+        config.launch_settings.push(LaunchSetting {
+            section,
+            key: key.clone(),
+            flag,
+            value: PyValue::from_yaml(value),
+        });
+    }
+    Ok(())
+}
+
 fn read_setting(config: &mut AccelerateConfig, key: &str, value: &Yaml) -> Result<(), ConfigError> {
+    if let Some((section, prefix)) = PARADIGM_SECTIONS.iter().find(|(s, _)| *s == key) {
+        return read_section(config, section, prefix, value);
+    }
     let v = Value { key, value };
     match key {
         "num_processes" => config.num_processes = v.int(1, u64::from(u32::MAX))?,
@@ -167,14 +362,39 @@ fn read_setting(config: &mut AccelerateConfig, key: &str, value: &Yaml) -> Resul
         "enable_cpu_affinity" => config.enable_cpu_affinity = v.boolean()?,
         "monitor_interval" => config.monitor_interval = v.seconds()?,
         "distributed_type" => {
-            if let Some(t) = v.string()?
-                && !["NO", "MULTI_CPU", "MULTI_GPU"].contains(&t.to_ascii_uppercase().as_str())
-            {
-                config.warnings.push(format!(
-                    "distributed_type {t} is not supported and is ignored: the workers get the plain torch.distributed environment, as with MULTI_GPU or MULTI_CPU"
-                ));
+            if let Some(t) = v.string()? {
+                let upper = t.to_ascii_uppercase();
+                if ![
+                    "NO",
+                    "MULTI_CPU",
+                    "MULTI_GPU",
+                    "FSDP",
+                    "DEEPSPEED",
+                    "MEGATRON_LM",
+                ]
+                .contains(&upper.as_str())
+                {
+                    config.warnings.push(format!(
+                        "distributed_type {t} is not supported and is ignored: the workers get the plain torch.distributed environment, as with MULTI_GPU or MULTI_CPU"
+                    ));
+                }
+                config.distributed_type = Some(upper);
             }
         }
+        // Accelerate's older spelling of dynamo_config's dynamo_backend.
+        "dynamo_backend" => {
+            if let Some(b) = v.string()?
+                && !b.eq_ignore_ascii_case("no")
+            {
+                config.launch_settings.push(LaunchSetting {
+                    section: "",
+                    key: key.to_owned(),
+                    flag: key.to_owned(),
+                    value: PyValue::Str(b.to_owned()),
+                });
+            }
+        }
+
         "compute_environment" => {
             if let Some(e) = v.string()?
                 && !e.eq_ignore_ascii_case("LOCAL_MACHINE")
@@ -198,9 +418,9 @@ fn read_setting(config: &mut AccelerateConfig, key: &str, value: &Yaml) -> Resul
             }
         }
         _ if key.starts_with("tpu_") || IGNORED_SECTIONS.contains(&key) => {
-            if asks_for_something(key, value) {
+            if asks_for_something(value) {
                 config.warnings.push(format!(
-                    "{key} is ignored: muster launches plain torch.distributed processes (no TPU, DeepSpeed, FSDP or Megatron-LM launcher)"
+                    "{key} is ignored: it configures Accelerate's TPU, SageMaker, IPEX or mpirun launchers, which muster does not use"
                 ));
             }
         }
@@ -212,16 +432,12 @@ fn read_setting(config: &mut AccelerateConfig, key: &str, value: &Yaml) -> Resul
 }
 
 /// Whether an ignored setting holds more than the defaults `accelerate config` writes
-/// (`tpu_env: []`, `tpu_use_cluster: false`, `fsdp_config: {}`, `dynamo_backend: 'NO'`).
-fn asks_for_something(key: &str, value: &Yaml) -> bool {
+/// (`tpu_env: []`, `tpu_use_cluster: false`, `mpirun_config: {}`).
+fn asks_for_something(value: &Yaml) -> bool {
     match value {
         Yaml::Null | Yaml::Boolean(false) => false,
         Yaml::String(s) => !s.is_empty(),
         Yaml::Array(a) => !a.is_empty(),
-        Yaml::Hash(h) if key == "dynamo_config" => h.iter().any(|(k, v)| {
-            !(k.as_str() == Some("dynamo_backend")
-                && v.as_str().is_some_and(|b| b.eq_ignore_ascii_case("no")))
-        }),
         Yaml::Hash(h) => !h.is_empty(),
         _ => true,
     }
@@ -486,24 +702,84 @@ dynamo_config:
     fn ignored_and_unknown_keys_warn() {
         check(
             "num_processes: 2
-fsdp_config:
-  fsdp_sharding_strategy: FULL_SHARD
-distributed_type: FSDP
+distributed_type: XLA
 tpu_name: my-tpu
 compute_environment: AMAZON_SAGEMAKER
 my_setting: 3
-dynamo_config:
-  dynamo_backend: INDUCTOR
+mpirun_config:
+  mpirun_hostfile: hosts
 ",
             "procs=2 \
-             | warning: fsdp_config is ignored: muster launches plain torch.distributed processes (no TPU, DeepSpeed, FSDP or Megatron-LM launcher) \
-             | warning: distributed_type FSDP is not supported and is ignored: the workers get the plain torch.distributed environment, as with MULTI_GPU or MULTI_CPU \
-             | warning: tpu_name is ignored: muster launches plain torch.distributed processes (no TPU, DeepSpeed, FSDP or Megatron-LM launcher) \
+             | warning: distributed_type XLA is not supported and is ignored: the workers get the plain torch.distributed environment, as with MULTI_GPU or MULTI_CPU \
+             | warning: tpu_name is ignored: it configures Accelerate's TPU, SageMaker, IPEX or mpirun launchers, which muster does not use \
              | warning: compute_environment AMAZON_SAGEMAKER is ignored: muster runs the processes on the machines its agents run on \
              | warning: unknown key my_setting is ignored \
-             | warning: dynamo_config is ignored: muster launches plain torch.distributed processes (no TPU, DeepSpeed, FSDP or Megatron-LM launcher)",
+             | warning: mpirun_config is ignored: it configures Accelerate's TPU, SageMaker, IPEX or mpirun launchers, which muster does not use",
         );
         check("1: x", "warning: key 1 is not a setting name; ignored");
+    }
+
+    #[test]
+    fn paradigm_sections_become_launch_settings() {
+        let c = match parse(
+            "distributed_type: fsdp
+fsdp_config:
+  sharding_strategy: FULL_SHARD
+  fsdp_offload_params: yes
+  fsdp_min_num_params: 1000
+fp8_config:
+  backend: TE
+  override_linear_precision: [false, false, true]
+dynamo_config:
+  mode: max-autotune
+  dynamo_use_fullgraph: true
+deepspeed_config:
+  zero_stage: 2
+  gradient_clipping: 1.0
+megatron_lm_config: {}
+parallelism_config:
+  parallelism_config_tp_size: 2
+",
+        ) {
+            Ok(c) => c,
+            Err(e) => panic!("{e}"),
+        };
+        assert_eq!(c.distributed_type.as_deref(), Some("FSDP"));
+        let got: Vec<String> = c
+            .launch_settings
+            .iter()
+            .map(|s| {
+                format!(
+                    "{}.{} -> {} = {}",
+                    s.section,
+                    s.key,
+                    s.flag,
+                    s.value.py_str()
+                )
+            })
+            .collect();
+        assert_eq!(
+            got,
+            [
+                "fsdp_config.sharding_strategy -> fsdp_sharding_strategy = FULL_SHARD",
+                "fsdp_config.fsdp_offload_params -> fsdp_offload_params = True",
+                "fsdp_config.fsdp_min_num_params -> fsdp_min_num_params = 1000",
+                "fp8_config.backend -> fp8_backend = TE",
+                "fp8_config.override_linear_precision -> fp8_override_linear_precision = [False, False, True]",
+                "dynamo_config.mode -> dynamo_mode = max-autotune",
+                "dynamo_config.dynamo_use_fullgraph -> dynamo_use_fullgraph = True",
+                "deepspeed_config.zero_stage -> zero_stage = 2",
+                "deepspeed_config.gradient_clipping -> gradient_clipping = 1.0",
+                "parallelism_config.parallelism_config_tp_size -> parallelism_config_tp_size = 2",
+            ]
+        );
+        assert_eq!(c.deepspeed_fields, ["zero_stage", "gradient_clipping"]);
+        assert!(c.parallelism_config);
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        check(
+            "fsdp_config: [1]",
+            "error: fsdp_config: expected a mapping of settings, found a list",
+        );
     }
 
     #[test]

@@ -14,6 +14,7 @@ use crate::program::{Program, ProgramError, PythonChoice};
 use crate::security::{Security, SecurityArgs};
 use crate::worker::OutputSpec;
 
+pub mod accelerate_flags;
 pub mod output;
 pub mod rdzv;
 pub mod slurm;
@@ -249,8 +250,10 @@ pub struct LaunchArgs {
 
     /// An Accelerate config file (the YAML or JSON `accelerate config` writes): its
     /// num_processes, num_machines, machine_rank, main_process_ip, main_process_port, gpu_ids,
-    /// mixed_precision, use_cpu, debug, enable_cpu_affinity and max_restarts are used; flags
-    /// override it; what muster cannot honour is named in a warning.
+    /// mixed_precision, use_cpu, debug, enable_cpu_affinity and max_restarts are used, and its
+    /// distributed_type and fsdp_config, deepspeed_config, megatron_lm_config, dynamo_config,
+    /// fp8_config and parallelism_config as the flags of the same names; flags override it;
+    /// what muster cannot honour is named in a warning.
     #[arg(
         long,
         value_name = "PATH",
@@ -343,6 +346,10 @@ pub struct LaunchArgs {
         help_heading = "Accelerate compatibility"
     )]
     pub enable_cpu_affinity: bool,
+
+    /// `accelerate launch`'s other flags (`--use_fsdp`, `--dynamo_backend`, `-q`, `--tpu`, ...).
+    #[command(flatten)]
+    pub accelerate_flags: accelerate_flags::AccelerateFlags,
 
     /// torchrun's flags without a muster spelling (`-m`, `--no-python`, `--role`, ...).
     #[command(flatten)]
@@ -457,6 +464,11 @@ pub struct LaunchSpec {
     /// the workers get the settings Accelerate's launcher always passes (see
     /// [`crate::env::WorkerOptions::accelerate`]).
     pub accelerate: bool,
+    /// With `accelerate`: what Accelerate's launcher sets from its paradigm flags and
+    /// config file ([`accelerate_flags::Resolved::env`]).
+    pub accelerate_env: Vec<(&'static str, String)>,
+    /// `-q`: the agent leaves out its informational lines.
+    pub quiet: bool,
     /// Whether to run the node relay (not `--no-relay`).
     pub relay: bool,
     /// `--metrics-addr`: where to serve Prometheus metrics; `None`: nowhere.
@@ -486,6 +498,7 @@ impl LaunchSpec {
             debug: self.debug,
             cpu_affinity: self.cpu_affinity,
             accelerate: self.accelerate,
+            accelerate_env: Some(&self.accelerate_env),
             security: Some(&self.security),
             role: &self.role,
             virtual_local_rank: self.virtual_local_rank,
@@ -974,7 +987,25 @@ impl LaunchArgs {
             || self.cpu
             || self.multi_gpu
             || self.enable_cpu_affinity;
-        let mixed_precision = self.mixed_precision.or(config.mixed_precision);
+        let mixed_precision_from_file = self.mixed_precision.is_none();
+        let mixed_precision = self.mixed_precision.or(config.mixed_precision.clone());
+        // `accelerate launch`'s other flags and the file's paradigm sections.
+        let (pythonpath, cwd) = (std::env::var("PYTHONPATH").ok(), std::env::current_dir());
+        let cwd = cwd
+            .map(|d| d.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let acc = self.accelerate_flags.resolve(&accelerate_flags::Inputs {
+            cpu: self.cpu,
+            multi_gpu: self.multi_gpu,
+            mixed_precision: mixed_precision.as_deref(),
+            mixed_precision_from_file: mixed_precision_from_file && mixed_precision.is_some(),
+            config: &config,
+            file: shown_file.as_deref(),
+            pythonpath: pythonpath.as_deref(),
+            cwd: &cwd,
+        })?;
+        warnings.extend(acc.messages.iter().cloned());
+        let accelerate = accelerate || acc.given;
         let max_restarts = self.max_restarts.or(config.max_restarts).unwrap_or(0);
         if let Some(secs) = self.monitor_interval
             && !(secs.is_finite() && secs >= 0.0)
@@ -1222,7 +1253,8 @@ impl LaunchArgs {
             return Err(UsageError::NoProgram);
         }
         let form = self.torchrun.form()?;
-        let program = Program::for_launch(form, self.command, &ctx.python, ctx.path_var)?;
+        let mut program = Program::for_launch(form, self.command, &ctx.python, ctx.path_var)?;
+        program.env.extend(acc.extra_env);
         let spec = LaunchSpec {
             nproc_per_node: nproc,
             coordinator,
@@ -1246,6 +1278,8 @@ impl LaunchArgs {
             debug: self.debug || config.debug == Some(true),
             cpu_affinity: self.enable_cpu_affinity || config.enable_cpu_affinity == Some(true),
             accelerate,
+            accelerate_env: acc.env,
+            quiet: acc.quiet,
             relay: !self.no_relay,
             metrics_addr: self.metrics_addr,
             role: self

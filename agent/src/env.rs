@@ -68,6 +68,12 @@ pub struct WorkerOptions<'a> {
     /// settings (their defaults: no TorchDynamo), so `Accelerator()` reads what it would read
     /// under `accelerate launch`.
     pub accelerate: bool,
+    /// With `accelerate`: the variables Accelerate's launcher sets from its TorchDynamo,
+    /// FSDP, DeepSpeed, Megatron-LM, FP8 and parallelism flags (or config file), from
+    /// [`crate::cli::accelerate_flags`]; they replace [`ACCELERATE_DYNAMO_DEFAULTS`] and any
+    /// variable of the same name set before them (OMP_NUM_THREADS from
+    /// `--num_cpu_threads_per_process`). `None`: the defaults.
+    pub accelerate_env: Option<&'a [(&'static str, String)]>,
     /// How the workers reach the coordinator: `MUSTER_TOKEN` (a job token) and `MUSTER_TLS_*`
     /// ([`crate::security::Security::worker_env`]); `None`: nothing of the kind.
     pub security: Option<&'a crate::security::Security>,
@@ -96,6 +102,7 @@ impl Default for WorkerOptions<'_> {
             role: DEFAULT_ROLE,
             virtual_local_rank: false,
             accelerate: false,
+            accelerate_env: None,
         }
     }
 }
@@ -217,13 +224,16 @@ pub fn worker_env(
         (None, false) => {}
     }
     if options.accelerate {
-        // accelerate/utils/launch.py, prepare_multi_gpu_env and
-        // prepare_simple_launcher_cmd_env, with no --dynamo_* flag given.
-        env.extend(
-            ACCELERATE_DYNAMO_DEFAULTS
-                .iter()
-                .map(|(k, v)| (*k, (*v).to_owned())),
-        );
+        match options.accelerate_env {
+            Some(vars) => set_accelerate_env(&mut env, vars),
+            // accelerate/utils/launch.py, prepare_multi_gpu_env and
+            // prepare_simple_launcher_cmd_env, with no --dynamo_* flag given.
+            None => env.extend(
+                ACCELERATE_DYNAMO_DEFAULTS
+                    .iter()
+                    .map(|(k, v)| (*k, (*v).to_owned())),
+            ),
+        }
     }
     if options.use_cpu {
         env.push(("ACCELERATE_USE_CPU", "True".to_owned()));
@@ -238,6 +248,13 @@ pub fn worker_env(
         env.extend(security.worker_env(&node.job_id));
     }
     env
+}
+
+/// Adds Accelerate's launcher variables ([`WorkerOptions::accelerate_env`]), each replacing
+/// one of the same name already in `env`: Accelerate's launcher overwrites what it sets.
+fn set_accelerate_env(env: &mut Vec<(&'static str, String)>, vars: &[(&'static str, String)]) {
+    env.retain(|(name, _)| !vars.iter().any(|(v, _)| v == name));
+    env.extend(vars.iter().cloned());
 }
 
 #[cfg(test)]
@@ -460,6 +477,44 @@ mod tests {
     }
 
     #[test]
+    fn accelerate_launcher_variables_replace_the_defaults() {
+        let vars = [
+            ("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR".to_owned()),
+            ("ACCELERATE_USE_FSDP", "true".to_owned()),
+            (OMP_NUM_THREADS, "3".to_owned()),
+        ];
+        let options = WorkerOptions {
+            accelerate: true,
+            accelerate_env: Some(&vars),
+            ..WorkerOptions::default()
+        };
+        // node() has two workers, so torchrun's OMP_NUM_THREADS=1 would be set: the flag's
+        // value replaces it, and no TorchDynamo default is added.
+        let env = worker_env(&node(), 0, &options, |_| false);
+        let shown: Vec<String> = env
+            .iter()
+            .filter(|(k, _)| k.starts_with("ACCELERATE_") || *k == OMP_NUM_THREADS)
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        assert_eq!(
+            shown,
+            [
+                "ACCELERATE_MIXED_PRECISION=no",
+                "ACCELERATE_DYNAMO_BACKEND=INDUCTOR",
+                "ACCELERATE_USE_FSDP=true",
+                "OMP_NUM_THREADS=3"
+            ]
+        );
+        // Without `accelerate` (a torchrun command line), none of them.
+        let options = WorkerOptions {
+            accelerate_env: Some(&vars),
+            ..WorkerOptions::default()
+        };
+        let env = worker_env(&node(), 0, &options, |_| false);
+        assert!(!env.iter().any(|(k, _)| k.starts_with("ACCELERATE_")));
+    }
+
+    #[test]
     fn gpus_and_accelerate_settings() {
         let plan = |mapping, devices: &[&str], set| GpuPlan {
             mapping,
@@ -501,6 +556,7 @@ mod tests {
             role: DEFAULT_ROLE,
             virtual_local_rank: false,
             accelerate: false,
+            accelerate_env: None,
         };
         assert_eq!(
             added(&options, 1),

@@ -237,6 +237,10 @@ async fn run_at(
         .with_security(spec.security.client().clone());
     let job = spec.job_id.clone();
     let reached = match waiting(coordinators.connect(CONNECT_WINDOW), stops, || {
+        // `-q`: no notice (an empty one is not printed).
+        if spec.quiet {
+            return String::new();
+        }
         format!("muster-agent: waiting for the coordinator at {coordinator} (job {job})")
     })
     .await
@@ -309,11 +313,13 @@ async fn run_at(
         match end {
             End::Succeeded { spawned, watch } => {
                 watch.finish().await;
-                eprintln!(
-                    "muster-agent: job {job}: {} exited 0 in {:.2}s",
-                    workers(spawned),
-                    started.elapsed().as_secs_f64()
-                );
+                if !spec.quiet {
+                    eprintln!(
+                        "muster-agent: job {job}: {} exited 0 in {:.2}s",
+                        workers(spawned),
+                        started.elapsed().as_secs_f64()
+                    );
+                }
                 return Ok(Outcome::Succeeded);
             }
             End::Interrupted { sig, spawned } => {
@@ -490,8 +496,10 @@ async fn waiting<T>(
             out = &mut fut => return Waited::Done(out),
             sig = stops.recv() => return Waited::Signal(sig),
             () = &mut timer, if notice.is_some() => {
-                if let Some(text) = notice.take() {
-                    eprintln!("{}", text());
+                if let Some(text) = notice.take().map(|text| text())
+                    && !text.is_empty()
+                {
+                    eprintln!("{text}");
                 }
             }
         }
@@ -532,7 +540,7 @@ async fn waiting_join(
                         .map(|s| s.nodes_waiting),
                     Err(_) => None,
                 };
-                if joined != shown {
+                if joined != shown && !spec.quiet {
                     shown = joined;
                     let (min, max) = (spec.nodes.min, spec.nodes.max);
                     let wanted = if min == max { min.to_string() } else { format!("{min}:{max}") };
@@ -621,10 +629,12 @@ fn place_coordinator(spec: &LaunchSpec) -> Result<Place, LaunchError> {
             }
         }
     }
-    eprintln!(
-        "muster-agent: job {}: this agent hosts the rendezvous at {addr}",
-        spec.job_id
-    );
+    if !spec.quiet {
+        eprintln!(
+            "muster-agent: job {}: this agent hosts the rendezvous at {addr}",
+            spec.job_id
+        );
+    }
     let stop = CancellationToken::new();
     let task = serve_here(listener, config, stop.clone());
     Ok(Place {
@@ -1157,6 +1167,7 @@ impl<'a> Supervisor<'a> {
                 .output
                 .for_attempt(&self.node.job_id, self.node.restart_count);
             if local_rank == 0
+                && !self.spec.quiet
                 && let Some(dir) = self
                     .spec
                     .output

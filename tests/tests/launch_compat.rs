@@ -294,9 +294,64 @@ const ROWS: &[Row] = &[
     // machine with GPUs. Left out, because Accelerate itself fails here: `--use_deepspeed`
     // (DeepSpeed is not in the peers' venv), `--mixed_precision fp8 --fp8_backend` ("FP8 is not
     // available on this machine"), `--tpu` (torch_xla), `--mpirun_hostfile` (mpirun).
-    // Not yet here: the rows with Accelerate's FSDP, TorchDynamo, gradient accumulation,
-    // `-q`, `--num_cpu_threads_per_process`, `--env` and TPU flags (and the same settings from
-    // a config file): muster does not accept those flags yet (issue 13, item 5, still open).
+    Row {
+        keys: &["K"],
+        // Accelerate applies `--env` to TPU pods only; muster gives it to the workers.
+        muster_sets: &[("K", "V")],
+        ..Row::new(
+            "accelerate_fsdp",
+            Peer::Accelerate,
+            &[
+                "--num_processes",
+                "2",
+                "-q",
+                "--num_cpu_threads_per_process",
+                "2",
+                "--dynamo_backend",
+                "no",
+                "--gradient_accumulation_steps",
+                "4",
+                "--use_fsdp",
+                "--fsdp_sharding_strategy",
+                "FULL_SHARD",
+                "--fsdp_offload_params",
+                "true",
+                "--fsdp_state_dict_type",
+                "SHARDED_STATE_DICT",
+                "--env",
+                "K=V",
+                "dump_worker.py",
+                "--x",
+                "1",
+            ],
+        )
+    },
+    Row::new(
+        "accelerate_generated",
+        Peer::Accelerate,
+        &[
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--machine_rank",
+            "0",
+            "--mixed_precision",
+            "bf16",
+            "--dynamo_backend",
+            "inductor",
+            "--dynamo_mode",
+            "max-autotune",
+            "--same_network",
+            "--main_training_function",
+            "main",
+            "--downcast_bf16",
+            "--gradient_accumulation_steps",
+            "2",
+            "dump_worker.py",
+        ],
+    ),
     Row::new(
         "accelerate_module",
         Peer::Accelerate,
