@@ -905,15 +905,9 @@ impl LaunchArgs {
 
         // Workers per node, and where their output goes.
         let nproc = self.workers_per_node(&config, &file, &nodes, &ids, ctx)?;
-        if nproc > 1 && ctx.omp_num_threads.is_none() {
-            // torchrun's words, once per launch.
-            warnings.push(
-                "Setting OMP_NUM_THREADS environment variable for each process to be 1 in \
-                 default, to avoid your system being overloaded, please further tune the \
-                 variable for optimal performance in your application as needed."
-                    .to_owned(),
-            );
-        }
+        // torchrun's OMP_NUM_THREADS warning, once per launch, unless the thread count is given
+        // (the user's variable, or `--num_cpu_threads_per_process`: decided below).
+        let omp_warning_at = (nproc > 1 && ctx.omp_num_threads.is_none()).then_some(warnings.len());
         warnings.extend(self.torchrun.notes());
         let output = self.output.validate(nproc)?;
         warnings.extend(self.output.notes());
@@ -1005,6 +999,19 @@ impl LaunchArgs {
             cwd: &cwd,
         })?;
         warnings.extend(acc.messages.iter().cloned());
+        let threads_given = acc
+            .env
+            .iter()
+            .any(|(k, _)| *k == crate::env::OMP_NUM_THREADS);
+        if let Some(at) = omp_warning_at.filter(|_| !threads_given) {
+            warnings.insert(
+                at,
+                "Setting OMP_NUM_THREADS environment variable for each process to be 1 in \
+                 default, to avoid your system being overloaded, please further tune the \
+                 variable for optimal performance in your application as needed."
+                    .to_owned(),
+            );
+        }
         let accelerate = accelerate || acc.given;
         let max_restarts = self.max_restarts.or(config.max_restarts).unwrap_or(0);
         if let Some(secs) = self.monitor_interval

@@ -385,3 +385,32 @@ pub fn load_average() -> String {
         .collect::<Vec<_>>()
         .join(" ")
 }
+
+/// The floor any launcher adds to: `workers` interpreters of the worker spawned directly, from
+/// the spawn to the last one's `start` line (the log already holds a death, so each notes
+/// `start 1` and exits).
+pub fn floor_ms(python: &Path, worker: &Path, log: &Path, workers: u32) -> anyhow::Result<f64> {
+    std::fs::write(log, "death 0\n")?;
+    let t0 = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)?
+        .as_nanos();
+    let children = (0..workers)
+        .map(|r| {
+            Command::new(python)
+                .arg(worker)
+                .env("RESTART_BENCH_LOG", log)
+                .env("RANK", (r + 100).to_string())
+                .stdout(Stdio::null())
+                .spawn()
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    wait_all(children, "a direct worker")?;
+    let text = std::fs::read_to_string(log)?;
+    let last = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("start 1 "))
+        .filter_map(|t| t.parse::<u128>().ok())
+        .max()
+        .context("no start line from a directly started worker")?;
+    Ok(last.saturating_sub(t0) as f64 / 1e6)
+}

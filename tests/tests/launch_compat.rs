@@ -326,6 +326,13 @@ const ROWS: &[Row] = &[
             ],
         )
     },
+    // The same settings from the file `accelerate config` writes: the config file's sections
+    // become the same variables as the flags.
+    Row::new(
+        "accelerate_fsdp_config_file",
+        Peer::Accelerate,
+        &["--config_file", "fsdp_config.yaml", "dump_worker.py"],
+    ),
     Row::new(
         "accelerate_generated",
         Peer::Accelerate,

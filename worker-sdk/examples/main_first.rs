@@ -34,13 +34,15 @@ fn run() -> Result<(), muster::Error> {
     );
 
     // Every process runs the block; the main process first (it sleeps so that the ordering is
-    // visible), the others only once it is done.
+    // visible), the others only once it is done. Each line carries the wall clock in
+    // nanoseconds, the order that counts: lines from several processes may reach a merged
+    // console in another order.
     accelerator.main_process_first(|| {
-        println!("rank={rank} main_process_first: start");
+        println!("rank={rank} main_process_first: start at_ns={}", now_ns());
         if accelerator.is_main_process() {
             sleep(Duration::from_millis(200));
         }
-        println!("rank={rank} main_process_first: done");
+        println!("rank={rank} main_process_first: done at_ns={}", now_ns());
     })?;
 
     // Only the main process computes; the others receive its value.
@@ -101,4 +103,11 @@ fn fnv1a(bytes: &[u8]) -> u64 {
     bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, byte| {
         (hash ^ u64::from(*byte)).wrapping_mul(0x0100_0000_01b3)
     })
+}
+
+/// Nanoseconds since the Unix epoch: one clock for every process of the machine.
+fn now_ns() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
 }

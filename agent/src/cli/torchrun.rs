@@ -599,6 +599,31 @@ mod tests {
         );
     }
 
+    /// `--num_cpu_threads_per_process` gives the thread count, so torchrun's warning that it
+    /// was set to 1 would be false.
+    #[test]
+    fn no_omp_num_threads_warning_when_the_thread_count_is_given() {
+        let unset = Context {
+            omp_num_threads: None,
+            ..machine(None)
+        };
+        let argv = [
+            "muster-agent",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            "--num_cpu_threads_per_process",
+            "4",
+            "--",
+            "sh",
+        ];
+        let (_, notes) = parse_in(argv, &unset).expect("accepted");
+        assert!(
+            notes.iter().all(|n| !n.contains("OMP_NUM_THREADS")),
+            "{notes:?}"
+        );
+    }
+
     #[test]
     fn pet_switch_values() {
         for (value, expected) in [

@@ -12,14 +12,13 @@
 //!
 //! `target/release/restart [--rounds 5] [--procs 8] [--nodes 3 --node-procs 2]`
 
-use anyhow::Context;
 use clap::Parser;
 use muster_bench::{
-    CoordinatorProcess, RESTART_WORKER, bin_dir, muster_restart_round, peers_venv, quantile,
-    torch_restart_round, wait_all,
+    CoordinatorProcess, RESTART_WORKER, bin_dir, floor_ms, muster_restart_round, peers_venv,
+    quantile, torch_restart_round,
 };
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::PathBuf;
+
 use std::time::Duration;
 
 #[derive(Parser)]
@@ -39,35 +38,6 @@ struct Args {
     /// The peers' venv.
     #[arg(long, env = "MUSTER_PEERS_VENV")]
     venv: Option<PathBuf>,
-}
-
-/// The floor any launcher adds to: `workers` interpreters of the worker spawned directly, from
-/// the spawn to the last one's `start` line (the log already holds a death, so each notes
-/// `start 1` and exits).
-fn floor_ms(python: &Path, worker: &Path, log: &Path, workers: u32) -> anyhow::Result<f64> {
-    std::fs::write(log, "death 0\n")?;
-    let t0 = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)?
-        .as_nanos();
-    let children = (0..workers)
-        .map(|r| {
-            Command::new(python)
-                .arg(worker)
-                .env("RESTART_BENCH_LOG", log)
-                .env("RANK", (r + 100).to_string())
-                .stdout(Stdio::null())
-                .spawn()
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    wait_all(children, "a direct worker")?;
-    let text = std::fs::read_to_string(log)?;
-    let last = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("start 1 "))
-        .filter_map(|t| t.parse::<u128>().ok())
-        .max()
-        .context("no start line")?;
-    Ok(last.saturating_sub(t0) as f64 / 1e6)
 }
 
 fn main() -> anyhow::Result<()> {
