@@ -8,3 +8,5 @@ scripts/install-deps.sh
 scripts/install-peers.sh >/dev/null
 cargo build --workspace --all-targets
 cargo test --workspace --all-targets "$@"
+# The Python SDK, built with pip into the peers' venv, and its pytest suite.
+scripts/test-python.sh

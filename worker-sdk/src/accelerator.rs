@@ -297,6 +297,19 @@ impl Accelerator {
         self.barrier(Scope::Node, &name, None)
     }
 
+    /// A barrier of `scope` under an explicit name, with an optional deadline: what
+    /// [`Accelerator::wait_for_everyone`] and [`Accelerator::wait_for_local`] do with the
+    /// caller's `file:line`, for callers that name their own call sites (the Python SDK names
+    /// them after the Python caller's file and line).
+    pub fn barrier_named(
+        &self,
+        scope: Scope,
+        name: &str,
+        timeout: Option<Duration>,
+    ) -> Result<(), Error> {
+        self.barrier(scope, name, timeout)
+    }
+
     fn barrier(&self, scope: Scope, name: &str, timeout: Option<Duration>) -> Result<(), Error> {
         match &self.backend {
             Backend::Local(_) => Ok(()),
@@ -367,8 +380,8 @@ impl Accelerator {
     where
         T: Serialize + DeserializeOwned,
     {
-        let name = format!("global/{}", call_site(Location::caller()));
-        self.share(name, self.is_main_process(), f)
+        let site = call_site(Location::caller());
+        self.share(Scope::Global, &site, self.is_main_process(), f)
     }
 
     /// Like [`Accelerator::main_process_first_share`] per node: each node's local main
@@ -378,22 +391,24 @@ impl Accelerator {
     where
         T: Serialize + DeserializeOwned,
     {
-        let name = format!(
-            "node{}/{}",
-            self.info.node_rank,
-            call_site(Location::caller())
-        );
-        self.share(name, self.is_local_main_process(), f)
+        let site = call_site(Location::caller());
+        self.share(Scope::Node, &site, self.is_local_main_process(), f)
     }
 
-    fn share<T>(&self, name: String, publisher: bool, f: impl FnOnce() -> T) -> Result<T, Error>
+    fn share<T>(
+        &self,
+        scope: Scope,
+        site: &str,
+        publisher: bool,
+        f: impl FnOnce() -> T,
+    ) -> Result<T, Error>
     where
         T: Serialize + DeserializeOwned,
     {
         let Backend::Remote(remote) = &self.backend else {
             return Ok(f());
         };
-        let name = shared_value_name(&name, self.next_share_call(&name));
+        let name = self.shared_name(scope, site);
         let what = || format!("shared value '{name}'");
         if publisher {
             let value = f();
@@ -410,6 +425,49 @@ impl Accelerator {
                 source,
             })
         }
+    }
+
+    /// The publishing half of [`Accelerator::main_process_first_share`] (scope `Global`) or
+    /// [`Accelerator::local_main_process_first_share`] (`Node`) for callers that name their
+    /// call site and encode the value themselves (the Python SDK pickles it): called by the
+    /// process that computed `bytes`. Calls are counted per call site, as the typed ones are.
+    pub fn share_publish(
+        &self,
+        scope: Scope,
+        call_site: &str,
+        bytes: Vec<u8>,
+    ) -> Result<(), Error> {
+        let Backend::Remote(remote) = &self.backend else {
+            // Single-process mode: the publisher is the only process.
+            return Ok(());
+        };
+        let name = self.shared_name(scope, call_site);
+        remote.block_on(remote.shared.publish(&name, bytes))
+    }
+
+    /// The receiving half of [`Accelerator::share_publish`]: waits for the bytes the main
+    /// process (`Global`) or this node's local main process (`Node`) published from the same
+    /// call site, or for the generation's failure.
+    pub fn share_fetch(&self, scope: Scope, call_site: &str) -> Result<Vec<u8>, Error> {
+        let Backend::Remote(remote) = &self.backend else {
+            return Err(Error::NotFound {
+                what: format!(
+                    "shared value from '{call_site}' (single-process mode: this process is the \
+                     main process and publishes it)"
+                ),
+            });
+        };
+        let name = self.shared_name(scope, call_site);
+        remote.block_on(remote.shared.fetch(&name, None))
+    }
+
+    /// The name of the next shared value of `call_site` in `scope`.
+    fn shared_name(&self, scope: Scope, call_site: &str) -> String {
+        let name = match scope {
+            Scope::Global => format!("global/{call_site}"),
+            Scope::Node => format!("node{}/{call_site}", self.info.node_rank),
+        };
+        shared_value_name(&name, self.next_share_call(&name))
     }
 
     fn next_share_call(&self, name: &str) -> u64 {

@@ -1,0 +1,44 @@
+"""muster for Python: Accelerate's process model (``Accelerator``, ``wait_for_everyone``,
+``main_process_first``, ``main_process_first_share``) on muster's agent and coordinator, where a
+dead rank is an exception naming its rank, node, host and cause in every waiting process, never
+a hang.
+
+    import muster
+
+    accelerator = muster.Accelerator()
+    with accelerator.main_process_first():
+        dataset = load_or_build_cache()
+    accelerator.wait_for_everyone()
+"""
+
+from muster.accelerator import NCCL_UNIQUE_ID_BYTES, Accelerator, KeyValueStore
+from muster.errors import (
+    ConfigError,
+    CoordinatorConnectionError,
+    DivergedError,
+    JobCancelledError,
+    MusterError,
+    NotFoundError,
+    RankFailedError,
+    RankLeftError,
+    StaleGenerationError,
+    UnauthorizedError,
+    WaitTimeoutError,
+)
+
+__all__ = [
+    "NCCL_UNIQUE_ID_BYTES",
+    "Accelerator",
+    "ConfigError",
+    "CoordinatorConnectionError",
+    "DivergedError",
+    "JobCancelledError",
+    "KeyValueStore",
+    "MusterError",
+    "NotFoundError",
+    "RankFailedError",
+    "RankLeftError",
+    "StaleGenerationError",
+    "UnauthorizedError",
+    "WaitTimeoutError",
+]

@@ -1,0 +1,290 @@
+"""``muster.Accelerator``: Accelerate's process model (``wait_for_everyone``,
+``main_process_first``, ``is_main_process``, ...) over muster's agent and coordinator, so a
+dead rank is an exception naming it instead of a hang. Every wait is the Rust SDK's, through
+``muster._native``; this module only gives it Accelerate's names."""
+
+from __future__ import annotations
+
+import atexit
+import builtins
+import contextlib
+import functools
+import os
+import pickle
+import sys
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from muster import _native
+
+T = TypeVar("T")
+
+#: Bytes in an NCCL unique id (``ncclUniqueId``).
+NCCL_UNIQUE_ID_BYTES: int = _native.NCCL_UNIQUE_ID_BYTES
+
+
+def _call_site(depth: int) -> str:
+    """``file:line`` of the caller ``depth`` frames up: what names a barrier, so that ranks
+    arriving from different lines raise :class:`muster.errors.DivergedError`. The file's base
+    name only, so that checkouts at different paths on different nodes agree."""
+    frame = sys._getframe(depth + 1)
+    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+
+
+def _as_bytes(value: str | bytes | bytearray | memoryview) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    return bytes(value)
+
+
+class KeyValueStore:
+    """The job's key-value store (TCPStore's operations), scoped to the job at the coordinator:
+    authenticated with the worker's job token and, with coordinators on etcd, surviving a
+    failover. Values are bytes; ``str`` values are stored as UTF-8."""
+
+    def __init__(self, native: _native.Native) -> None:
+        self._native = native
+
+    def set(self, key: str, value: str | bytes) -> None:
+        """Sets ``key`` to ``value``."""
+        self._native.kv_set(key, _as_bytes(value))
+
+    def get(self, key: str, timeout: float | None = None) -> bytes | None:
+        """The value of ``key``: None when unset, or with ``timeout`` (seconds) waits for it to
+        be set and raises :class:`muster.errors.WaitTimeoutError` when it is not."""
+        if timeout is None:
+            return self._native.kv_get(key)
+        return self._native.kv_wait(key, float(timeout))
+
+    def add(self, key: str, delta: int = 1) -> int:
+        """Adds ``delta`` to the integer at ``key`` (0 when unset), atomically at the
+        coordinator; returns the new value."""
+        return self._native.kv_add(key, int(delta))
+
+    def compare_set(
+        self, key: str, expected: str | bytes | None, desired: str | bytes
+    ) -> tuple[bool, bytes | None]:
+        """Sets ``key`` to ``desired`` if its value is ``expected`` (None: unset), atomically;
+        returns ``(swapped, current value)``."""
+        exp = None if expected is None else _as_bytes(expected)
+        return self._native.kv_compare_set(key, exp, _as_bytes(desired))
+
+    def delete(self, key: str) -> bool:
+        """Deletes ``key``; whether it existed."""
+        return self._native.kv_delete(key)
+
+    def items(self, prefix: str = "") -> list[tuple[str, bytes]]:
+        """Every ``(key, value)`` whose key starts with ``prefix``."""
+        return [(k, v) for k, v in self._native.kv_list(prefix)]
+
+
+class Accelerator:
+    """This process's place in a muster job, with Accelerate's names.
+
+    Made from the launcher's environment (``muster-agent launch``); run without a launcher it is
+    a world of one process, as Accelerate's is. Waits release the GIL, can be interrupted with
+    Ctrl-C, work from any thread, and raise a :class:`muster.errors.MusterError` naming the
+    cause: when a rank dies, every rank waiting on it raises
+    :class:`muster.errors.RankFailedError` with its ``rank``, ``node``, ``host`` and ``cause``.
+    A process forked from this one (a DataLoader worker) cannot wait and says so.
+    """
+
+    def __init__(self) -> None:
+        self._native = _native.Native()
+        info: dict[str, Any] = self._native.info()
+        self._info = info
+        # Leave the job cleanly at exit, so ranks still waiting hear "left", not "lost".
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # -- the process's place -------------------------------------------------------------
+    @property
+    def process_index(self) -> int:
+        """Global rank, ``0 .. num_processes``."""
+        return self._info["rank"]
+
+    @property
+    def local_process_index(self) -> int:
+        """Rank among this node's processes."""
+        return self._info["local_rank"]
+
+    @property
+    def num_processes(self) -> int:
+        """Processes in the job."""
+        return self._info["world_size"]
+
+    @property
+    def local_num_processes(self) -> int:
+        """Processes on this node."""
+        return self._info["local_world_size"]
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes (machines) in the job."""
+        return self._info["num_nodes"]
+
+    @property
+    def node_rank(self) -> int:
+        """This node's rank, ``0 .. num_nodes``."""
+        return self._info["node_rank"]
+
+    @property
+    def is_main_process(self) -> bool:
+        """Whether this is global rank 0."""
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        """Whether this is rank 0 of its node."""
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        """Whether this is the last global rank."""
+        return self.process_index == self.num_processes - 1
+
+    @property
+    def generation(self) -> int:
+        """The restart round this process belongs to, from 1."""
+        return self._info["generation"]
+
+    @property
+    def restart_count(self) -> int:
+        """Restarts of the job so far (0 in the first generation)."""
+        return self._info["restart_count"]
+
+    @property
+    def job_id(self) -> str:
+        """The job's id."""
+        return self._info["job_id"]
+
+    @property
+    def host(self) -> str:
+        """The host this node advertises."""
+        return self._info["host"]
+
+    @property
+    def is_distributed(self) -> bool:
+        """Whether a launcher started this process (False: a world of one)."""
+        return self._info["distributed"]
+
+    def __repr__(self) -> str:
+        return (
+            f"Accelerator(process_index={self.process_index}, num_processes={self.num_processes}, "
+            f"node_rank={self.node_rank}, num_nodes={self.num_nodes}, job_id={self.job_id!r}, "
+            f"generation={self.generation})"
+        )
+
+    # -- synchronisation -----------------------------------------------------------------
+    def wait_for_everyone(self, name: str | None = None, timeout: float | None = None) -> None:
+        """Blocks until every process reaches this call. The barrier is named after the
+        caller's ``file:line`` (or ``name``), so ranks arriving from different lines raise
+        :class:`muster.errors.DivergedError` naming both. With ``timeout`` (seconds) it raises
+        :class:`muster.errors.WaitTimeoutError` listing who had not arrived."""
+        self._native.barrier(name or _call_site(1), False, timeout)
+
+    def wait_for_local(self, name: str | None = None, timeout: float | None = None) -> None:
+        """Blocks until every process of this node reaches this call."""
+        self._native.barrier(name or _call_site(1), True, timeout)
+
+    @contextlib.contextmanager
+    def main_process_first(self) -> Iterator[None]:
+        """``with accelerator.main_process_first():`` runs the block on the main process
+        first and on the others once it is done (to load what the main process cached). If
+        the main process dies in the block, the others raise instead of running it."""
+        site = _call_site(2)
+        if self.is_main_process:
+            yield
+            self._native.barrier(site, False, None)
+        else:
+            self._native.barrier(site, False, None)
+            yield
+
+    @contextlib.contextmanager
+    def local_main_process_first(self) -> Iterator[None]:
+        """Like :meth:`main_process_first` per node: each node's local main process first."""
+        site = _call_site(2)
+        if self.is_local_main_process:
+            yield
+            self._native.barrier(site, True, None)
+        else:
+            self._native.barrier(site, True, None)
+            yield
+
+    def main_process_first_share(self, fn: Callable[[], T]) -> T:
+        """Rank 0 calls ``fn()`` and every other rank receives its result (pickled) without
+        calling it. The value belongs to this generation: after a restart every rank waits for
+        the new rank 0's value, never a stale one."""
+        return self._share(fn, _call_site(1), node=False, publisher=self.is_main_process)
+
+    def local_main_process_first_share(self, fn: Callable[[], T]) -> T:
+        """Like :meth:`main_process_first_share` per node: each node's local main process
+        computes, the processes of its node receive."""
+        return self._share(fn, _call_site(1), node=True, publisher=self.is_local_main_process)
+
+    def _share(self, fn: Callable[[], T], site: str, node: bool, publisher: bool) -> T:
+        if publisher:
+            value = fn()
+            if self.num_processes > 1:
+                self._native.share_publish(site, pickle.dumps(value), node)
+            return value
+        return pickle.loads(self._native.share_fetch(site, node))
+
+    # -- running on some processes only --------------------------------------------------
+    def on_main_process(self, fn: Callable[..., T]) -> Callable[..., T | None]:
+        """Decorator: ``fn`` runs on the main process only (None elsewhere)."""
+        return self._on(fn, lambda: self.is_main_process)
+
+    def on_local_main_process(self, fn: Callable[..., T]) -> Callable[..., T | None]:
+        """Decorator: ``fn`` runs on each node's local main process only."""
+        return self._on(fn, lambda: self.is_local_main_process)
+
+    def on_last_process(self, fn: Callable[..., T]) -> Callable[..., T | None]:
+        """Decorator: ``fn`` runs on the last process only."""
+        return self._on(fn, lambda: self.is_last_process)
+
+    def on_process(self, process_index: int) -> Callable[[Callable[..., T]], Callable[..., T | None]]:
+        """Decorator factory: the function runs on global rank ``process_index`` only."""
+        return lambda fn: self._on(fn, lambda: self.process_index == process_index)
+
+    @staticmethod
+    def _on(fn: Callable[..., T], when: Callable[[], bool]) -> Callable[..., T | None]:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> T | None:
+            return fn(*args, **kwargs) if when() else None
+
+        return wrapper
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` once per machine (on the local main process), as Accelerate's does."""
+        if self.is_local_main_process:
+            builtins.print(*args, **kwargs)
+
+    # -- the job's store and NCCL ids -----------------------------------------------------
+    @property
+    def store(self) -> KeyValueStore:
+        """The job's key-value store."""
+        return KeyValueStore(self._native)
+
+    def publish_nccl_unique_id(self, communicator: str, unique_id: bytes) -> None:
+        """Publishes the NCCL unique id (``NCCL_UNIQUE_ID_BYTES`` bytes) of ``communicator``
+        for this generation, from its root rank."""
+        self._native.publish_unique_id(communicator, bytes(unique_id))
+
+    def fetch_nccl_unique_id(self, communicator: str) -> bytes:
+        """Waits for the NCCL unique id of ``communicator`` from its root rank."""
+        return self._native.fetch_unique_id(communicator)
+
+    def end_training(self) -> None:
+        """Leaves the job cleanly: ranks still waiting on this one raise
+        :class:`muster.errors.RankLeftError` instead of waiting. Done at exit anyway."""
+        self._native.close()
+
+
+def _close_at_exit(ref: weakref.ref[Accelerator]) -> None:
+    accelerator = ref()
+    if accelerator is not None:
+        accelerator._native.close()
+
+
+__all__ = ["NCCL_UNIQUE_ID_BYTES", "Accelerator", "KeyValueStore"]
