@@ -12,7 +12,6 @@ import functools
 import os
 import pickle
 import sys
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -91,11 +90,10 @@ class Accelerator:
     """
 
     def __init__(self) -> None:
-        self._native = _native.Native()
-        info: dict[str, Any] = self._native.info()
-        self._info = info
-        # Leave the job cleanly at exit, so ranks still waiting hear "left", not "lost".
-        atexit.register(_close_at_exit, weakref.ref(self))
+        # One connection per process, as Accelerate's state is one per process: every
+        # Accelerator() of a process (and muster.torch) shares it.
+        self._native = _process_native()
+        self._info: dict[str, Any] = self._native.info()
 
     # -- the process's place -------------------------------------------------------------
     @property
@@ -281,10 +279,19 @@ class Accelerator:
         self._native.close()
 
 
-def _close_at_exit(ref: weakref.ref[Accelerator]) -> None:
-    accelerator = ref()
-    if accelerator is not None:
-        accelerator._native.close()
+_PROCESS_NATIVE: tuple[int, _native.Native] | None = None
+
+
+def _process_native() -> _native.Native:
+    """This process's connection, made on first use (a forked child makes its own only if
+    it asks for a new one: the parent's refuses it with a clear error)."""
+    global _PROCESS_NATIVE
+    if _PROCESS_NATIVE is None:
+        native = _native.Native()
+        _PROCESS_NATIVE = (os.getpid(), native)
+        # Leave the job cleanly at exit, so ranks still waiting hear "left", not "lost".
+        atexit.register(native.close)
+    return _PROCESS_NATIVE[1]
 
 
 __all__ = ["NCCL_UNIQUE_ID_BYTES", "Accelerator", "KeyValueStore"]

@@ -1,0 +1,94 @@
+"""``muster.torch`` under the real ``muster-agent launch``: a gloo DDP job initialised through
+``muster.torch.init_process_group`` and through ``init_method="muster://"`` with
+``MASTER_ADDR``/``MASTER_PORT`` removed (so no TCPStore can be opened), and the store's
+operations as torch calls them."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("torch") is None, reason="torch is not installed in this venv"
+)
+
+DDP = """
+import os, sys
+for k in ("MASTER_ADDR", "MASTER_PORT"):
+    os.environ.pop(k, None)
+import torch, torch.distributed as dist
+import muster.torch
+if sys.argv[-1] == "api":
+    muster.torch.init_process_group("gloo")
+else:
+    dist.init_process_group("gloo", init_method="muster://")
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 2))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+torch.manual_seed(dist.get_rank())
+for _ in range(3):
+    opt.zero_grad()
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+# DDP keeps the replicas identical: the average of the weights is every rank's weights.
+w = model.module.weight.detach().clone()
+dist.all_reduce(w)
+w /= dist.get_world_size()
+print(f"ddp={dist.get_rank()},{dist.get_world_size()},{torch.allclose(w, model.module.weight)}", flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("how", ["api", "url"])
+def test_a_ddp_job_needs_no_master_port(launch, how) -> None:
+    script = DDP.replace('sys.argv[-1] == "api"', f'"{how}" == "api"')
+    run = launch(3, script, timeout=180)
+    assert run.code == 0, run.dump()
+    for rank in range(3):
+        assert run.value(rank, "ddp") == f"{rank},3,True", run.dump()
+
+
+def test_the_store_serves_what_torch_asks(launch) -> None:
+    run = launch(
+        2,
+        """
+        import datetime, time
+        import torch.distributed as dist
+        import muster.torch
+        store = muster.torch.Store(timeout=datetime.timedelta(seconds=30))
+        rank = muster.Accelerator().process_index
+        store.add("count", 1)
+        if rank == 0:
+            store.set("k", b"v0")
+        print(f"get={store.get('k').decode()}", flush=True)  # rank 1 blocks until rank 0 sets it
+        store.wait(["count"])
+        # torch's compare_set: empty expected means "only if unset"; one rank wins.
+        won = store.compare_set("lock", "", f"rank{rank}")
+        print(f"lock={won.decode()}", flush=True)
+        muster.Accelerator().wait_for_everyone()
+        print(f"count={store.add('count', 0)}", flush=True)
+        print(f"check={store.check(['k', 'count'])},{store.check(['nope'])}", flush=True)
+        start = time.monotonic()
+        try:
+            store.wait(["never"], datetime.timedelta(seconds=0.3))
+        except dist.DistStoreError as e:
+            print(f"timeout={time.monotonic() - start:.1f},{'never' in str(e)}", flush=True)
+        muster.Accelerator().wait_for_everyone()
+        if rank == 0:
+            print(f"deleted={store.delete_key('k')},{store.delete_key('k')}", flush=True)
+            print(f"keys={store.num_keys()}", flush=True)
+        """,
+    )
+    assert run.code == 0, run.dump()
+    locks = {run.value(r, "lock") for r in range(2)}
+    assert len(locks) == 1 and locks.pop() in ("rank0", "rank1"), run.dump()
+    for rank in range(2):
+        assert run.value(rank, "get") == "v0"
+        assert run.value(rank, "count") == "2"
+        assert run.value(rank, "check") == "True,False"
+        waited, named = run.value(rank, "timeout").split(",")
+        assert float(waited) < 5 and named == "True", run.dump()
+    assert run.value(0, "deleted") == "True,False"
+    # count and lock remain.
+    assert run.value(0, "keys") == "2", run.dump()
