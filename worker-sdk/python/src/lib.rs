@@ -11,6 +11,7 @@ use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
+use muster::comm::{BackendKind, Communicator, DType, Element, ReduceOp};
 use muster::{Error, NCCL_UNIQUE_ID_BYTES, RankInfo, Scope};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
@@ -75,20 +76,10 @@ impl Native {
         if !on_main_thread() {
             return py.detach(|| f(&accelerator)).map_err(|e| to_py(py, e));
         }
-        let (tx, rx) = mpsc::channel();
-        std::thread::Builder::new()
-            .name("muster-wait".to_owned())
-            .spawn(move || {
-                let _ = tx.send(f(&accelerator));
-            })
-            .map_err(|e| {
-                error(
-                    py,
-                    "MusterError",
-                    &format!("could not start a thread to wait on: {e}"),
-                    None,
-                )
-            })?;
+        let (tx, rx) = mpsc::sync_channel(1);
+        main_waiter(py)?.run(Box::new(move || {
+            let _ = tx.send(f(&accelerator));
+        }));
         let mut rx = rx;
         loop {
             // The receiver goes to the GIL-free closure and back (it is Send, not Sync).
@@ -96,9 +87,14 @@ impl Native {
             rx = back;
             match answer {
                 Ok(answer) => return answer.map_err(|e| to_py(py, e)),
-                // KeyboardInterrupt (or what a handler raises) ends the wait here; the helper
-                // thread finishes the call on its own.
-                Err(RecvTimeoutError::Timeout) => py.check_signals()?,
+                // KeyboardInterrupt (or what a handler raises) ends the wait here; the waiter
+                // thread finishes the call on its own, and the next wait gets a new one.
+                Err(RecvTimeoutError::Timeout) => {
+                    if let Err(e) = py.check_signals() {
+                        abandon_main_waiter();
+                        return Err(e);
+                    }
+                }
                 Err(RecvTimeoutError::Disconnected) => {
                     return Err(error(
                         py,
@@ -110,6 +106,59 @@ impl Native {
             }
         }
     }
+}
+
+/// A call for the waiter thread.
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The thread that runs the main thread's waits, so that the main thread stays free to answer
+/// signals: started once and reused (a thread per wait costs more than a barrier).
+struct Waiter {
+    jobs: mpsc::Sender<Job>,
+}
+
+impl Waiter {
+    fn run(&self, job: Job) {
+        // The thread only ends when its sender is dropped.
+        let _ = self.jobs.send(job);
+    }
+}
+
+/// The main thread's waiter; `None` until the first wait, and again after a wait was
+/// abandoned (its thread is still busy with it).
+static MAIN_WAITER: Mutex<Option<Arc<Waiter>>> = Mutex::new(None);
+
+fn main_waiter(py: Python<'_>) -> PyResult<Arc<Waiter>> {
+    let mut slot = MAIN_WAITER.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(waiter) = slot.as_ref() {
+        return Ok(waiter.clone());
+    }
+    let (jobs, queue) = mpsc::channel::<Job>();
+    std::thread::Builder::new()
+        .name("muster-wait".to_owned())
+        .spawn(move || {
+            for job in queue {
+                job();
+            }
+        })
+        .map_err(|e| {
+            error(
+                py,
+                "MusterError",
+                &format!("could not start a thread to wait on: {e}"),
+                None,
+            )
+        })?;
+    let waiter = Arc::new(Waiter { jobs });
+    *slot = Some(waiter.clone());
+    Ok(waiter)
+}
+
+fn abandon_main_waiter() {
+    MAIN_WAITER
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .take();
 }
 
 /// Whether this is the process's initial thread, the one Python runs signal handlers on.
@@ -310,6 +359,261 @@ impl Native {
     }
 }
 
+/// A buffer handed over by the Python layer (`muster.comm`): the address and length of a
+/// C-contiguous CPU buffer (a numpy array, a CPU torch tensor, anything with the buffer
+/// protocol) and its element type. The Python layer keeps the object alive and checks that it
+/// is contiguous and (for outputs) writable before it calls.
+#[derive(Clone, Copy)]
+struct RawBuffer {
+    addr: usize,
+    bytes: usize,
+}
+
+impl RawBuffer {
+    /// The buffer as a typed slice.
+    ///
+    /// Sound because: the Python caller holds a reference to the object that owns the memory
+    /// for the whole call (the GIL is released, but the object cannot be freed while
+    /// referenced), the Python layer refused non-contiguous and read-only outputs, and here the
+    /// address is checked for null and alignment and the length for a whole number of elements.
+    /// Two buffers of one call may overlap only where the Python layer allows it (never: it
+    /// passes distinct objects, or the same one in place).
+    #[allow(unsafe_code)]
+    fn slice<'a, T: Element>(self, what: &str) -> Result<&'a mut [T], String> {
+        let size = std::mem::size_of::<T>();
+        if !self.bytes.is_multiple_of(size) {
+            return Err(format!(
+                "{what}: {} bytes is not a whole number of {} elements",
+                self.bytes,
+                T::DTYPE
+            ));
+        }
+        if self.bytes == 0 {
+            return Ok(&mut []);
+        }
+        if self.addr == 0 || !self.addr.is_multiple_of(std::mem::align_of::<T>()) {
+            return Err(format!(
+                "{what}: the buffer at {:#x} is not aligned for {}",
+                self.addr,
+                T::DTYPE
+            ));
+        }
+        // SAFETY: see above: a live, contiguous, aligned allocation of `bytes` bytes.
+        Ok(unsafe { std::slice::from_raw_parts_mut(self.addr as *mut T, self.bytes / size) })
+    }
+}
+
+/// Calls `$body` with `$t` bound to the Rust element type of `$dtype`.
+macro_rules! with_dtype {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $t = f32;
+                $body
+            }
+            DType::F64 => {
+                type $t = f64;
+                $body
+            }
+            DType::F16 => {
+                type $t = half::f16;
+                $body
+            }
+            DType::BF16 => {
+                type $t = half::bf16;
+                $body
+            }
+            DType::I32 => {
+                type $t = i32;
+                $body
+            }
+            DType::I64 => {
+                type $t = i64;
+                $body
+            }
+            DType::U8 => {
+                type $t = u8;
+                $body
+            }
+        }
+    };
+}
+
+fn dtype(name: &str) -> PyResult<DType> {
+    Ok(match name {
+        "f32" => DType::F32,
+        "f64" => DType::F64,
+        "f16" => DType::F16,
+        "bf16" => DType::BF16,
+        "i32" => DType::I32,
+        "i64" => DType::I64,
+        "u8" => DType::U8,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "element type '{other}' cannot be reduced or moved (use float32, float64, \
+                 float16, bfloat16, int32, int64 or uint8)"
+            )));
+        }
+    })
+}
+
+fn reduce_op(name: &str) -> PyResult<ReduceOp> {
+    Ok(match name {
+        "sum" => ReduceOp::Sum,
+        "avg" | "mean" => ReduceOp::Avg,
+        "min" => ReduceOp::Min,
+        "max" => ReduceOp::Max,
+        "product" | "prod" => ReduceOp::Product,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "'{other}' is not a reduction (use sum, avg, min, max or product)"
+            )));
+        }
+    })
+}
+
+/// The SDK's CPU communicator (shared memory within a machine, sockets across machines).
+#[pyclass(frozen, module = "muster._native")]
+struct Comm {
+    inner: Communicator,
+    pid: u32,
+}
+
+impl Comm {
+    /// Runs a collective without the GIL, in this thread (the buffers are the caller's: the
+    /// call cannot be abandoned half-way, so Ctrl-C takes effect when it returns).
+    fn run(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&Communicator) -> Result<(), Error> + Send,
+    ) -> PyResult<()> {
+        if std::process::id() != self.pid {
+            return Err(error(
+                py,
+                "MusterError",
+                "this communicator belongs to the process that made it, not a forked child",
+                None,
+            ));
+        }
+        py.detach(|| f(&self.inner)).map_err(|e| to_py(py, e))
+    }
+}
+
+#[pymethods]
+impl Comm {
+    /// Connects every rank of the job (a collective call: every rank makes one).
+    #[new]
+    fn new(py: Python<'_>, native: &Native) -> PyResult<Self> {
+        let accelerator = native.get(py)?;
+        let inner = py
+            .detach(|| Communicator::with_backend(&accelerator, BackendKind::Cpu))
+            .map_err(|e| to_py(py, e))?;
+        Ok(Self {
+            inner,
+            pid: std::process::id(),
+        })
+    }
+
+    /// This rank and the world size.
+    fn rank(&self) -> (usize, usize) {
+        (self.inner.rank(), self.inner.world_size())
+    }
+
+    /// In place: every rank ends with the reduction of every rank's buffer.
+    fn all_reduce(
+        &self,
+        py: Python<'_>,
+        addr: usize,
+        bytes: usize,
+        dtype_name: &str,
+        op: &str,
+    ) -> PyResult<()> {
+        let (dt, op, buf) = (
+            dtype(dtype_name)?,
+            reduce_op(op)?,
+            RawBuffer { addr, bytes },
+        );
+        with_dtype!(dt, T => {
+            let data = buf.slice::<T>("all_reduce").map_err(PyValueError::new_err)?;
+            self.run(py, move |c| c.all_reduce(data, op))
+        })
+    }
+
+    /// In place: every rank ends with `root`'s buffer.
+    fn broadcast(
+        &self,
+        py: Python<'_>,
+        addr: usize,
+        bytes: usize,
+        dtype_name: &str,
+        root: usize,
+    ) -> PyResult<()> {
+        let (dt, buf) = (dtype(dtype_name)?, RawBuffer { addr, bytes });
+        with_dtype!(dt, T => {
+            let data = buf.slice::<T>("broadcast").map_err(PyValueError::new_err)?;
+            self.run(py, move |c| c.broadcast(data, root))
+        })
+    }
+
+    /// Every rank's input, concatenated in rank order, into the output.
+    fn all_gather(
+        &self,
+        py: Python<'_>,
+        input: (usize, usize),
+        output: (usize, usize),
+        dtype_name: &str,
+    ) -> PyResult<()> {
+        let dt = dtype(dtype_name)?;
+        let (send, recv) = (
+            RawBuffer {
+                addr: input.0,
+                bytes: input.1,
+            },
+            RawBuffer {
+                addr: output.0,
+                bytes: output.1,
+            },
+        );
+        with_dtype!(dt, T => {
+            let send = send.slice::<T>("all_gather input").map_err(PyValueError::new_err)?;
+            let recv = recv.slice::<T>("all_gather output").map_err(PyValueError::new_err)?;
+            self.run(py, move |c| c.all_gather_into(send, recv))
+        })
+    }
+
+    /// Rank r's output gets the reduction of every rank's block r of the input.
+    fn reduce_scatter(
+        &self,
+        py: Python<'_>,
+        input: (usize, usize),
+        output: (usize, usize),
+        dtype_name: &str,
+        op: &str,
+    ) -> PyResult<()> {
+        let (dt, op) = (dtype(dtype_name)?, reduce_op(op)?);
+        let (send, recv) = (
+            RawBuffer {
+                addr: input.0,
+                bytes: input.1,
+            },
+            RawBuffer {
+                addr: output.0,
+                bytes: output.1,
+            },
+        );
+        with_dtype!(dt, T => {
+            let send = send.slice::<T>("reduce_scatter input").map_err(PyValueError::new_err)?;
+            let recv = recv.slice::<T>("reduce_scatter output").map_err(PyValueError::new_err)?;
+            self.run(py, move |c| c.reduce_scatter_into(send, recv, op))
+        })
+    }
+
+    /// Every rank reaches this call before any leaves it (through the communicator's links).
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        self.run(py, |c| c.barrier())
+    }
+}
+
 /// Seconds from Python as a duration, refusing what is not one.
 fn seconds(s: f64) -> Result<Duration, String> {
     Duration::try_from_secs_f64(s).map_err(|_| format!("{s} is not a number of seconds"))
@@ -399,6 +703,7 @@ fn to_py(py: Python<'_>, e: Error) -> PyErr {
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Native>()?;
+    m.add_class::<Comm>()?;
     m.add("NCCL_UNIQUE_ID_BYTES", NCCL_UNIQUE_ID_BYTES)?;
     Ok(())
 }

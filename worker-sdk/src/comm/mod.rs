@@ -320,11 +320,24 @@ impl Communicator {
     /// Every rank's `send` (all of the same length), concatenated in rank order.
     pub fn all_gather<T: Element>(&self, send: &[T]) -> Result<Vec<T>, Error> {
         let mut recv = vec![T::zeroed(); send.len() * self.world_size];
-        self.lock("all_gather", T::DTYPE).all_gather(
-            bytemuck::cast_slice(send),
-            bytemuck::cast_slice_mut(&mut recv),
-        )?;
+        self.all_gather_into(send, &mut recv)?;
         Ok(recv)
+    }
+
+    /// [`Communicator::all_gather`] into the caller's `recv`, which must hold world-size
+    /// times `send`'s length.
+    pub fn all_gather_into<T: Element>(&self, send: &[T], recv: &mut [T]) -> Result<(), Error> {
+        if recv.len() != send.len() * self.world_size {
+            return Err(self.invalid(format!(
+                "all_gather: the output holds {} elements, not {} ({} from each of {} ranks)",
+                recv.len(),
+                send.len() * self.world_size,
+                send.len(),
+                self.world_size
+            )));
+        }
+        self.lock("all_gather", T::DTYPE)
+            .all_gather(bytemuck::cast_slice(send), bytemuck::cast_slice_mut(recv))
     }
 
     /// Every rank's lengths, in rank order (one small all_gather).
@@ -399,13 +412,32 @@ impl Communicator {
             )));
         }
         let mut recv = vec![T::zeroed(); send.len() / self.world_size];
+        self.reduce_scatter_into(send, &mut recv, op)?;
+        Ok(recv)
+    }
+
+    /// [`Communicator::reduce_scatter`] into the caller's `recv`, which must hold `send`'s
+    /// length divided by the world size.
+    pub fn reduce_scatter_into<T: Element>(
+        &self,
+        send: &[T],
+        recv: &mut [T],
+        op: ReduceOp,
+    ) -> Result<(), Error> {
+        if recv.len() * self.world_size != send.len() {
+            return Err(self.invalid(format!(
+                "reduce_scatter: {} elements do not make {} blocks of the output's {}",
+                send.len(),
+                self.world_size,
+                recv.len()
+            )));
+        }
         self.lock("reduce_scatter", T::DTYPE).reduce_scatter(
             bytemuck::cast_slice(send),
-            bytemuck::cast_slice_mut(&mut recv),
+            bytemuck::cast_slice_mut(recv),
             T::DTYPE,
             op,
-        )?;
-        Ok(recv)
+        )
     }
 
     /// Sends `buf` to `peer`, which must call [`Communicator::recv`] with the same length. A

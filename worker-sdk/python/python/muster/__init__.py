@@ -12,6 +12,7 @@ a hang.
 """
 
 from muster.accelerator import NCCL_UNIQUE_ID_BYTES, Accelerator, KeyValueStore
+from muster.comm import Communicator
 from muster.errors import (
     ConfigError,
     CoordinatorConnectionError,
@@ -29,6 +30,7 @@ from muster.errors import (
 __all__ = [
     "NCCL_UNIQUE_ID_BYTES",
     "Accelerator",
+    "Communicator",
     "ConfigError",
     "CoordinatorConnectionError",
     "DivergedError",
