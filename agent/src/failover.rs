@@ -43,6 +43,25 @@ const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 const MAX_BACKOFF: Duration = Duration::from_millis(250);
 /// How long one connection attempt may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// With several replicas, how often a connection that has heard nothing pings its replica.
+const SILENT_REPLICA_PING: Duration = Duration::from_secs(1);
+/// With several replicas, how long a ping may stay unanswered before the replica is given up
+/// (a frozen or unreachable leader). Longer than the coordinator's default lease TTL (3 s):
+/// a leader given up has already lost its lease, so it will not act on the streams it finds
+/// gone when it wakes. The SDK uses the same values (`worker-sdk/src/failover.rs`).
+pub const SILENT_REPLICA_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a node keeps its workers re-attaching after its watch stream broke, beyond its
+/// lease: the failover budget when there are several replicas (a standby may take a while to
+/// lead; the workers keep running through the failover), nothing with one address (there is
+/// nobody else to fail over to, so the lease alone decides, as the README promises).
+pub fn reattach_budget(coordinators: &Coordinators) -> Duration {
+    if coordinators.len() > 1 {
+        coordinators.budget()
+    } else {
+        Duration::ZERO
+    }
+}
 
 /// Splits a `--coordinator` value into its addresses (`host:port,host:port`, blanks around
 /// items ignored). Returns `None` if an item is empty; the caller checks each address.
@@ -251,7 +270,7 @@ impl Coordinators {
         if let Some(channel) = state.channels.get(&addr) {
             return Ok((addr, self.inner.security.wrap(channel.clone())));
         }
-        let channel = endpoint(&addr, &self.inner.security)?.connect_lazy();
+        let channel = endpoint(&addr, &self.inner.security, self.len() > 1)?.connect_lazy();
         state.channels.insert(addr.clone(), channel.clone());
         Ok((addr, self.inner.security.wrap(channel)))
     }
@@ -306,11 +325,12 @@ impl Coordinators {
         let mut retry = Retry::new(window);
         loop {
             let addr = self.current();
-            let endpoint =
-                endpoint(&addr, &self.inner.security).map_err(|e| ConnectError::Address {
+            let endpoint = endpoint(&addr, &self.inner.security, self.len() > 1).map_err(|e| {
+                ConnectError::Address {
                     addr: addr.clone(),
                     why: e.message().to_owned(),
-                })?;
+                }
+            })?;
             match endpoint.connect().await {
                 Ok(channel) => {
                     if self.inner.security.is_tls() {
@@ -403,15 +423,23 @@ pub enum ConnectError {
 
 /// The endpoint of one coordinator address, with the agent's connection settings (`https://`
 /// and the TLS settings of `security` when it has them; HTTP/2 keep-alive, so that a silently
-/// dead connection is noticed).
-pub fn endpoint(addr: &str, security: &ClientSecurity) -> Result<Endpoint, Status> {
+/// dead connection is noticed). One of `several` replicas is given up sooner, after
+/// [`SILENT_REPLICA_TIMEOUT`] without an answer to a ping: a frozen leader's streams (the
+/// watch, the relay) then fail over to the new leader instead of waiting for it to wake.
+pub fn endpoint(addr: &str, security: &ClientSecurity, several: bool) -> Result<Endpoint, Status> {
+    let (ping, timeout) = if several {
+        (SILENT_REPLICA_PING, SILENT_REPLICA_TIMEOUT)
+    } else {
+        (Duration::from_secs(10), Duration::from_secs(5))
+    };
     Ok(security
         .endpoint(addr)
         .map_err(Status::invalid_argument)?
         .connect_timeout(CONNECT_TIMEOUT)
         .tcp_nodelay(true)
-        .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(Duration::from_secs(5)))
+        .http2_keep_alive_interval(ping)
+        .keep_alive_timeout(timeout)
+        .keep_alive_while_idle(several))
 }
 
 /// Jittered exponential backoff: 50 ms doubling to 250 ms, each sleep uniform in [0.5x, 1.5x].

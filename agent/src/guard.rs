@@ -11,7 +11,9 @@
 //! `/proc/*/stat` parent links and stopped in turn (so children that moved to another process
 //! group or session are caught while their parent lives), then SIGKILL to the groups and to
 //! every process collected. After a normal run every worker was reaped, nothing is registered
-//! and the guardian exits quietly.
+//! and the guardian exits quietly. Either way it then removes the agent's private folders under
+//! the temporary folder that a killed agent leaves behind ([`remove_leftovers`]): the relay's
+//! socket folders and the workers' error-file folder.
 //!
 //! Why not the alternatives: PR_SET_PDEATHSIG fires on the death of the parent *thread* and
 //! reaches only direct children (a worker's own children escape); a child subreaper lets the
@@ -32,7 +34,7 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use std::ffi::OsString;
 use std::io::{BufRead, Write};
 use std::os::unix::process::CommandExt;
-use std::process::{Child, ChildStdin, Command, ExitCode, Stdio};
+use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
@@ -70,14 +72,23 @@ enum State {
 /// Call first thing in `main`: when this process was started as the guardian, runs it and
 /// returns its exit status; otherwise records that this binary can be run as the guardian
 /// and returns `None`.
-pub fn dispatch() -> Option<ExitCode> {
-    let mut args = std::env::args_os().skip(1);
+pub fn dispatch(args: &[OsString]) -> Option<u8> {
+    let mut args = args.iter().skip(1);
     if args.next().is_some_and(|a| a == GUARD_ARG) {
-        let agent = args.next().unwrap_or_else(|| OsString::from("?"));
+        let agent = args.next().cloned().unwrap_or_else(|| OsString::from("?"));
         return Some(run(std::io::stdin().lock(), &agent.to_string_lossy()));
     }
     SELF_IS_GUARDIAN.store(true, Ordering::Relaxed);
     None
+}
+
+/// Starts the guardian now (if it is not running yet), before the agent creates its private
+/// folders: the guardian removes them if the agent is killed, also before any worker exists.
+pub fn start_now() {
+    let mut state = GUARD.lock().unwrap_or_else(PoisonError::into_inner);
+    if matches!(*state, State::NotStarted) {
+        *state = start();
+    }
 }
 
 /// Registers a worker's process group with the guardian, starting the guardian on first use.
@@ -175,7 +186,7 @@ fn parse(line: &[u8]) -> Option<Event> {
 }
 
 /// The guardian's life: follow the registrations until end of file, then kill what is left.
-fn run(input: impl BufRead, agent: &str) -> ExitCode {
+fn run(input: impl BufRead, agent: &str) -> u8 {
     ignore_job_control_signals();
     let parent = getppid();
     let mut groups = BTreeSet::new();
@@ -193,17 +204,60 @@ fn run(input: impl BufRead, agent: &str) -> ExitCode {
         }
     }
     groups.remove(&std::process::id().cast_signed());
-    if groups.is_empty() {
-        return ExitCode::SUCCESS;
+    if !groups.is_empty() {
+        let killed = kill_all(&groups, parent);
+        if killed > 0 {
+            eprintln!(
+                "muster-agent: the agent (pid {agent}) ended without stopping its workers; its guardian killed {killed} process(es) left in {} worker process group(s) and their descendants",
+                groups.len()
+            );
+        }
     }
-    let killed = kill_all(&groups, parent);
-    if killed > 0 {
-        eprintln!(
-            "muster-agent: the agent (pid {agent}) ended without stopping its workers; its guardian killed {killed} process(es) left in {} worker process group(s) and their descendants",
-            groups.len()
-        );
+    // After the kill: a worker may have been writing its error file there.
+    if let Ok(pid) = agent.parse::<u32>() {
+        remove_leftovers(&std::env::temp_dir(), pid);
     }
-    ExitCode::SUCCESS
+    0
+}
+
+/// Removes the dead agent's private folders in `base` (the temporary folder, which the
+/// guardian inherits from the agent): the relay's socket folders, `muster-<pid>-<16 hex
+/// digits>` (`relay.rs`), and the workers' error-file folder, `muster-agent-<pid>-<job>`
+/// (`launch.rs`). The agent removes them itself whenever it lives to; after a SIGKILL only the
+/// guardian can. Only real folders (not links) owned by this user are touched. The log folder
+/// (`--log-dir`, or `muster-logs-<pid>`) is the user's and stays.
+fn remove_leftovers(base: &std::path::Path, agent: u32) {
+    let Ok(dir) = std::fs::read_dir(base) else {
+        return;
+    };
+    use std::os::unix::fs::MetadataExt as _;
+    // proc(5): `/proc/<pid>` belongs to the process's effective user.
+    let Ok(me) = std::fs::metadata("/proc/self").map(|m| m.uid()) else {
+        return;
+    };
+    for entry in dir.flatten() {
+        let name = entry.file_name();
+        if !name.to_str().is_some_and(|n| is_leftover(n, agent)) {
+            continue;
+        }
+        let path = entry.path();
+        let ours = std::fs::symlink_metadata(&path).is_ok_and(|m| m.is_dir() && m.uid() == me);
+        if ours && let Err(e) = std::fs::remove_dir_all(&path) {
+            eprintln!(
+                "muster-agent guardian: cannot remove {} left by the agent (pid {agent}): {e}",
+                path.display()
+            );
+        }
+    }
+}
+
+/// Whether `name` is one of agent `agent`'s private folders (see [`remove_leftovers`]).
+fn is_leftover(name: &str, agent: u32) -> bool {
+    if let Some(random) = name.strip_prefix(&format!("muster-{agent}-")) {
+        return random.len() == 16 && random.bytes().all(|b| b.is_ascii_hexdigit());
+    }
+    name.strip_prefix(&format!("muster-agent-{agent}-"))
+        .is_some_and(|job| !job.is_empty())
 }
 
 /// End of file comes when the dying agent closes its descriptors, a moment before the kernel
@@ -375,6 +429,27 @@ mod tests {
             ("+99999999999", None),
         ] {
             assert_eq!(parse(line.as_bytes()), expected, "{line:?}");
+        }
+    }
+
+    #[test]
+    fn leftovers_are_the_agents_own_folders() {
+        for (name, expected) in [
+            ("muster-42-00112233aabbccdd", true),
+            ("muster-42-00112233AABBCCDD", true),
+            ("muster-agent-42-train", true),
+            ("muster-agent-42-", false),
+            ("muster-42-00112233aabbccd", false),
+            ("muster-42-00112233aabbccddee", false),
+            ("muster-42-00112233aabbccdz", false),
+            ("muster-420-00112233aabbccdd", false),
+            ("muster-4-00112233aabbccdd", false),
+            ("muster-agent-420-train", false),
+            ("muster-logs-42", false),
+            ("muster-agent-4-2-x", false),
+            ("other", false),
+        ] {
+            assert_eq!(is_leftover(name, 42), expected, "{name}");
         }
     }
 

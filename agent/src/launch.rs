@@ -254,11 +254,16 @@ async fn run_at(
         (None, false) => advertise_default(&reached).await,
     };
     let node_id = format!("{}-{}", sanitize(&hostname()), std::process::id());
+    // Before the first private folder: the guardian removes them if this process is killed.
+    crate::guard::start_now();
     let scratch = Scratch::new(&job);
     // The last failure the coordinator (or this node) reported: the root cause to print if the
     // job ends without a restart.
     let mut last_failure: Option<pb::FailureInfo> = None;
     let mut failed_at: Option<Instant> = None;
+    // The generation this node last ran: a coordinator that lost the job's state answers the
+    // next join with a new job's first generation instead of a later one.
+    let mut last_generation: Option<u64> = None;
     loop {
         let joined = waiting_join(&spec, &coordinators, &host, &node_id, stops).await;
         let mut node = match joined {
@@ -287,6 +292,17 @@ async fn run_at(
             Waited::Signal(sig) => return Ok(interrupted_early(&job, sig)),
         };
         tracing::debug!(?node, "rendezvous closed");
+        if let Some(previous) = last_generation
+            && node.generation <= previous
+        {
+            eprintln!(
+                "{}",
+                state_lost_line(&job, &coordinators.current(), previous)
+            );
+            return Ok(Outcome::Failed);
+        }
+        let generation = node.generation;
+        last_generation = Some(generation);
         node.error_dir = scratch.attempt(node.restart_count);
         // The relay and the watch live exactly as long as this generation's workers.
         let relay = if spec.relay {
@@ -332,6 +348,14 @@ async fn run_at(
             }
             End::SpawnFailed(why) => {
                 eprintln!("muster-agent: job {job} failed: {why}");
+                return Ok(Outcome::Failed);
+            }
+            End::StateLost {
+                coordinator,
+                message,
+            } => {
+                tracing::debug!(%coordinator, %message, "the coordinator no longer knows the job");
+                eprintln!("{}", state_lost_line(&job, &coordinator, generation));
                 return Ok(Outcome::Failed);
             }
             End::LeaseLost(why) => {
@@ -1005,6 +1029,14 @@ enum End {
     SpawnFailed(String),
     /// The coordinator was not heard for the lease; the workers were stopped.
     LeaseLost(String),
+    /// The coordinator no longer knows the job (it lost its state); the workers were stopped
+    /// and must not run again.
+    StateLost {
+        /// The coordinator's address.
+        coordinator: String,
+        /// Its answer.
+        message: String,
+    },
     /// The generation ended (a failure here or elsewhere, a new round, a cancel) and the
     /// workers were stopped. `verdict` is the coordinator's last word (None if it never
     /// came), `local` this node's own failure, `at` when the end was first seen here.
@@ -1034,6 +1066,8 @@ struct Supervisor<'a> {
     spawn_error: Option<String>,
     interrupted: Option<Signal>,
     lease_lost: Option<String>,
+    /// The coordinator (address, answer) that no longer knows the job.
+    state_lost: Option<(String, String)>,
     report: Option<JoinHandle<()>>,
     /// When the previous generation failed (to report how long the restart took).
     failed_at: Option<Instant>,
@@ -1065,6 +1099,7 @@ impl<'a> Supervisor<'a> {
             spawn_error: None,
             interrupted: None,
             lease_lost: None,
+            state_lost: None,
             report: None,
             failed_at,
             states: WorkerStates::starting(spec.nproc_per_node),
@@ -1103,6 +1138,12 @@ impl<'a> Supervisor<'a> {
         if let Some(sig) = self.interrupted {
             return End::Interrupted { sig, spawned };
         }
+        if let Some((coordinator, message)) = self.state_lost.take() {
+            return End::StateLost {
+                coordinator,
+                message,
+            };
+        }
         if let Some(why) = self.lease_lost.take() {
             return End::LeaseLost(why);
         }
@@ -1128,6 +1169,9 @@ impl<'a> Supervisor<'a> {
                 event = self.watch.next() => match event {
                     WatchEvent::Ended(v) => self.verdict = Some(v),
                     WatchEvent::Lost(_) => break,
+                    WatchEvent::StateLost { coordinator, message } => {
+                        return End::StateLost { coordinator, message };
+                    }
                 },
                 sig = self.stops.recv() => return End::Interrupted { sig, spawned },
                 () = tokio::time::sleep_until(deadline) => {
@@ -1289,6 +1333,20 @@ impl<'a> Supervisor<'a> {
                     (_, _, Stop::Terminating(_) | Stop::Killed) => {}
                 }
             }
+            WatchEvent::StateLost {
+                coordinator,
+                message,
+            } => {
+                // Said once, by `run_at`, when the workers are gone.
+                if self.state_lost.is_none() && self.interrupted.is_none() {
+                    metrics::failed(FailureCause::Lost);
+                    self.state_lost = Some((coordinator, message));
+                    self.ended_at.get_or_insert_with(Instant::now);
+                    if matches!(self.stop, Stop::No | Stop::Settling(_)) {
+                        self.stop_all();
+                    }
+                }
+            }
             WatchEvent::Lost(why) => {
                 if self.lease_lost.is_none() && self.interrupted.is_none() {
                     eprintln!(
@@ -1406,6 +1464,14 @@ impl<'a> Supervisor<'a> {
             }
         })
     }
+}
+
+/// The one line an agent prints when the coordinator lost the state of a job whose
+/// `generation` ran on this node (see `docs/contract.md`, "A coordinator that lost the job").
+fn state_lost_line(job: &str, coordinator: &str, generation: u64) -> String {
+    format!(
+        "muster-agent: job {job} failed: the coordinator at {coordinator} lost the job's state (it no longer knows the job, whose generation {generation} ran here: restarted without a persistent store?); the workers were stopped and are not started again; run the coordinator with --store etcd to keep job state across its restarts"
+    )
 }
 
 /// Prints the root cause and, as torchrun does, copies it to the agent's own

@@ -21,6 +21,7 @@ pub mod accelerate_config;
 pub mod cli;
 pub mod console;
 pub mod daemon;
+pub mod entry;
 pub mod env;
 pub mod error_file;
 pub mod failover;

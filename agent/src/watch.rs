@@ -7,9 +7,21 @@
 //! the task then re-attaches with `resume = true`, following the leader among the replicas
 //! ([`crate::failover`]), and gives up only when both the lease (since the coordinator was last
 //! heard) and the failover budget (since the stream broke) are spent: the workers keep running
-//! through a failover. A stream that stays open and silent (a frozen coordinator, a cut link)
+//! through a failover. With one address there is no other replica to fail over to, and the
+//! lease alone decides ([`failover::reattach_budget`]). A stream that stays open and silent (a frozen coordinator, a cut link)
 //! counts against the lease alone, as before; with several replicas, the task tries another one
 //! after half the lease of silence.
+//!
+//! A coordinator that answers NOT_FOUND for the job has lost the job's state (an in-memory
+//! coordinator that restarted): the node joined this job and got a generation, so the job
+//! existed there. The task then reports [`WatchEvent::StateLost`] and the agent stops its
+//! workers for good; joining again would rerun them as a new job behind the user's back.
+//!
+//! The lease counts the time this process runs: a heartbeat tick that comes much later than
+//! its interval means the process did not run meanwhile (SIGSTOP, a suspended machine), and
+//! the coordinator's silence during that gap says nothing about the coordinator. The gap is
+//! named on stderr and not counted against the lease; what the coordinator said meanwhile
+//! (heartbeats, or that the generation ended without this node) decides.
 //!
 //! Task "node-watch" (one per generation): on error, reconnects until the lease (or the
 //! failover budget) runs out, then reports [`WatchEvent::Lost`]; on shutdown, aborted when its
@@ -25,6 +37,12 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tonic::Code;
 
+/// A timer that fires this much later than due means this process did not run meanwhile:
+/// the gap is not counted against the lease.
+const STALL: Duration = Duration::from_millis(250);
+/// A gap this long is also named on stderr.
+const STALL_NOTICE: Duration = Duration::from_secs(1);
+
 /// How long [`Watch::finish`] waits for the coordinator to take the `finished` message (on
 /// top of the failover budget when the stream is being re-attached).
 const FINISH_TIMEOUT: Duration = Duration::from_secs(2);
@@ -36,6 +54,14 @@ pub enum WatchEvent {
     Ended(pb::GenerationEnded),
     /// The coordinator has not been heard for the lease; the reason says what was tried.
     Lost(String),
+    /// The coordinator at `coordinator` no longer knows the job (NOT_FOUND): it lost the job's
+    /// state while this node ran a generation of it. `message` is its answer.
+    StateLost {
+        /// The coordinator's address.
+        coordinator: String,
+        /// Its answer.
+        message: String,
+    },
 }
 
 /// A running watch; dropping it aborts the task (the coordinator then sees the stream end).
@@ -131,6 +157,8 @@ struct Lease {
     last_heard: Instant,
     /// The streak of failures since the stream broke; `None` while attached (or silent).
     streak: Option<Retry>,
+    /// How long this process did not run since the coordinator was last heard.
+    stalled: Duration,
 }
 
 impl Lease {
@@ -152,6 +180,26 @@ impl Lease {
         self.deadline().saturating_duration_since(Instant::now())
     }
 
+    /// The coordinator was heard.
+    fn heard(&mut self) {
+        self.last_heard = Instant::now();
+        self.stalled = Duration::ZERO;
+    }
+
+    /// A timer due at `due` fired only now: if that is a [`STALL`], this process did not run
+    /// for the difference, and the coordinator's silence meanwhile is not counted. Returns the
+    /// gap when it is worth a line ([`STALL_NOTICE`]).
+    fn woke(&mut self, due: Instant) -> Option<Duration> {
+        let now = Instant::now();
+        let gap = now.saturating_duration_since(due);
+        if gap < STALL {
+            return None;
+        }
+        self.stalled += gap;
+        self.last_heard = (self.last_heard + gap).min(now);
+        (gap >= STALL_NOTICE).then_some(gap)
+    }
+
     /// The stream broke retryably: a failover starts (if one is not under way).
     fn broke(&mut self) {
         if self.streak.is_none() {
@@ -170,9 +218,11 @@ async fn run(
 ) {
     let mut state = Lease {
         lease,
-        budget: coordinators.budget(),
+        // With one address the lease alone decides (`failover::reattach_budget`).
+        budget: failover::reattach_budget(&coordinators),
         last_heard: Instant::now(),
         streak: None,
+        stalled: Duration::ZERO,
     };
     let mut backoff = failover::Backoff::default();
     let mut last_error = String::from("no answer");
@@ -183,7 +233,13 @@ async fn run(
     let mut tried_other = false;
     loop {
         if state.expired() {
-            let what = if state.streak.is_some() {
+            let what = if state.stalled >= STALL_NOTICE {
+                format!(
+                    "the coordinator was not heard for {:.1}s (the lease) of the time this agent ran, besides {:.1}s it did not run (stopped or suspended)",
+                    lease.as_secs_f64(),
+                    state.stalled.as_secs_f64()
+                )
+            } else if state.streak.is_some() && !state.budget.is_zero() {
                 format!(
                     "the coordinator was not heard for {:.1}s (the lease) and no replica took the node back within {:.1}s (the failover budget)",
                     lease.as_secs_f64(),
@@ -229,6 +285,10 @@ async fn run(
         .await;
         let mut stream = match opened {
             Ok(Ok(r)) => r.into_inner(),
+            Ok(Err(status)) if status.code() == Code::NotFound => {
+                let _ = tx.send(state_lost(addr, &status));
+                return;
+            }
             Ok(Err(status)) if gone(&status) => {
                 // The generation is over at the coordinator (it moved on while this node could
                 // not hear it): stop and join again; the join says whether the job goes on.
@@ -258,13 +318,15 @@ async fn run(
         let mut interval = Duration::from_secs(1);
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        // When the next tick is due (the first one fires at once).
+        let mut due = Instant::now();
         // Whether the stream ended the way a coordinator that went away ends it.
         let mut broke = false;
         loop {
             tokio::select! {
                 msg = stream.message() => match msg {
                     Ok(Some(event)) => {
-                        state.last_heard = Instant::now();
+                        state.heard();
                         tried_other = false;
                         backoff.reset();
                         match event.kind {
@@ -288,6 +350,7 @@ async fn run(
                                     interval = want;
                                     tick = tokio::time::interval(interval);
                                     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                                    due = Instant::now();
                                 }
                             }
                             Some(pb::node_event::Kind::Ended(ended)) => {
@@ -305,6 +368,10 @@ async fn run(
                         coordinators.failed(&addr, None);
                         break;
                     }
+                    Err(status) if status.code() == Code::NotFound => {
+                        let _ = tx.send(state_lost(addr, &status));
+                        return;
+                    }
                     Err(status) if gone(&status) => {
                         let _ = tx.send(WatchEvent::Ended(superseded(&attach, &status)));
                         return;
@@ -320,6 +387,15 @@ async fn run(
                     }
                 },
                 _ = tick.tick() => {
+                    if let Some(gap) = state.woke(due) {
+                        eprintln!(
+                            "muster-agent: job {}: this agent did not run for {:.1}s (it was stopped, e.g. by SIGSTOP, or its machine was suspended); not counted against its {:.1}s lease, asking the coordinator at {addr} where the job stands",
+                            attach.job_id,
+                            gap.as_secs_f64(),
+                            lease.as_secs_f64()
+                        );
+                    }
+                    due = Instant::now() + interval;
                     let silent = state.last_heard.elapsed();
                     if silent >= lease {
                         break;
@@ -368,9 +444,20 @@ async fn run(
     }
 }
 
-/// Sleeps one backoff step, cut short at the deadline.
+/// Sleeps one backoff step, cut short at the deadline (a stall meanwhile moves it on).
 async fn pause(state: &mut Lease, backoff: &mut failover::Backoff) {
-    tokio::time::sleep(backoff.next_sleep().min(state.remaining())).await;
+    let step = backoff.next_sleep().min(state.remaining());
+    let due = Instant::now() + step;
+    tokio::time::sleep_until(due).await;
+    state.woke(due);
+}
+
+/// The event for a coordinator at `coordinator` that answered NOT_FOUND for the job.
+fn state_lost(coordinator: String, status: &tonic::Status) -> WatchEvent {
+    WatchEvent::StateLost {
+        coordinator,
+        message: status.message().to_owned(),
+    }
 }
 
 /// The `GenerationEnded` a refused or ended watch stands for.

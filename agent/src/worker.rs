@@ -569,12 +569,23 @@ impl Worker {
     /// Sends `signal` to the worker's process group, unless the worker has been reaped (its
     /// pid could then belong to someone else). Best effort: a group that is already gone is
     /// not an error.
+    ///
+    /// A signal a process can act on (SIGTERM) is followed by SIGCONT to the group: a stopped
+    /// process (SIGSTOP, a debugger, Ctrl-Z) keeps such a signal pending and would otherwise
+    /// sit out the whole grace period until SIGKILL. SIGCONT wakes it with the signal pending,
+    /// so it ends (or runs its handler) at once; to a running process it is a no-op.
     pub fn signal(&self, signal: Signal) {
         if self.exited() {
             return;
         }
         if let Err(e) = killpg(self.pid, signal) {
             tracing::debug!(rank = self.rank, %e, ?signal, "killpg failed");
+            return;
+        }
+        if !matches!(signal, Signal::SIGKILL | Signal::SIGSTOP | Signal::SIGCONT)
+            && let Err(e) = killpg(self.pid, Signal::SIGCONT)
+        {
+            tracing::debug!(rank = self.rank, %e, "killpg SIGCONT failed");
         }
     }
 }

@@ -32,6 +32,20 @@ pub struct Config {
     /// SETTINGS_MAX_CONCURRENT_STREAMS: clients queue calls beyond it. Simulated ranks and
     /// agents multiplex many sessions over few connections, so the default is generous.
     pub max_streams_per_connection: u32,
+    /// Most connections from one peer IP address served at once; further ones from it are
+    /// closed as soon as they are accepted, so one host cannot take every slot.
+    pub max_connections_per_peer: usize,
+    /// A connection must finish its TLS and HTTP/2 handshakes and send its first call within
+    /// this long, or it is closed (and its slot freed): idle sockets cannot hold slots.
+    pub handshake_timeout: Duration,
+    /// Largest total of stored bytes (key-value data and published values) over all jobs.
+    pub max_total_bytes: usize,
+    /// Most jobs held at once; creating more is refused until finished ones expire.
+    pub max_jobs: usize,
+    /// A job in a final state (finished, failed or cancelled), or abandoned (its round open
+    /// with no node waiting), is removed this long after it got there, its stored data and
+    /// record included (see `retention.rs`).
+    pub finished_job_ttl: Duration,
     /// Where durable state (key-value data, unique ids, shared values) is kept.
     pub store: StoreKind,
     /// How to reach etcd; set only with [`StoreKind::Etcd`] (checked by [`Config::validate`]).
@@ -278,6 +292,11 @@ impl Default for Config {
             max_message_bytes: 4 << 20,
             max_connections: Self::DEFAULT_MAX_CONNECTIONS,
             max_streams_per_connection: Self::DEFAULT_MAX_STREAMS_PER_CONNECTION,
+            max_connections_per_peer: Self::DEFAULT_MAX_CONNECTIONS_PER_PEER,
+            handshake_timeout: Self::DEFAULT_HANDSHAKE_TIMEOUT,
+            max_total_bytes: Self::DEFAULT_MAX_TOTAL_BYTES,
+            max_jobs: Self::DEFAULT_MAX_JOBS,
+            finished_job_ttl: Self::DEFAULT_FINISHED_JOB_TTL,
             store: StoreKind::Memory,
             etcd: EtcdConfig::default(),
             metrics_addr: None,
@@ -312,6 +331,16 @@ pub struct Layer {
     pub max_connections: Option<usize>,
     /// `max_streams_per_connection = 16384`.
     pub max_streams_per_connection: Option<u32>,
+    /// `max_connections_per_peer = 1024`.
+    pub max_connections_per_peer: Option<usize>,
+    /// `handshake_timeout_ms = 5000`.
+    pub handshake_timeout_ms: Option<u64>,
+    /// `max_total_bytes = 1073741824`.
+    pub max_total_bytes: Option<usize>,
+    /// `max_jobs = 10000`.
+    pub max_jobs: Option<usize>,
+    /// `finished_job_ttl_ms = 3600000`.
+    pub finished_job_ttl_ms: Option<u64>,
     /// `store = "etcd"` (or `"memory"`).
     pub store: Option<StoreKind>,
     /// `etcd_endpoints = ["10.0.0.1:2379", "10.0.0.2:2379"]` (or one comma-separated string).
@@ -430,6 +459,11 @@ impl Layer {
                 &get,
                 "MUSTER_COORDINATOR_MAX_STREAMS_PER_CONNECTION",
             )?,
+            max_connections_per_peer: parse(&get, "MUSTER_COORDINATOR_MAX_CONNECTIONS_PER_PEER")?,
+            handshake_timeout_ms: parse(&get, "MUSTER_COORDINATOR_HANDSHAKE_TIMEOUT_MS")?,
+            max_total_bytes: parse(&get, "MUSTER_COORDINATOR_MAX_TOTAL_BYTES")?,
+            max_jobs: parse(&get, "MUSTER_COORDINATOR_MAX_JOBS")?,
+            finished_job_ttl_ms: parse(&get, "MUSTER_COORDINATOR_FINISHED_JOB_TTL_MS")?,
             store: parse(&get, "MUSTER_COORDINATOR_STORE")?,
             etcd_endpoints: parse(&get, "MUSTER_COORDINATOR_ETCD_ENDPOINTS")?,
             etcd_prefix: get("MUSTER_COORDINATOR_ETCD_PREFIX"),
@@ -459,6 +493,25 @@ impl Config {
     /// Streams per connection unless configured: enough for the scale bench (10 000 nodes'
     /// joins or 4096 ranks' sessions over 8 connections) with room to spare.
     pub const DEFAULT_MAX_STREAMS_PER_CONNECTION: u32 = 16384;
+
+    /// Connections from one peer address unless configured: an agent and its workers (one
+    /// connection each) fit many times over, yet one host cannot take more than a sixteenth
+    /// of [`Config::DEFAULT_MAX_CONNECTIONS`].
+    pub const DEFAULT_MAX_CONNECTIONS_PER_PEER: usize = 1024;
+
+    /// How long a new connection may take to finish its TLS and HTTP/2 handshakes and send
+    /// its first call unless configured: far above a real client's round trips.
+    pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+    /// Stored bytes over all jobs unless configured: 16 jobs at the per-job default.
+    pub const DEFAULT_MAX_TOTAL_BYTES: usize = 1 << 30;
+
+    /// Jobs held at once unless configured.
+    pub const DEFAULT_MAX_JOBS: usize = 10_000;
+
+    /// How long a job in a final state is kept unless configured: long enough for operators
+    /// and `submit --wait` to read its outcome.
+    pub const DEFAULT_FINISHED_JOB_TTL: Duration = Duration::from_secs(3600);
 
     /// Largest HTTP/2 header list (all metadata of one call) the coordinator accepts; muster's
     /// clients send a few hundred bytes.
@@ -493,6 +546,21 @@ impl Config {
         }
         if let Some(v) = l.max_streams_per_connection {
             self.max_streams_per_connection = v;
+        }
+        if let Some(v) = l.max_connections_per_peer {
+            self.max_connections_per_peer = v;
+        }
+        if let Some(v) = l.handshake_timeout_ms {
+            self.handshake_timeout = ms(v);
+        }
+        if let Some(v) = l.max_total_bytes {
+            self.max_total_bytes = v;
+        }
+        if let Some(v) = l.max_jobs {
+            self.max_jobs = v;
+        }
+        if let Some(v) = l.finished_job_ttl_ms {
+            self.finished_job_ttl = ms(v);
         }
         if let Some(v) = l.store {
             self.store = v;
@@ -601,6 +669,39 @@ impl Config {
             return Err(format!(
                 "max_streams_per_connection must be between 1 and 1048576 (got {})",
                 self.max_streams_per_connection
+            ));
+        }
+        if !(1..=1 << 20).contains(&self.max_connections_per_peer) {
+            return Err(format!(
+                "max_connections_per_peer must be between 1 and 1048576 (got {})",
+                self.max_connections_per_peer
+            ));
+        }
+        if !(Duration::from_millis(10)..=Duration::from_secs(600)).contains(&self.handshake_timeout)
+        {
+            return Err(format!(
+                "handshake_timeout_ms must be between 10 and 600000 (got {})",
+                self.handshake_timeout.as_millis()
+            ));
+        }
+        if self.max_total_bytes < self.max_job_bytes {
+            return Err(format!(
+                "max_total_bytes ({}) must be at least max_job_bytes ({})",
+                self.max_total_bytes, self.max_job_bytes
+            ));
+        }
+        if !(1..=1_000_000).contains(&self.max_jobs) {
+            return Err(format!(
+                "max_jobs must be between 1 and 1000000 (got {})",
+                self.max_jobs
+            ));
+        }
+        if !(Duration::from_millis(1)..=Duration::from_secs(30 * 24 * 3600))
+            .contains(&self.finished_job_ttl)
+        {
+            return Err(format!(
+                "finished_job_ttl_ms must be between 1 and 2592000000 (30 days; got {})",
+                self.finished_job_ttl.as_millis()
             ));
         }
         if let Some(m) = self.metrics_addr
@@ -778,6 +879,28 @@ mod tests {
         .into();
         let c = c.apply(&Layer::from_env(|k| env.get(k).map(|v| v.to_string())).unwrap());
         assert_eq!((c.max_connections, c.max_streams_per_connection), (2, 3));
+        let file = Layer::from_toml_str(
+            "max_connections_per_peer = 7\nhandshake_timeout_ms = 250\nmax_total_bytes = 134217728\nmax_jobs = 9\nfinished_job_ttl_ms = 60000",
+        )
+        .unwrap();
+        let c = Config::default().apply(&file);
+        assert_eq!(c.max_connections_per_peer, 7);
+        assert_eq!(c.handshake_timeout, Duration::from_millis(250));
+        assert_eq!((c.max_total_bytes, c.max_jobs), (128 << 20, 9));
+        assert_eq!(c.finished_job_ttl, Duration::from_secs(60));
+        c.validate().unwrap();
+        let env: HashMap<&str, &str> = [
+            ("MUSTER_COORDINATOR_MAX_JOBS", "5"),
+            ("MUSTER_COORDINATOR_FINISHED_JOB_TTL_MS", "10"),
+            ("MUSTER_COORDINATOR_HANDSHAKE_TIMEOUT_MS", "100"),
+        ]
+        .into();
+        let c = c.apply(&Layer::from_env(|k| env.get(k).map(|v| v.to_string())).unwrap());
+        assert_eq!(
+            (c.max_jobs, c.finished_job_ttl),
+            (5, Duration::from_millis(10))
+        );
+        assert_eq!(c.handshake_timeout, Duration::from_millis(100));
         for (toml, field) in [
             ("max_connections = 0", "max_connections"),
             (
@@ -785,6 +908,11 @@ mod tests {
                 "max_streams_per_connection",
             ),
             ("max_message_bytes = 2147483648", "max_message_bytes"),
+            ("max_connections_per_peer = 0", "max_connections_per_peer"),
+            ("handshake_timeout_ms = 0", "handshake_timeout_ms"),
+            ("max_total_bytes = 1024", "max_total_bytes"),
+            ("max_jobs = 0", "max_jobs"),
+            ("finished_job_ttl_ms = 0", "finished_job_ttl_ms"),
         ] {
             let c = Config::default().apply(&Layer::from_toml_str(toml).unwrap());
             let e = c.validate().unwrap_err();

@@ -90,13 +90,17 @@ pub struct FailureDetail {
     pub stderr_tail: String,
 }
 
-/// Why a job is over for good.
+/// Why a job is over for good. Every variant is final: once set, no later event (a late
+/// failure report, a lost node, a cancel, a drain, a join, a failover) changes it.
 #[derive(Debug, Clone)]
 enum Done {
     /// A generation failed with no restarts left.
     Failed(String),
     /// An operator cancelled it.
     Cancelled(String),
+    /// Every rank of the running generation left cleanly (and every node whose agent
+    /// watched it said its workers exited 0).
+    Finished(String),
 }
 
 impl Failure {
@@ -289,6 +293,9 @@ pub struct Job {
     /// Set when this coordinator stops leading: the job's in-memory state is dropped, its
     /// streams were ended with UNAVAILABLE, and nothing may fail ranks or write any more.
     retired: CancellationToken,
+    /// Whether this coordinator leads now (its lease deadline has not passed): without it,
+    /// the job decides nothing, as if retired (`ha.rs`, "A leader that did not run").
+    tenure: crate::ha::Tenure,
 }
 
 /// What every job of one coordinator shares: how new generations are named and where job
@@ -299,6 +306,8 @@ pub struct JobContext {
     pub incarnation: u64,
     /// The durable store job records go to; `None` with the memory store.
     pub store: Option<Arc<dyn Store>>,
+    /// Whether this coordinator may act as the leader now.
+    pub tenure: crate::ha::Tenure,
 }
 
 /// The record writer's queue: the latest record and its version.
@@ -443,6 +452,17 @@ impl std::fmt::Display for NodeRef {
             Self::Rank(r) => write!(f, "node rank {r}"),
         }
     }
+}
+
+/// One bit per rank (bit r of byte r / 8), set where `set` holds: the record's rank sets.
+fn rank_bits(ranks: &[RankSlot], set: impl Fn(&RankSlot) -> bool) -> Vec<u8> {
+    let mut bits = vec![0u8; ranks.len().div_ceil(8)];
+    for (r, slot) in ranks.iter().enumerate() {
+        if set(slot) {
+            bits[r / 8] |= 1 << (r % 8);
+        }
+    }
+    bits
 }
 
 /// How long ago `at` was, in whole milliseconds.
@@ -717,6 +737,7 @@ impl Gen {
     ) -> Result<Self, String> {
         let mut nodes = Vec::with_capacity(r.nodes.len());
         let mut ranks = vec![];
+        let mut left = 0;
         for (node_rank, n) in r.nodes.iter().enumerate() {
             if n.rank_offset as usize != ranks.len() {
                 return Err(format!(
@@ -735,17 +756,23 @@ impl Gen {
                 relay: None,
                 report: None,
                 watch: None,
-                finished: false,
+                finished: n.finished,
                 watched: n.watched,
                 last_seen: None,
             });
+            let bit = |bits: &[u8], rank: usize| {
+                bits.get(rank / 8)
+                    .is_some_and(|b| b & (1 << (rank % 8)) != 0)
+            };
             for _ in 0..n.local_world_size {
                 let mut slot = RankSlot::new(node_rank as u32);
                 let rank = ranks.len();
-                slot.had_session = r
-                    .sessions
-                    .get(rank / 8)
-                    .is_some_and(|b| b & (1 << (rank % 8)) != 0);
+                slot.had_session = bit(&r.sessions, rank);
+                if n.finished || bit(&r.left, rank) {
+                    // It left cleanly under the previous leader: not expected back.
+                    slot.state = RankState::Left;
+                    left += 1;
+                }
                 ranks.push(slot);
             }
         }
@@ -774,7 +801,7 @@ impl Gen {
             barriers: HashMap::new(),
             failure,
             ended: ended.map(Box::new),
-            left: 0,
+            left,
             next_token: 1,
         })
     }
@@ -961,6 +988,7 @@ impl Job {
             incarnation: ctx.incarnation,
             persist,
             retired,
+            tenure: ctx.tenure.clone(),
         })
     }
 
@@ -984,12 +1012,25 @@ impl Job {
             Some(Done::Cancelled(record.cancelled.clone()))
         } else if !record.failed.is_empty() {
             Some(Done::Failed(record.failed.clone()))
+        } else if !record.finished.is_empty() {
+            Some(Done::Finished(record.finished.clone()))
         } else {
             None
         };
         let phase = match &record.running {
             Some(r) if r.generation == record.generation => {
-                Phase::Running(Box::new(Gen::restore(r, record.ended.clone())?))
+                let mut g = Gen::restore(r, record.ended.clone())?;
+                if matches!(done, Some(Done::Finished(_))) {
+                    // Final: every rank left, whatever bits an older record lacks.
+                    for slot in &mut g.ranks {
+                        slot.state = RankState::Left;
+                    }
+                    for node in &mut g.nodes {
+                        node.finished = true;
+                    }
+                    g.left = g.ranks.len() as u32;
+                }
+                Phase::Running(Box::new(g))
             }
             _ => Phase::Open(OpenRound {
                 seq: 0,
@@ -1014,11 +1055,14 @@ impl Job {
     /// The job's record as it stands.
     fn record(&self, st: &JobState) -> pb::JobRecord {
         let c = st.config;
-        let (failed, cancelled) = match &st.done {
-            Some(Done::Failed(why)) => (why.clone(), String::new()),
-            Some(Done::Cancelled(why)) => (String::new(), why.clone()),
-            None => (String::new(), String::new()),
-        };
+        let (mut failed, mut cancelled, mut finished) =
+            (String::new(), String::new(), String::new());
+        match &st.done {
+            Some(Done::Failed(why)) => failed.clone_from(why),
+            Some(Done::Cancelled(why)) => cancelled.clone_from(why),
+            Some(Done::Finished(why)) => finished.clone_from(why),
+            None => {}
+        }
         let (running, ended) = match &st.phase {
             Phase::Running(g) => (
                 Some(pb::GenerationRecord {
@@ -1034,18 +1078,12 @@ impl Job {
                             rank_offset: n.rank_offset,
                             request_id: n.request_id.clone(),
                             watched: n.watched,
+                            finished: n.finished,
                         })
                         .collect(),
                     failure: g.failure.as_ref().map(|f| f.to_info(g.generation)),
-                    sessions: {
-                        let mut bits = vec![0u8; g.ranks.len().div_ceil(8)];
-                        for (r, slot) in g.ranks.iter().enumerate() {
-                            if slot.had_session {
-                                bits[r / 8] |= 1 << (r % 8);
-                            }
-                        }
-                        bits
-                    },
+                    sessions: rank_bits(&g.ranks, |slot| slot.had_session),
+                    left: rank_bits(&g.ranks, |slot| slot.state == RankState::Left),
                 }),
                 g.ended.as_deref().cloned(),
             ),
@@ -1065,6 +1103,7 @@ impl Job {
             cancelled,
             ended,
             drained: st.drained.clone(),
+            finished,
         }
     }
 
@@ -1126,8 +1165,13 @@ impl Job {
     }
 
     /// Whether this coordinator dropped the job (it stopped leading).
+    ///
+    /// A coordinator whose lease deadline passed (it did not run, or could not reach etcd)
+    /// counts as having dropped it already, before its leadership task has run: it must take
+    /// no decision for the job (fail a rank or node, fire a timer's verdict) until it has
+    /// stepped down.
     pub fn retired(&self) -> bool {
-        self.retired.is_cancelled()
+        self.retired.is_cancelled() || !self.tenure.current()
     }
 
     /// Drops the job from this coordinator (it no longer leads): every joiner, session,
@@ -1211,6 +1255,12 @@ impl Job {
                     self.id
                 )));
             }
+            Some(Done::Finished(why)) => {
+                return Err(Status::failed_precondition(format!(
+                    "job '{}' has finished ({why}); start it again under a new job id",
+                    self.id
+                )));
+            }
             None => {}
         }
         if let Some(reason) = st.drained.get(&req.node_id) {
@@ -1280,7 +1330,19 @@ impl Job {
                 )));
             }
         } else {
-            self.open_next_round(&mut st, "a node joined a new rendezvous round");
+            let restart = self.join_running(&mut st, &req)?;
+            let why = if restart {
+                format!(
+                    "node '{}' (host {}) of generation {} joined again (its agent lost the generation): a restart",
+                    req.node_id, req.host, st.generation
+                )
+            } else {
+                format!(
+                    "node '{}' (host {}) joined a new rendezvous round",
+                    req.node_id, req.host
+                )
+            };
+            self.open_next_round(&mut st, &why, restart);
         }
         let generation = st.generation;
         let (tx, rx) = oneshot::channel();
@@ -1309,11 +1371,78 @@ impl Job {
         Ok((generation, attempt, rx))
     }
 
+    /// Whether a join may end the running generation, and whether that is a restart: a join
+    /// into a healthy running generation that is full is refused (it must not disturb the
+    /// generation: it is usually a second agent given the same job id); one from a node of
+    /// the generation itself is a restart (its agent lost the generation), counted against
+    /// `max_restarts` and, without budget, the end of the job; one from a new node below
+    /// `max_nodes` is a membership change (elastic scale-up), not a restart. After a failure
+    /// the generation is already over and any join opens the next round (the failure counts
+    /// the restart).
+    fn join_running(
+        &self,
+        st: &mut MutexGuard<'_, JobState>,
+        req: &JoinReq,
+    ) -> Result<bool, Status> {
+        let (config, restarts) = (st.config, st.restarts);
+        let Phase::Running(g) = &st.phase else {
+            return Ok(false);
+        };
+        if g.failure.is_some() || g.ended.is_some() {
+            return Ok(false);
+        }
+        let generation = g.generation;
+        let Some(node_rank) = g.nodes.iter().position(|n| n.node_id == req.node_id) else {
+            let present = g.nodes.len() as u32;
+            if present < config.max_nodes {
+                return Ok(false);
+            }
+            tracing::warn!(job = %self.id, generation, node_id = %req.node_id, host = %req.host, "join refused: the running generation is full");
+            return Err(Status::failed_precondition(format!(
+                "job '{}' is running (generation {generation}, {present} of at most {} nodes, {} ranks); node '{}' (host {}) cannot join it: the job is full, and another join would stop its workers. Is another agent running job id '{}'? Use a new job id, or allow more nodes (--nnodes MIN:MAX)",
+                self.id,
+                config.max_nodes,
+                g.ranks.len(),
+                req.node_id,
+                req.host,
+                self.id
+            )));
+        };
+        if restarts < config.max_restarts {
+            return Ok(true);
+        }
+        let node = &g.nodes[node_rank];
+        let failure = Failure {
+            rank: node.rank_offset,
+            node_rank: node_rank as u32,
+            host: node.host.clone(),
+            reason: format!(
+                "node {node_rank} (host {}, agent {}) joined the job again while generation {generation} ran: its agent lost the generation (restarted, or another agent uses its node id)",
+                node.host, node.node_id
+            ),
+            precise: true,
+            detail: FailureDetail::default(),
+            node_id: node.node_id.clone(),
+        };
+        self.fail_generation(st, generation, failure);
+        let why = match &st.done {
+            Some(Done::Failed(why)) => why.clone(),
+            _ => format!("generation {generation} failed"),
+        };
+        Err(Status::failed_precondition(format!(
+            "job '{}' is over: {why}; start it again under a new job id",
+            self.id
+        )))
+    }
+
     fn spawn_timer(self: &Arc<Self>, after: Duration, round_seq: u64, f: fn(&Job, u64)) {
         let job = Arc::clone(self);
         tokio::spawn(async move {
             tokio::time::sleep(after).await;
-            f(&job, round_seq);
+            // A deposed or lapsed leader decides nothing (see `Job::retired`).
+            if !job.retired() {
+                f(&job, round_seq);
+            }
         });
     }
 
@@ -1381,20 +1510,25 @@ impl Job {
     }
 
     /// Ends the running generation (superseded, for `why`) and opens the next round.
-    fn open_next_round(&self, st: &mut JobState, why: &str) {
+    /// `restart`: the supersession itself is a restart (a node of the generation joined
+    /// again), counted like a failed generation's; a caller checks the budget first.
+    fn open_next_round(&self, st: &mut JobState, why: &str, restart: bool) {
         let old = st.generation;
         let (restarts, max_restarts) = (st.restarts, st.config.max_restarts);
-        let mut restart = false;
+        let mut restart = restart;
         if let Phase::Running(g) = &mut st.phase {
-            let message = format!(
+            let mut message = format!(
                 "generation {old} of job '{}' was superseded by generation {}: {why}",
                 self.id,
                 old + 1
             );
+            if restart {
+                let _ = write!(message, " (restart {} of {max_restarts})", restarts + 1);
+            }
             let err = simple_error(ErrKind::StaleGeneration, message.clone());
             g.fail_all_barriers(&err);
             g.relays_failed(&err);
-            restart = g.failure.is_some();
+            restart |= g.failure.is_some();
             if g.ended.is_none() {
                 g.end(
                     pb::GenerationEnded {
@@ -1764,7 +1898,9 @@ impl Job {
             let job = Arc::clone(self);
             tokio::spawn(async move {
                 tokio::time::sleep(t).await;
-                job.barrier_timeout(generation, key, token, t);
+                if !job.retired() {
+                    job.barrier_timeout(generation, key, token, t);
+                }
             });
         }
     }
@@ -2060,7 +2196,9 @@ impl Job {
         detail: Option<FailureDetail>,
     ) {
         let mut st = self.lock();
-        if self.retired() {
+        if self.retired() || matches!(st.done, Some(Done::Finished(_) | Done::Cancelled(_))) {
+            // A finished or cancelled job is final; a failed one only learns the precise
+            // reason of its first failure below.
             return;
         }
         let Ok(g) = self.running(&mut st, generation) else {
@@ -2134,6 +2272,12 @@ impl Job {
                 RankState::Pending | RankState::Running
             )
         }) else {
+            // Its ranks all left: it may have been the last thing the job waited for.
+            if self.check_finished(&mut st) {
+                self.persist(&st);
+                drop(st);
+                self.notify();
+            }
             return;
         };
         let node_id = node.node_id.clone();
@@ -2164,6 +2308,10 @@ impl Job {
     /// restart, and marks the job over when no restart is left. Takes the lock's guard and
     /// releases it.
     fn fail_generation(&self, st: &mut MutexGuard<'_, JobState>, generation: u64, f: Failure) {
+        if st.done.is_some() {
+            // Final (finished, failed or cancelled): nothing changes it any more.
+            return;
+        }
         let (restarts, max_restarts) = (st.restarts, st.config.max_restarts);
         let rejoin = restarts < max_restarts;
         let id = self.id.clone();
@@ -2262,7 +2410,11 @@ impl Job {
     /// After a failover: once `grace` has passed, fails the recovered generation if a node
     /// whose agent had a watch, or a rank that had a session, has not re-attached (it died
     /// while no coordinator led, so no one saw it go).
+    /// A job restored in a final state (finished, failed, cancelled) expects no re-attach.
     pub fn arm_recovery_grace(self: &Arc<Self>, grace: Duration) {
+        if self.lock().done.is_some() {
+            return;
+        }
         let job = Arc::clone(self);
         // Task "recovery-grace", one per recovered job: sleeps once, then checks.
         tokio::spawn(async move {
@@ -2273,7 +2425,7 @@ impl Job {
 
     fn check_reattached(&self, grace: Duration) {
         let mut st = self.lock();
-        if self.retired() {
+        if self.retired() || st.done.is_some() {
             return;
         }
         let Phase::Running(g) = &mut st.phase else {
@@ -2283,14 +2435,21 @@ impl Job {
             return;
         }
         let generation = g.generation;
-        let lost_node = g
-            .nodes
-            .iter()
-            .position(|n| n.watched && n.watch.is_none() && !n.finished);
-        let lost_rank = g
-            .ranks
-            .iter()
-            .position(|r| r.had_session && r.state == RankState::Pending);
+        // A node whose ranks all left cleanly is not awaited either (its agent may have
+        // exited before it could say the node finished).
+        let lost_node = g.nodes.iter().position(|n| {
+            n.watched
+                && n.watch.is_none()
+                && !n.finished
+                && (n.rank_offset..n.rank_offset + n.local_world_size)
+                    .any(|r| g.ranks[r as usize].state != RankState::Left)
+        });
+        // A rank that left cleanly (restored as Left) or whose node finished is not awaited.
+        let lost_rank = g.ranks.iter().position(|r| {
+            r.had_session
+                && r.state == RankState::Pending
+                && !g.nodes[r.node_rank as usize].finished
+        });
         let failure = if let Some(n) = lost_node {
             let node = &g.nodes[n];
             Failure {
@@ -2323,14 +2482,28 @@ impl Job {
                 node_id: String::new(),
             }
         } else {
+            if self.check_finished(&mut st) {
+                self.persist(&st);
+                drop(st);
+                self.notify();
+            }
             return;
         };
         self.fail_generation(&mut st, generation, failure);
     }
 
     /// A node's workers all exited 0: its ranks count as left (workers that never opened a
-    /// session included), and its watch stream may end without failing anything.
-    pub fn node_finished(&self, generation: u64, node_rank: u32) {
+    /// session included), and its watch stream may end without failing anything; the last
+    /// node to finish finishes the job. Returns once that is in the store (at once without
+    /// one, or when this coordinator stops leading): the agent exits when its stream ends,
+    /// and a new leader must not read a finished node as one that vanished. Cancel-safe: the
+    /// state changes before the first `.await`.
+    pub async fn node_finished(&self, generation: u64, node_rank: u32) {
+        self.mark_node_finished(generation, node_rank);
+        self.persisted().await;
+    }
+
+    fn mark_node_finished(&self, generation: u64, node_rank: u32) {
         let mut st = self.lock();
         let id = self.id.clone();
         let Ok(g) = self.running(&mut st, generation) else {
@@ -2339,7 +2512,7 @@ impl Job {
         let Some(node) = g.nodes.get_mut(node_rank as usize) else {
             return;
         };
-        node.finished = true;
+        let newly_finished = !std::mem::replace(&mut node.finished, true);
         let range = node.rank_offset..node.rank_offset + node.local_world_size;
         let mut newly_left = false;
         for r in range {
@@ -2360,12 +2533,59 @@ impl Job {
                 }
             }
         }
+        if newly_finished || newly_left {
+            self.check_finished(&mut st);
+            self.persist(&st);
+        }
         drop(st);
         self.notify();
     }
 
+    /// Marks the job finished (final) once every rank of its healthy running generation has
+    /// left and every node whose agent watched it has finished (or went away after its ranks
+    /// left). Returns whether it did; the caller persists.
+    fn check_finished(&self, st: &mut JobState) -> bool {
+        if st.done.is_some() {
+            return false;
+        }
+        let Phase::Running(g) = &st.phase else {
+            return false;
+        };
+        if g.failure.is_some()
+            || g.ended.is_some()
+            || (g.left as usize) < g.ranks.len()
+            || g.nodes.iter().any(|n| !n.finished && n.watch.is_some())
+        {
+            return false;
+        }
+        let why = format!(
+            "every rank of generation {} ({} ranks on {} nodes) left cleanly",
+            g.generation,
+            g.ranks.len(),
+            g.nodes.len()
+        );
+        tracing::info!(job = %self.id, generation = g.generation, "job finished: {why}");
+        st.done = Some(Done::Finished(why));
+        true
+    }
+
+    /// Waits until the record queued last is in the store (at once without a durable store;
+    /// gives up when the job is retired).
+    async fn persisted(&self) {
+        let Some(p) = &self.persist else {
+            return;
+        };
+        let version = p.pending.borrow().0;
+        let mut written = p.written.subscribe();
+        tokio::select! {
+            _ = written.wait_for(|w| *w >= version) => {}
+            () = self.retired.cancelled() => {}
+        }
+    }
+
     /// Cancels the job: joiners of an open round and every wait of the running generation
-    /// get an error, the agents are told to stop, and later joins are refused.
+    /// get an error, the agents are told to stop, and later joins are refused. A job already
+    /// over (finished, failed or cancelled) stays as it is: returns false.
     pub fn cancel(&self, why: &str) -> bool {
         let mut st = self.lock();
         if st.done.is_some() {
@@ -2423,6 +2643,11 @@ impl Job {
             Some(Done::Cancelled(why)) => {
                 return Err(Status::failed_precondition(format!(
                     "job '{id}' was cancelled ({why}); there is nothing to drain"
+                )));
+            }
+            Some(Done::Finished(why)) => {
+                return Err(Status::failed_precondition(format!(
+                    "job '{id}' has finished ({why}); there is nothing to drain"
                 )));
             }
             None => {}
@@ -2527,6 +2752,7 @@ impl Job {
                     &format!(
                         "node {node_rank} ('{node_id}', host {host}) was drained by an operator ({reason})"
                     ),
+                    false,
                 );
                 Ok(pb::DrainNodeResponse {
                     node_id,
@@ -2570,6 +2796,13 @@ impl Job {
                 let b = g.barriers.remove(&key).expect("key listed above");
                 g.fail_barrier(key, b, &err);
             }
+        }
+        // The record's left ranks: a new leader does not wait for them.
+        let finished = self.check_finished(&mut st);
+        self.persist(&st);
+        if finished {
+            drop(st);
+            self.notify();
         }
     }
 
@@ -2804,7 +3037,7 @@ impl Job {
                     pb::RoundState::Cancelled
                 } else if g.failure.is_some() {
                     pb::RoundState::Failed
-                } else if g.left as usize == g.ranks.len() {
+                } else if matches!(st.done, Some(Done::Finished(_))) {
                     pb::RoundState::Finished
                 } else {
                     pb::RoundState::Running
@@ -2835,6 +3068,7 @@ mod tests {
         let ctx = JobContext {
             incarnation: 1,
             store: None,
+            tenure: crate::ha::Tenure::always(),
         };
         let config = RoundConfig {
             min_nodes: 1,
@@ -2862,5 +3096,182 @@ mod tests {
         assert!(err.message().contains("was drained"), "{err:?}");
         assert!(err.metadata().contains_key(DRAINED_METADATA));
         assert!(restored.join(req("a")).is_ok());
+    }
+
+    fn ctx() -> JobContext {
+        JobContext {
+            incarnation: 1,
+            store: None,
+            tenure: crate::ha::Tenure::always(),
+        }
+    }
+
+    fn config(nodes: u32, max_restarts: u32) -> RoundConfig {
+        RoundConfig {
+            min_nodes: nodes,
+            max_nodes: nodes,
+            last_call: Duration::from_secs(60),
+            join_timeout: Duration::from_secs(60),
+            max_restarts,
+        }
+    }
+
+    /// A job of `nodes` single-rank nodes n0.. whose round closed (generation 1).
+    async fn formed(nodes: u32, max_restarts: u32) -> Arc<Job> {
+        let job = Job::new(
+            JobId::parse("j").unwrap(),
+            config(nodes, max_restarts),
+            &ctx(),
+        );
+        let mut answers = vec![];
+        for n in 0..nodes {
+            answers.push(job.join(req(&format!("n{n}"))).unwrap().2);
+        }
+        for a in answers {
+            a.await.unwrap().unwrap();
+        }
+        job
+    }
+
+    /// The job's state, restart count and final message, as DescribeJob and the record show
+    /// them.
+    fn outcome(job: &Job) -> (i32, u32, String) {
+        let summary = job.summary();
+        let record = job.record(&job.lock());
+        let why = [record.finished, record.failed, record.cancelled].concat();
+        (summary.state, summary.restart_count, why)
+    }
+
+    /// Every late event a final job can meet; none may change it.
+    async fn every_late_event(job: &Arc<Job>) {
+        job.fail_rank(
+            1,
+            0,
+            "exited with status 9".into(),
+            Some(FailureDetail {
+                exit_code: Some(9),
+                ..FailureDetail::default()
+            }),
+        );
+        job.fail_rank(1, 1, "its session was lost".into(), None);
+        job.node_lost(1, 0, 0, "its agent disconnected");
+        job.node_lost(1, 1, 0, "no heartbeat from its agent for 10.0s");
+        job.check_reattached(Duration::from_secs(10));
+        job.cancel("too late");
+        let _ = job.drain(&NodeRef::Rank(0), "too late");
+        let _ = job.join(req("stranger"));
+        let _ = job.join(req("n0"));
+        job.node_finished(1, 0).await;
+    }
+
+    #[tokio::test]
+    async fn a_final_state_never_changes() {
+        // Finished: every node's workers exited 0.
+        let finished = formed(2, 3).await;
+        finished.node_finished(1, 0).await;
+        assert_eq!(finished.summary().state, pb::RoundState::Running as i32);
+        finished.node_finished(1, 1).await;
+        let before = outcome(&finished);
+        assert_eq!(before.0, pb::RoundState::Finished as i32, "{before:?}");
+        assert!(before.2.contains("left cleanly"), "{before:?}");
+        every_late_event(&finished).await;
+        assert_eq!(outcome(&finished), before);
+        assert!(finished.summary().done);
+        let e = finished.join(req("n0")).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+        assert!(
+            e.message().contains("job 'j' has finished"),
+            "{}",
+            e.message()
+        );
+
+        // Cancelled: a worker stopped by the cancel exits by a signal afterwards.
+        let cancelled = formed(2, 3).await;
+        assert!(cancelled.cancel("operator"));
+        let before = outcome(&cancelled);
+        assert_eq!(before.0, pb::RoundState::Cancelled as i32, "{before:?}");
+        every_late_event(&cancelled).await;
+        assert_eq!(outcome(&cancelled), before);
+
+        // Failed with no restarts left.
+        let failed = formed(2, 0).await;
+        failed.fail_rank(1, 1, "exited with status 3".into(), None);
+        let before = outcome(&failed);
+        assert_eq!(before.0, pb::RoundState::Failed as i32, "{before:?}");
+        every_late_event(&failed).await;
+        let after = outcome(&failed);
+        assert_eq!((after.0, after.1), (before.0, before.1));
+        // Only the first failure's reason may become more precise (the agent's report).
+        assert!(after.2.contains("rank 1"), "{after:?}");
+    }
+
+    #[tokio::test]
+    async fn a_job_restored_finished_expects_no_reattach() {
+        let job = formed(2, 0).await;
+        for node_rank in 0..2 {
+            // As if both agents had watched: a failover must wait for neither.
+            let mut st = job.lock();
+            let Phase::Running(g) = &mut st.phase else {
+                unreachable!()
+            };
+            g.nodes[node_rank].watched = true;
+            g.ranks[node_rank].had_session = true;
+        }
+        job.node_finished(1, 0).await;
+        // Half finished: node 0 is not awaited after a failover, node 1 is.
+        let half = Job::restore(&job.record(&job.lock()), 0, &ctx()).unwrap();
+        half.check_reattached(Duration::from_secs(10));
+        let f = half.describe().failure.unwrap();
+        assert_eq!(f.node_rank, 1, "{f:?}");
+        assert!(f.reason.contains("did not re-attach"), "{f:?}");
+
+        job.node_finished(1, 1).await;
+        let record = job.record(&job.lock());
+        assert!(record.finished.contains("left cleanly"), "{record:?}");
+        let restored = Job::restore(&record, 0, &ctx()).unwrap();
+        restored.check_reattached(Duration::from_secs(10));
+        let d = restored.describe();
+        assert!(d.failure.is_none(), "{:?}", d.failure);
+        let summary = d.summary.unwrap();
+        assert_eq!(summary.state, pb::RoundState::Finished as i32);
+        assert!(summary.done);
+        assert_eq!(outcome(&restored), outcome(&job));
+    }
+
+    #[tokio::test]
+    async fn a_join_into_a_full_running_generation_is_refused_and_changes_nothing() {
+        let job = formed(1, 0).await;
+        let e = job.join(req("stranger")).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+        for part in ["job 'j' is running", "1 of at most 1 nodes", "'stranger'"] {
+            assert!(e.message().contains(part), "{part}: {}", e.message());
+        }
+        let s = job.summary();
+        assert_eq!(
+            (s.state, s.generation, s.restart_count),
+            (pb::RoundState::Running as i32, 1, 0)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_known_node_joining_again_is_a_restart_within_the_budget() {
+        let job = formed(1, 1).await;
+        let (generation, _, answer) = job.join(req("n0")).unwrap();
+        assert_eq!(generation, 2);
+        let answer = answer.await.unwrap().unwrap();
+        assert_eq!((answer.generation, answer.restart_count), (2, 1));
+        // The budget is spent: the next one ends the job, naming the node.
+        let e = job.join(req("n0")).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+        assert!(
+            e.message().contains("is over") && e.message().contains("joined the job again"),
+            "{}",
+            e.message()
+        );
+        let s = job.summary();
+        assert_eq!(
+            (s.state, s.restart_count, s.done),
+            (pb::RoundState::Failed as i32, 1, true)
+        );
     }
 }

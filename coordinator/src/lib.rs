@@ -6,6 +6,7 @@
 //! embedded coordinator call [`serve`] directly on a listener of their own.
 
 pub mod auth;
+pub mod cli;
 pub mod config;
 pub mod election;
 pub mod ha;
@@ -14,6 +15,7 @@ pub mod limits;
 pub mod metrics;
 pub mod model;
 pub mod pool;
+pub mod retention;
 pub mod service;
 pub mod store;
 pub mod systemd;
@@ -73,8 +75,12 @@ pub async fn serve_with_store(
     }
     let auth = config.auth.clone();
     let max = config.max_message_bytes;
-    let (max_connections, max_streams) =
-        (config.max_connections, config.max_streams_per_connection);
+    let max_streams = config.max_streams_per_connection;
+    let connection_limits = limits::ConnectionLimits {
+        max: config.max_connections,
+        per_peer: config.max_connections_per_peer,
+        handshake_timeout: config.handshake_timeout,
+    };
     let me = config
         .etcd
         .advertise_addr
@@ -207,6 +213,19 @@ pub async fn serve_with_store(
             }
         })
     });
+    // Task "expiry": removes jobs that have been finished, failed or cancelled for
+    // --finished-job-ttl-ms (and their stored data); aborted when serving ends.
+    let expiry_task = {
+        let coordinator = Arc::clone(&coordinator);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(coordinator.sweep_interval());
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                coordinator.expire_finished().await;
+            }
+        })
+    };
     let values = ValuesService(Arc::clone(&coordinator));
     tracing::info!(%addr, advertise = %me, store = if durable { "etcd" } else { "memory" }, "coordinator serving");
     let mut server = tonic::transport::Server::builder();
@@ -224,6 +243,10 @@ pub async fn serve_with_store(
         .max_concurrent_streams(Some(max_streams))
         .http2_max_header_list_size(Some(Config::MAX_HEADER_LIST_BYTES))
         .layer(metrics::RpcLatencyLayer)
+        // A connection's first call disarms its handshake deadline (limits.rs).
+        .layer(limits::FirstCallLayer)
+        // An oversized request is refused naming max_message_bytes and its flag.
+        .layer(limits::MessageSizeLayer { max })
         // A span per call, child of the caller's W3C trace context (telemetry.rs).
         .trace_fn(telemetry::server_span)
         .add_service(health)
@@ -278,13 +301,15 @@ pub async fn serve_with_store(
         ))
         .serve_with_incoming_shutdown(
             // TCP_NODELAY on every accepted connection: barrier results are small writes.
+            // Connections: a global cap, a per-peer cap and a handshake deadline.
             limits::limit_connections(
                 tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true)),
-                max_connections,
+                connection_limits,
             ),
             shutdown,
         )
         .await;
+    expiry_task.abort();
     for task in [metrics_task, health_task].into_iter().flatten() {
         task.abort();
     }

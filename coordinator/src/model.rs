@@ -104,12 +104,26 @@ pub fn label(field: &str, s: &str, max: usize) -> Result<String, Invalid> {
             s.len()
         )));
     }
-    if s.chars().any(char::is_control) {
+    if let Some(c) = s.chars().find(|&c| c.is_control() || is_bidi_control(c)) {
+        let what = if c.is_control() {
+            "a control character"
+        } else {
+            "a bidirectional formatting character, which can make names display as something else"
+        };
         return Err(Invalid(format!(
-            "{field} {s:?} contains control characters"
+            "{field} {s:?} contains {c:?} (U+{:04X}, {what}); control and bidirectional formatting characters are not allowed",
+            c as u32
         )));
     }
     Ok(s.to_owned())
+}
+
+/// Whether `c` changes the display order of text around it (Unicode's bidirectional
+/// formatting characters: embeddings and overrides U+202A-U+202E, isolates U+2066-U+2069,
+/// and the marks U+200E, U+200F and U+061C). A name holding one can show in a listing as a
+/// different name (issue 14), so names refuse them.
+pub fn is_bidi_control(c: char) -> bool {
+    matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{200E}' | '\u{200F}' | '\u{061C}')
 }
 
 /// Checks a key of the key-value store.
@@ -245,6 +259,32 @@ mod tests {
             ("ünicode", false),
         ] {
             check(input, ok);
+        }
+    }
+
+    #[test]
+    fn labels_refuse_control_and_bidi_characters() {
+        for (input, ok) in [
+            ("step-1 / epoch 2", true),
+            ("ünicode ok", true),
+            ("tab\there", false),
+            ("a\u{202E}b", false),
+            ("a\u{202A}b", false),
+            ("a\u{2066}b", false),
+            ("a\u{2069}b", false),
+            ("a\u{200E}b", false),
+            ("a\u{200F}b", false),
+            ("a\u{061C}b", false),
+            ("a\u{2067}b", false),
+        ] {
+            let got = label("key", input, 512);
+            assert_eq!(got.is_ok(), ok, "{input:?}: {got:?}");
+            if let Err(Invalid(message)) = got {
+                // Named and escaped: the message itself never carries the raw character.
+                assert!(message.starts_with("key "), "{message}");
+                assert!(!message.contains(|c: char| c.is_control() || is_bidi_control(c)));
+                assert!(message.contains("U+"), "{message}");
+            }
         }
     }
 

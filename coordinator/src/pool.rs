@@ -386,6 +386,18 @@ impl Pool {
         true
     }
 
+    /// Whether `job_id` was submitted and is not over: its agents may still be on their way
+    /// to join it, so an empty round of it is not abandoned.
+    pub fn waits_for_agents(&self, job_id: &str) -> bool {
+        self.lock().jobs.get(job_id).is_some_and(|j| !j.over)
+    }
+
+    /// Forgets the submitted job `job_id` (it expired, see `retention.rs`): it is offered to
+    /// no agent again. Agents that still list it free themselves when they report its end.
+    pub fn forget(&self, job_id: &str) {
+        self.lock().jobs.remove(job_id);
+    }
+
     /// A node of `job_id` was drained: if it is a daemon agent (its agent id is the node
     /// id), the job is never offered to it again. Agents with another id are recorded when
     /// they report the drain (`JOB_OUTCOME_DRAINED`).

@@ -14,7 +14,6 @@ use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::time::Instant;
-use tokio_stream::wrappers::UnboundedReceiverStream;
 use tonic::{Request, Response, Status, Streaming};
 
 impl From<StoreError> for Status {
@@ -39,6 +38,10 @@ pub struct Coordinator {
     /// state is loaded, so that a request that got past the gate just before it closed is told
     /// UNAVAILABLE, not that its job does not exist.
     leading: std::sync::atomic::AtomicBool,
+    /// Stored bytes over all jobs, bounded by `max_total_bytes` (`limits.rs`).
+    stored: crate::limits::StoredBytes,
+    /// Ages of jobs in a final state, and tombstones of expired ones (`retention.rs`).
+    retention: crate::retention::Retention,
 }
 
 impl Coordinator {
@@ -51,21 +54,36 @@ impl Coordinator {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64),
             store: store.as_etcd().is_some().then(|| Arc::clone(&store)),
+            // Over etcd, decisions wait for a term (`ha.rs`, "A leader that did not run").
+            tenure: if store.as_etcd().is_some() {
+                crate::ha::Tenure::elected()
+            } else {
+                crate::ha::Tenure::always()
+            },
         };
+        // Liveness timeouts discount the time this process did not run from now on.
+        crate::ha::start_stall_clock();
         Arc::new(Self {
-            config,
             store,
             jobs: Mutex::new(HashMap::new()),
             pool: Pool::default(),
             next_job: std::sync::atomic::AtomicU64::new(1),
             leading: std::sync::atomic::AtomicBool::new(ctx.store.is_none()),
+            stored: crate::limits::StoredBytes::new(config.max_total_bytes),
+            retention: crate::retention::Retention::new(config.finished_job_ttl),
             ctx,
+            config,
         })
     }
 
     /// The store.
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.store
+    }
+
+    /// Whether this coordinator may act as the leader now (set by the leadership loop).
+    pub fn tenure(&self) -> &crate::ha::Tenure {
+        &self.ctx.tenure
     }
 
     /// Drops every job from memory (this coordinator stopped leading): their streams end with
@@ -77,6 +95,8 @@ impl Coordinator {
         for job in &jobs {
             job.retire(why);
         }
+        self.stored.reset(HashMap::new());
+        self.retention.reset();
         self.pool.retire(why);
         if !jobs.is_empty() {
             tracing::info!(jobs = jobs.len(), "dropped every job: {why}");
@@ -89,6 +109,7 @@ impl Coordinator {
         use prost::Message as _;
         let records = self.store.list(crate::job::RECORDS_PREFIX).await?;
         let mut loaded = HashMap::new();
+        let mut stored = HashMap::new();
         for (key, bytes) in records {
             let record = match pb::JobRecord::decode(bytes.as_slice()) {
                 Ok(r) => r,
@@ -108,8 +129,22 @@ impl Coordinator {
                 .iter()
                 .map(|(k, v)| k.len().saturating_sub(format!("jobs/{id}/kv/").len()) + v.len())
                 .sum();
+            // Published values (unique ids, shared values) count towards max_total_bytes too.
+            // (`jobs/<job>/gen/<values id>/<kind>/<name>`: the name as counted when published.)
+            let gen_prefix = format!("jobs/{id}/gen/");
+            let published: usize = self
+                .store
+                .list(&gen_prefix)
+                .await?
+                .iter()
+                .map(|(k, v)| {
+                    let name = k[gen_prefix.len().min(k.len())..].splitn(3, '/').nth(2);
+                    name.map_or(0, str::len) + v.len()
+                })
+                .sum();
             match Job::restore(&record, kv_bytes, &self.ctx) {
                 Ok(job) => {
+                    stored.insert(id.clone(), kv_bytes + published);
                     job.arm_recovery_grace(self.config.heartbeat_timeout);
                     loaded.insert(id, job);
                 }
@@ -126,6 +161,8 @@ impl Coordinator {
         for job in old {
             job.retire("the coordinator reloaded its state from the store");
         }
+        self.stored.reset(stored);
+        self.retention.reset();
         self.leading
             .store(true, std::sync::atomic::Ordering::SeqCst);
         Ok(n)
@@ -141,6 +178,7 @@ impl Coordinator {
                 "job '{id}' already exists (launched or submitted before)"
             )));
         }
+        self.may_create(&id, jobs.len())?;
         let config = RoundConfig {
             min_nodes: spec.min_nodes,
             max_nodes: spec.max_nodes,
@@ -152,6 +190,85 @@ impl Coordinator {
         Ok(())
     }
 
+    /// Whether job `id` may be created now, with `held` jobs in memory: within `max_jobs`,
+    /// and not while an expired job of that id is still being removed.
+    fn may_create(&self, id: &JobId, held: usize) -> Result<(), Status> {
+        if held >= self.config.max_jobs {
+            return Err(Status::resource_exhausted(format!(
+                "job '{id}' cannot be created: the coordinator holds {held} jobs; the limit is {} (max_jobs: raise it with --max-jobs; finished, failed and cancelled jobs are removed {} ms after they end, --finished-job-ttl-ms)",
+                self.config.max_jobs,
+                self.config.finished_job_ttl.as_millis()
+            )));
+        }
+        self.retention.creating(id)
+    }
+
+    /// Removes the jobs that have been in a final state (finished, failed, cancelled), or
+    /// abandoned (an open round no node waits in), for `finished_job_ttl`: from memory and the pool at once (calls naming them then hear
+    /// that they expired), then their stored data and record; a store failure is retried at
+    /// the next sweep. Run every [`Coordinator::sweep_interval`] by the "expiry" task.
+    pub async fn expire_finished(&self) {
+        let now = Instant::now();
+        let held: Vec<(JobId, Arc<Job>)> = self
+            .jobs()
+            .iter()
+            .map(|(id, job)| (id.clone(), Arc::clone(job)))
+            .collect();
+        for (id, job) in held {
+            let submitted = self.pool.waits_for_agents(id.as_str());
+            let outcome = expiry_outcome(&job.summary(), submitted);
+            if !self.retention.due(&id, outcome, now) {
+                continue;
+            }
+            let Some(outcome) = outcome else { continue };
+            let removed = {
+                let mut jobs = self.jobs();
+                match jobs.get(&id) {
+                    Some(j) if Arc::ptr_eq(j, &job) => {
+                        self.retention.expire(&id, outcome);
+                        jobs.remove(&id)
+                    }
+                    _ => None,
+                }
+            };
+            if let Some(job) = removed {
+                tracing::info!(job = %id, outcome, ttl_ms = self.config.finished_job_ttl.as_millis() as u64, "job expired: removing it");
+                // Nothing of it may run or write any more (its record writer stops too).
+                job.retire(&format!(
+                    "job '{id}' expired ({outcome} {} ms ago, --finished-job-ttl-ms)",
+                    self.config.finished_job_ttl.as_millis()
+                ));
+                self.pool.forget(id.as_str());
+                self.stored.forget(&id);
+            }
+        }
+        for id in self.retention.removing() {
+            // Data first, record last: a record left behind by a failure is loaded as a
+            // final job by the next leader and expires again.
+            let removed = async {
+                self.store.delete_prefix(&format!("jobs/{id}/")).await?;
+                self.store.delete(&crate::job::record_key(&id)).await?;
+                Ok::<(), StoreError>(())
+            };
+            match removed.await {
+                Ok(()) => self.retention.removed(&id),
+                Err(e) => {
+                    tracing::warn!(job = %id, "expired job's stored data not removed, retrying at the next sweep: {e}");
+                }
+            }
+        }
+    }
+
+    /// How often [`Coordinator::expire_finished`] should run.
+    pub fn sweep_interval(&self) -> Duration {
+        self.retention.sweep_interval()
+    }
+
+    /// Stored bytes (key-value data and published values) over all jobs.
+    pub fn stored_bytes(&self) -> usize {
+        self.stored.total()
+    }
+
     fn jobs(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, Arc<Job>>> {
         self.jobs.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -159,7 +276,9 @@ impl Coordinator {
     fn job(&self, id: &str) -> Result<Arc<Job>, Status> {
         let id = JobId::parse(id)?;
         self.jobs().get(&id).cloned().ok_or_else(|| {
-            if self.leading.load(std::sync::atomic::Ordering::SeqCst) {
+            if let Some(expired) = self.retention.expired(&id) {
+                expired
+            } else if self.leading.load(std::sync::atomic::Ordering::SeqCst) {
                 Status::not_found(format!("job '{id}' not found (no node has joined it)"))
             } else {
                 Status::unavailable(
@@ -287,6 +406,23 @@ fn clip(s: &str, max: usize) -> String {
     s.chars().skip(n.saturating_sub(max)).collect()
 }
 
+/// What makes a job removable once it has lasted `finished_job_ttl`, if anything: the final
+/// state its summary shows ("finished", "failed", "cancelled"), or an abandoned round (open
+/// with no node waiting: every joiner gave up or went away) unless it is a submitted job still
+/// waiting for its agents (`submitted`).
+fn expiry_outcome(s: &pb::JobSummary, submitted: bool) -> Option<&'static str> {
+    use pb::RoundState;
+    match RoundState::try_from(s.state) {
+        Ok(RoundState::Cancelled) => Some("cancelled"),
+        Ok(RoundState::Finished) => Some("finished"),
+        _ if s.done => Some("failed"),
+        Ok(RoundState::Open) if s.nodes_waiting == 0 && !submitted => {
+            Some("abandoned (its rendezvous round open with no node waiting)")
+        }
+        _ => None,
+    }
+}
+
 fn deadline(field: &str, ms: u64) -> Result<Option<Instant>, Status> {
     Ok(model::wait(field, ms)?.map(|d| Instant::now() + d))
 }
@@ -374,6 +510,7 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
                     Arc::clone(job)
                 }
                 None => {
+                    self.0.may_create(&id, jobs.len())?;
                     let c = config.unwrap_or(RoundConfig {
                         min_nodes: 1,
                         max_nodes: 1,
@@ -432,18 +569,24 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
         tokio::spawn(async move {
             use pb::node_message::Kind;
             let why = loop {
-                match tokio::time::timeout(hb, inbound.message()).await {
-                    Err(_) => {
+                // Silence counts only while this process runs (`ha::within`).
+                match crate::ha::within(hb, inbound.message()).await {
+                    None => {
                         break format!(
                             "no heartbeat from its agent for {:.1}s (agent stopped, hung or partitioned)",
                             hb.as_secs_f64()
                         );
                     }
-                    Ok(Err(status)) => {
+                    Some(Err(status)) => {
                         break format!("its agent's stream broke: {}", status.message());
                     }
-                    Ok(Ok(None)) => break "its agent disconnected".to_owned(),
-                    Ok(Ok(Some(msg))) => match msg.kind {
+                    Some(Ok(None)) => break "its agent disconnected".to_owned(),
+                    Some(Ok(Some(_))) if job.retired() => {
+                        // A lapsed leader takes nothing in; the agent moves to the leader.
+                        let _ = tx.send(Err(crate::ha::Tenure::lapsed()));
+                        break "this coordinator's leadership lapsed".to_owned();
+                    }
+                    Some(Ok(Some(msg))) => match msg.kind {
                         Some(Kind::Heartbeat(_)) => {
                             job.node_heartbeat(generation, node_rank, watch_id);
                             let _ = tx.send(Ok(pb::NodeEvent {
@@ -454,7 +597,7 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
                             // Ending the stream is the answer the agent waits for: it exits
                             // as soon as its node's end is recorded. The node is finished,
                             // so `node_lost` below only drops its outbox.
-                            job.node_finished(generation, node_rank);
+                            job.node_finished(generation, node_rank).await;
                             break "its agent finished".to_owned();
                         }
                         Some(Kind::Attach(_)) | None => {
@@ -468,7 +611,8 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
             };
             job.node_lost(generation, node_rank, watch_id, &why);
         });
-        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+        // What a lapsed leader would push never leaves (`ha::Tenure::guard`).
+        Ok(Response::new(Box::pin(self.0.tenure().guard(rx))))
     }
 
     async fn report_failure(
@@ -549,7 +693,7 @@ impl pb::session_server::Session for SessionService {
         // Task policy: one per session; ends with the stream; on coordinator shutdown it is
         // dropped with the runtime (workers see the connection close).
         tokio::spawn(session_loop(job, generation, reg.rank, inbound, tx, hb));
-        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(self.0.tenure().guard(rx))))
     }
 }
 
@@ -563,18 +707,24 @@ async fn session_loop(
 ) {
     use pb::worker_message::Kind;
     let reason = loop {
-        match tokio::time::timeout(hb, inbound.message()).await {
-            Err(_) => {
+        // Silence counts only while this process runs (`ha::within`).
+        match crate::ha::within(hb, inbound.message()).await {
+            None => {
                 break format!(
                     "no heartbeat for {:.1}s (process stopped, hung or partitioned)",
                     hb.as_secs_f64()
                 );
             }
-            Ok(Err(status)) => break format!("connection lost ({})", status.message()),
-            Ok(Ok(None)) => {
+            Some(Err(status)) => break format!("connection lost ({})", status.message()),
+            Some(Ok(None)) => {
                 break "session ended without leave (process exited or was killed)".to_owned();
             }
-            Ok(Ok(Some(msg))) => match msg.kind {
+            Some(Ok(Some(_))) if job.retired() => {
+                // A lapsed leader takes no barrier entry in; the worker moves to the leader.
+                let _ = outbox.send(Err(crate::ha::Tenure::lapsed()));
+                return;
+            }
+            Some(Ok(Some(msg))) => match msg.kind {
                 Some(Kind::Heartbeat(_)) => job.touch(generation, rank),
                 Some(Kind::Barrier(b)) => {
                     let checked = Scope::from_wire(b.scope).and_then(|scope| {
@@ -688,6 +838,11 @@ impl pb::relay_server::Relay for RelayService {
         // action here: its workers' own sessions report their ends.
         tokio::spawn(async move {
             while let Ok(Some(msg)) = inbound.message().await {
+                if job.retired() {
+                    // A lapsed leader takes no barrier entry in; the relay moves on.
+                    let _ = tx.send(Err(crate::ha::Tenure::lapsed()));
+                    break;
+                }
                 match msg.kind {
                     Some(pb::relay_message::Kind::Enter(e)) => {
                         let checked = e
@@ -745,7 +900,7 @@ impl pb::relay_server::Relay for RelayService {
                 }
             }
         });
-        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(self.0.tenure().guard(rx))))
     }
 }
 
@@ -809,16 +964,27 @@ impl ValuesService {
         let next = (*total + new_len).saturating_sub(old_len);
         if next > self.0.config.max_job_bytes && new_len > old_len {
             return Err(Status::resource_exhausted(format!(
-                "job '{}' key-value store would hold {next} bytes; the limit is {} (max_job_bytes)",
+                "job '{}' key-value store would hold {next} bytes; the limit is {} (max_job_bytes: raise it with --max-job-bytes)",
                 job.id, self.0.config.max_job_bytes
             )));
         }
-        match value {
-            Some(v) => self.0.store.put(key, v).await?,
-            None => {
-                self.0.store.delete(key).await?;
-            }
+        // Over all jobs too (max_total_bytes): reserved before the write, given back if it
+        // does not happen.
+        let grow = new_len.saturating_sub(old_len);
+        self.0
+            .stored
+            .reserve(&job.id, grow, &format!("writing key '{user_key}'"))?;
+        let written = match value {
+            Some(v) => self.0.store.put(key, v).await,
+            None => self.0.store.delete(key).await.map(|_| ()),
+        };
+        if let Err(e) = written {
+            self.0.stored.release(&job.id, grow);
+            return Err(e.into());
         }
+        self.0
+            .stored
+            .release(&job.id, old_len.saturating_sub(new_len));
         *total = next;
         job.notify();
         Ok(old)
@@ -836,7 +1002,16 @@ impl ValuesService {
         job.alive_member(generation, rank)?;
         let key = value_key(&job.id, &job.values_id(generation)?, kind, name);
         let stored = encode_published(rank, value);
-        if let Some(existing) = self.0.store.create(&key, stored).await? {
+        // Published values count towards max_total_bytes (given back if already published).
+        let size = name.len() + stored.len();
+        self.0
+            .stored
+            .reserve(&job.id, size, &format!("publishing {kind} '{name}'"))?;
+        let created = self.0.store.create(&key, stored).await;
+        if !matches!(created, Ok(None)) {
+            self.0.stored.release(&job.id, size);
+        }
+        if let Some(existing) = created? {
             let (by, old) = decode_published(&existing)?;
             if old != value {
                 return Err(Status::already_exists(format!(
@@ -1299,11 +1474,11 @@ impl pb::agents_server::Agents for AgentsService {
         tokio::spawn(async move {
             use pb::agent_message::Kind;
             let why = loop {
-                match tokio::time::timeout(hb, inbound.message()).await {
-                    Err(_) => break format!("no heartbeat for {:.1}s", hb.as_secs_f64()),
-                    Ok(Err(status)) => break format!("stream broke: {}", status.message()),
-                    Ok(Ok(None)) => break "disconnected".to_owned(),
-                    Ok(Ok(Some(msg))) => {
+                match crate::ha::within(hb, inbound.message()).await {
+                    None => break format!("no heartbeat for {:.1}s", hb.as_secs_f64()),
+                    Some(Err(status)) => break format!("stream broke: {}", status.message()),
+                    Some(Ok(None)) => break "disconnected".to_owned(),
+                    Some(Ok(Some(msg))) => {
                         coordinator.pool.touch(&agent_id, conn);
                         match msg.kind {
                             Some(Kind::Heartbeat(_)) => {
@@ -1326,6 +1501,6 @@ impl pb::agents_server::Agents for AgentsService {
             };
             coordinator.pool.unregister(&agent_id, conn, &why);
         });
-        Ok(Response::new(Box::pin(UnboundedReceiverStream::new(rx))))
+        Ok(Response::new(Box::pin(self.0.tenure().guard(rx))))
     }
 }

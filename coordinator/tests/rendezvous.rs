@@ -1,5 +1,6 @@
 //! Rendezvous rounds against a real coordinator: min/max, last call, requested ranks,
-//! heterogeneous local sizes, join timeouts, generations.
+//! heterogeneous local sizes, join timeouts, generations, and joins into a running job (a
+//! stray join into a full one is refused; a node of the generation joining again restarts it).
 #![allow(clippy::unwrap_used, missing_docs)]
 
 mod common;
@@ -161,17 +162,40 @@ async fn joiner_that_goes_away_is_removed() {
     assert_eq!(left, 0, "the abandoned joiner is still in the round");
 }
 
+/// Forms `job` of `nodes` nodes n0.. of `local` ranks with a restart budget.
+async fn form_budget(
+    ch: &tonic::transport::Channel,
+    job: &str,
+    nodes: u32,
+    local: u32,
+    max_restarts: u32,
+) -> Vec<pb::JoinResponse> {
+    let handles: Vec<_> = (0..nodes)
+        .map(|i| {
+            let mut r = join_req(job, &format!("n{i}"), local, nodes, nodes);
+            r.config.as_mut().unwrap().max_restarts = Some(max_restarts);
+            spawn_join(ch, r)
+        })
+        .collect();
+    let mut out = vec![];
+    for h in handles {
+        out.push(h.await.unwrap().unwrap());
+    }
+    out.sort_by_key(|r| r.node_rank);
+    out
+}
+
 #[tokio::test]
 async fn joining_a_running_job_opens_the_next_generation_and_fences_the_old() {
     let s = start_default().await;
-    let first = form(&s.channel, "gens", 1, 2).await;
+    let first = form_budget(&s.channel, "gens", 1, 2, 1).await;
     assert_eq!(first[0].generation, 1);
     let mut ranks = attach_all(&s.channel, "gens", 1, 2).await;
     ranks[0].enter(pb::BarrierScope::Global, "x", 0).await;
     let second = form(&s.channel, "gens", 1, 2).await;
     assert_eq!(second[0].generation, 2);
-    // A membership change is not a restart (torchrun counts only failures).
-    assert_eq!(second[0].restart_count, 0);
+    // The generation's own node joined again (its agent lost the generation): a restart.
+    assert_eq!(second[0].restart_count, 1);
     // The old generation's waiter learns it was superseded.
     let e = ranks[0].result().await.unwrap();
     assert_eq!(e.kind, pb::barrier_error::Kind::StaleGeneration as i32);
@@ -208,4 +232,89 @@ async fn joining_a_running_job_opens_the_next_generation_and_fences_the_old() {
     for r in &mut ranks {
         assert!(r.result().await.is_none());
     }
+}
+
+/// A join into a running generation that has its most nodes (here from 50 strangers, as a
+/// second agent started with the same job id would send) is refused naming the job, its
+/// node count and that it runs, and leaves the generation alone: no agent hears of it, the
+/// barriers go on, the generation and restart count stay. Before, each such join superseded
+/// the running generation (the workers were stopped and started again, without end).
+#[tokio::test]
+async fn a_stray_join_into_a_full_running_job_is_refused_and_disturbs_nothing() {
+    let s = start_default().await;
+    let job = "full";
+    form_budget(&s.channel, job, 2, 1, 3).await;
+    let mut watches = vec![];
+    for n in 0..2 {
+        watches.push(
+            RawWatch::attach(&s.channel, job, 1, n, &format!("n{n}"))
+                .await
+                .unwrap(),
+        );
+    }
+    let mut ranks = attach_all(&s.channel, job, 1, 2).await;
+    for i in 0..50 {
+        let e = spawn_join(&s.channel, join_req(job, &format!("stray-{i}"), 2, 2, 2))
+            .await
+            .unwrap()
+            .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+        for part in [
+            "job 'full' is running",
+            "generation 1",
+            "2 of at most 2 nodes",
+            &format!("node 'stray-{i}'"),
+        ] {
+            assert!(e.message().contains(part), "{part}: {}", e.message());
+        }
+    }
+    for w in &mut watches {
+        w.nothing_within(Duration::from_millis(300)).await;
+    }
+    for r in &mut ranks {
+        r.enter(pb::BarrierScope::Global, "after-the-strays", 0)
+            .await;
+    }
+    for r in &mut ranks {
+        assert!(r.result().await.is_none());
+    }
+    let d = describe(&s.channel, job).await;
+    let summary = d.summary.unwrap();
+    assert_eq!(
+        (
+            summary.state,
+            summary.generation,
+            summary.restart_count,
+            summary.num_nodes
+        ),
+        (pb::RoundState::Running as i32, 1, 0, 2)
+    );
+}
+
+/// A node of the running generation joining again with no restart left ends the job (a
+/// restart it may not have), naming the node; the other agents hear it at once.
+#[tokio::test]
+async fn a_node_joining_again_without_budget_ends_the_job_naming_it() {
+    let s = start_default().await;
+    let job = "no-budget";
+    form_budget(&s.channel, job, 2, 1, 0).await;
+    let mut w0 = RawWatch::attach(&s.channel, job, 1, 0, "n0").await.unwrap();
+    let e = spawn_join(&s.channel, join_req(job, "n1", 1, 2, 2))
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert!(
+        e.message().contains("job 'no-budget' is over")
+            && e.message().contains("agent n1")
+            && e.message().contains("joined the job again"),
+        "{}",
+        e.message()
+    );
+    let ended = w0.ended().await;
+    assert_eq!(ended.cause, pb::generation_ended::Cause::Failed as i32);
+    assert!(!ended.rejoin, "{ended:?}");
+    let summary = describe(&s.channel, job).await.summary.unwrap();
+    assert!(summary.done);
+    assert_eq!(summary.state, pb::RoundState::Failed as i32);
 }

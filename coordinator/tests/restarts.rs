@@ -116,16 +116,64 @@ async fn failures_restart_the_job_until_the_budget_is_spent() {
 async fn a_membership_change_supersedes_without_using_the_budget() {
     let s = start_default().await;
     let job = "elastic";
-    let nodes = form_budget(&s.channel, job, 1, 0).await;
-    let mut w = RawWatch::attach(&s.channel, job, 1, 0, &nodes[0].1)
-        .await
-        .unwrap();
-    let next = spawn_join(&s.channel, restart_req(job, "n9", 1, 0));
+    // One node of at most two: a second node may scale the job up.
+    let mut first = restart_req(job, "n0", 1, 0);
+    first.config.as_mut().unwrap().max_nodes = 2;
+    let first = spawn_join(&s.channel, first).await.unwrap().unwrap();
+    assert_eq!(first.num_nodes, 1);
+    let mut w = RawWatch::attach(&s.channel, job, 1, 0, "n0").await.unwrap();
+    let mut join = restart_req(job, "n9", 1, 0);
+    join.config.as_mut().unwrap().max_nodes = 2;
+    let next = spawn_join(&s.channel, join);
     let e = w.ended().await;
     assert_eq!(e.cause, Cause::Superseded as i32);
     assert!(e.rejoin);
     let second = next.await.unwrap().unwrap();
     assert_eq!((second.generation, second.restart_count), (2, 0));
+}
+
+/// A node of the running generation joining again (its agent lost the generation) restarts
+/// the job, and each such restart is counted: once the budget is spent the next one ends the
+/// job instead of superseding it again, so agents that keep joining cannot loop for ever.
+#[tokio::test]
+async fn a_running_node_joining_again_is_a_restart_until_the_budget_is_spent() {
+    let s = start_default().await;
+    let job = "rejoins";
+    let nodes = form_budget(&s.channel, job, 1, 2).await;
+    assert_eq!(nodes[0].0.restart_count, 0);
+    for restart in 1..=2u32 {
+        let generation = u64::from(restart);
+        let mut w = RawWatch::attach(&s.channel, job, generation, 0, "n0")
+            .await
+            .unwrap();
+        let next = spawn_join(&s.channel, restart_req(job, "n0", 1, 2));
+        let e = w.ended().await;
+        assert_eq!(e.cause, Cause::Superseded as i32, "{e:?}");
+        assert!(e.rejoin, "{e:?}");
+        assert!(
+            e.message.contains(&format!("(restart {restart} of 2)")),
+            "{}",
+            e.message
+        );
+        let answer = next.await.unwrap().unwrap();
+        assert_eq!(
+            (answer.generation, answer.restart_count),
+            (generation + 1, restart)
+        );
+    }
+    let refused = RendezvousClient::new(s.channel.clone())
+        .join(restart_req(job, "n0", 1, 2))
+        .await
+        .unwrap_err();
+    assert_eq!(refused.code(), Code::FailedPrecondition);
+    assert!(
+        refused.message().contains("no restarts left: 2 of 2 used"),
+        "{}",
+        refused.message()
+    );
+    let summary = describe(&s.channel, job).await.summary.unwrap();
+    assert!(summary.done);
+    assert_eq!((summary.generation, summary.restart_count), (3, 2));
 }
 
 #[tokio::test]

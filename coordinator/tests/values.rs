@@ -344,7 +344,10 @@ async fn unique_ids_are_published_once_per_generation_and_communicator() {
 async fn a_new_generation_never_sees_the_old_unique_id_or_shared_value() {
     let s = start_default().await;
     let ch = &s.channel;
-    form(ch, "fresh", 1, 2).await;
+    // The second round below is the same node joining again: a restart, so budget one.
+    let mut first = join_req("fresh", "n0", 2, 1, 1);
+    first.config.as_mut().unwrap().max_restarts = Some(1);
+    spawn_join(ch, first).await.unwrap().unwrap();
     let mut ids = UniqueIdsClient::new(ch.clone());
     let mut shared = SharedValuesClient::new(ch.clone());
     ids.publish(publish_id("fresh", 1, 0, "world", vec![1; 128]))

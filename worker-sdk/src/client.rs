@@ -136,7 +136,7 @@ impl Coordinator {
         let mut last = None;
         let mut connected = None;
         for (index, addr) in list.iter().enumerate() {
-            match endpoint(&security, addr)?.connect().await {
+            match endpoint(&security, addr, list.len() > 1)?.connect().await {
                 Ok(channel) => {
                     connected = Some((index, channel));
                     break;
@@ -167,7 +167,7 @@ impl Coordinator {
             .map(|(index, addr)| {
                 let channel = match channel.take_if(|_| index == current) {
                     Some(channel) => channel,
-                    None => endpoint(&security, addr)?.connect_lazy(),
+                    None => endpoint(&security, addr, list.len() > 1)?.connect_lazy(),
                 };
                 Ok(Target {
                     addr: addr.as_str().into(),
@@ -201,7 +201,8 @@ impl Coordinator {
             .map(|addr| {
                 Ok(Target {
                     addr: addr.as_str().into(),
-                    channel: security.wrap(endpoint(&security, addr)?.connect_lazy()),
+                    channel: security
+                        .wrap(endpoint(&security, addr, list.len() > 1)?.connect_lazy()),
                 })
             })
             .collect::<Result<_, Error>>()?;
@@ -290,7 +291,7 @@ impl Coordinator {
             }
             // A leader outside the list (its advertise address spelled differently): add it.
             let security = &self.inner.security;
-            let channel = security.wrap(endpoint(security, leader).ok()?.connect_lazy());
+            let channel = security.wrap(endpoint(security, leader, true).ok()?.connect_lazy());
             state.targets.push(Target {
                 addr: leader.into(),
                 channel,
@@ -390,9 +391,23 @@ fn parse_list(addrs: &str) -> Result<Vec<String>, Error> {
 }
 
 /// The endpoint of one replica: `https://` with `security`'s TLS settings, else `http://`.
-fn endpoint(security: &ClientSecurity, addr: &str) -> Result<tonic::transport::Endpoint, Error> {
+/// One of `several` replicas is given up when it stops answering pings, so that a frozen
+/// leader's streams fail over ([`failover::SILENT_REPLICA_PING`]).
+fn endpoint(
+    security: &ClientSecurity,
+    addr: &str,
+    several: bool,
+) -> Result<tonic::transport::Endpoint, Error> {
     let endpoint = security.endpoint(addr).map_err(Error::Config)?;
-    Ok(endpoint.tcp_nodelay(true).connect_timeout(CONNECT_TIMEOUT))
+    let endpoint = endpoint.tcp_nodelay(true).connect_timeout(CONNECT_TIMEOUT);
+    Ok(if several {
+        endpoint
+            .http2_keep_alive_interval(failover::SILENT_REPLICA_PING)
+            .keep_alive_timeout(failover::SILENT_REPLICA_TIMEOUT)
+            .keep_alive_while_idle(true)
+    } else {
+        endpoint
+    })
 }
 
 /// Which ranks a barrier spans.

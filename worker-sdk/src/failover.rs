@@ -32,6 +32,18 @@ const BACKOFF_START: Duration = Duration::from_millis(50);
 /// TTL + 0.4 s).
 const BACKOFF_MAX: Duration = Duration::from_millis(250);
 
+/// With several replicas, how often a connection that has heard nothing pings the replica
+/// (HTTP/2 PING), and how long the ping may stay unanswered before the connection is given
+/// up: a replica that does not answer a ping for [`SILENT_REPLICA_TIMEOUT`] has not run for
+/// that long (SIGSTOP, a frozen machine) or cannot be reached, and its streams fail over to
+/// the leader (the session re-attaches with `resume`) instead of waiting for it to wake.
+/// Longer than the coordinator's default lease TTL (3 s), so that a replica given up has
+/// already lost its lease and will not act on the session it finds gone when it wakes. With
+/// one address there is no one else to go to, and the connection is left alone.
+pub(crate) const SILENT_REPLICA_PING: Duration = Duration::from_secs(1);
+/// See [`SILENT_REPLICA_PING`].
+pub(crate) const SILENT_REPLICA_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// What a failed call says about retrying it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Verdict {

@@ -699,11 +699,27 @@ fn to_py(py: Python<'_>, e: Error) -> PyErr {
     }
 }
 
+/// The `muster-agent` command with `args` (the program name first); its exit status. Runs
+/// without the GIL: the command owns the process until it returns.
+#[pyfunction]
+fn agent_main(py: Python<'_>, args: Vec<String>) -> u8 {
+    let args = args.into_iter().map(Into::into).collect();
+    py.detach(|| muster_agent::entry::main(args))
+}
+
+/// The `muster-coordinator` command with `args` (the program name first); its exit status.
+#[pyfunction]
+fn coordinator_main(py: Python<'_>, args: Vec<String>) -> u8 {
+    py.detach(|| muster_coordinator::cli::main(args.into_iter().map(std::ffi::OsString::from)))
+}
+
 /// `muster._native`.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Native>()?;
     m.add_class::<Comm>()?;
+    m.add_function(wrap_pyfunction!(agent_main, m)?)?;
+    m.add_function(wrap_pyfunction!(coordinator_main, m)?)?;
     m.add("NCCL_UNIQUE_ID_BYTES", NCCL_UNIQUE_ID_BYTES)?;
     Ok(())
 }
