@@ -781,13 +781,16 @@ fn start_embedded() -> Result<String, LaunchError> {
     let listener =
         nodelay_listener(SocketAddr::from(([127, 0, 0, 1], 0))).map_err(LaunchError::Embedded)?;
     let addr = listener.local_addr().map_err(LaunchError::Embedded)?;
+    // Every client of a loopback coordinator is this agent or one of its workers, all from
+    // one address: the per-peer cap (which keeps one host from taking every slot of a shared
+    // coordinator) would only cap the workers this node can run.
+    let config = muster_coordinator::Config {
+        max_connections_per_peer: muster_coordinator::Config::default().max_connections,
+        ..muster_coordinator::Config::default()
+    };
     // Never stopped: dropped with the runtime when the agent exits (its only clients are this
     // agent and its workers, which are gone by then).
-    serve_here(
-        listener,
-        muster_coordinator::Config::default(),
-        CancellationToken::new(),
-    );
+    serve_here(listener, config, CancellationToken::new());
     Ok(addr.to_string())
 }
 

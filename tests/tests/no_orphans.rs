@@ -203,9 +203,9 @@ fn a_normal_exit_leaves_no_guardian_and_says_nothing_of_it() {
     );
 }
 
-/// Rank 0 ignores SIGTERM (and so does its child), rank 1 has stopped itself (a stopped
-/// process does not act on SIGTERM): both end only with the SIGKILL after the grace period,
-/// with their children. `trigger` makes the agent stop them.
+/// Rank 0 ignores SIGTERM (and so does its child): it ends only with the SIGKILL after the
+/// grace period, with its child. Rank 1 has stopped itself: the SIGCONT that follows every
+/// SIGTERM wakes it to act on the SIGTERM. `trigger` makes the agent stop them.
 fn stubborn_workers_are_killed(
     grace_ms: u64,
     extra_rank: Option<&str>,
