@@ -1,5 +1,5 @@
 """The Python SDK's benchmark worker, run under ``muster-agent launch`` by
-``scripts/bench-python.sh``: ``wait_for_everyone`` latency (p50/p99 over ``--iters`` after
+````target/release/python````: ``wait_for_everyone`` latency (p50/p99 over ``--iters`` after
 ``--warmup``) and, with ``--allreduce-mib``, the median time of an in-place all_reduce of a
 float32 CPU tensor (numpy) of that size. Rank 0 prints one ``key=value`` line per figure."""
 
@@ -44,7 +44,9 @@ def main() -> None:
             comm.all_reduce(data)
             runs.append((time.perf_counter_ns() - start) / 1e6)
         if accelerator.is_main_process:
-            print(f"allreduce_ms={statistics.median(runs):.3f}", flush=True)
+            # The line format of allreduce_bench and allreduce_gloo.py.
+            us = statistics.median(runs) * 1e3
+            print(f"size_bytes={data.nbytes} time_us_p50={us:.1f}", flush=True)
 
 
 if __name__ == "__main__":
