@@ -302,10 +302,12 @@ impl Coordinators {
             }
             None => {
                 let n = self.inner.addrs.len().max(1);
-                // An address a follower named is not in the list: go on from where we were.
+                // An address a follower named is not in the list: go on past that follower
+                // (`index` still points at it), never back to it, or a hint nobody can reach
+                // would bounce the agent between the two for the whole budget.
                 state.index = match self.inner.addrs.iter().position(|a| a == addr) {
                     Some(i) => (i + 1) % n,
-                    None => state.index % n,
+                    None => (state.index + 1) % n,
                 };
                 state.current = self
                     .inner
@@ -666,17 +668,21 @@ mod tests {
         assert_eq!(c.failed("a:1", None), "c:3");
         // A hint naming the address that failed is no hint.
         assert_eq!(c.failed("c:3", Some("c:3")), "a:1");
-        // A leader outside the list is followed, and the round robin goes on from there.
+        // A leader outside the list is followed; if it cannot be reached, the round robin
+        // goes on past the follower that named it (not back to it: issue 14's fault suite
+        // found an agent bouncing between a follower and its unreachable hint).
         assert_eq!(c.failed("a:1", Some("d:4")), "d:4");
-        assert_eq!(c.failed("d:4", None), "a:1");
+        assert_eq!(c.failed("d:4", None), "b:2");
+        assert_eq!(c.failed("b:2", Some("d:4")), "d:4");
+        assert_eq!(c.failed("d:4", None), "c:3");
         // One address: always that one.
         let one = Coordinators::new(vec!["a:1".into()], DEFAULT_BUDGET);
         assert_eq!(one.failed("a:1", None), "a:1");
         // A fork starts where its parent is and learns on its own.
         let fork = c.fork();
-        assert_eq!(fork.current(), "a:1");
-        assert_eq!(fork.failed("a:1", None), "b:2");
-        assert_eq!(c.current(), "a:1");
+        assert_eq!(fork.current(), "c:3");
+        assert_eq!(fork.failed("c:3", None), "a:1");
+        assert_eq!(c.current(), "c:3");
     }
 
     #[test]

@@ -37,7 +37,8 @@ def main() -> None:
 
         comm = muster.Communicator(accelerator)
         data = np.ones(args.allreduce_mib << 18, dtype=np.float32)
-        comm.all_reduce(data)
+        for _ in range(3):  # untimed, as allreduce_bench warms up
+            comm.all_reduce(data)
         runs = []
         for _ in range(args.allreduce_iters):
             start = time.perf_counter_ns()

@@ -16,6 +16,7 @@
 
 pub mod coordinator;
 pub mod etcd;
+pub mod faults;
 pub mod peers;
 pub mod replicas;
 pub use peers::peers_python;

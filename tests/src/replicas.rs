@@ -61,6 +61,8 @@ pub struct Replicas {
     /// The flags every replica gets besides `--listen` and `--advertise-addr`.
     args: Vec<String>,
     dir: PathBuf,
+    /// The host each replica advertises instead of 127.0.0.1 (same port), if any.
+    advertise_host: Option<String>,
 }
 
 impl Replicas {
@@ -68,6 +70,19 @@ impl Replicas {
     /// --lease-ttl-ms <ttl> --listen <own> --advertise-addr <own> <extra>`, and waits until each
     /// accepts connections (not until one leads: see [`Replicas::wait_leader`]).
     pub fn start(etcd: &Etcd, k: usize, ttl: Duration, extra: &[&str]) -> Self {
+        Self::start_advertising(etcd, k, ttl, extra, None)
+    }
+
+    /// [`Replicas::start`], each replica advertising `host:<its port>` (the leader hint
+    /// followers give) instead of its listening address: for clients that reach the replicas
+    /// through a forwarder on `host` (`tests/tests/fault_injection.rs`).
+    pub fn start_advertising(
+        etcd: &Etcd,
+        k: usize,
+        ttl: Duration,
+        extra: &[&str],
+        advertise_host: Option<&str>,
+    ) -> Self {
         assert!(k >= 1, "at least one replica");
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let dir = std::env::temp_dir().join(format!(
@@ -99,6 +114,7 @@ impl Replicas {
             replicas,
             args,
             dir,
+            advertise_host: advertise_host.map(str::to_owned),
         };
         for i in 0..k {
             this.spawn(i);
@@ -269,9 +285,16 @@ impl Replicas {
             .append(true)
             .open(&replica.log)
             .unwrap_or_else(|e| panic!("cannot open {}: {e}", replica.log.display()));
+        let advertised = match &self.advertise_host {
+            Some(host) => {
+                let port = replica.addr.rsplit_once(':').map_or("", |(_, p)| p);
+                format!("{host}:{port}")
+            }
+            None => replica.addr.clone(),
+        };
         let bin = crate::coordinator_bin();
         let child = Command::new(&bin)
-            .args(["--listen", &replica.addr, "--advertise-addr", &replica.addr])
+            .args(["--listen", &replica.addr, "--advertise-addr", &advertised])
             .args(&self.args)
             .env("NO_COLOR", "1")
             .stdin(Stdio::null())

@@ -310,6 +310,40 @@ impl Accelerator {
         self.barrier(scope, name, timeout)
     }
 
+    /// Whether [`Accelerator::barrier_named_interruptible`] can stop a wait in place: its
+    /// barriers go through the agent's relay, which this thread reads itself (without a relay
+    /// they wait on the SDK's runtime, which cannot).
+    pub fn barrier_interruptible_in_place(&self) -> bool {
+        matches!(&self.backend, Backend::Remote(remote) if remote.relay.is_some())
+    }
+
+    /// [`Accelerator::barrier_named`] that calls `interrupted` every
+    /// [`crate::relay::INTERRUPT_CHECK`] while it waits, when
+    /// [`Accelerator::barrier_interruptible_in_place`] (otherwise a plain barrier), and ends
+    /// with [`Error::Interrupted`] when it says true. The Python SDK checks for Ctrl-C so.
+    pub fn barrier_named_interruptible(
+        &self,
+        scope: Scope,
+        name: &str,
+        timeout: Option<Duration>,
+        interrupted: &mut dyn FnMut() -> bool,
+    ) -> Result<(), Error> {
+        match &self.backend {
+            Backend::Remote(remote) => match &remote.relay {
+                Some(relay) => tracing::info_span!(
+                    "muster.barrier",
+                    otel.kind = "client",
+                    scope = ?scope,
+                    name,
+                    relayed = true,
+                )
+                .in_scope(|| relay.barrier_interruptible(scope, name, timeout, interrupted)),
+                None => self.barrier(scope, name, timeout),
+            },
+            Backend::Local(_) => Ok(()),
+        }
+    }
+
     fn barrier(&self, scope: Scope, name: &str, timeout: Option<Duration>) -> Result<(), Error> {
         match &self.backend {
             Backend::Local(_) => Ok(()),

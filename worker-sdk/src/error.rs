@@ -151,6 +151,15 @@ pub enum Error {
     #[error("unsupported use of the muster SDK: {0}")]
     Usage(String),
 
+    /// The caller's interrupt check (a pending Ctrl-C in the Python SDK) ended a wait. The
+    /// barrier it interrupted cannot be resumed: this process's later barriers fail with
+    /// [`Error::Connection`] saying so.
+    #[error("interrupted while waiting for {what}")]
+    Interrupted {
+        /// What was being waited for.
+        what: String,
+    },
+
     /// A peer of a collective disappeared (its connection closed or broke, or the coordinator
     /// reported it dead) while this rank was exchanging data with it: the collective can never
     /// complete, so it fails instead of hanging.

@@ -202,6 +202,31 @@ impl RelayConn {
         name: &str,
         timeout: Option<Duration>,
     ) -> Result<(), Error> {
+        self.barrier_checked(scope, name, timeout, None, &mut || false)
+    }
+
+    /// [`RelayConn::barrier`] that calls `interrupted` every [`INTERRUPT_CHECK`] while it
+    /// waits (on this thread, between reads: no thread hop); when it says true the wait ends
+    /// with [`Error::Interrupted`] and the connection is given up (the interrupted barrier
+    /// cannot be resumed). The Python SDK checks for Ctrl-C this way.
+    pub fn barrier_interruptible(
+        &self,
+        scope: Scope,
+        name: &str,
+        timeout: Option<Duration>,
+        interrupted: &mut dyn FnMut() -> bool,
+    ) -> Result<(), Error> {
+        self.barrier_checked(scope, name, timeout, Some(INTERRUPT_CHECK), interrupted)
+    }
+
+    fn barrier_checked(
+        &self,
+        scope: Scope,
+        name: &str,
+        timeout: Option<Duration>,
+        slice: Option<Duration>,
+        interrupted: &mut dyn FnMut() -> bool,
+    ) -> Result<(), Error> {
         let deadline = timeout.map(|t| Instant::now() + t);
         let idx = scope.index();
         let mut st = self.lock();
@@ -215,7 +240,7 @@ impl RelayConn {
             });
         }
         st.busy[idx] = true;
-        let (mut st, outcome) = self.enter_and_wait(st, scope, name, deadline);
+        let (mut st, outcome) = self.enter_and_wait(st, scope, name, deadline, slice, interrupted);
         st.busy[idx] = false;
         outcome
     }
@@ -277,6 +302,8 @@ impl RelayConn {
         scope: Scope,
         name: &str,
         deadline: Option<Instant>,
+        slice: Option<Duration>,
+        interrupted: &mut dyn FnMut() -> bool,
     ) -> (MutexGuard<'a, State>, Result<(), Error>) {
         let idx = scope.index();
         loop {
@@ -303,7 +330,7 @@ impl RelayConn {
                 s.lost = Some(reason.clone());
                 return (st, Err(self.lost_error(reason)));
             }
-            let (next, waited) = self.wait(st, scope, seq);
+            let (next, waited) = self.wait(st, scope, seq, name, slice, interrupted);
             st = next;
             let error = match waited {
                 Ok(error) => error,
@@ -329,6 +356,9 @@ impl RelayConn {
         mut st: MutexGuard<'a, State>,
         scope: Scope,
         seq: u64,
+        name: &str,
+        slice: Option<Duration>,
+        interrupted: &mut dyn FnMut() -> bool,
     ) -> (
         MutexGuard<'a, State>,
         Result<Option<pb::BarrierError>, Error>,
@@ -353,12 +383,38 @@ impl RelayConn {
             st.reading = true;
             let mut input = std::mem::take(&mut st.input);
             drop(st);
-            let read = input.read(&self.stream, None);
+            let read = input.read(&self.stream, slice);
             st = self.lock();
             st.input = input;
             st.reading = false;
             match read {
                 Ok(msg) => route(&mut st, msg),
+                // A slice of an interruptible wait ran out with no frame (a partial one stays
+                // in the reader): ask the caller.
+                Err(ReadError::Io(e)) if slice.is_some() && e.kind() == io::ErrorKind::TimedOut => {
+                    if st.sleepers > 0 {
+                        self.turn.notify_all();
+                    }
+                    drop(st);
+                    let stop = interrupted();
+                    st = self.lock();
+                    if stop {
+                        st.lost = Some(Arc::new(Closed(format!(
+                            "a wait for barrier '{name}' was interrupted, and an interrupted \
+                             barrier cannot be resumed"
+                        ))));
+                        if st.sleepers > 0 {
+                            self.turn.notify_all();
+                        }
+                        return (
+                            st,
+                            Err(Error::Interrupted {
+                                what: format!("barrier '{name}'"),
+                            }),
+                        );
+                    }
+                    continue;
+                }
                 Err(e) => st.lost = Some(e.into_source()),
             }
             if st.sleepers > 0 {
@@ -367,6 +423,10 @@ impl RelayConn {
         }
     }
 }
+
+/// How often an interruptible wait ([`RelayConn::barrier_interruptible`]) asks whether to
+/// stop.
+pub const INTERRUPT_CHECK: Duration = Duration::from_millis(50);
 
 /// Files one message from the agent: a result for its scope, or a farewell.
 fn route(st: &mut State, msg: pb::CoordinatorMessage) {
@@ -556,6 +616,63 @@ mod tests {
                 Err(ReadError::Eof)
             ));
         }
+    }
+
+    /// An interruptible barrier that nobody answers ends when the check says so, and gives
+    /// the connection up: a later barrier says that one was interrupted.
+    #[test]
+    fn an_interrupted_barrier_ends_and_gives_the_connection_up() {
+        let dir = std::env::temp_dir().join(format!("muster-relay-int-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("agent.sock");
+        let _ = std::fs::remove_file(&path);
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        // A silent agent: it registers the rank, then reads and never answers.
+        let agent = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let mut input = FrameReader::default();
+            let _: pb::WorkerMessage = input.read(&stream, None).unwrap();
+            let mut out = Vec::new();
+            encode_frame(
+                &pb::CoordinatorMessage {
+                    kind: Some(coordinator_message::Kind::Registered(
+                        pb::Registered::default(),
+                    )),
+                },
+                &mut out,
+            );
+            (&stream).write_all(&out).unwrap();
+            while input.read::<pb::WorkerMessage>(&stream, None).is_ok() {}
+        });
+        let config = SessionConfig {
+            job_id: "j".into(),
+            generation: 1,
+            rank: 0,
+            pid: 1,
+            host: "h".into(),
+        };
+        let relay = RelayConn::connect(&path, &config).unwrap();
+        let mut checks = 0;
+        let start = Instant::now();
+        let got = relay.barrier_interruptible(Scope::Global, "b", None, &mut || {
+            checks += 1;
+            checks == 3
+        });
+        assert!(matches!(got, Err(Error::Interrupted { .. })), "{got:?}");
+        assert_eq!(checks, 3);
+        assert!(
+            start.elapsed() >= INTERRUPT_CHECK * 3,
+            "{:?}",
+            start.elapsed()
+        );
+        let again = relay.barrier(Scope::Global, "b2", None);
+        assert!(
+            matches!(&again, Err(e @ Error::Connection { .. }) if e.to_string().contains("interrupted")),
+            "{again:?}"
+        );
+        drop(relay);
+        agent.join().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -221,6 +221,27 @@ impl Native {
             .map(seconds)
             .transpose()
             .map_err(PyValueError::new_err)?;
+        let accelerator = self.get(py)?;
+        if on_main_thread() && accelerator.barrier_interruptible_in_place() {
+            // The hot path: the wait reads the agent's relay on this thread, and looks for a
+            // pending signal between reads (no thread hop).
+            let mut raised: Option<PyErr> = None;
+            let outcome = py.detach(|| {
+                accelerator.barrier_named_interruptible(scope(node), &name, timeout, &mut || {
+                    match Python::attach(|py| py.check_signals()) {
+                        Ok(()) => false,
+                        Err(e) => {
+                            raised = Some(e);
+                            true
+                        }
+                    }
+                })
+            });
+            return match (outcome, raised) {
+                (Err(Error::Interrupted { .. }), Some(e)) => Err(e),
+                (outcome, _) => outcome.map_err(|e| to_py(py, e)),
+            };
+        }
         self.wait(py, move |a| a.barrier_named(scope(node), &name, timeout))
     }
 
