@@ -278,8 +278,9 @@ async fn run(
                 })
                 .await;
         }
-        let opened = tokio::time::timeout(
-            state.remaining(),
+        let open_by = Instant::now() + state.remaining();
+        let opened = tokio::time::timeout_at(
+            open_by,
             client.watch(tokio_stream::wrappers::ReceiverStream::new(out_rx)),
         )
         .await;
@@ -311,6 +312,19 @@ async fn run(
                 continue;
             }
             Err(_) => {
+                // A timeout that fired well after its deadline: this process did not run
+                // meanwhile (stopped while the stream was opening), which the lease does not
+                // count.
+                if let Some(gap) = state.woke(open_by) {
+                    eprintln!(
+                        "muster-agent: job {}: this agent did not run for {:.1}s (it was stopped, e.g. by SIGSTOP, or its machine was suspended); not counted against its {:.1}s lease",
+                        attach.job_id,
+                        gap.as_secs_f64(),
+                        lease.as_secs_f64()
+                    );
+                } else {
+                    last_error = format!("{addr} did not open the watch stream in time");
+                }
                 coordinators.failed(&addr, None);
                 continue;
             }

@@ -1,7 +1,7 @@
 """The Python SDK's benchmark worker, run under ``muster-agent launch`` by
 ````target/release/python````: ``wait_for_everyone`` latency (p50/p99 over ``--iters`` after
 ``--warmup``) and, with ``--allreduce-mib``, the median time of an in-place all_reduce of a
-float32 CPU tensor (numpy) of that size. Rank 0 prints one ``key=value`` line per figure."""
+float32 CPU torch tensor of that size. Rank 0 prints one ``key=value`` line per figure."""
 
 from __future__ import annotations
 
@@ -33,10 +33,11 @@ def main() -> None:
         print(f"barrier_p50_us={statistics.median(times):.1f}", flush=True)
         print(f"barrier_p99_us={p99:.1f}", flush=True)
     if args.allreduce_mib:
-        import numpy as np
+        import torch
 
         comm = muster.Communicator(accelerator)
-        data = np.ones(args.allreduce_mib << 18, dtype=np.float32)
+        # A float32 CPU tensor, as the issue's goal says (and as gloo's side uses).
+        data = torch.ones(args.allreduce_mib << 18, dtype=torch.float32)
         for _ in range(3):  # untimed, as allreduce_bench warms up
             comm.all_reduce(data)
         runs = []
@@ -47,7 +48,7 @@ def main() -> None:
         if accelerator.is_main_process:
             # The line format of allreduce_bench and allreduce_gloo.py.
             us = statistics.median(runs) * 1e3
-            print(f"size_bytes={data.nbytes} time_us_p50={us:.1f}", flush=True)
+            print(f"size_bytes={data.numel() * 4} time_us_p50={us:.1f}", flush=True)
 
 
 if __name__ == "__main__":
