@@ -85,10 +85,15 @@ pub fn split_list(list: &str) -> Option<Vec<String>> {
 /// coordinator sends deliberately (FAILED_PRECONDITION, NOT_FOUND, INVALID_ARGUMENT,
 /// ALREADY_EXISTS, ABORTED, PERMISSION_DENIED, CANCELLED, ...) are answers, not failures.
 pub fn retryable(status: &Status) -> bool {
-    matches!(
-        status.code(),
-        Code::Unavailable | Code::Unknown | Code::Internal
-    )
+    match status.code() {
+        Code::Unavailable | Code::Unknown | Code::Internal => true,
+        // A CANCELLED the client made itself from a transport error ("operation was canceled:
+        // transport error: connection closed": a load balancer in front of a dead replica
+        // accepts and closes at once) carries that error as its source; a coordinator's
+        // deliberate CANCELLED (the job was cancelled) comes over the wire without one.
+        Code::Cancelled => std::error::Error::source(status).is_some(),
+        _ => false,
+    }
 }
 
 /// Whether a refusal proves that the request was not applied, so that even a call that is
@@ -628,6 +633,16 @@ mod tests {
         ] {
             assert!(!retryable(&Status::new(code, "x")), "{code:?}");
         }
+        // A CANCELLED made from a transport error (a balancer closing the connection of a
+        // dead replica) is a failure to retry; the coordinator's own CANCELLED is an answer.
+        let mut dropped = Status::new(Code::Cancelled, "operation was canceled");
+        dropped.set_source(std::sync::Arc::new(std::io::Error::other(
+            "transport error: connection closed",
+        )));
+        assert!(retryable(&dropped));
+        assert!(!retryable(&Status::cancelled(
+            "job 'j' was cancelled: bad lr"
+        )));
         // Only a refusal that proves the request was not applied retries a non-idempotent call.
         assert!(not_applied(&refusal(Some("b:2"), "whatever")));
         assert!(not_applied(&refusal(

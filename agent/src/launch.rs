@@ -869,13 +869,38 @@ async fn join(
         job: spec.job_id.clone(),
         status,
     };
-    let answer = failover::call(coordinators, "Rendezvous.Join", |channel| {
-        let request = request.clone();
-        async move { RendezvousClient::new(channel).join(request).await }
-    })
-    .await
-    .map_err(join_error)?
-    .into_inner();
+    // A running generation with every node it can take refuses the join. Wait as a spare for
+    // a while: an agent restarted after a crash its coordinator has not noticed yet (a host
+    // that lost power, a cut link) replaces its old node once the coordinator declares that
+    // node lost (the heartbeat timeout) and opens the next round. A second agent started on
+    // a job id that is in use gets the refusal after the wait.
+    let spare_until = Instant::now() + FULL_JOB_WAIT;
+    let mut said = false;
+    let answer = loop {
+        let answer = failover::call(coordinators, "Rendezvous.Join", |channel| {
+            let request = request.clone();
+            async move { RendezvousClient::new(channel).join(request).await }
+        })
+        .await;
+        match answer {
+            Err(status)
+                if status.code() == tonic::Code::FailedPrecondition
+                    && status.message().contains("the job is full")
+                    && Instant::now() < spare_until =>
+            {
+                if !said && !spec.quiet {
+                    eprintln!(
+                        "muster-agent: job {}: every node of the running generation is taken; waiting up to {} s as a spare, in case one of them is lost (a restarted agent replaces its old node)",
+                        spec.job_id,
+                        FULL_JOB_WAIT.as_secs()
+                    );
+                }
+                said = true;
+                tokio::time::sleep(FULL_JOB_RETRY).await;
+            }
+            answer => break answer.map_err(join_error)?.into_inner(),
+        }
+    };
     if answer.local_world_size != spec.nproc_per_node {
         return Err(join_error(tonic::Status::internal(format!(
             "the coordinator assigned {} workers to this node, which runs {}",
@@ -913,6 +938,12 @@ async fn join(
     };
     Ok(node)
 }
+
+/// How long a join refused because the running generation is full is retried (the
+/// coordinator's default heartbeat timeout, 10 s, plus a restart round).
+const FULL_JOB_WAIT: Duration = Duration::from_secs(15);
+/// How often it is retried meanwhile.
+const FULL_JOB_RETRY: Duration = Duration::from_secs(1);
 
 /// MASTER_PORT: node 0 finds a free port (bind :0, close) and, in a multi-node job, shares it
 /// through the job's key-value store; the other nodes read it from there.

@@ -69,10 +69,9 @@ const FAILOVER_AFTER_FINISH: bool = true;
 
 /// With network namespaces, whether a killed replica's proxy keeps accepting connections (and
 /// closes each at once, its replica being down), as a TCP load balancer in front of the
-/// replicas does, rather than refusing them as a dead host's port does. Off: with it on, a
-/// leader SIGKILL failed the job (the relay takes "transport error: connection closed" from
-/// the dead leader's address as a refusal and gives up; see docs/robustness.md).
-/// `MUSTER_FAULT_BALANCER=1` turns it on.
+/// replicas does, rather than refusing them as a dead host's port does. Off by default (the
+/// default topology is the dead host's); `MUSTER_FAULT_BALANCER=1` turns it on. It found two
+/// bugs, both fixed (see docs/robustness.md).
 const BALANCER: bool = false;
 
 /// The job's restart budget: generous, so that the schedule (not the budget) ends the job;
