@@ -316,6 +316,9 @@ async fn run(
                 // meanwhile (stopped while the stream was opening), which the lease does not
                 // count.
                 if let Some(gap) = state.woke(open_by) {
+                    // The stop began before the deadline, by an unknown amount: give the
+                    // coordinator a whole lease to say where the job stands before judging.
+                    state.last_heard = Instant::now();
                     eprintln!(
                         "muster-agent: job {}: this agent did not run for {:.1}s (it was stopped, e.g. by SIGSTOP, or its machine was suspended); not counted against its {:.1}s lease",
                         attach.job_id,
