@@ -37,15 +37,8 @@ fn run(args: Vec<OsString>) -> u8 {
     let spec = match cli::parse(args, path.as_deref()) {
         Ok(Parsed::Launch(spec)) => spec,
         Ok(Parsed::Daemon(request)) => {
-            let runtime = match tokio::runtime::Builder::new_multi_thread()
-                .enable_all()
-                .build()
-            {
-                Ok(rt) => rt,
-                Err(e) => {
-                    eprintln!("muster-agent: cannot start the async runtime: {e}");
-                    return LAUNCH_ERROR_EXIT;
-                }
+            let Some(runtime) = runtime() else {
+                return LAUNCH_ERROR_EXIT;
             };
             // `serve` under systemd (Type=notify): READY=1 and watchdog pings once the
             // coordinator accepted the registration (daemon.rs), STOPPING=1 once it returned.
@@ -71,15 +64,8 @@ fn run(args: Vec<OsString>) -> u8 {
         }
     };
 
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("muster-agent: cannot start the async runtime: {e}");
-            return LAUNCH_ERROR_EXIT;
-        }
+    let Some(runtime) = runtime() else {
+        return LAUNCH_ERROR_EXIT;
     };
     let code = match runtime.block_on(launch::run(spec)) {
         Ok(outcome) => outcome.exit_code(),
@@ -92,4 +78,14 @@ fn run(args: Vec<OsString>) -> u8 {
     // worker still held, which kills its process group); do not wait on stragglers.
     runtime.shutdown_timeout(Duration::from_millis(200));
     code
+}
+
+/// The multi-threaded runtime the launch and the daemon commands run on, or `None` after saying
+/// why it could not start.
+fn runtime() -> Option<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .inspect_err(|e| eprintln!("muster-agent: cannot start the async runtime: {e}"))
+        .ok()
 }

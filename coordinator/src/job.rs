@@ -295,7 +295,7 @@ pub struct Job {
     retired: CancellationToken,
     /// Whether this coordinator leads now (its lease deadline has not passed): without it,
     /// the job decides nothing, as if retired (`ha.rs`, "A leader that did not run").
-    tenure: crate::ha::Tenure,
+    tenure: crate::tenure::Tenure,
 }
 
 /// What every job of one coordinator shares: how new generations are named and where job
@@ -307,7 +307,7 @@ pub struct JobContext {
     /// The durable store job records go to; `None` with the memory store.
     pub store: Option<Arc<dyn Store>>,
     /// Whether this coordinator may act as the leader now.
-    pub tenure: crate::ha::Tenure,
+    pub tenure: crate::tenure::Tenure,
 }
 
 /// The record writer's queue: the latest record and its version.
@@ -3068,7 +3068,7 @@ mod tests {
         let ctx = JobContext {
             incarnation: 1,
             store: None,
-            tenure: crate::ha::Tenure::always(),
+            tenure: crate::tenure::Tenure::always(),
         };
         let config = RoundConfig {
             min_nodes: 1,
@@ -3102,7 +3102,7 @@ mod tests {
         JobContext {
             incarnation: 1,
             store: None,
-            tenure: crate::ha::Tenure::always(),
+            tenure: crate::tenure::Tenure::always(),
         }
     }
 

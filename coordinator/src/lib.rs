@@ -20,6 +20,7 @@ pub mod service;
 pub mod store;
 pub mod systemd;
 pub mod telemetry;
+pub mod tenure;
 
 pub use config::Config;
 pub use store::{EtcdStore, MemoryStore, Store, StoreError};

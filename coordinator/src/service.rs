@@ -56,13 +56,13 @@ impl Coordinator {
             store: store.as_etcd().is_some().then(|| Arc::clone(&store)),
             // Over etcd, decisions wait for a term (`ha.rs`, "A leader that did not run").
             tenure: if store.as_etcd().is_some() {
-                crate::ha::Tenure::elected()
+                crate::tenure::Tenure::elected()
             } else {
-                crate::ha::Tenure::always()
+                crate::tenure::Tenure::always()
             },
         };
         // Liveness timeouts discount the time this process did not run from now on.
-        crate::ha::start_stall_clock();
+        crate::tenure::start_stall_clock();
         Arc::new(Self {
             store,
             jobs: Mutex::new(HashMap::new()),
@@ -82,7 +82,7 @@ impl Coordinator {
     }
 
     /// Whether this coordinator may act as the leader now (set by the leadership loop).
-    pub fn tenure(&self) -> &crate::ha::Tenure {
+    pub fn tenure(&self) -> &crate::tenure::Tenure {
         &self.ctx.tenure
     }
 
@@ -569,8 +569,8 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
         tokio::spawn(async move {
             use pb::node_message::Kind;
             let why = loop {
-                // Silence counts only while this process runs (`ha::within`).
-                match crate::ha::within(hb, inbound.message()).await {
+                // Silence counts only while this process runs (`tenure::within`).
+                match crate::tenure::within(hb, inbound.message()).await {
                     None => {
                         break format!(
                             "no heartbeat from its agent for {:.1}s (agent stopped, hung or partitioned)",
@@ -583,7 +583,7 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
                     Some(Ok(None)) => break "its agent disconnected".to_owned(),
                     Some(Ok(Some(_))) if job.retired() => {
                         // A lapsed leader takes nothing in; the agent moves to the leader.
-                        let _ = tx.send(Err(crate::ha::Tenure::lapsed()));
+                        let _ = tx.send(Err(crate::tenure::Tenure::lapsed()));
                         break "this coordinator's leadership lapsed".to_owned();
                     }
                     Some(Ok(Some(msg))) => match msg.kind {
@@ -611,7 +611,7 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
             };
             job.node_lost(generation, node_rank, watch_id, &why);
         });
-        // What a lapsed leader would push never leaves (`ha::Tenure::guard`).
+        // What a lapsed leader would push never leaves (`tenure::Tenure::guard`).
         Ok(Response::new(Box::pin(self.0.tenure().guard(rx))))
     }
 
@@ -707,8 +707,8 @@ async fn session_loop(
 ) {
     use pb::worker_message::Kind;
     let reason = loop {
-        // Silence counts only while this process runs (`ha::within`).
-        match crate::ha::within(hb, inbound.message()).await {
+        // Silence counts only while this process runs (`tenure::within`).
+        match crate::tenure::within(hb, inbound.message()).await {
             None => {
                 break format!(
                     "no heartbeat for {:.1}s (process stopped, hung or partitioned)",
@@ -721,7 +721,7 @@ async fn session_loop(
             }
             Some(Ok(Some(_))) if job.retired() => {
                 // A lapsed leader takes no barrier entry in; the worker moves to the leader.
-                let _ = outbox.send(Err(crate::ha::Tenure::lapsed()));
+                let _ = outbox.send(Err(crate::tenure::Tenure::lapsed()));
                 return;
             }
             Some(Ok(Some(msg))) => match msg.kind {
@@ -840,7 +840,7 @@ impl pb::relay_server::Relay for RelayService {
             while let Ok(Some(msg)) = inbound.message().await {
                 if job.retired() {
                     // A lapsed leader takes no barrier entry in; the relay moves on.
-                    let _ = tx.send(Err(crate::ha::Tenure::lapsed()));
+                    let _ = tx.send(Err(crate::tenure::Tenure::lapsed()));
                     break;
                 }
                 match msg.kind {
@@ -1474,7 +1474,7 @@ impl pb::agents_server::Agents for AgentsService {
         tokio::spawn(async move {
             use pb::agent_message::Kind;
             let why = loop {
-                match crate::ha::within(hb, inbound.message()).await {
+                match crate::tenure::within(hb, inbound.message()).await {
                     None => break format!("no heartbeat for {:.1}s", hb.as_secs_f64()),
                     Some(Err(status)) => break format!("stream broke: {}", status.message()),
                     Some(Ok(None)) => break "disconnected".to_owned(),
