@@ -15,7 +15,7 @@
 //! `off`), since Accelerate reads these files with PyYAML.
 
 use crate::gpu::GpuIds;
-use muster_coordinator::model;
+use muster_core::model;
 use yaml_rust2::{Yaml, YamlLoader};
 
 /// The settings of an Accelerate config file that muster honours; `None` where the file does

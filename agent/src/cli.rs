@@ -20,7 +20,7 @@ pub mod rdzv;
 pub mod slurm;
 pub mod torchrun;
 use clap::{Args, Parser, Subcommand};
-use muster_coordinator::model::{self, JobId};
+use muster_core::model::{self, JobId};
 use std::ffi::{OsStr, OsString};
 use std::fmt::Display;
 use std::net::{Ipv6Addr, SocketAddr};

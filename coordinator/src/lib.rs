@@ -13,7 +13,6 @@ pub mod ha;
 pub mod job;
 pub mod limits;
 pub mod metrics;
-pub mod model;
 pub mod pool;
 pub mod retention;
 pub mod service;

@@ -28,7 +28,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tonic::Status;
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
-use crate::model::JobId;
+use muster_core::model::JobId;
 
 /// The connection limits [`limit_connections`] enforces (from the [`Config`](crate::Config)).
 #[derive(Debug, Clone, Copy)]

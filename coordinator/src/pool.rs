@@ -8,7 +8,7 @@
 //! The pool's state sits behind one small lock, held for microseconds and never across an
 //! `.await`; commands go out through each agent's unbounded outbox.
 
-use crate::model::{self, JobId};
+use muster_core::model::{self, JobId};
 use muster_proto::v1 as pb;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Mutex, MutexGuard};

@@ -20,7 +20,7 @@ use std::time::{Duration, SystemTime};
 use tokio::time::Instant;
 use tonic::Status;
 
-use crate::model::JobId;
+use muster_core::model::JobId;
 
 /// The job ages and tombstones behind expiry. One small lock, never held across an `.await`.
 #[derive(Debug)]

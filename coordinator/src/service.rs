@@ -5,7 +5,7 @@
 use crate::auth;
 use crate::config::Config;
 use crate::job::{FailureDetail, Job, JobContext, JoinReq, NodeRef, Outbox, RoundConfig};
-use crate::model::{self, Invalid, JobId, Scope};
+use muster_core::model::{self, Invalid, JobId, Scope};
 use crate::pool::{self, Pool};
 use crate::store::{Store, StoreError};
 use muster_proto::v1 as pb;

@@ -36,7 +36,7 @@ fn check_message(message: &str, field: &str, escaped: &str) {
     assert!(
         !message
             .chars()
-            .any(|c| c.is_control() || muster_coordinator::model::is_bidi_control(c)),
+            .any(|c| c.is_control() || muster_core::model::is_bidi_control(c)),
         "{message:?}"
     );
 }

@@ -9,7 +9,7 @@
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use muster_coordinator::job::{FailureDetail, Job, JobContext, JoinReq, RoundConfig};
-use muster_coordinator::model::{self, JobId, Scope};
+use muster_core::model::{self, JobId, Scope};
 use std::time::Duration;
 
 #[derive(Arbitrary, Debug)]

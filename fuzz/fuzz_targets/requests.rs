@@ -11,7 +11,7 @@
 use libfuzzer_sys::fuzz_target;
 use muster_coordinator::config::Config;
 use muster_coordinator::job::{Job, JobContext};
-use muster_coordinator::model::{self, JobId, Scope};
+use muster_core::model::{self, JobId, Scope};
 use muster_coordinator::service::{Coordinator, OpsService, RendezvousService, ValuesService};
 use muster_coordinator::{MemoryStore, Store};
 use muster_proto::v1 as pb;

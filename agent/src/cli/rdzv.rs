@@ -7,7 +7,7 @@
 use super::UsageError;
 use super::torchrun::{no_effect, pet_bool};
 use clap::{Args, ValueEnum};
-use muster_coordinator::model::JobId;
+use muster_core::model::JobId;
 use std::path::PathBuf;
 use std::time::Duration;
 

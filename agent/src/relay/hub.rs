@@ -30,7 +30,7 @@
 //! does not export traces.
 
 use crate::env::NodeAssignment;
-use muster_coordinator::model::{
+use muster_core::model::{
     self, Scope, barrier_error as simple_error, list_ranks, scope_name,
 };
 use muster_coordinator::telemetry;

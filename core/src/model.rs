@@ -1,5 +1,5 @@
 //! Validated domain types: every request from the network is converted into these at the edge
-//! (`TryFrom` in the service layer), so the rest of the coordinator never sees an unchecked
+//! (in the coordinator's service layer), so the rest of the coordinator never sees an unchecked
 //! job id, an empty host or a zero world size.
 
 use std::fmt;

@@ -1,0 +1,7 @@
+//! The rules every muster part shares: the coordinator, the agent and the worker SDK (Rust and,
+//! through it, Python) each link this crate and none of them writes these rules again.
+//!
+//! Nothing here does I/O, spawns a task or names a server dependency: every module is plain
+//! data and decisions, so each is tested with plain unit tests.
+
+pub mod model;
