@@ -1,8 +1,21 @@
 #!/usr/bin/env bash
-# The test command: installs what the tests need, builds every binary and example (the
-# end-to-end tests run the built programs), then runs the whole suite.
+# The test command. `scripts/test.sh` is the full tier (what CI runs): installs what the tests
+# need, builds every binary and example (the end-to-end tests run the built programs), then
+# runs every Rust test and the Python SDK's pytest suite.
+#
+# `scripts/test.sh --fast` is the everyday tier: each crate's unit tests and in-process
+# integration tests (a coordinator on a loopback port, the relay, the CPU collectives), without
+# the end-to-end crate (`tests/`: real agents, etcd, PyTorch), the benchmarks or Python.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [[ "${1:-}" == "--fast" ]]; then
+    shift
+    # protoc, which etcd-client's build needs; it installs only what is missing.
+    scripts/install-deps.sh
+    cargo test --workspace --exclude muster-tests --exclude muster-bench --exclude muster-python \
+        --all-targets --no-fail-fast "$@"
+    exit 0
+fi
 scripts/install-deps.sh
 # PyTorch and Accelerate for tests/tests/interop.rs (skipped with a reason when it cannot install).
 scripts/install-peers.sh >/dev/null
