@@ -5,3 +5,6 @@
 //! data and decisions, so each is tested with plain unit tests.
 
 pub mod model;
+
+// The barrier table (task B).
+pub mod barrier;
