@@ -5,3 +5,6 @@
 //! data and decisions, so each is tested with plain unit tests.
 
 pub mod model;
+
+/// The worker-agent contract: environment names and the node relay's framing.
+pub mod contract;
