@@ -161,7 +161,7 @@ const DRAIN: usize = 64 << 10;
 /// fails when shared memory cannot be set up; `cma`: cross-memory attach (no shared memory), and
 /// creating the communicator fails when it cannot be used (for tests and benchmarks); `unix`:
 /// Unix sockets only; `tcp`: TCP only (to compare).
-const TRANSPORT_ENV: &str = "MUSTER_COMM_TRANSPORT";
+const TRANSPORT_ENV: &str = muster_core::contract::env::MUSTER_COMM_TRANSPORT;
 /// What the probe of cross-memory attach reads in every peer at setup (then the job hash).
 const PROBE_MAGIC: &[u8; 8] = b"MSTRCMA1";
 
