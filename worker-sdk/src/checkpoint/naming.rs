@@ -85,8 +85,8 @@ impl Checkpoints {
     }
 
     /// Saves into the next `checkpoint_<n>` (chosen by the main process, so every rank agrees)
-    /// as [`save_state`] does, then prunes to `total_limit`. Every process must call it.
-    /// Returns the new checkpoint's directory.
+    /// as [`save_state`](super::save_state) does, then prunes to `total_limit`. Every process
+    /// must call it. Returns the new checkpoint's directory.
     pub fn save(
         &mut self,
         accelerator: &Accelerator,

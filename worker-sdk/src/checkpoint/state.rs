@@ -132,7 +132,8 @@ impl<'a> CheckpointState<'a> {
         }
     }
 
-    /// Shards models past `bytes` ([`parse_size`]), as [`save_model`] does.
+    /// Shards models past `bytes` ([`parse_size`](super::parse_size)), as
+    /// [`save_model`](super::save_model) does.
     pub fn set_max_shard_size(&mut self, bytes: u64) -> &mut Self {
         self.max_shard_size = bytes;
         self
@@ -144,7 +145,7 @@ impl<'a> CheckpointState<'a> {
     }
 
     /// A model: its tensors go to `model.safetensors` (`model_1...` for the next), sharded
-    /// like [`save_model`]'s.
+    /// like [`save_model`](super::save_model)'s.
     pub fn register_model<T: Stateful>(
         &mut self,
         name: impl Into<String>,
@@ -172,7 +173,7 @@ impl<'a> CheckpointState<'a> {
         self.register(Kind::Scheduler, name.into(), scheduler)
     }
 
-    /// A loss scaler ([`LossScaler`]): `scaler.json`.
+    /// A loss scaler ([`LossScaler`](crate::train::LossScaler)): `scaler.json`.
     pub fn register_scaler<T: Stateful>(
         &mut self,
         name: impl Into<String>,
@@ -181,7 +182,7 @@ impl<'a> CheckpointState<'a> {
         self.register(Kind::Scaler, name.into(), scaler)
     }
 
-    /// The data loader's position ([`DataPosition`]): `data_position.json`.
+    /// The data loader's position ([`DataPosition`](super::DataPosition)): `data_position.json`.
     pub fn register_data_position<T: Stateful>(
         &mut self,
         name: impl Into<String>,
@@ -190,7 +191,7 @@ impl<'a> CheckpointState<'a> {
         self.register(Kind::DataPosition, name.into(), position)
     }
 
-    /// A random generator ([`SeededRng`]): every rank saves its own, into
+    /// A random generator ([`SeededRng`](crate::train::SeededRng)): every rank saves its own, into
     /// `random_states_<rank>.json` (all generators of a rank in one file), and loads its own.
     /// Its state must be JSON metadata only.
     pub fn register_rng<T: Stateful>(

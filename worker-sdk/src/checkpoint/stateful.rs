@@ -14,7 +14,7 @@ use super::tensor::{StateDict, message_of};
 
 /// Something whose state goes into checkpoints (Accelerate's `state_dict()` /
 /// `load_state_dict()` protocol): a model, an optimizer, a scheduler, a generator or any user
-/// object registered with [`CheckpointState`].
+/// object registered with [`CheckpointState`](super::CheckpointState).
 pub trait Stateful {
     /// The state to save.
     fn save(&self) -> Result<StateDict, Error>;

@@ -69,10 +69,10 @@ pub(super) fn carry_over(old: &Path, new: &Path) -> Result<(), Error> {
 }
 
 /// Saves a model's weights into `dir` (Accelerate's `save_model`): safetensors in Hugging
-/// Face's layout, sharded past `max_shard_size` bytes ([`parse_size`]), written by the main
-/// process only, atomically, between two barriers: every process must call it, and every
-/// process can read the weights when it returns. See [`write_model`] for what happens to an
-/// existing `dir`.
+/// Face's layout, sharded past `max_shard_size` bytes ([`parse_size`](super::parse_size)),
+/// written by the main process only, atomically, between two barriers: every process must call
+/// it, and every process can read the weights when it returns. See [`write_model`] for what
+/// happens to an existing `dir`.
 pub fn save_model(
     accelerator: &Accelerator,
     dir: impl AsRef<Path>,

@@ -14,8 +14,9 @@
 //! waiting for a peer that never arrives. cudarc's safe `Comm` does not fit: it blocks in
 //! `ncclCommInitRank`, exposes neither its raw handle nor `ncclCommGetAsyncError`, is not
 //! `Send`, panics in `Drop` when the abort fails, and types f16/bf16 only under a cudarc feature
-//! this workspace does not enable. The raw calls therefore live in `RawComm` (`nccl/raw.rs`), each in the
-//! smallest `#[allow(unsafe_code)]` item with its SAFETY argument; everything else is safe code.
+//! this workspace does not enable. The raw calls therefore live in `RawComm` (`nccl/raw.rs`),
+//! each in the smallest `#[allow(unsafe_code)]` item with its SAFETY argument; everything else
+//! is safe code.
 
 use std::{
     collections::BTreeMap,

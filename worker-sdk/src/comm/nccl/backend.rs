@@ -11,7 +11,6 @@ use cudarc::{
 use crate::comm::{Backend, BackendKind, DType, ReduceOp};
 use crate::{Error, NCCL_UNIQUE_ID_BYTES, RankInfo, client::FailureWatch};
 
-/// The backend name errors carry.
 use super::{
     MAX_POLL_PAUSE, NAME_THE_PEER_GRACE, SPIN_POLLS, available, backend_error,
     raw::{Call, RawComm},
@@ -69,7 +68,7 @@ pub(crate) struct NcclBackend {
 impl NcclBackend {
     /// Joins communicator `unique_id` as `info.rank` of `info.world_size` on CUDA device
     /// `info.local_rank`, waiting for every rank to join. Nothing aborts the wait when a peer
-    /// dies: prefer [`connect`], which watches the coordinator's failure reports.
+    /// dies: prefer [`connect`](super::connect), which watches the coordinator's failure reports.
     #[allow(
         dead_code,
         reason = "the dispatcher calls connect(); this is the entry point for callers that \

@@ -14,7 +14,6 @@ use cudarc::{
 use crate::NCCL_UNIQUE_ID_BYTES;
 use crate::comm::DType;
 
-/// The backend name errors carry.
 use super::{CONFIG_MAGIC, CONFIG_UNDEF, CONFIG_VERSION, types::nccl_type};
 
 /// An NCCL communicator handle. Dropping it aborts the communicator (`ncclCommAbort`), which

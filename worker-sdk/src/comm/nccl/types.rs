@@ -1,11 +1,9 @@
 //! How muster's element types and reduce ops map onto NCCL's, and the integer mean NCCL
 //! lacks (a sum, then a division on the host).
 
-use cudarc::nccl::sys::{self};
+use cudarc::nccl::sys;
 
 use crate::comm::{DType, ReduceOp};
-
-/// The backend name errors carry.
 
 /// The NCCL data type of a [`DType`].
 pub(super) fn nccl_type(dtype: DType) -> sys::ncclDataType_t {
