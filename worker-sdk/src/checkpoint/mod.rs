@@ -37,6 +37,12 @@
 //! **Byte order.** safetensors stores little-endian data and [`Tensor`] holds the host's
 //! native bytes; muster targets little-endian hosts only (x86-64, aarch64), and refuses to
 //! compile elsewhere rather than write wrong files.
+//!
+//! **Layout.** `tensor.rs` (tensors and state dicts), `stateful.rs` (the [`Stateful`] protocol),
+//! `format.rs` (shard plans and the safetensors and JSON files), `atomic.rs` (building a
+//! directory aside and renaming it into place), `weights.rs` (weights alone), `state.rs` (the
+//! whole training state and its manifest) and `naming.rs` (automatic naming and pruning); the
+//! file names and format constants every part shares stay here.
 
 #[cfg(not(target_endian = "little"))]
 compile_error!(

@@ -100,6 +100,13 @@
 //! a rank is reported failed (a crash, or a stopped process that missed its heartbeats) it shuts
 //! the connections down, so blocked operations return at once with that rank's name. After such an
 //! error the communicator is unusable: every later call fails at once, repeating it.
+//!
+//! # Files
+//! `cpu/setup.rs` makes the mesh and picks the transport, `cpu/conn.rs` holds the connections
+//! and their I/O, `cpu/wire.rs` the operation header, `cpu/engine.rs` runs one operation
+//! (header exchange, blame, rings), `cpu/collectives.rs` is the [`Backend`](super::Backend)
+//! implementation, and `cpu/arena.rs` and `cpu/cma.rs` the same-node fast paths; the backend's
+//! state stays here.
 
 use std::{
     collections::HashMap,
