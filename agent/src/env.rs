@@ -153,7 +153,10 @@ pub fn worker_env(
         (var::MUSTER_RANK, rank.to_string()),
         (var::MUSTER_LOCAL_RANK, local_rank.to_string()),
         (var::MUSTER_WORLD_SIZE, node.world_size.to_string()),
-        (var::MUSTER_LOCAL_WORLD_SIZE, node.local_world_size.to_string()),
+        (
+            var::MUSTER_LOCAL_WORLD_SIZE,
+            node.local_world_size.to_string(),
+        ),
         (var::MUSTER_NODE_RANK, node.node_rank.to_string()),
         (var::MUSTER_NUM_NODES, node.num_nodes.to_string()),
         (var::MUSTER_RESTART_COUNT, node.restart_count.to_string()),
@@ -194,8 +197,14 @@ pub fn worker_env(
         (var::ROLE_WORLD_SIZE, node.world_size.to_string()),
         (var::MASTER_ADDR, node.master_addr.clone()),
         (var::MASTER_PORT, node.master_port.to_string()),
-        (var::TORCHELASTIC_RESTART_COUNT, node.restart_count.to_string()),
-        (var::TORCHELASTIC_MAX_RESTARTS, node.max_restarts.to_string()),
+        (
+            var::TORCHELASTIC_RESTART_COUNT,
+            node.restart_count.to_string(),
+        ),
+        (
+            var::TORCHELASTIC_MAX_RESTARTS,
+            node.max_restarts.to_string(),
+        ),
         (var::TORCHELASTIC_RUN_ID, node.job_id.clone()),
         (var::TORCHELASTIC_USE_AGENT_STORE, "False".to_owned()),
     ]);

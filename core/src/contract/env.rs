@@ -41,16 +41,16 @@ pub const MUSTER_CUDA_DEVICE: &str = "MUSTER_CUDA_DEVICE";
 
 // --- How to reach the coordinator securely (defined with the wire's security rules) --------
 
-/// The worker's credential: its job token (`mj1.…`), sent as `authorization: Bearer`.
-pub use muster_proto::security::env::TOKEN as MUSTER_TOKEN;
 /// PEM file of the CA that signed the coordinator's certificate; set means TLS.
 pub use muster_proto::security::env::TLS_CA as MUSTER_TLS_CA;
 /// PEM certificate chain of the worker, for a coordinator that requires mutual TLS.
 pub use muster_proto::security::env::TLS_CERT as MUSTER_TLS_CERT;
-/// PEM private key of `MUSTER_TLS_CERT`.
-pub use muster_proto::security::env::TLS_KEY as MUSTER_TLS_KEY;
 /// The name to verify the coordinator's certificate against, when not the address's host.
 pub use muster_proto::security::env::TLS_DOMAIN as MUSTER_TLS_DOMAIN;
+/// PEM private key of `MUSTER_TLS_CERT`.
+pub use muster_proto::security::env::TLS_KEY as MUSTER_TLS_KEY;
+/// The worker's credential: its job token (`mj1.…`), sent as `authorization: Bearer`.
+pub use muster_proto::security::env::TOKEN as MUSTER_TOKEN;
 
 // --- The SDK's own settings, set by the user and passed through by the agent ---------------
 

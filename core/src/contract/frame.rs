@@ -128,15 +128,20 @@ mod tests {
         let wire = wire(&messages);
         let mut at = 0;
         for m in &messages {
-            let Frame::Complete { message, len } = decode::<pb::CoordinatorMessage>(&wire[at..])
-                .unwrap() else {
+            let Frame::Complete { message, len } =
+                decode::<pb::CoordinatorMessage>(&wire[at..]).unwrap()
+            else {
                 panic!("a whole frame at {at}");
             };
             assert_eq!(&message, m);
             for cut in 0..len {
                 let got = decode::<pb::CoordinatorMessage>(&wire[at..at + cut]).unwrap();
                 let needed = if cut < HEADER_LEN { HEADER_LEN } else { len };
-                assert_eq!(got, Frame::Partial { needed }, "frame at {at}, cut at {cut}");
+                assert_eq!(
+                    got,
+                    Frame::Partial { needed },
+                    "frame at {at}, cut at {cut}"
+                );
             }
             at += len;
         }
@@ -177,8 +182,13 @@ mod tests {
         for len in [MAX_FRAME + 1, u32::MAX as usize] {
             let prefix = (len as u32).to_le_bytes();
             let got = split(&prefix);
-            assert!(matches!(got, Err(FrameError::TooLarge(n)) if n == len), "{got:?}");
-            let text = decode::<pb::WorkerMessage>(&prefix).unwrap_err().to_string();
+            assert!(
+                matches!(got, Err(FrameError::TooLarge(n)) if n == len),
+                "{got:?}"
+            );
+            let text = decode::<pb::WorkerMessage>(&prefix)
+                .unwrap_err()
+                .to_string();
             assert_eq!(
                 text,
                 format!("a frame of {len} bytes (the limit is {MAX_FRAME})")
@@ -202,7 +212,10 @@ mod tests {
             // The body is framed correctly: only decoding it fails.
             assert!(matches!(split(&frame), Ok(Frame::Complete { .. })));
             let got = decode::<pb::WorkerMessage>(&frame);
-            assert!(matches!(got, Err(FrameError::Malformed(_))), "{body:?}: {got:?}");
+            assert!(
+                matches!(got, Err(FrameError::Malformed(_))),
+                "{body:?}: {got:?}"
+            );
         }
     }
 }
