@@ -3,8 +3,8 @@
 //! which is held for microseconds and never across an `.await`; replies go out through
 //! unbounded channels (session outboxes) or oneshots (joiners), so nothing blocks under it.
 
-use crate::store::Store;
 use muster_core::model::{JobId, Scope, barrier_error as simple_error, list_ranks, scope_name};
+use crate::store::Store;
 use muster_proto::v1 as pb;
 use pb::barrier_error::Kind as ErrKind;
 use prost::Message as _;
