@@ -1,12 +1,14 @@
 //! The worker environment of `docs/contract.md`: muster's own `MUSTER_*` variables, the
 //! torchrun-compatible set, the GPU assignment and Accelerate's `ACCELERATE_*` settings. A pure
 //! function of the node's assignment and the launch's options, so that it is tested without
-//! spawning anything.
+//! spawning anything. The variables' names are the contract's (`muster_core::contract::env`),
+//! the same constants the worker SDK reads them by.
 
 use crate::gpu::{GpuMapping, GpuPlan, VISIBLE_DEVICES_ENV};
+use muster_core::contract::env as var;
 
 /// The variable torchrun sets to 1 when several workers share a node (see [`worker_env`]).
-pub const OMP_NUM_THREADS: &str = "OMP_NUM_THREADS";
+pub use muster_core::contract::env::OMP_NUM_THREADS;
 
 /// What the agent knows about its node once the rendezvous round has closed: the inputs of
 /// every worker's environment.
@@ -145,24 +147,27 @@ pub fn worker_env(
 ) -> Vec<(&'static str, String)> {
     let rank = node.rank_offset + local_rank;
     let mut env = vec![
-        ("MUSTER_COORDINATOR", node.coordinator.clone()),
-        ("MUSTER_JOB_ID", node.job_id.clone()),
-        ("MUSTER_GENERATION", node.generation.to_string()),
-        ("MUSTER_RANK", rank.to_string()),
-        ("MUSTER_LOCAL_RANK", local_rank.to_string()),
-        ("MUSTER_WORLD_SIZE", node.world_size.to_string()),
-        ("MUSTER_LOCAL_WORLD_SIZE", node.local_world_size.to_string()),
-        ("MUSTER_NODE_RANK", node.node_rank.to_string()),
-        ("MUSTER_NUM_NODES", node.num_nodes.to_string()),
-        ("MUSTER_RESTART_COUNT", node.restart_count.to_string()),
-        ("MUSTER_HOST", node.host.clone()),
+        (var::MUSTER_COORDINATOR, node.coordinator.clone()),
+        (var::MUSTER_JOB_ID, node.job_id.clone()),
+        (var::MUSTER_GENERATION, node.generation.to_string()),
+        (var::MUSTER_RANK, rank.to_string()),
+        (var::MUSTER_LOCAL_RANK, local_rank.to_string()),
+        (var::MUSTER_WORLD_SIZE, node.world_size.to_string()),
         (
-            crate::failover::BUDGET_ENV,
+            var::MUSTER_LOCAL_WORLD_SIZE,
+            node.local_world_size.to_string(),
+        ),
+        (var::MUSTER_NODE_RANK, node.node_rank.to_string()),
+        (var::MUSTER_NUM_NODES, node.num_nodes.to_string()),
+        (var::MUSTER_RESTART_COUNT, node.restart_count.to_string()),
+        (var::MUSTER_HOST, node.host.clone()),
+        (
+            var::MUSTER_FAILOVER_TIMEOUT_MS,
             node.failover_timeout.as_millis().to_string(),
         ),
     ];
     if let Some(socket) = &node.agent_socket {
-        env.push((crate::relay::SOCKET_ENV, socket.clone()));
+        env.push((var::MUSTER_AGENT_SOCKET, socket.clone()));
     }
     let error_file = node.error_dir.as_deref().map(|dir| {
         crate::error_file::error_path(dir, rank)
@@ -170,12 +175,12 @@ pub fn worker_env(
             .into_owned()
     });
     if let Some(path) = &error_file {
-        env.push(("MUSTER_ERROR_FILE", path.clone()));
+        env.push((var::MUSTER_ERROR_FILE, path.clone()));
     }
     env.extend([
-        ("RANK", rank.to_string()),
+        (var::RANK, rank.to_string()),
         (
-            "LOCAL_RANK",
+            var::LOCAL_RANK,
             if options.virtual_local_rank {
                 0
             } else {
@@ -183,25 +188,31 @@ pub fn worker_env(
             }
             .to_string(),
         ),
-        ("WORLD_SIZE", node.world_size.to_string()),
-        ("LOCAL_WORLD_SIZE", node.local_world_size.to_string()),
-        ("GROUP_RANK", node.node_rank.to_string()),
-        ("GROUP_WORLD_SIZE", node.num_nodes.to_string()),
-        ("ROLE_RANK", rank.to_string()),
-        ("ROLE_NAME", options.role.to_owned()),
-        ("ROLE_WORLD_SIZE", node.world_size.to_string()),
-        ("MASTER_ADDR", node.master_addr.clone()),
-        ("MASTER_PORT", node.master_port.to_string()),
-        ("TORCHELASTIC_RESTART_COUNT", node.restart_count.to_string()),
-        ("TORCHELASTIC_MAX_RESTARTS", node.max_restarts.to_string()),
-        ("TORCHELASTIC_RUN_ID", node.job_id.clone()),
-        ("TORCHELASTIC_USE_AGENT_STORE", "False".to_owned()),
+        (var::WORLD_SIZE, node.world_size.to_string()),
+        (var::LOCAL_WORLD_SIZE, node.local_world_size.to_string()),
+        (var::GROUP_RANK, node.node_rank.to_string()),
+        (var::GROUP_WORLD_SIZE, node.num_nodes.to_string()),
+        (var::ROLE_RANK, rank.to_string()),
+        (var::ROLE_NAME, options.role.to_owned()),
+        (var::ROLE_WORLD_SIZE, node.world_size.to_string()),
+        (var::MASTER_ADDR, node.master_addr.clone()),
+        (var::MASTER_PORT, node.master_port.to_string()),
+        (
+            var::TORCHELASTIC_RESTART_COUNT,
+            node.restart_count.to_string(),
+        ),
+        (
+            var::TORCHELASTIC_MAX_RESTARTS,
+            node.max_restarts.to_string(),
+        ),
+        (var::TORCHELASTIC_RUN_ID, node.job_id.clone()),
+        (var::TORCHELASTIC_USE_AGENT_STORE, "False".to_owned()),
     ]);
     if let Some(path) = error_file {
-        env.push(("TORCHELASTIC_ERROR_FILE", path));
+        env.push((var::TORCHELASTIC_ERROR_FILE, path));
     }
-    if !inherited("TORCH_NCCL_ASYNC_ERROR_HANDLING") {
-        env.push(("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1".to_owned()));
+    if !inherited(var::TORCH_NCCL_ASYNC_ERROR_HANDLING) {
+        env.push((var::TORCH_NCCL_ASYNC_ERROR_HANDLING, "1".to_owned()));
     }
     if node.local_world_size > 1 && !inherited(OMP_NUM_THREADS) {
         env.push((OMP_NUM_THREADS, "1".to_owned()));
@@ -215,12 +226,12 @@ pub fn worker_env(
         env.push((VISIBLE_DEVICES_ENV, local_rank.to_string()));
     }
     if let Some((gpu, index)) = gpus.assigned(local_rank) {
-        env.push(("MUSTER_GPU_IDS", gpu.to_owned()));
-        env.push(("MUSTER_CUDA_DEVICE", index.to_string()));
+        env.push((var::MUSTER_GPU_IDS, gpu.to_owned()));
+        env.push((var::MUSTER_CUDA_DEVICE, index.to_string()));
     }
     match (options.mixed_precision, options.accelerate) {
-        (Some(mp), _) => env.push(("ACCELERATE_MIXED_PRECISION", mp.to_owned())),
-        (None, true) => env.push(("ACCELERATE_MIXED_PRECISION", "no".to_owned())),
+        (Some(mp), _) => env.push((var::ACCELERATE_MIXED_PRECISION, mp.to_owned())),
+        (None, true) => env.push((var::ACCELERATE_MIXED_PRECISION, "no".to_owned())),
         (None, false) => {}
     }
     if options.accelerate {
@@ -236,13 +247,13 @@ pub fn worker_env(
         }
     }
     if options.use_cpu {
-        env.push(("ACCELERATE_USE_CPU", "True".to_owned()));
+        env.push((var::ACCELERATE_USE_CPU, "True".to_owned()));
     }
     if options.debug {
-        env.push(("ACCELERATE_DEBUG_MODE", "true".to_owned()));
+        env.push((var::ACCELERATE_DEBUG_MODE, "true".to_owned()));
     }
     if options.cpu_affinity {
-        env.push(("ACCELERATE_CPU_AFFINITY", "1".to_owned()));
+        env.push((var::ACCELERATE_CPU_AFFINITY, "1".to_owned()));
     }
     if let Some(security) = options.security {
         env.extend(security.worker_env(&node.job_id));

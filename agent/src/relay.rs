@@ -2,6 +2,7 @@
 //! Unix socket (`MUSTER_AGENT_SOCKET`) instead of their coordinator sessions. Node barriers
 //! complete here; a global barrier goes to the coordinator as one `GroupEnter` per node on the
 //! relay's own stream (`Relay.Attach`), and its one answer is fanned out to the node's ranks.
+//! The socket's framing is the contract's (`muster_core::contract::frame`), shared with the SDK.
 //! The ranks' coordinator sessions still carry registration, liveness and everything that is
 //! not a barrier. The protocol is in `docs/contract.md` ("Node relay").
 //!
@@ -44,9 +45,9 @@ use crate::env::NodeAssignment;
 use crate::failover::{self, Coordinators, Retry};
 use futures::channel::mpsc::{UnboundedSender, unbounded};
 use hub::{Hub, Sink, farewell};
+use muster_core::contract::frame::{self, Frame, FrameError};
 use muster_proto::v1 as pb;
 use muster_proto::v1::relay_client::RelayClient;
-use prost::Message;
 use std::cell::{Cell, RefCell};
 use std::io;
 use std::io::{Read, Write};
@@ -61,10 +62,8 @@ use tokio::sync::{Notify, oneshot};
 use tokio::task::{AbortHandle, spawn_local};
 use tonic::{Status, Streaming};
 
-/// The variable that tells a worker where its agent's relay socket is.
-pub const SOCKET_ENV: &str = "MUSTER_AGENT_SOCKET";
 /// The largest frame body either side accepts (bigger ones end the connection).
-pub const MAX_FRAME: usize = 64 * 1024;
+pub use muster_core::contract::frame::MAX_FRAME;
 /// How long [`Relay::start`] waits for the relay to reach the coordinator.
 pub const START_TIMEOUT: Duration = Duration::from_secs(5);
 /// The relay socket's file name inside its private directory.
@@ -274,28 +273,8 @@ fn private_dir() -> Result<PathBuf, RelayError> {
 
 use failover::random_u64;
 
-/// Encodes `msg` as one frame (4-byte little-endian length, then the message) into `out`,
-/// replacing what was there.
-pub fn encode_frame(msg: &impl Message, out: &mut Vec<u8>) {
-    out.clear();
-    let len = msg.encoded_len();
-    out.reserve(4 + len);
-    out.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_le_bytes());
-    msg.encode(out).expect("a Vec grows as needed");
-}
-
-/// The first complete frame at the start of `buf`: `Ok(Some((body, frame length)))`, `Ok(None)`
-/// when more bytes are needed, or `Err(length)` for a frame over [`MAX_FRAME`].
-pub fn split_frame(buf: &[u8]) -> Result<Option<(&[u8], usize)>, usize> {
-    let Some(head) = buf.first_chunk::<4>() else {
-        return Ok(None);
-    };
-    let len = u32::from_le_bytes(*head) as usize;
-    if len > MAX_FRAME {
-        return Err(len);
-    }
-    Ok(buf.get(4..4 + len).map(|body| (body, 4 + len)))
-}
+/// Encodes `msg` as one frame into `out`, replacing what was there (the contract's framing).
+pub use muster_core::contract::frame::encode as encode_frame;
 
 /// The relay's state: the barrier hub and the wires its answers go out on.
 struct State {
@@ -768,18 +747,17 @@ async fn serve_conn(state: Shared, conn: Rc<Conn>) {
             Err(_would_block) => continue,
         }
         loop {
-            let (body, used) = match split_frame(input.data()) {
-                Ok(Some(frame)) => frame,
-                Ok(None) => break,
-                Err(len) => {
+            let (msg, used) = match frame::decode::<pb::WorkerMessage>(input.data()) {
+                Ok(Frame::Complete { message, len }) => (message, len),
+                Ok(Frame::Partial { .. }) => break,
+                Err(FrameError::TooLarge(len)) => {
                     break 'conn format!(
                         "sent a frame of {len} bytes to the agent (the limit is {MAX_FRAME})"
                     );
                 }
-            };
-            let msg = match pb::WorkerMessage::decode(body) {
-                Ok(msg) => msg,
-                Err(e) => break 'conn format!("sent a malformed frame to the agent ({e})"),
+                Err(FrameError::Malformed(e)) => {
+                    break 'conn format!("sent a malformed frame to the agent ({e})");
+                }
             };
             input.consume(used);
             if let Err(why) = handle(&state, &conn, &mut peer, msg) {

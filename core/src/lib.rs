@@ -6,5 +6,7 @@
 
 pub mod model;
 
-// The barrier table (task B).
+/// The barrier table: arrivals, completion, divergence and every barrier error text.
 pub mod barrier;
+/// The worker-agent contract: environment names and the node relay's framing.
+pub mod contract;

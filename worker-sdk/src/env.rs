@@ -18,7 +18,8 @@
 
 use std::path::{Path, PathBuf};
 
-use muster_proto::security::{ClientSecurity, Credentials, env as vars};
+use muster_core::contract::env as var;
+use muster_proto::security::{ClientSecurity, Credentials};
 
 use crate::{Error, failover};
 
@@ -91,36 +92,42 @@ impl RankInfo {
     /// Like [`RankInfo::from_env`], reading variables through `lookup`, so that parsing can be
     /// tested without touching the process environment.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, Error> {
-        let Some(coordinator) = lookup("MUSTER_COORDINATOR") else {
+        let Some(coordinator) = lookup(var::MUSTER_COORDINATOR) else {
             return Ok(Self::single_process());
         };
         check_coordinator_addr(&coordinator)?;
         // Read again when connecting; checked here so that a bad value fails at start.
-        failover::timeout_from(lookup(failover::TIMEOUT_ENV).as_deref())?;
+        failover::timeout_from(lookup(var::MUSTER_FAILOVER_TIMEOUT_MS).as_deref())?;
         let vars = Vars { lookup: &lookup };
         let info = Self {
             coordinator: Some(coordinator),
-            job_id: vars.string("MUSTER_JOB_ID")?,
-            generation: vars.number("MUSTER_GENERATION")?,
-            rank: vars.number("MUSTER_RANK")?,
-            local_rank: vars.number("MUSTER_LOCAL_RANK")?,
-            world_size: vars.number("MUSTER_WORLD_SIZE")?,
-            local_world_size: vars.number("MUSTER_LOCAL_WORLD_SIZE")?,
-            node_rank: vars.number("MUSTER_NODE_RANK")?,
-            num_nodes: vars.number("MUSTER_NUM_NODES")?,
-            restart_count: vars.optional_number("MUSTER_RESTART_COUNT")?.unwrap_or(0),
-            host: match lookup("MUSTER_HOST") {
+            job_id: vars.string(var::MUSTER_JOB_ID)?,
+            generation: vars.number(var::MUSTER_GENERATION)?,
+            rank: vars.number(var::MUSTER_RANK)?,
+            local_rank: vars.number(var::MUSTER_LOCAL_RANK)?,
+            world_size: vars.number(var::MUSTER_WORLD_SIZE)?,
+            local_world_size: vars.number(var::MUSTER_LOCAL_WORLD_SIZE)?,
+            node_rank: vars.number(var::MUSTER_NODE_RANK)?,
+            num_nodes: vars.number(var::MUSTER_NUM_NODES)?,
+            restart_count: vars
+                .optional_number(var::MUSTER_RESTART_COUNT)?
+                .unwrap_or(0),
+            host: match lookup(var::MUSTER_HOST) {
                 Some(host) if host.trim().is_empty() => {
-                    return Err(Error::Config("MUSTER_HOST is set but empty".to_owned()));
+                    return Err(Error::Config(format!(
+                        "{} is set but empty",
+                        var::MUSTER_HOST
+                    )));
                 }
                 Some(host) => host,
                 None => local_hostname(),
             },
-            agent_socket: match lookup("MUSTER_AGENT_SOCKET") {
+            agent_socket: match lookup(var::MUSTER_AGENT_SOCKET) {
                 Some(path) if path.trim().is_empty() => {
-                    return Err(Error::Config(
-                        "MUSTER_AGENT_SOCKET is set but empty".to_owned(),
-                    ));
+                    return Err(Error::Config(format!(
+                        "{} is set but empty",
+                        var::MUSTER_AGENT_SOCKET
+                    )));
                 }
                 Some(path) => Some(PathBuf::from(path)),
                 None => None,
@@ -142,38 +149,45 @@ impl RankInfo {
             }
         };
         if self.generation == 0 {
-            return Err(Error::Config(
-                "MUSTER_GENERATION=0: generations start at 1".to_owned(),
-            ));
+            return Err(Error::Config(format!(
+                "{}=0: generations start at 1",
+                var::MUSTER_GENERATION
+            )));
         }
         below(
-            "MUSTER_RANK",
+            var::MUSTER_RANK,
             self.rank,
-            "MUSTER_WORLD_SIZE",
+            var::MUSTER_WORLD_SIZE,
             self.world_size,
         )?;
         below(
-            "MUSTER_LOCAL_RANK",
+            var::MUSTER_LOCAL_RANK,
             self.local_rank,
-            "MUSTER_LOCAL_WORLD_SIZE",
+            var::MUSTER_LOCAL_WORLD_SIZE,
             self.local_world_size,
         )?;
         below(
-            "MUSTER_NODE_RANK",
+            var::MUSTER_NODE_RANK,
             self.node_rank,
-            "MUSTER_NUM_NODES",
+            var::MUSTER_NUM_NODES,
             self.num_nodes,
         )?;
         if self.local_world_size > self.world_size {
             return Err(Error::Config(format!(
-                "MUSTER_LOCAL_WORLD_SIZE={} is larger than MUSTER_WORLD_SIZE={}",
-                self.local_world_size, self.world_size
+                "{}={} is larger than {}={}",
+                var::MUSTER_LOCAL_WORLD_SIZE,
+                self.local_world_size,
+                var::MUSTER_WORLD_SIZE,
+                self.world_size
             )));
         }
         if self.num_nodes > self.world_size {
             return Err(Error::Config(format!(
-                "MUSTER_NUM_NODES={} is larger than MUSTER_WORLD_SIZE={}",
-                self.num_nodes, self.world_size
+                "{}={} is larger than {}={}",
+                var::MUSTER_NUM_NODES,
+                self.num_nodes,
+                var::MUSTER_WORLD_SIZE,
+                self.world_size
             )));
         }
         Ok(())
@@ -207,48 +221,53 @@ pub fn security_from_lookup(
         }
     };
     let (ca, cert, key, domain) = (
-        set(vars::TLS_CA)?,
-        set(vars::TLS_CERT)?,
-        set(vars::TLS_KEY)?,
-        set(vars::TLS_DOMAIN)?,
+        set(var::MUSTER_TLS_CA)?,
+        set(var::MUSTER_TLS_CERT)?,
+        set(var::MUSTER_TLS_KEY)?,
+        set(var::MUSTER_TLS_DOMAIN)?,
     );
     let mut security = ClientSecurity::plaintext();
     match ca {
         Some(ca) => {
             let identity = match (cert, key) {
                 (Some(cert), Some(key)) => Some((PathBuf::from(cert), PathBuf::from(key))),
-                (Some(_), None) => return Err(needs(vars::TLS_CERT, vars::TLS_KEY)),
-                (None, Some(_)) => return Err(needs(vars::TLS_KEY, vars::TLS_CERT)),
+                (Some(_), None) => return Err(needs(var::MUSTER_TLS_CERT, var::MUSTER_TLS_KEY)),
+                (None, Some(_)) => return Err(needs(var::MUSTER_TLS_KEY, var::MUSTER_TLS_CERT)),
                 (None, None) => None,
             };
             let ca = PathBuf::from(ca);
             check_pem(
-                vars::TLS_CA,
+                var::MUSTER_TLS_CA,
                 &ca,
                 "-----BEGIN CERTIFICATE-----",
                 "certificate",
             )?;
             if let Some((cert, key)) = &identity {
                 check_pem(
-                    vars::TLS_CERT,
+                    var::MUSTER_TLS_CERT,
                     cert,
                     "-----BEGIN CERTIFICATE-----",
                     "certificate",
                 )?;
-                check_pem(vars::TLS_KEY, key, "PRIVATE KEY-----", "private key")?;
+                check_pem(var::MUSTER_TLS_KEY, key, "PRIVATE KEY-----", "private key")?;
             }
             if let Some(domain) = &domain
                 && (domain.contains(char::is_whitespace) || domain.contains(['/', ':']))
             {
                 return Err(Error::Config(format!(
                     "{}={domain:?} is not a host name",
-                    vars::TLS_DOMAIN
+                    var::MUSTER_TLS_DOMAIN
                 )));
             }
             let named = if identity.is_some() {
-                format!("{}, {} and {}", vars::TLS_CA, vars::TLS_CERT, vars::TLS_KEY)
+                format!(
+                    "{}, {} and {}",
+                    var::MUSTER_TLS_CA,
+                    var::MUSTER_TLS_CERT,
+                    var::MUSTER_TLS_KEY
+                )
             } else {
-                vars::TLS_CA.to_owned()
+                var::MUSTER_TLS_CA.to_owned()
             };
             security = security
                 .with_tls(
@@ -264,7 +283,7 @@ pub fn security_from_lookup(
                     "{named}{}: the TLS settings cannot be used (a malformed certificate or \
                          key, or a key that does not match the certificate)",
                     if domain.is_some() {
-                        format!(", {}", vars::TLS_DOMAIN)
+                        format!(", {}", var::MUSTER_TLS_DOMAIN)
                     } else {
                         String::new()
                     }
@@ -272,21 +291,25 @@ pub fn security_from_lookup(
             })?;
         }
         None => {
-            for name in [vars::TLS_CERT, vars::TLS_KEY, vars::TLS_DOMAIN] {
+            for name in [
+                var::MUSTER_TLS_CERT,
+                var::MUSTER_TLS_KEY,
+                var::MUSTER_TLS_DOMAIN,
+            ] {
                 if lookup(name).is_some() {
                     return Err(Error::Config(format!(
                         "{name} is set but {} is not (TLS needs the CA that signed the \
                          coordinator's certificate)",
-                        vars::TLS_CA
+                        var::MUSTER_TLS_CA
                     )));
                 }
             }
         }
     }
-    if let Some(token) = set(vars::TOKEN)? {
+    if let Some(token) = set(var::MUSTER_TOKEN)? {
         // The token's value never goes into an error: check_token's reasons do not show it.
         let credentials = Credentials::bearer(&token)
-            .map_err(|why| Error::Config(format!("{}: {why}", vars::TOKEN)))?;
+            .map_err(|why| Error::Config(format!("{}: {why}", var::MUSTER_TOKEN)))?;
         security = security.with_credentials(credentials);
     }
     Ok(security)
@@ -352,8 +375,9 @@ impl<F: Fn(&str) -> Option<String>> Vars<'_, F> {
 
 fn missing(name: &str) -> Error {
     Error::Config(format!(
-        "{name} is not set, but MUSTER_COORDINATOR is (muster-agent sets both; \
-         unset MUSTER_COORDINATOR to run as a single process)"
+        "{name} is not set, but {coordinator} is (muster-agent sets both; \
+         unset {coordinator} to run as a single process)",
+        coordinator = var::MUSTER_COORDINATOR
     ))
 }
 
@@ -362,13 +386,17 @@ fn missing(name: &str) -> Error {
 fn check_coordinator_addr(addr: &str) -> Result<(), Error> {
     if addr.trim().is_empty() {
         return Err(Error::Config(format!(
-            "MUSTER_COORDINATOR={addr:?} is empty (unset it to run as a single process)"
+            "{}={addr:?} is empty (unset it to run as a single process)",
+            var::MUSTER_COORDINATOR
         )));
     }
     let separator = if addr.contains(',') { ": " } else { " " };
-    failover::parse_addrs(addr)
-        .map(drop)
-        .map_err(|why| Error::Config(format!("MUSTER_COORDINATOR={addr:?}{separator}{why}")))
+    failover::parse_addrs(addr).map(drop).map_err(|why| {
+        Error::Config(format!(
+            "{}={addr:?}{separator}{why}",
+            var::MUSTER_COORDINATOR
+        ))
+    })
 }
 
 /// This machine's hostname, for error messages only: best effort, never an error.

@@ -23,9 +23,9 @@ use std::sync::Once;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// The variable PyTorch's launchers set to each worker's error file; read first.
-pub const TORCHELASTIC_ERROR_FILE: &str = "TORCHELASTIC_ERROR_FILE";
+pub const TORCHELASTIC_ERROR_FILE: &str = muster_core::contract::env::TORCHELASTIC_ERROR_FILE;
 /// muster's name for the same file (`muster-agent` sets both); read when the first is unset.
-pub const MUSTER_ERROR_FILE: &str = "MUSTER_ERROR_FILE";
+pub const MUSTER_ERROR_FILE: &str = muster_core::contract::env::MUSTER_ERROR_FILE;
 
 /// Installs (once per process; later calls do nothing) a panic hook that writes the panic's
 /// message, location and backtrace to the worker's error file, when one is set, then runs the

@@ -8,9 +8,10 @@
 //! `poll(POLLIN)` and `read` until its result — no runtime, no thread hop. (Waiting in `poll`
 //! rather than in `read` matters: when the agent reads this rank's entry, Linux signals write
 //! space on this socket, which wakes a thread blocked in `read` for nothing; `poll` only wakes
-//! for input.) Frames are a 4-byte little-endian length and a
-//! prost-encoded message: `WorkerMessage` towards the agent (`register`, then `barrier`
-//! entries and finally `leave`), `CoordinatorMessage` back (`registered`, then one `barrier`
+//! for input.) Frames are a 4-byte little-endian length and a prost-encoded message (the
+//! contract's framing, `muster_core::contract::frame`, which the agent's relay decodes with the
+//! same functions): `WorkerMessage` towards the agent (`register`, then `barrier` entries and
+//! finally `leave`), `CoordinatorMessage` back (`registered`, then one `barrier`
 //! result per entry with the same scope and seq). A result with scope and seq 0 is a farewell:
 //! the agent refuses or drops the connection, and its error message says why. See
 //! `docs/contract.md` ("Node relay").
@@ -34,6 +35,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use muster_core::contract::frame::{self, Frame, FrameError, encode as encode_frame};
 use muster_proto::v1::{
     self as pb, barrier_error::Kind as BarrierErrorKind, coordinator_message, worker_message,
 };
@@ -47,7 +49,7 @@ use crate::{
 };
 
 /// The largest frame body either side accepts; bigger ones end the connection.
-pub const MAX_FRAME: usize = 64 * 1024;
+pub use muster_core::contract::frame::MAX_FRAME;
 /// How long [`RelayConn::connect`] waits for the agent's answer to `register`.
 const REGISTER_TIMEOUT: Duration = Duration::from_secs(10);
 /// The initial size of the read buffer (results are a few bytes; errors a few hundred).
@@ -453,16 +455,6 @@ fn route(st: &mut State, msg: pb::CoordinatorMessage) {
     }
 }
 
-/// Encodes `msg` as one frame (4-byte little-endian length, then the message) into `out`,
-/// replacing what was there.
-fn encode_frame(msg: &impl Message, out: &mut Vec<u8>) {
-    out.clear();
-    let len = msg.encoded_len();
-    out.reserve(4 + len);
-    out.extend_from_slice(&u32::try_from(len).unwrap_or(u32::MAX).to_le_bytes());
-    msg.encode(out).expect("a Vec grows as needed");
-}
-
 /// Why reading a frame failed.
 #[derive(Debug)]
 enum ReadError {
@@ -527,24 +519,19 @@ impl FrameReader {
             self.buf = vec![0; READ_BUFFER];
         }
         loop {
-            let avail = &self.buf[self.start..self.end];
-            let mut need = 4;
-            if let Some(head) = avail.first_chunk::<4>() {
-                let len = u32::from_le_bytes(*head) as usize;
-                if len > MAX_FRAME {
-                    return Err(ReadError::TooLarge(len));
-                }
-                if let Some(body) = avail.get(4..4 + len) {
-                    let msg = M::decode(body).map_err(ReadError::Decode)?;
-                    self.start += 4 + len;
+            let need = match frame::decode::<M>(&self.buf[self.start..self.end]) {
+                Ok(Frame::Complete { message, len }) => {
+                    self.start += len;
                     if self.start == self.end {
                         self.start = 0;
                         self.end = 0;
                     }
-                    return Ok(msg);
+                    return Ok(message);
                 }
-                need = 4 + len;
-            }
+                Ok(Frame::Partial { needed }) => needed,
+                Err(FrameError::TooLarge(len)) => return Err(ReadError::TooLarge(len)),
+                Err(FrameError::Malformed(e)) => return Err(ReadError::Decode(e)),
+            };
             if self.start + need > self.buf.len() {
                 self.buf.copy_within(self.start..self.end, 0);
                 self.end -= self.start;

@@ -175,7 +175,7 @@ pub(crate) trait Backend: Send {
 }
 
 /// The environment variable that picks a backend ("cpu" or "nccl") over the automatic choice.
-pub const BACKEND_ENV: &str = "MUSTER_COMM_BACKEND";
+pub const BACKEND_ENV: &str = muster_core::contract::env::MUSTER_COMM_BACKEND;
 
 /// A group of every rank of the job that runs collectives (PyTorch's process group, Accelerate's
 /// `gather`/`reduce`/`pad_across_processes`), over NCCL or the CPU backend.
