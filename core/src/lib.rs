@@ -5,3 +5,7 @@
 //! data and decisions, so each is tested with plain unit tests.
 
 pub mod model;
+
+pub mod failover;
+
+pub mod error_chain;
