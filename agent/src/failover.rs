@@ -32,7 +32,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
 pub use muster_core::failover::{
-    Backoff, BUDGET_ENV, DEFAULT_BUDGET, LEADER_KEY, SILENT_REPLICA_TIMEOUT, leader_hint,
+    BUDGET_ENV, Backoff, DEFAULT_BUDGET, LEADER_KEY, SILENT_REPLICA_TIMEOUT, leader_hint,
     not_applied, random_u64,
 };
 

@@ -37,7 +37,10 @@ mod tests {
     #[test]
     fn sources_join_without_repeats() {
         let inner = Layer("Connection refused", None);
-        let middle = Layer("tcp connect error: Connection refused", Some(Box::new(inner)));
+        let middle = Layer(
+            "tcp connect error: Connection refused",
+            Some(Box::new(inner)),
+        );
         let outer = Layer("transport error", Some(Box::new(middle)));
         assert_eq!(
             chain(&outer),

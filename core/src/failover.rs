@@ -440,10 +440,9 @@ mod tests {
     use super::*;
 
     fn with_leader(mut status: Status, leader: &str) -> Status {
-        status.metadata_mut().insert(
-            LEADER_KEY,
-            leader.parse().expect("a valid metadata value"),
-        );
+        status
+            .metadata_mut()
+            .insert(LEADER_KEY, leader.parse().expect("a valid metadata value"));
         status
     }
 
@@ -745,7 +744,10 @@ mod tests {
         let mean = samples.iter().map(|f| f64::from(*f)).sum::<f64>() / 10_000.0;
         assert!((mean - 1024.0).abs() < 20.0, "mean {mean}");
         let low = samples.iter().filter(|f| **f < 512 + 102).count();
-        assert!((800..1200).contains(&low), "{low} of 10000 in the lowest tenth");
+        assert!(
+            (800..1200).contains(&low),
+            "{low} of 10000 in the lowest tenth"
+        );
         // Two backoffs made at once differ.
         let sleeps = |mut b: Backoff| (0..4).map(|_| b.next_sleep()).collect::<Vec<_>>();
         assert_ne!(sleeps(Backoff::default()), sleeps(Backoff::default()));

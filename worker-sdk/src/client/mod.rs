@@ -11,8 +11,8 @@ mod session;
 mod values;
 
 pub use kv::{CasOutcome, Kv};
-pub(crate) use session::{barrier_error, consumes_seq};
 pub use session::{FailureWatch, Registration, Scope, Session, SessionConfig};
+pub(crate) use session::{barrier_error, consumes_seq};
 pub use values::{SharedValues, UniqueIds};
 
 use std::{
@@ -448,4 +448,3 @@ pub(crate) fn wait_ms(wait: Option<Duration>) -> u64 {
         u64::try_from(w.as_millis()).unwrap_or(u64::MAX).max(1)
     })
 }
-

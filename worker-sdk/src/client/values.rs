@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use muster_proto::{
     NCCL_UNIQUE_ID_BYTES,
-    v1::{self as pb, shared_values_client::SharedValuesClient, unique_ids_client::UniqueIdsClient},
+    v1::{
+        self as pb, shared_values_client::SharedValuesClient, unique_ids_client::UniqueIdsClient,
+    },
 };
 use tokio::time::Instant;
 
@@ -153,23 +155,23 @@ impl SharedValues {
     /// `wait` passes (`None`: as long as the generation is alive).
     pub async fn fetch(&self, name: &str, wait: Option<Duration>) -> Result<Vec<u8>, Error> {
         let started = Instant::now();
-        let response = self
-            .coordinator
-            .unary(
-                true,
-                || pb::FetchValueRequest {
-                    job_id: self.job_id.clone(),
-                    generation: self.generation,
-                    rank: self.rank,
-                    name: name.to_owned(),
-                    wait_ms: wait_ms(wait.map(|w| w.saturating_sub(started.elapsed()))),
-                },
-                |channel, request| async move {
-                    SharedValuesClient::new(channel).fetch(request).await
-                },
-            )
-            .await
-            .map_err(|failed| failed.error(|| format!("shared value '{name}'")))?;
+        let response =
+            self.coordinator
+                .unary(
+                    true,
+                    || pb::FetchValueRequest {
+                        job_id: self.job_id.clone(),
+                        generation: self.generation,
+                        rank: self.rank,
+                        name: name.to_owned(),
+                        wait_ms: wait_ms(wait.map(|w| w.saturating_sub(started.elapsed()))),
+                    },
+                    |channel, request| async move {
+                        SharedValuesClient::new(channel).fetch(request).await
+                    },
+                )
+                .await
+                .map_err(|failed| failed.error(|| format!("shared value '{name}'")))?;
         Ok(response.value)
     }
 }
