@@ -1,12 +1,12 @@
-//! Coordinator failover for the agent's own calls (the HA contract, `notes/ha-contract.md`):
-//! which replica of a comma-separated `--coordinator` list to talk to, which failures mean
-//! "try again, maybe elsewhere", and how long to keep trying (`--failover-timeout-ms`).
+//! Coordinator failover for the agent's own calls (the HA contract, `docs/contract.md`): the
+//! I/O around the one policy of [`muster_core::failover`]: the channels to the replicas of a
+//! comma-separated `--coordinator` list, the retry loop around the agent's calls, and the
+//! sleeps of a streak of failures within `--failover-timeout-ms`.
 //!
-//! The policy: calls go to the replica believed to lead. A retryable failure (UNAVAILABLE,
-//! a transport or connect error, a stream that ended without a deliberate status) moves to
-//! the address the refusal named in its `muster-leader` metadata, else to the next address of
-//! the list (round robin), after a jittered exponential backoff (50 ms doubling to 250 ms, each
-//! sleep uniform in [0.5x, 1.5x]); after the failover budget the last error surfaces as it
+//! The policy (in `muster-core`, shared with the worker SDK): calls go to the replica believed
+//! to lead. A retryable failure moves to the address the refusal named in its `muster-leader`
+//! metadata, else to the next address of the list (round robin), after a jittered exponential
+//! backoff (50 ms doubling to 250 ms); after the failover budget the last error surfaces as it
 //! would have without failover. One address works the same way (a restarted coordinator is
 //! waited for, within the budget).
 //!
@@ -21,6 +21,7 @@
 //! [`AuthChannel`]: it connects with the agent's TLS settings and adds its credentials to
 //! every call ([`Coordinators::with_security`]), so no client of the agent can forget them.
 
+use muster_core::failover::{self as policy, Rotation, Streak, Verdict};
 use muster_proto::security::{AuthChannel, ClientSecurity};
 use std::collections::HashMap;
 use std::fmt;
@@ -30,26 +31,13 @@ use tokio::time::Instant;
 use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
-/// The default failover budget (`--failover-timeout-ms`, `MUSTER_FAILOVER_TIMEOUT_MS`).
-pub const DEFAULT_BUDGET: Duration = Duration::from_secs(30);
-/// The response metadata key in which a follower names the leader's address.
-pub const LEADER_KEY: &str = "muster-leader";
-/// The worker environment variable that carries the failover budget, in milliseconds.
-pub const BUDGET_ENV: &str = "MUSTER_FAILOVER_TIMEOUT_MS";
-/// The first backoff sleep (before jitter).
-const FIRST_BACKOFF: Duration = Duration::from_millis(50);
-/// The longest backoff sleep (before jitter): short, because a standby leads about one lease
-/// TTL after the leader dies, and a longer sleep adds up to its own length to the failover.
-const MAX_BACKOFF: Duration = Duration::from_millis(250);
+pub use muster_core::failover::{
+    BUDGET_ENV, Backoff, DEFAULT_BUDGET, LEADER_KEY, SILENT_REPLICA_TIMEOUT, leader_hint,
+    not_applied, random_u64,
+};
+
 /// How long one connection attempt may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
-/// With several replicas, how often a connection that has heard nothing pings its replica.
-const SILENT_REPLICA_PING: Duration = Duration::from_secs(1);
-/// With several replicas, how long a ping may stay unanswered before the replica is given up
-/// (a frozen or unreachable leader). Longer than the coordinator's default lease TTL (3 s):
-/// a leader given up has already lost its lease, so it will not act on the streams it finds
-/// gone when it wakes. The SDK uses the same values (`worker-sdk/src/failover.rs`).
-pub const SILENT_REPLICA_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How long a node keeps its workers re-attaching after its watch stream broke, beyond its
 /// lease: the failover budget when there are several replicas (a standby may take a while to
@@ -63,73 +51,26 @@ pub fn reattach_budget(coordinators: &Coordinators) -> Duration {
     }
 }
 
-/// Splits a `--coordinator` value into its addresses (`host:port,host:port`, blanks around
-/// items ignored). Returns `None` if an item is empty; the caller checks each address.
+/// Splits and checks a `--coordinator` value (`host:port,host:port`, blanks around items
+/// ignored, repeats dropped); `None` if an item is empty or not `host:port`.
 pub fn split_list(list: &str) -> Option<Vec<String>> {
-    let items: Vec<String> = list.split(',').map(|s| s.trim().to_owned()).collect();
-    if items.iter().any(String::is_empty) {
-        return None;
-    }
-    let mut out: Vec<String> = Vec::with_capacity(items.len());
-    for item in items {
-        if !out.contains(&item) {
-            out.push(item);
-        }
-    }
-    Some(out)
+    policy::parse_addrs(list).ok()
 }
 
 /// Whether a failed call or a stream's end may succeed on a retry (perhaps on another
-/// replica): UNAVAILABLE (a follower's refusal, a connection that could not be made or
-/// broke), and the codes tonic gives transport failures (UNKNOWN, INTERNAL). The statuses a
-/// coordinator sends deliberately (FAILED_PRECONDITION, NOT_FOUND, INVALID_ARGUMENT,
-/// ALREADY_EXISTS, ABORTED, PERMISSION_DENIED, CANCELLED, ...) are answers, not failures.
+/// replica): the stream rule of [`policy::classify_stream`] (UNAVAILABLE, a transport or
+/// connect error whatever its code, a CANCELLED made from one, a stream torn down without a
+/// deliberate status). The statuses a coordinator sends deliberately (FAILED_PRECONDITION,
+/// NOT_FOUND, INVALID_ARGUMENT, ALREADY_EXISTS, ABORTED, PERMISSION_DENIED, CANCELLED, ...)
+/// are answers, not failures.
 pub fn retryable(status: &Status) -> bool {
-    match status.code() {
-        Code::Unavailable | Code::Unknown | Code::Internal => true,
-        // A CANCELLED the client made itself from a transport error ("operation was canceled:
-        // transport error: connection closed": a load balancer in front of a dead replica
-        // accepts and closes at once) carries that error as its source; a coordinator's
-        // deliberate CANCELLED (the job was cancelled) comes over the wire without one.
-        Code::Cancelled => std::error::Error::source(status).is_some(),
-        _ => false,
-    }
+    policy::classify_stream(status) != Verdict::Final
 }
 
-/// Whether a refusal proves that the request was not applied, so that even a call that is
-/// not idempotent may be sent again: a follower's refusal (it names the leader, or says that
-/// it is not the leader or that there is none), or a connection that could not be made.
-pub fn not_applied(status: &Status) -> bool {
-    if status.code() != Code::Unavailable {
-        return false;
-    }
-    let message = status.message();
-    leader_hint(status).is_some()
-        || message.contains("is not the leader")
-        || message.contains("no leader")
-        || message.contains("tcp connect error")
-        || message.contains("Connection refused")
-}
-
-/// The leader's address a follower named in its refusal, if any.
-pub fn leader_hint(status: &Status) -> Option<String> {
-    let value = status.metadata().get(LEADER_KEY)?.to_str().ok()?.trim();
-    (!value.is_empty()).then(|| value.to_owned())
-}
-
-/// 64 random bits from the standard library's per-process hash keys, the clock and the
-/// process id (good enough for jitter and request ids; not for secrets).
-pub fn random_u64() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-    h.write_u128(
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or_default(),
-    );
-    h.write_u32(std::process::id());
-    h.finish()
+/// Whether a unary call that failed with `status` is sent again ([`call`]): the call rule of
+/// [`policy::classify_call`] for an idempotent call.
+fn call_retryable(status: &Status) -> bool {
+    policy::classify_call(status).retries(true)
 }
 
 /// A fresh join request id: 16 random bytes in hex.
@@ -168,10 +109,8 @@ impl fmt::Debug for Inner {
 
 #[derive(Debug)]
 struct State {
-    /// The address calls go to (one of `addrs`, or a leader a follower named).
-    current: String,
-    /// The index in `addrs` the round robin moves on from.
-    index: usize,
+    /// Which address calls go to, and where the next failure moves them.
+    rotation: Rotation,
     channels: HashMap<String, Channel>,
 }
 
@@ -189,17 +128,15 @@ impl Coordinators {
     }
 
     fn secured(addrs: Vec<String>, budget: Duration, security: ClientSecurity) -> Self {
-        let current = addrs.first().cloned().unwrap_or_default();
         Self {
             inner: Arc::new(Inner {
+                state: Mutex::new(State {
+                    rotation: Rotation::new(addrs.clone()),
+                    channels: HashMap::new(),
+                }),
                 addrs,
                 budget,
                 security,
-                state: Mutex::new(State {
-                    current,
-                    index: 0,
-                    channels: HashMap::new(),
-                }),
             }),
         }
     }
@@ -220,12 +157,7 @@ impl Coordinators {
             self.inner.budget,
             self.inner.security.clone(),
         );
-        {
-            let mine = self.lock();
-            let mut theirs = fork.lock();
-            theirs.current.clone_from(&mine.current);
-            theirs.index = mine.index;
-        }
+        fork.lock().rotation = self.lock().rotation.clone();
         fork
     }
 
@@ -258,7 +190,7 @@ impl Coordinators {
 
     /// The address calls go to now.
     pub fn current(&self) -> String {
-        self.lock().current.clone()
+        self.lock().rotation.current().to_owned()
     }
 
     /// The security settings of the channels.
@@ -271,7 +203,7 @@ impl Coordinators {
     /// runtime.
     pub fn channel(&self) -> Result<(String, AuthChannel), Status> {
         let mut state = self.lock();
-        let addr = state.current.clone();
+        let addr = state.rotation.current().to_owned();
         if let Some(channel) = state.channels.get(&addr) {
             return Ok((addr, self.inner.security.wrap(channel.clone())));
         }
@@ -283,10 +215,7 @@ impl Coordinators {
     /// Makes `addr` (which answered) the current address, with its connected `channel`.
     pub fn settle(&self, addr: &str, channel: Channel) {
         let mut state = self.lock();
-        state.current = addr.to_owned();
-        if let Some(i) = self.inner.addrs.iter().position(|a| a == addr) {
-            state.index = i;
-        }
+        state.rotation.settle(addr);
         state.channels.insert(addr.to_owned(), channel);
     }
 
@@ -294,35 +223,7 @@ impl Coordinators {
     /// named), or else to the next address of the list. Another task may already have moved
     /// on from `addr`; then nothing changes. Returns the address calls go to now.
     pub fn failed(&self, addr: &str, hint: Option<&str>) -> String {
-        let mut state = self.lock();
-        if state.current != addr {
-            return state.current.clone();
-        }
-        match hint.filter(|h| *h != addr) {
-            Some(leader) => {
-                state.current = leader.to_owned();
-                if let Some(i) = self.inner.addrs.iter().position(|a| a == leader) {
-                    state.index = i;
-                }
-            }
-            None => {
-                let n = self.inner.addrs.len().max(1);
-                // An address a follower named is not in the list: go on past that follower
-                // (`index` still points at it), never back to it, or a hint nobody can reach
-                // would bounce the agent between the two for the whole budget.
-                state.index = match self.inner.addrs.iter().position(|a| a == addr) {
-                    Some(i) => (i + 1) % n,
-                    None => (state.index + 1) % n,
-                };
-                state.current = self
-                    .inner
-                    .addrs
-                    .get(state.index)
-                    .cloned()
-                    .unwrap_or_default();
-            }
-        }
-        state.current.clone()
+        self.lock().rotation.failed(addr, hint).to_owned()
     }
 
     /// Connects to one of the addresses, trying them in turn with backoff for at most
@@ -347,7 +248,7 @@ impl Coordinators {
                     return Ok((addr, self.inner.security.wrap(channel)));
                 }
                 Err(e) => {
-                    let why = crate::launch::chain(&e);
+                    let why = muster_core::error_chain::chain(&e);
                     if crate::security::is_tls_failure(&why) {
                         // A configuration error: retrying changes nothing.
                         return Err(ConnectError::Tls { addr, why });
@@ -435,7 +336,7 @@ pub enum ConnectError {
 /// watch, the relay) then fail over to the new leader instead of waiting for it to wake.
 pub fn endpoint(addr: &str, security: &ClientSecurity, several: bool) -> Result<Endpoint, Status> {
     let (ping, timeout) = if several {
-        (SILENT_REPLICA_PING, SILENT_REPLICA_TIMEOUT)
+        (policy::SILENT_REPLICA_PING, SILENT_REPLICA_TIMEOUT)
     } else {
         (Duration::from_secs(10), Duration::from_secs(5))
     };
@@ -449,80 +350,40 @@ pub fn endpoint(addr: &str, security: &ClientSecurity, several: bool) -> Result<
         .keep_alive_while_idle(several))
 }
 
-/// Jittered exponential backoff: 50 ms doubling to 250 ms, each sleep uniform in [0.5x, 1.5x].
-#[derive(Debug, Clone)]
-pub struct Backoff {
-    base: Duration,
-    rng: u64,
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Self::seeded(random_u64())
-    }
-}
-
-impl Backoff {
-    /// A backoff whose jitter comes from `seed` (tests use a fixed one).
-    pub fn seeded(seed: u64) -> Self {
-        Self {
-            base: FIRST_BACKOFF,
-            // xorshift must not start at 0.
-            rng: seed | 1,
-        }
-    }
-
-    /// The next sleep; the one after it is twice as long (up to 250 ms before jitter).
-    pub fn next_sleep(&mut self) -> Duration {
-        // xorshift64.
-        self.rng ^= self.rng << 13;
-        self.rng ^= self.rng >> 7;
-        self.rng ^= self.rng << 17;
-        // A uniform factor in [0.5, 1.5), in 1/1024 steps.
-        let factor = 512 + (self.rng >> 54);
-        let sleep = self.base * u32::try_from(factor).unwrap_or(1024) / 1024;
-        self.base = (self.base * 2).min(MAX_BACKOFF);
-        sleep
-    }
-
-    /// Back to the first step, after a success.
-    pub fn reset(&mut self) {
-        self.base = FIRST_BACKOFF;
-    }
-}
-
-/// One streak of failures: sleeps with [`Backoff`] until the budget, counted from the streak's
-/// start, is spent.
+/// One streak of failures: sleeps with the policy's backoff until the budget, counted from
+/// the streak's start, is spent.
 #[derive(Debug)]
 pub struct Retry {
-    deadline: Instant,
-    backoff: Backoff,
+    started: Instant,
+    streak: Streak,
 }
 
 impl Retry {
     /// A streak that starts now with `budget`.
     pub fn new(budget: Duration) -> Self {
         Self {
-            deadline: later(Instant::now(), budget),
-            backoff: Backoff::default(),
+            started: Instant::now(),
+            streak: Streak::new(budget),
         }
     }
 
     /// When the budget runs out.
     pub fn deadline(&self) -> Instant {
-        self.deadline
+        later(self.started, self.streak.budget())
     }
 
     /// Sleeps before the next attempt; `false` (at once) when the budget is spent. The last
     /// sleep is cut short at the deadline, so one more attempt is made right at it.
+    ///
+    /// Cancel-safe: dropping it only skips the sleep.
     pub async fn pause(&mut self) -> bool {
-        let now = Instant::now();
-        if now >= self.deadline {
-            return false;
+        match self.streak.pause(self.started.elapsed()) {
+            Some(sleep) => {
+                tokio::time::sleep(sleep).await;
+                true
+            }
+            None => false,
         }
-        let sleep = self.backoff.next_sleep();
-        tokio::time::sleep_until(later(now, sleep).min(self.deadline)).await;
-        true
     }
 }
 
@@ -532,8 +393,8 @@ pub fn later(t: Instant, d: Duration) -> Instant {
         .unwrap_or_else(|| t + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
-/// Runs `attempt` on the current coordinator until it succeeds, fails with a status that is
-/// not [`retryable`], or the budget of a streak of failures is spent (then its last error is
+/// Runs `attempt` on the current coordinator until it succeeds, fails with a status the policy
+/// does not retry for an idempotent call ([`policy::classify_call`]), or the budget of a streak of failures is spent (then its last error is
 /// returned). `what` names the call in the log. An attempt that ran longer than the budget
 /// (a long poll that broke) starts a new streak. For idempotent calls only.
 pub async fn call<T, F, Fut>(
@@ -545,7 +406,7 @@ where
     F: FnMut(AuthChannel) -> Fut,
     Fut: Future<Output = Result<T, Status>>,
 {
-    call_if(coordinators, what, retryable, attempt).await
+    call_if(coordinators, what, call_retryable, attempt).await
 }
 
 /// [`call`], retrying only the failures `retry_on` accepts (see [`not_applied`]).
@@ -698,34 +559,6 @@ mod tests {
         assert_eq!(fork.current(), "c:3");
         assert_eq!(fork.failed("c:3", None), "a:1");
         assert_eq!(c.current(), "c:3");
-    }
-
-    #[test]
-    fn backoff_doubles_to_a_second_with_jitter() {
-        for seed in [1, 7, 0xdead_beef, u64::MAX] {
-            let mut b = Backoff::seeded(seed);
-            let mut base = FIRST_BACKOFF;
-            for _ in 0..12 {
-                let sleep = b.next_sleep();
-                assert!(
-                    sleep >= base / 2 && sleep < base * 3 / 2,
-                    "{sleep:?} vs {base:?}"
-                );
-                base = (base * 2).min(MAX_BACKOFF);
-            }
-            b.reset();
-            assert!(b.next_sleep() < FIRST_BACKOFF * 3 / 2);
-        }
-        // The jitter is spread, not constant.
-        let mut b = Backoff::seeded(42);
-        let sleeps: Vec<Duration> = (0..20)
-            .map(|_| {
-                let s = b.next_sleep();
-                b.reset();
-                s
-            })
-            .collect();
-        assert!(sleeps.iter().any(|s| *s != sleeps[0]));
     }
 
     #[test]

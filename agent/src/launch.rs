@@ -118,20 +118,6 @@ pub enum LaunchError {
     Signals(#[source] std::io::Error),
 }
 
-/// An error and its sources, `: `-separated (tonic's transport errors say little alone).
-pub(crate) fn chain(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let more = s.to_string();
-        if !text.ends_with(&more) {
-            text = format!("{text}: {more}");
-        }
-        source = s.source();
-    }
-    text
-}
-
 /// What stops a launch from outside: the process's signals (the command line), a
 /// cancellation token (daemon mode), or both.
 pub struct Stops {

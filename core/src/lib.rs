@@ -10,3 +10,6 @@ pub mod model;
 pub mod barrier;
 /// The worker-agent contract: environment names and the node relay's framing.
 pub mod contract;
+pub mod failover;
+
+pub mod error_chain;

@@ -12,8 +12,9 @@
 //! - [`client`] is the async core ([`client::Coordinator`], [`client::Session`] and typed
 //!   wrappers over the key-value, unique-id and shared-value services), for async code and for
 //!   benchmarks that simulate many ranks in one process. It fails over between coordinator
-//!   replicas (`MUSTER_COORDINATOR=host:port,host:port`) by the policy in `failover.rs`:
-//!   running sessions re-attach to the new leader without their callers noticing.
+//!   replicas (`MUSTER_COORDINATOR=host:port,host:port`) by the policy shared with the agent
+//!   (`muster_core::failover`): running sessions re-attach to the new leader without their
+//!   callers noticing.
 //! - Security: every connection to the coordinator uses TLS when `MUSTER_TLS_CA` is set (the
 //!   CA that signed the coordinator's certificate; `MUSTER_TLS_CERT` and `MUSTER_TLS_KEY` add
 //!   a client certificate for mutual TLS, `MUSTER_TLS_DOMAIN` overrides the name verified),

@@ -1,0 +1,198 @@
+//! The job's key-value store (TCPStore parity) over the coordinator's `KeyValue` service: one
+//! typed method per RPC, each a call of [`Coordinator::unary`].
+
+use std::time::Duration;
+
+use muster_proto::v1::{self as pb, key_value_client::KeyValueClient};
+use tokio::time::Instant;
+
+use super::{Coordinator, Failed, wait_ms};
+use crate::Error;
+
+/// The outcome of [`Kv::compare_and_set`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CasOutcome {
+    /// Whether the value was replaced.
+    pub swapped: bool,
+    /// The value after the call (`None`: the key does not exist).
+    pub current: Option<Vec<u8>>,
+}
+
+/// The job's key-value store (TCPStore parity): small coordination data that user code shares
+/// between ranks. Every method is a single RPC, cancel-safe, and retried across a coordinator
+/// failover within the failover budget: `set`, `get`, `get_wait`, `delete` and `list` on any
+/// retryable failure; `add` and `compare_and_set`, which are not idempotent, only when the
+/// failure proves the request was not applied (a follower refused it, or no connection was
+/// made). Otherwise their error surfaces, and the counter or value may or may not have changed.
+#[derive(Debug, Clone)]
+pub struct Kv {
+    coordinator: Coordinator,
+    job_id: String,
+}
+
+impl Kv {
+    /// The store of `job_id` on `coordinator`.
+    pub fn new(coordinator: Coordinator, job_id: impl Into<String>) -> Self {
+        Self {
+            coordinator,
+            job_id: job_id.into(),
+        }
+    }
+
+    fn error(&self, failed: Failed, key: &str) -> Error {
+        failed.error(|| format!("key '{key}' in job {}", self.job_id))
+    }
+
+    /// Sets `key`, replacing any value.
+    pub async fn set(&self, key: &str, value: impl Into<Vec<u8>>) -> Result<(), Error> {
+        let request = pb::SetRequest {
+            job_id: self.job_id.clone(),
+            key: key.to_owned(),
+            value: value.into(),
+        };
+        self.coordinator
+            .unary(
+                true,
+                || request.clone(),
+                |channel, request| async move { KeyValueClient::new(channel).set(request).await },
+            )
+            .await
+            .map_err(|e| self.error(e, key))?;
+        Ok(())
+    }
+
+    /// The value of `key`, or `None` if it is not set.
+    pub async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, Error> {
+        let request = pb::GetRequest {
+            job_id: self.job_id.clone(),
+            key: key.to_owned(),
+            wait_ms: 0,
+        };
+        let response = self
+            .coordinator
+            .unary(
+                true,
+                || request.clone(),
+                |channel, request| async move { KeyValueClient::new(channel).get(request).await },
+            )
+            .await;
+        match response {
+            Ok(response) => Ok(Some(response.value)),
+            Err(failed) if failed.status.code() == tonic::Code::NotFound => Ok(None),
+            Err(e) => Err(self.error(e, key)),
+        }
+    }
+
+    /// The value of `key`, waiting up to `wait` for another rank to set it
+    /// ([`Error::Timeout`] after). A retry after a failover waits only for what is left.
+    pub async fn get_wait(&self, key: &str, wait: Duration) -> Result<Vec<u8>, Error> {
+        let started = Instant::now();
+        let response = self
+            .coordinator
+            .unary(
+                true,
+                || pb::GetRequest {
+                    job_id: self.job_id.clone(),
+                    key: key.to_owned(),
+                    wait_ms: wait_ms(Some(wait.saturating_sub(started.elapsed()))),
+                },
+                |channel, request| async move { KeyValueClient::new(channel).get(request).await },
+            )
+            .await
+            .map_err(|e| self.error(e, key))?;
+        Ok(response.value)
+    }
+
+    /// Adds `delta` to the counter at `key` (absent counts as 0) and returns the new value.
+    pub async fn add(&self, key: &str, delta: i64) -> Result<i64, Error> {
+        let request = pb::AddRequest {
+            job_id: self.job_id.clone(),
+            key: key.to_owned(),
+            delta,
+        };
+        let response = self
+            .coordinator
+            .unary(
+                false,
+                || request.clone(),
+                |channel, request| async move { KeyValueClient::new(channel).add(request).await },
+            )
+            .await
+            .map_err(|e| self.error(e, key))?;
+        Ok(response.value)
+    }
+
+    /// Sets `key` to `desired` only if its value is `expected` (`None`: only if the key does
+    /// not exist), atomically.
+    pub async fn compare_and_set(
+        &self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: impl Into<Vec<u8>>,
+    ) -> Result<CasOutcome, Error> {
+        let request = pb::CompareAndSetRequest {
+            job_id: self.job_id.clone(),
+            key: key.to_owned(),
+            expected: expected.map(<[u8]>::to_vec),
+            desired: desired.into(),
+        };
+        let response = self
+            .coordinator
+            .unary(
+                false,
+                || request.clone(),
+                |channel, request| async move {
+                    KeyValueClient::new(channel).compare_and_set(request).await
+                },
+            )
+            .await
+            .map_err(|e| self.error(e, key))?;
+        Ok(CasOutcome {
+            swapped: response.swapped,
+            current: response.current,
+        })
+    }
+
+    /// Deletes `key`; says whether it existed (a retry after a failover that the first
+    /// attempt had applied says it did not).
+    pub async fn delete(&self, key: &str) -> Result<bool, Error> {
+        let request = pb::DeleteRequest {
+            job_id: self.job_id.clone(),
+            key: key.to_owned(),
+        };
+        let response = self
+            .coordinator
+            .unary(
+                true,
+                || request.clone(),
+                |channel, request| async move { KeyValueClient::new(channel).delete(request).await },
+            )
+            .await
+            .map_err(|e| self.error(e, key))?;
+        Ok(response.existed)
+    }
+
+    /// The keys and values under `prefix`, in key order.
+    pub async fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, Error> {
+        let request = pb::ListRequest {
+            job_id: self.job_id.clone(),
+            prefix: prefix.to_owned(),
+        };
+        let response = self
+            .coordinator
+            .unary(
+                true,
+                || request.clone(),
+                |channel, request| async move { KeyValueClient::new(channel).list(request).await },
+            )
+            .await
+            .map_err(|failed| {
+                failed.error(|| format!("keys under '{prefix}' in job {}", self.job_id))
+            })?;
+        Ok(response
+            .items
+            .into_iter()
+            .map(|item| (item.key, item.value))
+            .collect())
+    }
+}
