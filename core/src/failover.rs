@@ -17,7 +17,7 @@ use tonic::{Code, Status};
 pub const LEADER_KEY: &str = "muster-leader";
 /// The environment variable with the failover budget in milliseconds: the agent sets it for
 /// its workers from its `--failover-timeout-ms`.
-pub const BUDGET_ENV: &str = "MUSTER_FAILOVER_TIMEOUT_MS";
+pub const BUDGET_ENV: &str = crate::contract::env::MUSTER_FAILOVER_TIMEOUT_MS;
 /// The failover budget when nothing says otherwise.
 pub const DEFAULT_BUDGET: Duration = Duration::from_secs(30);
 /// The first backoff sleep (before jitter); each later one doubles, up to [`MAX_BACKOFF`].
