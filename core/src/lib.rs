@@ -5,3 +5,5 @@
 //! data and decisions, so each is tested with plain unit tests.
 
 pub mod model;
+
+pub mod job_token;
