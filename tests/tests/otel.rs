@@ -302,7 +302,7 @@ fn relayed_worker() {
     if std::env::var_os(WORKER_ENV).is_none() {
         return;
     }
-    let telemetry = muster_coordinator::telemetry::init(
+    let telemetry = muster_telemetry::traces::init(
         "muster-worker",
         tracing_subscriber::EnvFilter::new("warn"),
     );
