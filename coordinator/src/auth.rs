@@ -182,7 +182,10 @@ mod tests {
         );
         assert_eq!(code(Some(&job_a), Scope::Cluster), PermissionDenied);
         // A token for job-a under another cluster token, and one with its job swapped.
-        let foreign = format!("Bearer {}", job_token::mint("other-cluster-token-xyz", "job-a"));
+        let foreign = format!(
+            "Bearer {}",
+            job_token::mint("other-cluster-token-xyz", "job-a")
+        );
         assert_eq!(code(Some(&foreign), Scope::Job), Unauthenticated);
         let mac = job_a.rsplit('.').next().expect("mac");
         let swapped = format!("Bearer mj1.{}.{mac}", hex::encode("job-b"));

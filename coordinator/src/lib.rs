@@ -19,10 +19,10 @@ pub mod store;
 pub mod tenure;
 
 pub use config::Config;
-pub use store::election;
-pub use store::{EtcdStore, MemoryStore, Store, StoreError};
 /// Traces (`muster_telemetry::traces`), under the name the coordinator's modules use.
 use muster_telemetry::traces as telemetry;
+pub use store::election;
+pub use store::{EtcdStore, MemoryStore, Store, StoreError};
 
 use muster_proto::v1 as pb;
 use service::{

@@ -62,7 +62,11 @@ fn only_the_store_module_names_the_etcd_client() {
             }
             let hits = occurrences(&text, "etcd_client");
             let first = hits.first()?;
-            Some(format!("{}:{}", p.strip_prefix(&root).unwrap_or(p).display(), first.0))
+            Some(format!(
+                "{}:{}",
+                p.strip_prefix(&root).unwrap_or(p).display(),
+                first.0
+            ))
         })
         .collect();
     assert!(
@@ -79,9 +83,9 @@ fn the_agent_uses_the_coordinator_crate_only_to_embed_one() {
     rust_sources(&root.join("agent/src"), &mut sources);
     // The embedded coordinator's entry point and its configuration types, and its log target.
     let allowed = |rest: &str| {
-        let entry = rest.strip_prefix("::serve").is_some_and(|after| {
-            !after.starts_with(|c: char| c.is_alphanumeric() || c == '_')
-        });
+        let entry = rest
+            .strip_prefix("::serve")
+            .is_some_and(|after| !after.starts_with(|c: char| c.is_alphanumeric() || c == '_'));
         entry
             || rest.starts_with("::Config")
             || rest.starts_with("::config::")

@@ -62,7 +62,10 @@ mod tests {
         assert_eq!(verify(CLUSTER, &token).as_deref(), Some("job-a"));
         assert_eq!(verify("other-cluster-token-xyz", &token), None);
         let mac = token.rsplit('.').next().unwrap_or_default();
-        assert_eq!(verify(CLUSTER, &format!("mj1.{}.{mac}", hex::encode("job-b"))), None);
+        assert_eq!(
+            verify(CLUSTER, &format!("mj1.{}.{mac}", hex::encode("job-b"))),
+            None
+        );
         assert_eq!(verify(CLUSTER, "mj1.zz.zz"), None);
         assert_eq!(verify(CLUSTER, CLUSTER), None);
         assert!(!is_job_token(CLUSTER));

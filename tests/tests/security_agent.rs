@@ -133,11 +133,8 @@ fn secured_job(setup: &Setup, job: &str, worker: &str, log: &str) -> (Vec<Finish
     let (coordinator, addr) = setup.coordinator(log);
     // What the workers' token must be, for a comparison in the worker (never printed).
     let expected = setup.pki.dir.join("expected-job-token");
-    std::fs::write(
-        &expected,
-        muster_core::job_token::mint(Pki::TOKEN, job),
-    )
-    .expect("write the expected job token");
+    std::fs::write(&expected, muster_core::job_token::mint(Pki::TOKEN, job))
+        .expect("write the expected job token");
     let script = format!(
         "if [ \"$MUSTER_TOKEN\" = \"$(cat {expected})\" ]; then t=ok; else t=wrong; fi; \
          echo ready rank=$RANK token=$t ca=$MUSTER_TLS_CA cert=$MUSTER_TLS_CERT \

@@ -370,7 +370,8 @@ impl Store for EtcdStore {
     /// The election under `<prefix>election/`, over this store's client (one connection for
     /// both).
     fn election(&self, candidate: &str, ttl: Duration) -> Option<Election> {
-        let config = ElectionConfig::new(candidate, format!("{}election/", self.prefix)).with_ttl(ttl);
+        let config =
+            ElectionConfig::new(candidate, format!("{}election/", self.prefix)).with_ttl(ttl);
         Some(Election::new(self.client(), config))
     }
 
