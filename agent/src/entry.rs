@@ -27,7 +27,7 @@ pub fn main(args: Vec<OsString>) -> u8 {
 fn run(args: Vec<OsString>) -> u8 {
     // Stderr logging, plus OTLP traces when OTEL_EXPORTER_OTLP_ENDPOINT is set; the guard
     // flushes them when main returns.
-    let _telemetry = muster_coordinator::telemetry::init(
+    let _telemetry = muster_telemetry::traces::init(
         "muster-agent",
         tracing_subscriber::EnvFilter::try_from_default_env()
             .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER)),

@@ -627,7 +627,7 @@ mod tests {
             ..WorkerOptions::default()
         };
         let d = dir.to_string_lossy();
-        let job_token = muster_coordinator::auth::job_token(token, "job7");
+        let job_token = muster_core::job_token::mint(token, "job7");
         assert!(job_token.starts_with("mj1."), "{job_token}");
         assert_eq!(
             added(&options, 0),

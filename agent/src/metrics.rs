@@ -2,15 +2,15 @@
 //! state, the generations it restarted after failures, its workers' failures by cause, the
 //! coordinator failovers its streams went through, and the node relay's barrier latency.
 //!
-//! Process-wide, like the coordinator's ([`muster_coordinator::metrics`], whose atomic
-//! [`DurationHistogram`], [`Labeled`] series and HTTP server are reused here): hooks are
+//! Process-wide, like the coordinator's (both use `muster_telemetry::metrics`'s atomic
+//! [`DurationHistogram`], [`Labeled`] series and HTTP server): hooks are
 //! one-line calls on the paths they count, and none of them takes a lock or allocates, since
 //! the relay's barrier path records too. Counters and gauges are atomics, every labelled series
 //! exists from the start, and each hook reaches its series directly (no label lookup). In
 //! daemon mode the numbers add up over the jobs the agent runs.
 
 use crate::worker::Exit;
-use muster_coordinator::metrics::{DurationHistogram, LATENCY_BUCKETS, Labeled, serve_http};
+use muster_telemetry::metrics::{DurationHistogram, LATENCY_BUCKETS, Labeled, serve_http};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;

@@ -242,7 +242,7 @@ impl Security {
         if let Some(token) = &self.token {
             env.push((
                 wire::env::TOKEN,
-                muster_coordinator::auth::job_token(&token.0, job_id),
+                muster_core::job_token::mint(&token.0, job_id),
             ));
         }
         if let Some(tls) = &self.tls {

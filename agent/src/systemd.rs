@@ -2,7 +2,7 @@
 //! deploy/systemd/muster-agent.service): READY=1 once the coordinator accepted the agent's
 //! registration, watchdog pings from its runtime from then on, STOPPING=1 when it shuts down.
 //!
-//! The notifications themselves are the coordinator's (`muster_coordinator::systemd`); this
+//! The notifications themselves are shared with the coordinator (`muster_telemetry::systemd`); this
 //! module decides when the agent sends them. Nothing is sent when the process was not started
 //! by systemd. Workers inherit `$NOTIFY_SOCKET`, but the unit keeps `NotifyAccess=main`, so
 //! systemd ignores anything they send, and `$WATCHDOG_PID` names the agent, so a worker never
@@ -14,11 +14,11 @@
 //! until the unit's `TimeoutStartSec=` runs out. A later re-registration (after a failover)
 //! sends nothing: the service stays ready while it reconnects.
 
-use muster_coordinator::systemd as notify;
+use muster_telemetry::systemd as notify;
 
 /// Call on the agent's runtime once the coordinator at `coordinator` has accepted the first
 /// registration (its `Agents.Serve` stream is open): sends READY=1 with a status naming it,
-/// and starts the watchdog task (see [`muster_coordinator::systemd::spawn_watchdog`]) when
+/// and starts the watchdog task (see [`muster_telemetry::systemd::spawn_watchdog`]) when
 /// the unit sets `WatchdogSec=`. The task ends with the runtime.
 pub fn registered(coordinator: &str) {
     if !notify::under_systemd() {

@@ -6,20 +6,15 @@
 //!   derives for its workers and hands them in `MUSTER_TOKEN`. It opens only the worker
 //!   services (Session, KeyValue, UniqueIds, SharedValues), and only for its own job.
 //!
-//! Job tokens are derived, not stored: nothing to persist, replicate or fail over, and any
-//! replica verifies any job's token. Comparisons are constant-time (`subtle`, `hmac`'s
-//! `verify_slice`); tokens are never logged, and `Debug` of [`Auth`] hides them.
+//! Job tokens are minted and verified by `muster_core::job_token` (the agent mints them with
+//! the same function). Comparisons are constant-time (`subtle` for the cluster token, `hmac`'s
+//! `verify_slice` for job tokens); tokens are never logged, and `Debug` of [`Auth`] hides them.
 
-use hmac::{Hmac, Mac};
-use muster_proto::security::{AUTHORIZATION, JOB_TOKEN_PREFIX};
-use sha2::Sha256;
+use muster_core::job_token;
+use muster_proto::security::AUTHORIZATION;
 use std::fmt;
 use subtle::ConstantTimeEq;
 use tonic::{Request, Status};
-
-/// What a job token's MAC covers besides the job id, so that the cluster token's MAC of some
-/// other message can never pass for a job token.
-const JOB_TOKEN_CONTEXT: &[u8] = b"muster job credential v1\0";
 
 /// Who made a call, as the interceptor established it; read by handlers that serve one job.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,8 +104,8 @@ impl Auth {
             .ok_or_else(|| {
                 Status::unauthenticated("the authorization header is not 'Bearer <token>'")
             })?;
-        if let Some(rest) = token.strip_prefix(JOB_TOKEN_PREFIX) {
-            let job = verify_job_token(cluster, rest)
+        if job_token::is_job_token(token) {
+            let job = job_token::verify(cluster, token)
                 .ok_or_else(|| Status::unauthenticated("the job token is not valid"))?;
             if scope == Scope::Cluster {
                 return Err(Status::permission_denied(format!(
@@ -136,34 +131,6 @@ pub fn authorize_job<T>(request: &Request<T>, job: &str) -> Result<(), Status> {
         ))),
         _ => Ok(()),
     }
-}
-
-/// The job token for `job` under `cluster_token`, as an agent hands it to its workers.
-pub fn job_token(cluster_token: &str, job: &str) -> String {
-    let mac = mac(cluster_token, job).finalize().into_bytes();
-    format!(
-        "{JOB_TOKEN_PREFIX}{}.{}",
-        hex::encode(job.as_bytes()),
-        hex::encode(mac)
-    )
-}
-
-/// The job a token (less its prefix) is for, if its MAC is right.
-fn verify_job_token(cluster_token: &str, rest: &str) -> Option<String> {
-    let (job_hex, mac_hex) = rest.split_once('.')?;
-    let job = String::from_utf8(hex::decode(job_hex).ok()?).ok()?;
-    let tag = hex::decode(mac_hex).ok()?;
-    mac(cluster_token, &job).verify_slice(&tag).ok()?;
-    Some(job)
-}
-
-fn mac(cluster_token: &str, job: &str) -> Hmac<Sha256> {
-    // HMAC takes keys of any length; `new_from_slice` cannot fail for it.
-    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(cluster_token.as_bytes())
-        .unwrap_or_else(|_| unreachable!("HMAC accepts any key length"));
-    mac.update(JOB_TOKEN_CONTEXT);
-    mac.update(job.as_bytes());
-    mac
 }
 
 #[cfg(test)]
@@ -192,7 +159,7 @@ mod tests {
     fn credentials_map_to_principals_or_errors() {
         use tonic::Code::{PermissionDenied, Unauthenticated};
         let auth = Auth::with_cluster_token(CLUSTER.to_owned());
-        let job_a = format!("Bearer {}", job_token(CLUSTER, "job-a"));
+        let job_a = format!("Bearer {}", job_token::mint(CLUSTER, "job-a"));
         let cluster = format!("Bearer {CLUSTER}");
         assert_eq!(
             call(&auth, Some(&cluster), Scope::Cluster).ok(),
@@ -215,7 +182,10 @@ mod tests {
         );
         assert_eq!(code(Some(&job_a), Scope::Cluster), PermissionDenied);
         // A token for job-a under another cluster token, and one with its job swapped.
-        let foreign = format!("Bearer {}", job_token("other-cluster-token-xyz", "job-a"));
+        let foreign = format!(
+            "Bearer {}",
+            job_token::mint("other-cluster-token-xyz", "job-a")
+        );
         assert_eq!(code(Some(&foreign), Scope::Job), Unauthenticated);
         let mac = job_a.rsplit('.').next().expect("mac");
         let swapped = format!("Bearer mj1.{}.{mac}", hex::encode("job-b"));

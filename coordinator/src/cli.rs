@@ -201,7 +201,7 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> u8 {
         .unwrap_or_else(|| "info".into());
     // Flushes unexported spans when main returns (the runtime below is gone by then; the
     // exporter runs on its own).
-    let _telemetry = crate::telemetry::init(
+    let _telemetry = muster_telemetry::traces::init(
         "muster-coordinator",
         tracing_subscriber::EnvFilter::new(filter),
     );
@@ -241,8 +241,8 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> u8 {
         let shutdown = shutdown_signal()?;
         // systemd (Type=notify): ready once bound (and, over etcd, once the store answered);
         // STOPPING=1 when a signal starts the drain. No-ops outside systemd.
-        let _watchdog = crate::systemd::spawn_watchdog();
-        crate::systemd::ready(&format!("listening on {}", config.listen));
+        let _watchdog = muster_telemetry::systemd::spawn_watchdog();
+        muster_telemetry::systemd::ready(&format!("listening on {}", config.listen));
         // After the signal, in-flight calls get DRAIN_GRACE to finish; long waits (joins,
         // barriers, waiting gets) cannot, so returning then drops them with the runtime and
         // their clients see the connection close (and retry elsewhere) well within
@@ -252,7 +252,7 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> u8 {
         let (signalled, drain_started) = tokio::sync::oneshot::channel::<()>();
         let shutdown = async move {
             shutdown.await;
-            crate::systemd::stopping("draining in-flight calls");
+            muster_telemetry::systemd::stopping("draining in-flight calls");
             let _ = signalled.send(());
         };
         let serving = crate::serve_with_store(listener, config, store, shutdown);

@@ -1,8 +1,9 @@
 //! Serving only while leading: the [`Gate`] every muster service sits behind, and the
 //! leadership loop that opens it (`--store etcd`).
 //!
-//! With the memory store the gate is always open. With etcd, every replica runs [`lead`]: it
-//! campaigns (see `election.rs`); once it leads, it fences the store's writes with its term,
+//! With the memory store the gate is always open. Over a durable store (etcd), every replica
+//! runs [`lead`]: it campaigns in the store's election (`store/election.rs`); once it leads,
+//! it fences the store's writes with its term,
 //! loads every job from the store (`Coordinator::recover`) and opens the gate; when the term
 //! ends (lease lost, etcd unreachable past the TTL, a fenced write refused) it closes the
 //! gate and drops every job from memory, ending their streams with UNAVAILABLE so that
@@ -16,9 +17,9 @@
 //!
 //! A leader that did not run past its lease decides nothing: see `tenure.rs`.
 
-use crate::election::{Election, ElectionConfig, Leadership, Role};
 use crate::service::Coordinator;
-use crate::store::EtcdStore;
+use crate::store::Store;
+use crate::store::election::{Election, Leadership, Role};
 use std::sync::{Arc, PoisonError, RwLock};
 use std::time::Duration;
 use tokio::sync::watch;
@@ -139,17 +140,18 @@ pub const RESIGN_TIMEOUT: Duration = Duration::from_millis(1500);
 /// Runs this replica's leadership (see the module comment) until `stop` is cancelled (the
 /// process is shutting down); then closes the gate and resigns, revoking its lease so that a
 /// standby leads at once rather than after the TTL, within [`RESIGN_TIMEOUT`].
+/// Returns at once over a store without an election (the memory store).
 pub async fn lead(
     coordinator: Arc<Coordinator>,
-    etcd: &EtcdStore,
+    store: &dyn Store,
     me: String,
     ttl: Duration,
     gate: Gate,
     stop: CancellationToken,
 ) {
-    let config =
-        ElectionConfig::new(me.clone(), format!("{}election/", etcd.prefix())).with_ttl(ttl);
-    let election = Election::new(etcd.client(), config);
+    let Some(election) = store.election(&me, ttl) else {
+        return;
+    };
     let mut roles = election.roles();
     let hints = gate.clone();
     // Task "leader-hint": keeps the leader a follower names up to date. Ends with the
@@ -167,7 +169,7 @@ pub async fn lead(
         }
     });
     tokio::select! {
-        () = terms(&coordinator, etcd, &me, &election, &gate) => {}
+        () = terms(&coordinator, store, &me, &election, &gate) => {}
         () = stop.cancelled() => {}
     }
     // Shutting down: refuse calls from now on, then give the leader key up (the election's
@@ -196,7 +198,7 @@ pub async fn lead(
 /// the replica shuts down, which then resigns.
 async fn terms(
     coordinator: &Coordinator,
-    etcd: &EtcdStore,
+    store: &dyn Store,
     me: &str,
     election: &Election,
     gate: &Gate,
@@ -214,7 +216,7 @@ async fn terms(
         };
         let started = tokio::time::Instant::now();
         gate.follow(Some(me.to_owned()));
-        etcd.set_fence(Some(leadership.fence()));
+        store.fence(Some(&leadership));
         coordinator.tenure().hold(Some(leadership.clone()));
         match coordinator.recover().await {
             Ok(jobs) if leadership.is_current() => {

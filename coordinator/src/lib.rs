@@ -8,7 +8,6 @@
 pub mod auth;
 pub mod cli;
 pub mod config;
-pub mod election;
 pub mod ha;
 pub mod job;
 pub mod limits;
@@ -17,11 +16,12 @@ pub mod pool;
 pub mod retention;
 pub mod service;
 pub mod store;
-pub mod systemd;
-pub mod telemetry;
 pub mod tenure;
 
 pub use config::Config;
+/// Traces (`muster_telemetry::traces`), under the name the coordinator's modules use.
+use muster_telemetry::traces as telemetry;
+pub use store::election;
 pub use store::{EtcdStore, MemoryStore, Store, StoreError};
 
 use muster_proto::v1 as pb;
@@ -104,9 +104,9 @@ pub async fn serve_with_store(
         ),
         None => None,
     };
-    let store = store::timed(store);
+    let store = store::timed(store, metrics::store_op);
     let coordinator = Coordinator::new(config, Arc::clone(&store));
-    let durable = store.as_etcd().is_some();
+    let durable = store.durable();
     let gate = ha::Gate::new(
         if durable {
             ha::Readiness::Following(None)
@@ -157,9 +157,7 @@ pub async fn serve_with_store(
         // every lost term; on shutdown resigns (within `ha::RESIGN_TIMEOUT`) and ends, and
         // serving waits for it.
         tokio::spawn(async move {
-            if let Some(etcd) = store.as_etcd() {
-                ha::lead(coordinator, etcd, me, ttl, gate, stop).await;
-            }
+            ha::lead(coordinator, store.as_ref(), me, ttl, gate, stop).await;
         })
     });
     let shutdown = {
@@ -191,9 +189,9 @@ pub async fn serve_with_store(
             tracing::info!(addr = %a, "metrics endpoint serving");
         }
         let coordinator = Arc::clone(&coordinator);
-        tokio::spawn(metrics::serve_http(listener, move || {
+        tokio::spawn(muster_telemetry::metrics::serve_http(listener, move || {
             let coordinator = Arc::clone(&coordinator);
-            async move { metrics::render(&coordinator).await }
+            async move { metrics::render(&state_snapshot(&coordinator).await) }
         }))
     });
     // Task "health-listener": plaintext grpc.health.v1 only (no muster service, so no
@@ -242,7 +240,7 @@ pub async fn serve_with_store(
         // joins, barriers and value fetches are long polls bounded by their own deadlines.
         .max_concurrent_streams(Some(max_streams))
         .http2_max_header_list_size(Some(Config::MAX_HEADER_LIST_BYTES))
-        .layer(metrics::RpcLatencyLayer)
+        .layer(metrics::rpc_latency_layer())
         // A connection's first call disarms its handshake deadline (limits.rs).
         .layer(limits::FirstCallLayer)
         // An oversized request is refused naming max_message_bytes and its flag.
@@ -324,6 +322,47 @@ pub async fn serve_with_store(
     served?;
     tracing::info!("coordinator stopped");
     Ok(())
+}
+
+/// The coordinator's state as the metrics' gauges show it, read at scrape time through the ops
+/// API's own handlers (so they show what `muster-agent status` shows). Here rather than in
+/// `metrics.rs`, so that the metrics do not depend on the service that feeds them.
+async fn state_snapshot(coordinator: &Arc<Coordinator>) -> metrics::StateSnapshot {
+    use pb::ops_server::Ops as _;
+    let ops = OpsService(Arc::clone(coordinator));
+    let jobs = ops
+        .list_jobs(tonic::Request::new(pb::ListJobsRequest {}))
+        .await
+        .map(|r| r.into_inner().jobs)
+        .unwrap_or_default();
+    let mut ranks = vec![];
+    for s in &jobs {
+        // As the gauges count them: jobs in a known state that have a generation.
+        let known = !matches!(
+            pb::RoundState::try_from(s.state),
+            Err(_) | Ok(pb::RoundState::Unspecified)
+        );
+        if !known || s.world_size == 0 {
+            continue;
+        }
+        let request = tonic::Request::new(pb::DescribeJobRequest {
+            job_id: s.job_id.clone(),
+            ..Default::default()
+        });
+        if let Ok(d) = ops.describe_job(request).await {
+            ranks.extend(d.into_inner().ranks);
+        }
+    }
+    let agents = ops
+        .list_agents(tonic::Request::new(pb::ListAgentsRequest {}))
+        .await
+        .ok()
+        .map(|a| a.get_ref().agents.len());
+    metrics::StateSnapshot {
+        jobs,
+        ranks,
+        agents,
+    }
 }
 
 /// The listener's TLS settings, read from the PEM files (errors name the file).

@@ -53,9 +53,9 @@ impl Coordinator {
             incarnation: std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0, |d| d.as_nanos() as u64),
-            store: store.as_etcd().is_some().then(|| Arc::clone(&store)),
+            store: store.durable().then(|| Arc::clone(&store)),
             // Over etcd, decisions wait for a term (`ha.rs`, "A leader that did not run").
-            tenure: if store.as_etcd().is_some() {
+            tenure: if store.durable() {
                 crate::tenure::Tenure::elected()
             } else {
                 crate::tenure::Tenure::always()

@@ -12,7 +12,7 @@
 //!
 //! - [`Tenure`]: every decision (failing a rank or node, a timer's verdict, a barrier entry,
 //!   a push to a client stream) is taken only while the term's lease deadline has not passed
-//!   (`Leadership::is_current`, the same local deadline `election.rs` steps down at). A job
+//!   (`Leadership::is_current`, the same local deadline `store/election.rs` steps down at). A job
 //!   whose tenure lapsed counts as retired (`Job::retired`), its streams' pushes become one
 //!   UNAVAILABLE ([`Tenure::guard`]) so clients move to the new leader, and the stream loops
 //!   stop taking messages. With the memory store the tenure never lapses.
@@ -22,7 +22,7 @@
 //!   timeout is re-armed for what is left, so heartbeats that queued in the socket while the
 //!   process slept are read before anyone is declared lost.
 
-use crate::election::Leadership;
+use crate::store::election::Leadership;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, PoisonError, RwLock};

@@ -13,3 +13,4 @@ pub mod contract;
 pub mod failover;
 
 pub mod error_chain;
+pub mod job_token;

@@ -302,10 +302,8 @@ fn relayed_worker() {
     if std::env::var_os(WORKER_ENV).is_none() {
         return;
     }
-    let telemetry = muster_coordinator::telemetry::init(
-        "muster-worker",
-        tracing_subscriber::EnvFilter::new("warn"),
-    );
+    let telemetry =
+        muster_telemetry::traces::init("muster-worker", tracing_subscriber::EnvFilter::new("warn"));
     assert!(telemetry.exporting(), "the worker does not export spans");
     let accelerator = muster::Accelerator::from_env().unwrap();
     for _ in 0..RELAYED_BARRIERS {

@@ -17,11 +17,8 @@ use muster::{
     client::{ClientSecurity, Coordinator, Credentials, Kv, Scope, Session, SessionConfig},
     env::security_from_lookup,
 };
-use muster_coordinator::{
-    Config,
-    auth::{Auth, job_token},
-    config::TlsConfig,
-};
+use muster_coordinator::{Config, auth::Auth, config::TlsConfig};
+use muster_core::job_token::mint as job_token;
 use muster_proto::v1::{self as pb, rendezvous_client::RendezvousClient};
 use muster_tests::pki::Pki;
 use tokio::runtime::Runtime;

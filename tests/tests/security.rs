@@ -5,7 +5,7 @@
 
 #![allow(clippy::unwrap_used)]
 
-use muster_coordinator::{Config, auth, config::TlsConfig};
+use muster_coordinator::{Config, config::TlsConfig};
 use muster_proto::security::{AuthChannel, ClientSecurity, Credentials};
 use muster_proto::v1 as pb;
 use muster_tests::pki::Pki;
@@ -155,7 +155,7 @@ async fn calls_without_valid_credentials_are_unauthenticated_and_change_nothing(
         .await
         .expect("forger");
     // A job token minted under another cluster token.
-    let foreign_job = auth::job_token("some-other-cluster-token", "a");
+    let foreign_job = muster_core::job_token::mint("some-other-cluster-token", "a");
     let foreigner = client(&addr, &pki.ca, identity, Some(&foreign_job))
         .await
         .expect("c");
@@ -251,7 +251,7 @@ async fn a_job_token_opens_its_own_job_only() {
             .await
             .expect("set");
     }
-    let token_a = auth::job_token(Pki::TOKEN, "a");
+    let token_a = muster_core::job_token::mint(Pki::TOKEN, "a");
     let worker_a = client(&addr, &pki.ca, None, Some(&token_a))
         .await
         .expect("worker");
@@ -555,7 +555,7 @@ fn tokens_never_reach_the_logs() {
         .spawn()
         .expect("spawn");
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
-    let job_token = auth::job_token(Pki::TOKEN, "logged");
+    let job_token = muster_core::job_token::mint(Pki::TOKEN, "logged");
     runtime.block_on(async {
         let identity = Some((pki.client_cert.as_path(), pki.client_key.as_path()));
         let admin = loop {

@@ -133,11 +133,8 @@ fn secured_job(setup: &Setup, job: &str, worker: &str, log: &str) -> (Vec<Finish
     let (coordinator, addr) = setup.coordinator(log);
     // What the workers' token must be, for a comparison in the worker (never printed).
     let expected = setup.pki.dir.join("expected-job-token");
-    std::fs::write(
-        &expected,
-        muster_coordinator::auth::job_token(Pki::TOKEN, job),
-    )
-    .expect("write the expected job token");
+    std::fs::write(&expected, muster_core::job_token::mint(Pki::TOKEN, job))
+        .expect("write the expected job token");
     let script = format!(
         "if [ \"$MUSTER_TOKEN\" = \"$(cat {expected})\" ]; then t=ok; else t=wrong; fi; \
          echo ready rank=$RANK token=$t ca=$MUSTER_TLS_CA cert=$MUSTER_TLS_CERT \
@@ -326,7 +323,7 @@ fn no_token_shows_in_any_output_at_debug_level() {
         return;
     };
     let (runs, coordinator) = secured_job(&setup, "sec-logs", &worker, VERBOSE);
-    let job_token = muster_coordinator::auth::job_token(Pki::TOKEN, "sec-logs");
+    let job_token = muster_core::job_token::mint(Pki::TOKEN, "sec-logs");
     let mut all = coordinator.output();
     for run in &runs {
         all.push_str(&run.dump());
@@ -369,7 +366,7 @@ fn a_secured_daemon_agent_runs_a_submitted_job() {
     let expected = setup.pki.dir.join("expected-job-token");
     std::fs::write(
         &expected,
-        muster_coordinator::auth::job_token(Pki::TOKEN, "sec-submitted"),
+        muster_core::job_token::mint(Pki::TOKEN, "sec-submitted"),
     )
     .expect("write the expected job token");
     let script = format!(

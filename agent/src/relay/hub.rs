@@ -34,9 +34,9 @@
 //! does not export traces.
 
 use crate::env::NodeAssignment;
-use muster_coordinator::telemetry;
 use muster_core::barrier::{self, Key, Place, Table, Waiter, consumes_seq};
 use muster_core::model::{self, Scope, barrier_error as simple_error};
+use muster_telemetry::traces as telemetry;
 use muster_proto::v1 as pb;
 use pb::barrier_error::Kind as ErrKind;
 use std::collections::HashMap;

@@ -18,11 +18,12 @@
 //! [`EtcdStore::call`]. The client reconnects by itself, so the store recovers when etcd
 //! returns.
 //!
-//! Fencing: once the coordinator leads (see `election.rs`), [`EtcdStore::set_fence`] makes
+//! Fencing: once the coordinator leads (see `election.rs`), [`Store::fence`] makes
 //! every write a transaction nested under the leader key's comparison, so a write of a
 //! replica that no longer leads (paused past its lease, partitioned) changes nothing and
 //! fails with "no longer the leader".
 
+use super::election::{Election, ElectionConfig, Leadership};
 use super::{Store, StoreError};
 use crate::config::EtcdConfig;
 use async_trait::async_trait;
@@ -362,8 +363,20 @@ fn tls_options(config: &EtcdConfig) -> Result<TlsOptions, StoreError> {
 
 #[async_trait]
 impl Store for EtcdStore {
-    fn as_etcd(&self) -> Option<&EtcdStore> {
-        Some(self)
+    fn durable(&self) -> bool {
+        true
+    }
+
+    /// The election under `<prefix>election/`, over this store's client (one connection for
+    /// both).
+    fn election(&self, candidate: &str, ttl: Duration) -> Option<Election> {
+        let config =
+            ElectionConfig::new(candidate, format!("{}election/", self.prefix)).with_ttl(ttl);
+        Some(Election::new(self.client(), config))
+    }
+
+    fn fence(&self, term: Option<&Leadership>) {
+        self.set_fence(term.map(Leadership::fence));
     }
 
     async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {

@@ -1,15 +1,19 @@
 //! The coordinator's durable state lives behind [`Store`], a small key-value interface shaped
 //! like etcd's (get, put, create-if-absent, delete, prefix list), so that the etcd
 //! implementation ([`EtcdStore`]) can replace [`MemoryStore`] without the rest of the
-//! coordinator changing. Only this module knows how state is kept, and only `etcd.rs` knows
-//! etcd. Barriers and sessions are deliberately not here: they are ephemeral and their path
-//! never waits on a store.
+//! coordinator changing. Only this module knows how state is kept, and only `etcd.rs` and
+//! `election.rs` (the leader election over the same etcd) know etcd: the rest of the
+//! coordinator asks the store whether it is [`Store::durable`], for its [`Store::election`] and
+//! to [`Store::fence`] its writes, and never names the etcd client (`tests/boundaries.rs`
+//! checks it). Barriers and sessions are deliberately not here: they are ephemeral and their
+//! path never waits on a store.
 //!
 //! Keys written through the trait (by `service.rs`): `jobs/<job>/kv/<key>` (the job's
 //! key-value store), `jobs/<job>/gen/<incarnation>-<g>/nccl/<communicator>` (NCCL unique ids) and
 //! `jobs/<job>/gen/<incarnation>-<g>/shared/<name>` (shared values); published values are stored as the
 //! publisher's rank (4 bytes, little endian) followed by the bytes.
 
+pub mod election;
 mod etcd;
 mod memory;
 
@@ -18,8 +22,9 @@ pub use memory::MemoryStore;
 
 use crate::config::{Config, StoreKind};
 use async_trait::async_trait;
+use election::{Election, Leadership};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// A failure of the store itself (not of the caller's request): the gRPC handlers answer it
 /// with UNAVAILABLE and this message.
@@ -31,10 +36,25 @@ pub struct StoreError(pub String);
 /// opaque bytes. Implementations must be linearizable per key.
 #[async_trait]
 pub trait Store: Send + Sync + 'static {
-    /// The etcd store, when this is one: it is durable, and the coordinator runs a leader
-    /// election over its client and fences its writes.
-    fn as_etcd(&self) -> Option<&EtcdStore> {
+    /// Whether the state outlives this process and is shared with other replicas (etcd): the
+    /// coordinator then serves only while it leads ([`Store::election`]) and keeps its jobs'
+    /// records here.
+    fn durable(&self) -> bool {
+        false
+    }
+    /// The leader election among the replicas sharing this store, with `candidate` (the
+    /// address clients reach it at) standing and terms of lease `ttl`; `None` for a store
+    /// of one process, where the only replica always leads. Must be called within a tokio
+    /// runtime (the election starts observing at once).
+    fn election(&self, candidate: &str, ttl: Duration) -> Option<Election> {
+        let _ = (candidate, ttl);
         None
+    }
+    /// Makes every later write conditional on `term` still leading (a write of a replica that
+    /// no longer leads changes nothing and fails), or unconditional again with `None`. A store
+    /// without an election has nothing to fence.
+    fn fence(&self, term: Option<&Leadership>) {
+        let _ = term;
     }
     /// Reads a key.
     async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError>;
@@ -60,47 +80,62 @@ pub async fn open(config: &Config) -> Result<Arc<dyn Store>, StoreError> {
     })
 }
 
-/// Wraps `inner` so that every operation's latency is recorded in
-/// `muster_store_operation_seconds{op}` (see [`crate::metrics`]); [`Store::as_etcd`] still
-/// reaches the etcd store underneath.
-pub fn timed(inner: Arc<dyn Store>) -> Arc<dyn Store> {
-    Arc::new(Timed(inner))
+/// The store operations, by the names [`timed`] reports them under.
+pub const OPS: &[&str] = &["get", "put", "create", "delete", "list", "delete_prefix"];
+
+/// Where [`timed`] reports how long an operation (one of [`OPS`]) took: given by the
+/// caller (`lib.rs` passes the metrics hook), so that the store depends on no metrics.
+pub type OpTimer = fn(op: &'static str, took: Duration);
+
+/// Wraps `inner` so that every operation's latency is reported to `report`; the election and
+/// the fence are the store's underneath.
+pub fn timed(inner: Arc<dyn Store>, report: OpTimer) -> Arc<dyn Store> {
+    Arc::new(Timed { inner, report })
 }
 
 /// The store [`timed`] returns.
-struct Timed(Arc<dyn Store>);
+struct Timed {
+    inner: Arc<dyn Store>,
+    report: OpTimer,
+}
 
 impl Timed {
     async fn time<T>(&self, op: &'static str, f: impl Future<Output = T>) -> T {
         let start = Instant::now();
         let out = f.await;
-        crate::metrics::store_op(op, start.elapsed());
+        (self.report)(op, start.elapsed());
         out
     }
 }
 
 #[async_trait]
 impl Store for Timed {
-    fn as_etcd(&self) -> Option<&EtcdStore> {
-        self.0.as_etcd()
+    fn durable(&self) -> bool {
+        self.inner.durable()
+    }
+    fn election(&self, candidate: &str, ttl: Duration) -> Option<Election> {
+        self.inner.election(candidate, ttl)
+    }
+    fn fence(&self, term: Option<&Leadership>) {
+        self.inner.fence(term);
     }
     async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError> {
-        self.time("get", self.0.get(key)).await
+        self.time("get", self.inner.get(key)).await
     }
     async fn put(&self, key: &str, value: Vec<u8>) -> Result<(), StoreError> {
-        self.time("put", self.0.put(key, value)).await
+        self.time("put", self.inner.put(key, value)).await
     }
     async fn create(&self, key: &str, value: Vec<u8>) -> Result<Option<Vec<u8>>, StoreError> {
-        self.time("create", self.0.create(key, value)).await
+        self.time("create", self.inner.create(key, value)).await
     }
     async fn delete(&self, key: &str) -> Result<bool, StoreError> {
-        self.time("delete", self.0.delete(key)).await
+        self.time("delete", self.inner.delete(key)).await
     }
     async fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
-        self.time("list", self.0.list(prefix)).await
+        self.time("list", self.inner.list(prefix)).await
     }
     async fn delete_prefix(&self, prefix: &str) -> Result<u64, StoreError> {
-        self.time("delete_prefix", self.0.delete_prefix(prefix))
+        self.time("delete_prefix", self.inner.delete_prefix(prefix))
             .await
     }
 }

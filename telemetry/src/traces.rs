@@ -1,4 +1,4 @@
-//! Logging and OpenTelemetry traces for the daemons: a `tracing` subscriber that always logs to
+//! Logging and OpenTelemetry traces for the daemons (the coordinator and the agent): a `tracing` subscriber that always logs to
 //! stderr and, when the standard `OTEL_EXPORTER_OTLP_ENDPOINT` (or
 //! `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`) variable is set, also exports spans over OTLP/gRPC;
 //! and where a caller's W3C trace context enters a daemon (gRPC headers of a call, the

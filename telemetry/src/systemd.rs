@@ -2,10 +2,11 @@
 //!
 //! Everything here goes through `$NOTIFY_SOCKET` (sd_notify(3)) and does nothing when the
 //! process was not started by systemd (the variable is unset), so the binaries call these
-//! functions unconditionally. A failed notification is logged, never fatal: a coordinator
-//! that serves but cannot tell systemd so is still better than one that exits.
+//! functions unconditionally. A failed notification is logged, never fatal: a daemon that
+//! serves but cannot tell systemd so is still better than one that exits. When to send what is
+//! each daemon's decision (the coordinator's `cli.rs`, the agent's `systemd.rs`).
 //!
-//! The watchdog pings come from a task on the same tokio runtime as the gRPC server, so a
+//! The watchdog pings come from a task on the same tokio runtime as the daemon's work, so a
 //! runtime that stops making progress (a blocked worker thread on a current-thread runtime, a
 //! deadlock) stops the pings and systemd restarts the service after `WatchdogSec=`.
 
