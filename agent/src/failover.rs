@@ -569,7 +569,8 @@ mod tests {
         assert_ne!(a, b);
     }
 
-    #[tokio::test]
+    // Paused time: the 3 s budget passes at once, and exactly, on tokio's clock.
+    #[tokio::test(start_paused = true)]
     async fn a_streak_ends_with_its_budget() {
         let start = Instant::now();
         let mut retry = Retry::new(Duration::from_millis(3000));
@@ -588,7 +589,7 @@ mod tests {
         assert!(!none.pause().await);
     }
 
-    #[tokio::test]
+    #[tokio::test(start_paused = true)]
     async fn calls_are_retried_on_the_leader_within_the_budget() {
         use std::sync::atomic::{AtomicU32, Ordering};
         let c = Coordinators::new(vec!["a:1".into(), "b:2".into()], Duration::from_secs(1));

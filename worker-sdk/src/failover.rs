@@ -91,7 +91,8 @@ mod tests {
         );
     }
 
-    #[tokio::test]
+    // Paused time: the budget passes at once, and exactly, on tokio's clock.
+    #[tokio::test(start_paused = true)]
     async fn retries_stop_at_the_budget() {
         let budget = Duration::from_millis(400);
         let mut retry = Retry::new(budget);
