@@ -97,7 +97,7 @@ impl SecurityArgs {
             _ => {}
         }
         if let Some(domain) = &self.tls_domain
-            && crate::cli::plain_host(domain).is_err()
+            && crate::net::plain_host(domain).is_err()
         {
             return Err(format!("--tls-domain '{domain}' is not a host name"));
         }

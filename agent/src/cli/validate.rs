@@ -1,0 +1,842 @@
+//! Validation of the launch flags into a [`LaunchSpec`], before anything is started. Every
+//! problem found here is a [`UsageError`]: one line, exit status 2.
+//!
+//! A setting can come from torchrun's flag (muster's own spelling) or torchrun's `PET_<NAME>`
+//! variable for it, from Accelerate's spelling of it, from an Accelerate config file
+//! (`--config-file`), from the Slurm step `srun` started the agent in ([`super::slurm`]), or
+//! from its default, in that order. Two flags that set one thing differently are an error
+//! naming both; a flag beats the file.
+
+use super::launch_args::{LaunchArgs, Nproc};
+use super::{accelerate_flags, note, print_messages, rdzv, slurm, torchrun};
+use crate::accelerate_config::{self, AccelerateConfig, ConfigError};
+use crate::gpu::{self, Discovery, GpuError, GpuIds, GpuMapping, GpuPlan};
+use crate::net::{host_port, is_host_port, plain_host};
+use crate::program::{Program, ProgramError, PythonChoice};
+use crate::security::Security;
+use crate::spec::{LaunchSpec, NodeRange, SelfHost};
+use muster_core::model::{self, JobId};
+use std::ffi::OsStr;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+/// The coordinator port a multi-node job's agents dial when only Accelerate's
+/// `main_process_ip` names the main machine.
+pub const DEFAULT_COORDINATOR_PORT: u16 = muster_proto::DEFAULT_COORDINATOR_PORT;
+/// How long stopped workers get between SIGTERM and SIGKILL without --grace-period-ms or
+/// --shutdown-timeout.
+const DEFAULT_GRACE_PERIOD: Duration = Duration::from_millis(5000);
+/// MASTER_PORT as Accelerate and torchrun default it (used to name a derived job id).
+const ACCELERATE_MAIN_PORT: u16 = 29500;
+
+/// A problem with the command line; the agent prints `muster-agent: <problem>` and exits 2.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum UsageError {
+    /// Clap could not parse the arguments (its message, first line only).
+    #[error("{0} (see `muster-agent launch --help`)")]
+    Parse(String),
+    /// No program after the flags.
+    #[error(
+        "no program to launch: give it after the flags, as in `muster-agent launch --nproc-per-node 2 train.py`"
+    )]
+    NoProgram,
+    /// The program cannot be run.
+    #[error(transparent)]
+    Program(#[from] ProgramError),
+    /// `--nproc-per-node` is 0 or too large.
+    #[error("--nproc-per-node {0} is out of range 1..={max}", max = model::MAX_LOCAL_WORLD_SIZE)]
+    NprocPerNode(u32),
+    /// `--nnodes` does not parse or makes no sense.
+    #[error("--nnodes '{0}' is malformed: {1}")]
+    Nnodes(String, &'static str),
+    /// The node rank is not below the most nodes the job can have.
+    #[error("{rank} is out of range for {nodes} (node ranks are 0..{max})")]
+    NodeRank {
+        /// The requested rank, as given (`--node-rank 3`).
+        rank: String,
+        /// The node count, as given (`--nnodes 2:3`).
+        nodes: String,
+        /// The most nodes.
+        max: u32,
+    },
+    /// `--job-id` is not a valid job id.
+    #[error("--job-id: {0}")]
+    JobId(String),
+    /// `--coordinator` is not `host:port`.
+    #[error(
+        "--coordinator '{0}' is malformed: expected HOST:PORT, as in 10.0.0.1:29470, or a comma-separated list of them"
+    )]
+    Coordinator(String),
+    /// A multi-node job needs what only the user can give.
+    #[error("{0} needs {1}: every node must name the same one")]
+    MultiNode(String, &'static str),
+    /// Two settings of the same thing disagree.
+    #[error("{0} conflicts with {1}")]
+    Conflict(String, String),
+    /// A flag's value (or a combination) makes no sense; the message names the flag.
+    #[error("{0}")]
+    Invalid(String),
+    /// The Accelerate config file cannot be used.
+    #[error("--config-file '{file}': {error}")]
+    Config {
+        /// The path, as given.
+        file: String,
+        /// What is wrong.
+        error: ConfigError,
+    },
+}
+
+/// What validation reads besides the arguments: the agent's environment and machine.
+#[derive(Debug, Clone, Default)]
+pub struct Context<'a> {
+    /// `PATH`, to resolve the program.
+    pub path_var: Option<&'a OsStr>,
+    /// The GPUs found.
+    pub gpus: Discovery,
+    /// The agent's own `CUDA_VISIBLE_DEVICES`.
+    pub cuda_visible_devices: Option<String>,
+    /// CPU cores the agent may use (`--nproc-per-node cpu`).
+    pub cpus: u32,
+    /// The agent's own `OMP_NUM_THREADS`: without it, several workers per node get 1.
+    pub omp_num_threads: Option<String>,
+    /// The interpreter for Python scripts (`MUSTER_PYTHON`, `PYTHON_EXEC`, else `PATH`).
+    pub python: PythonChoice,
+    /// The `SLURM_*` variables, for the defaults under `srun`.
+    pub slurm: slurm::SlurmEnv,
+}
+
+impl<'a> Context<'a> {
+    /// This process's context, with `PATH` = `path_var`.
+    pub fn of_process(path_var: Option<&'a OsStr>) -> Self {
+        Self {
+            path_var,
+            gpus: gpu::probe(),
+            cuda_visible_devices: std::env::var(gpu::VISIBLE_DEVICES_ENV).ok(),
+            cpus: std::thread::available_parallelism()
+                .map_or(1, |n| u32::try_from(n.get()).unwrap_or(u32::MAX)),
+            omp_num_threads: std::env::var(crate::env::OMP_NUM_THREADS).ok(),
+            python: PythonChoice::from_vars(|name| std::env::var_os(name)),
+            slurm: slurm::SlurmEnv::of_process(),
+        }
+    }
+}
+
+/// A setting's value and how to name where it came from (`--num_machines 2`,
+/// `num_machines 2 in 'accelerate.yaml'`).
+#[derive(Debug, Clone)]
+struct Given<T> {
+    value: T,
+    name: String,
+}
+
+impl<T: PartialEq> Given<T> {
+    fn flag(flag: &str, value: Option<T>, shown: impl Fn(&T) -> String) -> Option<Self> {
+        value.map(|value| Self {
+            name: format!("{flag} {}", shown(&value)),
+            value,
+        })
+    }
+
+    /// The one of two flags given; both and different: a conflict naming both.
+    fn either(a: Option<Self>, b: Option<Self>) -> Result<Option<Self>, UsageError> {
+        match (a, b) {
+            (Some(a), Some(b)) if a.value != b.value => Err(UsageError::Conflict(a.name, b.name)),
+            (a, b) => Ok(a.or(b)),
+        }
+    }
+}
+
+/// Names a config file's setting in messages.
+struct FileNamer<'a>(Option<&'a str>);
+
+impl FileNamer<'_> {
+    fn given<T>(
+        &self,
+        key: &str,
+        value: Option<T>,
+        shown: impl Fn(&T) -> String,
+    ) -> Option<Given<T>> {
+        let file = self.0?;
+        value.map(|value| Given {
+            name: format!("{key} {} in '{file}'", shown(&value)),
+            value,
+        })
+    }
+}
+
+impl LaunchArgs {
+    /// Checks everything that can be checked before starting, in this process's context
+    /// (see [`Context::of_process`]); warnings are printed.
+    pub fn validate(self, path_var: Option<&OsStr>) -> Result<LaunchSpec, UsageError> {
+        let (spec, warnings) = self.validate_in(&Context::of_process(path_var))?;
+        print_messages(&warnings);
+        Ok(spec)
+    }
+
+    /// Checks everything that can be checked before starting: the config file, ranges,
+    /// formats, conflicts, GPUs against the machine's, and that the program resolves on
+    /// `ctx.path_var` to an executable file. Returns the spec and warnings to print.
+    pub fn validate_in(
+        mut self,
+        ctx: &Context<'_>,
+    ) -> Result<(LaunchSpec, Vec<String>), UsageError> {
+        let mut warnings = Vec::new();
+        let shown_file = self
+            .config_file
+            .as_ref()
+            .map(|p| p.to_string_lossy().into_owned());
+        let config = match &self.config_file {
+            Some(path) => {
+                let file = shown_file.clone().unwrap_or_default();
+                let config = accelerate_config::load(path).map_err(|error| UsageError::Config {
+                    file: file.clone(),
+                    error,
+                })?;
+                warnings.extend(
+                    config
+                        .warnings
+                        .iter()
+                        .map(|w| format!("--config-file '{file}': {w}")),
+                );
+                config
+            }
+            None => AccelerateConfig::default(),
+        };
+        let file = FileNamer(shown_file.as_deref());
+        let num = |n: &u32| n.to_string();
+
+        // A Slurm step's defaults, for what neither the flags (nor PET_*) nor the file say.
+        let slurm = match ctx.slurm.defaults() {
+            Ok(defaults) => defaults,
+            Err(e) if self.nnodes.is_none() && self.node_rank.is_none() => {
+                return Err(UsageError::Invalid(e));
+            }
+            Err(_) => None,
+        };
+
+        // Nodes.
+        let nnodes = match &self.nnodes {
+            Some(s) => Some(Given {
+                value: parse_nnodes(s)?,
+                name: format!("--nnodes {s}"),
+            }),
+            None => None,
+        };
+        let machines = |n: u32| NodeRange { min: n, max: n };
+        let flag_machines = Given::flag("--num_machines", self.num_machines, num);
+        if let Some(m) = &flag_machines
+            && (m.value == 0 || m.value > model::MAX_NODES)
+        {
+            return Err(UsageError::Invalid(format!(
+                "{} is out of range 1..={}",
+                m.name,
+                model::MAX_NODES
+            )));
+        }
+        let flag_machines = flag_machines.map(|m| Given {
+            value: machines(m.value),
+            name: m.name,
+        });
+        let nodes = Given::either(nnodes, flag_machines)?
+            .or_else(|| {
+                file.given("num_machines", config.num_machines, num)
+                    .map(|g| Given {
+                        value: machines(g.value),
+                        name: g.name,
+                    })
+            })
+            .or_else(|| {
+                slurm.as_ref().map(|s| Given {
+                    value: machines(s.nnodes),
+                    name: format!("SLURM_NNODES {}", s.nnodes),
+                })
+            })
+            .unwrap_or(Given {
+                value: NodeRange { min: 1, max: 1 },
+                name: "--nnodes 1".to_owned(),
+            });
+
+        // Node rank.
+        let node_rank = Given::either(
+            Given::flag("--node-rank", self.node_rank, num),
+            Given::flag("--machine_rank", self.machine_rank, num),
+        )?
+        .or_else(|| file.given("machine_rank", config.machine_rank, num))
+        .or_else(|| {
+            slurm.as_ref().map(|s| Given {
+                value: s.node_rank,
+                name: format!("SLURM_NODEID {}", s.node_rank),
+            })
+        });
+        if let Some(rank) = &node_rank
+            && rank.value >= nodes.value.max
+        {
+            return Err(UsageError::NodeRank {
+                rank: rank.name.clone(),
+                nodes: nodes.name.clone(),
+                max: nodes.value.max,
+            });
+        }
+
+        // GPUs (before the worker count: `--nproc-per-node gpu` counts them).
+        let gpu_ids = match &self.gpu_ids {
+            Some(s) => Some(Given {
+                value: GpuIds::parse("--gpu-ids", s).map_err(UsageError::Invalid)?,
+                name: format!("--gpu-ids {s}"),
+            }),
+            None => file.given("gpu_ids", config.gpu_ids.clone(), |ids| match ids {
+                GpuIds::All => "all".to_owned(),
+                GpuIds::List(l) => l.join(","),
+            }),
+        };
+        let inherited = ctx.cuda_visible_devices.as_deref();
+        let ids = gpu_ids.as_ref().map_or(GpuIds::All, |g| g.value.clone());
+
+        // Workers per node, and where their output goes.
+        let nproc = self.workers_per_node(&config, &file, &nodes, &ids, ctx)?;
+        // torchrun's OMP_NUM_THREADS warning, once per launch, unless the thread count is given
+        // (the user's variable, or `--num_cpu_threads_per_process`: decided below).
+        let omp_warning_at = (nproc > 1 && ctx.omp_num_threads.is_none()).then_some(warnings.len());
+        warnings.extend(self.torchrun.notes());
+        let output = self.output.validate(nproc)?;
+        warnings.extend(self.output.notes());
+
+        // Accelerate's settings.
+        let use_cpu = if self.cpu {
+            Some("--cpu".to_owned())
+        } else if config.use_cpu == Some(true) {
+            file.given("use_cpu", Some(true), bool::to_string)
+                .map(|g| g.name)
+        } else {
+            None
+        };
+        if let (Some(cpu), Some(ids)) = (&use_cpu, &gpu_ids)
+            && matches!(ids.value, GpuIds::List(_))
+        {
+            return Err(UsageError::Conflict(cpu.clone(), ids.name.clone()));
+        }
+        // torchrun's --virtual-local-rank is one GPU per process with LOCAL_RANK=0.
+        let virtual_local_rank = self.torchrun.virtual_local_rank;
+        let mapping = match (self.gpu_mapping, virtual_local_rank) {
+            (Some(GpuMapping::LocalRank), true) => {
+                return Err(UsageError::Conflict(
+                    "--gpu-mapping local-rank".to_owned(),
+                    "--virtual-local-rank".to_owned(),
+                ));
+            }
+            (Some(mapping), _) => mapping,
+            (None, true) => GpuMapping::OnePerProcess,
+            (None, false) => GpuMapping::default(),
+        };
+        let implied = |m: String| {
+            if virtual_local_rank && self.gpu_mapping.is_none() {
+                m.replace("--gpu-mapping one-per-process", "--virtual-local-rank")
+            } else {
+                m
+            }
+        };
+        let (gpus, gpu_warnings) = GpuPlan::resolve(&ids, mapping, nproc, &ctx.gpus, inherited)
+            .map_err(|e| match (&e, &gpu_ids) {
+                (GpuError::NoSuchGpu { .. }, Some(ids)) => {
+                    UsageError::Invalid(format!("{}: {e}", ids.name))
+                }
+                _ => UsageError::Invalid(implied(e.to_string())),
+            })?;
+        warnings.extend(gpu_warnings.into_iter().map(implied));
+
+        // How long stopped workers get before SIGKILL.
+        let grace_period = Given::either(
+            Given::flag(
+                "--grace-period-ms",
+                self.grace_period_ms.map(Duration::from_millis),
+                |d| d.as_millis().to_string(),
+            ),
+            Given::flag(
+                "--shutdown-timeout",
+                self.torchrun.shutdown_timeout.map(Duration::from_secs),
+                |d| d.as_secs().to_string(),
+            ),
+        )?
+        .map_or(DEFAULT_GRACE_PERIOD, |g| g.value);
+        // Flags only `accelerate launch` has, or its config file: the workers then get what
+        // Accelerate's launcher always sets.
+        let accelerate = self.config_file.is_some()
+            || self.num_processes.is_some()
+            || self.num_machines.is_some()
+            || self.machine_rank.is_some()
+            || self.main_process_ip.is_some()
+            || self.main_process_port.is_some()
+            || self.mixed_precision.is_some()
+            || self.cpu
+            || self.multi_gpu
+            || self.enable_cpu_affinity;
+        let mixed_precision_from_file = self.mixed_precision.is_none();
+        let mixed_precision = self.mixed_precision.or(config.mixed_precision.clone());
+        // `accelerate launch`'s other flags and the file's paradigm sections.
+        let (pythonpath, cwd) = (std::env::var("PYTHONPATH").ok(), std::env::current_dir());
+        let cwd = cwd
+            .map(|d| d.to_string_lossy().into_owned())
+            .unwrap_or_default();
+        let acc = self.accelerate_flags.resolve(&accelerate_flags::Inputs {
+            cpu: self.cpu,
+            multi_gpu: self.multi_gpu,
+            mixed_precision: mixed_precision.as_deref(),
+            mixed_precision_from_file: mixed_precision_from_file && mixed_precision.is_some(),
+            config: &config,
+            file: shown_file.as_deref(),
+            pythonpath: pythonpath.as_deref(),
+            cwd: &cwd,
+        })?;
+        warnings.extend(acc.messages.iter().cloned());
+        let threads_given = acc
+            .env
+            .iter()
+            .any(|(k, _)| *k == crate::env::OMP_NUM_THREADS);
+        if let Some(at) = omp_warning_at.filter(|_| !threads_given) {
+            warnings.insert(
+                at,
+                "Setting OMP_NUM_THREADS environment variable for each process to be 1 in \
+                 default, to avoid your system being overloaded, please further tune the \
+                 variable for optimal performance in your application as needed."
+                    .to_owned(),
+            );
+        }
+        let accelerate = accelerate || acc.given;
+        let max_restarts = self.max_restarts.or(config.max_restarts).unwrap_or(0);
+        if let Some(secs) = self.monitor_interval
+            && !(secs.is_finite() && secs >= 0.0)
+        {
+            return Err(UsageError::Invalid(format!(
+                "--monitor-interval {secs} is not a number of seconds"
+            )));
+        }
+
+        // Rendezvous timing.
+        let rdzv = self.rdzv.resolve(&mut warnings)?;
+        let ms = |d: &Duration| d.as_millis().to_string();
+        let secs = |d: &Duration| d.as_secs_f64().to_string();
+        let join_timeout = Given::either(
+            Given::flag(
+                "--join-timeout-ms",
+                self.join_timeout_ms.map(Duration::from_millis),
+                ms,
+            ),
+            rdzv.conf.join_timeout.map(|d| Given {
+                name: format!("--rdzv-conf join_timeout={}", secs(&d)),
+                value: d,
+            }),
+        )?;
+        let last_call = Given::either(
+            Given::flag(
+                "--last-call-ms",
+                self.last_call_ms.map(Duration::from_millis),
+                ms,
+            ),
+            rdzv.conf.last_call.map(|d| Given {
+                name: format!("--rdzv-conf last_call_timeout={}", secs(&d)),
+                value: d,
+            }),
+        )?;
+        for (wait, least) in [
+            (&join_timeout, Duration::from_millis(1)),
+            (&last_call, Duration::ZERO),
+        ] {
+            if let Some(w) = wait
+                && (w.value < least || w.value > model::MAX_WAIT)
+            {
+                return Err(UsageError::Invalid(format!(
+                    "{} is out of range: {} to {} hours",
+                    w.name,
+                    if least.is_zero() { "0" } else { "1 ms" },
+                    model::MAX_WAIT.as_secs() / 3600
+                )));
+            }
+        }
+        if self.lease_ms == 0 {
+            return Err(UsageError::Invalid(
+                "--lease-ms 0: a node needs some time to keep its workers without the coordinator"
+                    .to_owned(),
+            ));
+        }
+
+        // The main machine.
+        let host = |flag: &str, v: Option<String>| -> Result<Option<Given<String>>, UsageError> {
+            match v {
+                Some(h) => {
+                    plain_host(&h).map_err(|why| UsageError::Invalid(format!("{flag} {why}")))?;
+                    Ok(Given::flag(flag, Some(h), Clone::clone))
+                }
+                None => Ok(None),
+            }
+        };
+        let master_addr = Given::either(
+            host("--master-addr", self.master_addr)?,
+            host("--main_process_ip", self.main_process_ip)?,
+        )?
+        .or_else(|| {
+            file.given(
+                "main_process_ip",
+                config.main_process_ip.clone(),
+                Clone::clone,
+            )
+        })
+        .or_else(|| {
+            slurm
+                .as_ref()
+                .filter(|_| nodes.value.max > 1)
+                .map(|s| Given {
+                    value: s.master_addr.clone(),
+                    name: format!("the Slurm step's first host {}", s.master_addr),
+                })
+        });
+        let advertise_addr = Given::either(
+            host("--advertise-addr", self.advertise_addr.clone())?,
+            host("--local-addr", self.torchrun.local_addr.clone())?,
+        )?
+        .map(|g| g.value);
+        let port = |p: &u16| p.to_string();
+        let master_port = Given::either(
+            Given::flag("--master-port", self.master_port, port),
+            Given::flag("--main_process_port", self.main_process_port, port),
+        )?
+        .or_else(|| file.given("main_process_port", config.main_process_port, port))
+        .map(|p| p.value)
+        .filter(|p| *p != 0);
+
+        // Under srun, every node of the step derives the same job id.
+        if let Some(s) = &slurm {
+            let mut taken = Vec::new();
+            if nodes.name.starts_with("SLURM_") {
+                taken.push(format!("--nnodes {}", s.nnodes));
+            }
+            if node_rank
+                .as_ref()
+                .is_some_and(|r| r.name.starts_with("SLURM_"))
+            {
+                taken.push(format!("--node-rank {}", s.node_rank));
+            }
+            if master_addr
+                .as_ref()
+                .is_some_and(|a| a.name.starts_with("the Slurm"))
+            {
+                taken.push(format!("--master-addr {}", s.master_addr));
+            }
+            if self.job_id.is_none() && rdzv.job_id.is_none() {
+                self.job_id = Some(s.job_id.clone());
+                taken.push(format!("--job-id {}", s.job_id));
+            }
+            if !taken.is_empty() {
+                warnings.push(note(&format!(
+                    "Slurm step: {} (flags and PET_* variables override these)",
+                    taken.join(" ")
+                )));
+            }
+        }
+
+        // Where the job is coordinated, and under which id.
+        let given_coordinator = match &self.coordinator {
+            Some(c) => Some(coordinator_list(c)?),
+            None => None,
+        };
+        if Duration::from_millis(self.failover_timeout_ms) > model::MAX_WAIT {
+            return Err(UsageError::Invalid(format!(
+                "--failover-timeout-ms {} is out of range: 0 to {} hours",
+                self.failover_timeout_ms,
+                model::MAX_WAIT.as_secs() / 3600
+            )));
+        }
+        let multi_node = nodes.value.max > 1;
+        if rdzv.standalone {
+            if let Some(c) = &given_coordinator {
+                return Err(UsageError::Conflict(
+                    "--standalone".to_owned(),
+                    format!("--coordinator {c}"),
+                ));
+            }
+            if multi_node {
+                return Err(UsageError::Invalid(format!(
+                    "--standalone conflicts with {}: a standalone job has one node",
+                    nodes.name
+                )));
+            }
+        }
+        // Without --coordinator, the rendezvous endpoint (or the main machine's address, port
+        // 29470, for a multi-node job) is hosted by the agent whose machine can bind it.
+        let endpoint = match (&given_coordinator, &rdzv.endpoint) {
+            (Some(_), Some((host, port))) => {
+                warnings.push(torchrun::no_effect(
+                    &format!("--rdzv-endpoint {}", host_port(host, *port)),
+                    "--coordinator names the coordinator",
+                ));
+                None
+            }
+            (_, endpoint) => endpoint.clone(),
+        };
+        let (coordinator, hosted) = match (given_coordinator, &endpoint, &master_addr) {
+            (Some(c), _, _) => (Some(c), false),
+            (None, Some((host, port)), _) => (Some(host_port(host, *port)), true),
+            (None, None, Some(addr)) if multi_node => {
+                (Some(host_port(&addr.value, DEFAULT_COORDINATOR_PORT)), true)
+            }
+            (None, None, _) if multi_node => {
+                return Err(UsageError::MultiNode(
+                    nodes.name,
+                    "--coordinator (or --rdzv-endpoint, or the main machine's address: --master-addr, --main_process_ip)",
+                ));
+            }
+            (None, None, _) => (None, false),
+        };
+        let self_host = match (hosted, rdzv.conf.is_host) {
+            (false, Some(_)) | (true, Some(false)) | (false, None) => None,
+            (true, must) => {
+                let must = must == Some(true);
+                let at = coordinator.clone().unwrap_or_default();
+                match rdzv::server_security(&self.security) {
+                    Ok(secured) => Some(SelfHost { must, secured }),
+                    Err(missing) if must => {
+                        return Err(UsageError::Invalid(format!(
+                            "--rdzv-conf is_host=1: hosting the rendezvous at {at} securely needs {missing}"
+                        )));
+                    }
+                    Err(missing) => {
+                        warnings.push(note(&format!(
+                            "this agent does not host the rendezvous at {at}: serving it securely needs {missing} (it dials)"
+                        )));
+                        None
+                    }
+                }
+            }
+        };
+        let job_id = Given::either(
+            Given::flag("--job-id", self.job_id, Clone::clone),
+            rdzv.job_id.map(|id| Given {
+                name: format!("--rdzv-id {id}"),
+                value: id,
+            }),
+        )?
+        .map(|g| g.value);
+        let job_id = match (job_id, &endpoint, &master_addr) {
+            (Some(id), _, _) => JobId::parse(&id)
+                .map_err(|e| UsageError::JobId(e.0))?
+                .as_str()
+                .to_owned(),
+            (None, Some((host, port)), _) => derived_job_id(host, *port),
+            (None, None, Some(addr)) if multi_node => {
+                derived_job_id(&addr.value, master_port.unwrap_or(ACCELERATE_MAIN_PORT))
+            }
+            (None, None, _) if multi_node => {
+                return Err(UsageError::MultiNode(
+                    nodes.name,
+                    "--job-id (or --rdzv-id, or the main machine's address: --master-addr, --main_process_ip)",
+                ));
+            }
+            (None, None, _) => fresh_job_id(),
+        };
+        if let Some(h) = &self.advertise_addr {
+            plain_host(h).map_err(|why| UsageError::Invalid(format!("--advertise-addr {why}")))?;
+        }
+        let mut security = self.security.resolve().map_err(UsageError::Invalid)?;
+        if coordinator.is_none() && self.security.any() {
+            warnings.push(
+                "--tls-* and --auth-token-file have no use without --coordinator: the agent's \
+                 own coordinator listens on 127.0.0.1 without TLS or authentication"
+                    .to_owned(),
+            );
+            security = Security::plaintext();
+        }
+
+        if self.command.is_empty() {
+            return Err(UsageError::NoProgram);
+        }
+        let form = self.torchrun.form()?;
+        let mut program = Program::for_launch(form, self.command, &ctx.python, ctx.path_var)?;
+        program.env.extend(acc.extra_env);
+        let spec = LaunchSpec {
+            nproc_per_node: nproc,
+            coordinator,
+            self_host,
+            failover_timeout: Duration::from_millis(self.failover_timeout_ms),
+            job_id,
+            nodes: nodes.value,
+            node_rank: node_rank.map(|r| r.value),
+            advertise_addr,
+            grace_period,
+            max_restarts,
+            join_timeout: join_timeout.map(|g| g.value),
+            last_call: last_call.map(|g| g.value),
+            lease: Duration::from_millis(self.lease_ms),
+            master_addr: master_addr.map(|g| g.value),
+            master_port,
+            gpus,
+            output,
+            mixed_precision,
+            use_cpu: use_cpu.is_some(),
+            debug: self.debug || config.debug == Some(true),
+            cpu_affinity: self.enable_cpu_affinity || config.enable_cpu_affinity == Some(true),
+            accelerate,
+            accelerate_env: acc.env,
+            quiet: acc.quiet,
+            relay: !self.no_relay,
+            metrics_addr: self.metrics_addr,
+            role: self
+                .torchrun
+                .role
+                .unwrap_or_else(|| crate::env::DEFAULT_ROLE.to_owned()),
+            virtual_local_rank,
+            security,
+            program,
+        };
+        Ok((spec, warnings))
+    }
+
+    /// `--nproc-per-node`, or Accelerate's total (`--num_processes`, `num_processes`) divided
+    /// by the node count; 1 when nothing says.
+    fn workers_per_node(
+        &self,
+        config: &AccelerateConfig,
+        file: &FileNamer<'_>,
+        nodes: &Given<NodeRange>,
+        ids: &GpuIds,
+        ctx: &Context<'_>,
+    ) -> Result<u32, UsageError> {
+        let per_node = |total: &Given<u32>| -> Result<u32, UsageError> {
+            let NodeRange { min, max } = nodes.value;
+            if min != max {
+                return Err(UsageError::Invalid(format!(
+                    "{} is a total across machines: it needs a fixed number of machines, not {}",
+                    total.name, nodes.name
+                )));
+            }
+            if !total.value.is_multiple_of(max) {
+                return Err(UsageError::Invalid(format!(
+                    "{} is not a multiple of {}",
+                    total.name, nodes.name
+                )));
+            }
+            let n = total.value / max;
+            if n == 0 || n > model::MAX_LOCAL_WORLD_SIZE {
+                return Err(UsageError::Invalid(format!(
+                    "{} over {} is {n} workers per node, out of range 1..={}",
+                    total.name,
+                    nodes.name,
+                    model::MAX_LOCAL_WORLD_SIZE
+                )));
+            }
+            Ok(n)
+        };
+        let total = Given::flag("--num_processes", self.num_processes, |n| n.to_string());
+        let Some(nproc) = self.nproc_per_node else {
+            return match total {
+                Some(total) => per_node(&total),
+                None => {
+                    match file.given("num_processes", config.num_processes, |n| n.to_string()) {
+                        Some(total) => per_node(&total),
+                        None => Ok(1),
+                    }
+                }
+            };
+        };
+        let gpus = || gpu::candidates(ids, &ctx.gpus, ctx.cuda_visible_devices.as_deref()).len();
+        let counted = |n: usize, what: &str| {
+            u32::try_from(n).ok().filter(|n| *n > 0).ok_or_else(|| {
+                UsageError::Invalid(format!(
+                    "--nproc-per-node {what}: {}",
+                    match what {
+                        "gpu" => "no GPU found on this machine",
+                        _ => "no CPU core available",
+                    }
+                ))
+            })
+        };
+        let n = match nproc {
+            Nproc::Count(n) => n,
+            Nproc::Gpu => counted(gpus(), "gpu")?,
+            Nproc::Cpu => counted(ctx.cpus as usize, "cpu")?,
+            Nproc::Auto => match gpus() {
+                0 => counted(ctx.cpus as usize, "cpu")?,
+                n => counted(n, "gpu")?,
+            },
+        };
+        if n == 0 || n > model::MAX_LOCAL_WORLD_SIZE {
+            return Err(UsageError::NprocPerNode(n));
+        }
+        if let Some(total) = total {
+            let agrees = nodes.value.min == nodes.value.max
+                && u64::from(n) * u64::from(nodes.value.max) == u64::from(total.value);
+            if !agrees {
+                return Err(UsageError::Conflict(
+                    format!("--nproc-per-node {n}"),
+                    format!("{} (with {})", total.name, nodes.name),
+                ));
+            }
+        }
+        Ok(n)
+    }
+}
+
+/// `s` with every character a job id cannot hold ([A-Za-z0-9._-] only) replaced by `-`, for
+/// job ids derived from addresses, rendezvous ids and Slurm's variables.
+pub(crate) fn job_id_chars(s: &str) -> String {
+    s.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
+                c
+            } else {
+                '-'
+            }
+        })
+        .collect()
+}
+
+/// The job id every machine of a multi-node launch derives from the main machine's address
+/// and port: `muster-<addr>-<port>`, with characters a job id cannot hold replaced by `-`.
+pub(crate) fn derived_job_id(addr: &str, port: u16) -> String {
+    let addr = job_id_chars(addr);
+    let mut id = format!("muster-{addr}-{port}");
+    id.truncate(128);
+    id
+}
+
+/// Parses `MIN` or `MIN:MAX` with `1 <= MIN <= MAX <= MAX_NODES`.
+pub fn parse_nnodes(s: &str) -> Result<NodeRange, UsageError> {
+    let bad = |why| UsageError::Nnodes(s.to_owned(), why);
+    let number = |part: &str| {
+        part.trim()
+            .parse::<u32>()
+            .map_err(|_| bad("expected MIN or MIN:MAX, as in 2 or 1:4"))
+    };
+    let (min, max) = match s.split_once(':') {
+        Some((min, max)) => (number(min)?, number(max)?),
+        None => {
+            let n = number(s)?;
+            (n, n)
+        }
+    };
+    if min == 0 {
+        return Err(bad("a job needs at least 1 node"));
+    }
+    if max < min {
+        return Err(bad("MAX is below MIN"));
+    }
+    if max > model::MAX_NODES {
+        return Err(bad("more nodes than the coordinator allows (100000)"));
+    }
+    Ok(NodeRange { min, max })
+}
+
+/// A `--coordinator` value: one `host:port` or a comma-separated list of them; returned
+/// without blanks or repeats.
+pub fn coordinator_list(value: &str) -> Result<String, UsageError> {
+    match crate::failover::split_list(value) {
+        Some(addrs) if addrs.iter().all(|a| is_host_port(a)) => Ok(addrs.join(",")),
+        _ => Err(UsageError::Coordinator(value.to_owned())),
+    }
+}
+
+/// A job id that no other launch on this machine uses: `job-<pid>-<unix millis>`.
+fn fresh_job_id() -> String {
+    let millis = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or_default();
+    format!("job-{}-{millis}", std::process::id())
+}
