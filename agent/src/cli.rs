@@ -164,7 +164,7 @@ where
 /// Clap's message on one line, without the `error: ` label, the usage block and the help
 /// hint; the indented lines right under the first (a list of missing arguments, the possible
 /// values) are kept.
-fn first_line(message: &str) -> String {
+pub(crate) fn first_line(message: &str) -> String {
     let mut lines = message.lines();
     let first = lines.next().unwrap_or_default();
     let mut line = first

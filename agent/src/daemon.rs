@@ -16,16 +16,15 @@
 //! Every `--coordinator` here takes one `HOST:PORT` or a comma-separated list of replicas.
 
 pub use crate::cli::daemon_args::Request;
-use crate::cli::daemon_args::{CancelArgs, ServeArgs, StatusArgs, SubmitArgs, node_range, pairs};
-use crate::cli::{LaunchSpec, Parsed};
+use crate::cli::daemon_args::{CancelArgs, ServeArgs, StatusArgs, SubmitArgs, pairs};
 use crate::failover::{self, Coordinators};
 use crate::launch::{self, Outcome, Stops};
 use crate::security::SecurityArgs;
+use crate::spec::LaunchSpec;
 use muster_proto::v1 as pb;
 use muster_proto::v1::agents_client::AgentsClient;
 use muster_proto::v1::ops_client::OpsClient;
 use std::collections::HashMap;
-use std::ffi::OsString;
 use std::time::Duration;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
@@ -61,26 +60,8 @@ const CONNECT_WINDOW: Duration = Duration::from_secs(2);
 /// `muster-agent submit`: prints the job id and where it runs; with `--wait`, follows it to
 /// its end. Returns the exit status.
 pub async fn submit(args: SubmitArgs) -> Result<u8, String> {
-    let (min, max) = node_range(&args.nnodes)?;
-    let env = pairs("--env", &args.env)?;
-    let selector = pairs("--selector", &args.selector)?;
-    let (program, rest) = args
-        .command
-        .split_first()
-        .ok_or("no program to run: give it after `--`")?;
+    let spec = args.job_spec()?;
     let coordinators = connect(&args.coordinator, &args.security).await?;
-    let spec = pb::JobSpec {
-        job_id: args.job_id.clone().unwrap_or_default(),
-        program: program.clone(),
-        args: rest.to_vec(),
-        env,
-        min_nodes: min,
-        max_nodes: max,
-        nproc_per_node: args.nproc_per_node,
-        max_restarts: args.max_restarts,
-        node_selector: selector,
-        grace_period_ms: args.grace_period_ms,
-    };
     // Not idempotent: sent again only when a refusal proves it was not applied.
     let request = pb::SubmitJobRequest { spec: Some(spec) };
     let answer = failover::call_if(
@@ -272,52 +253,17 @@ pub async fn cancel(args: CancelArgs) -> Result<u8, String> {
     Ok(0)
 }
 
-/// The `launch` command line equivalent to a placed job, parsed by the same code as the
-/// command line (so a job placed here is validated exactly like a launch).
+/// The spec of a job placed here: its flags ([`ServeArgs::launch_args`]) through the
+/// command line's validation, then the job's own environment for the workers.
 fn launch_spec(
     args: &ServeArgs,
     spec: &pb::JobSpec,
     path: Option<&std::ffi::OsStr>,
 ) -> Result<LaunchSpec, String> {
-    let grace = if spec.grace_period_ms > 0 {
-        spec.grace_period_ms
-    } else {
-        args.grace_period_ms
-    };
-    let mut argv: Vec<OsString> = vec![
-        "muster-agent".into(),
-        "launch".into(),
-        "--coordinator".into(),
-        args.coordinator.clone().into(),
-        "--job-id".into(),
-        spec.job_id.clone().into(),
-        "--nnodes".into(),
-        format!("{}:{}", spec.min_nodes, spec.max_nodes.max(spec.min_nodes)).into(),
-        "--nproc-per-node".into(),
-        spec.nproc_per_node.to_string().into(),
-        "--max-restarts".into(),
-        spec.max_restarts.to_string().into(),
-        "--grace-period-ms".into(),
-        grace.to_string().into(),
-        "--failover-timeout-ms".into(),
-        args.failover_timeout_ms.to_string().into(),
-    ];
-    if let Some(a) = &args.advertise_addr {
-        argv.push("--advertise-addr".into());
-        argv.push(a.clone().into());
-    }
-    // The agent's own TLS settings and token (the files are read again: a rotated token
-    // is picked up by the next job).
-    argv.extend(args.security.to_args());
-    argv.push("--".into());
-    argv.push(spec.program.clone().into());
-    argv.extend(spec.args.iter().map(OsString::from));
-    let mut launch = match crate::cli::parse(argv, path).map_err(|e| e.to_string())? {
-        Parsed::Launch(spec) => spec,
-        Parsed::Exit(_) | Parsed::Daemon(_) => {
-            return Err("the job's command line is not a launch".to_owned());
-        }
-    };
+    let mut launch = args
+        .launch_args(spec)?
+        .validate(path)
+        .map_err(|e| e.to_string())?;
     let mut env: Vec<(String, String)> = spec.env.clone().into_iter().collect();
     env.sort();
     launch.program.env = env;

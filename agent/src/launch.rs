@@ -17,11 +17,11 @@
 //! [`FAILURE_SETTLE`] to end on their own: they learn of the failure from the coordinator and
 //! can say why they stop before the agent signals them.
 
-use crate::cli::LaunchSpec;
 use crate::env::{NodeAssignment, worker_env};
 use crate::failover::{self, Coordinators};
 use crate::metrics::{self, FailureCause, WorkerState, WorkerStates};
 use crate::relay::Relay;
+use crate::spec::LaunchSpec;
 use crate::watch::{Watch, WatchEvent};
 use crate::worker::{Exit, Worker};
 use futures::StreamExt;

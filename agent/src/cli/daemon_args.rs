@@ -2,9 +2,12 @@
 //! `cancel`), and how a job placed on a daemon agent becomes `launch` flags
 //! ([`ServeArgs::launch_args`]), so that it is validated as a launch without an argv.
 
+use super::launch_args::{LaunchArgs, Nproc};
 use crate::security::SecurityArgs;
 use clap::Args;
+use muster_proto::v1 as pb;
 use std::collections::HashMap;
+use std::ffi::OsString;
 
 /// A daemon-mode or operator command.
 #[derive(Debug, Clone)]
@@ -58,6 +61,40 @@ pub struct ServeArgs {
     pub security: SecurityArgs,
 }
 
+impl ServeArgs {
+    /// The `launch` flags of a job the coordinator placed on this agent: the job's own
+    /// settings, this agent's coordinator list, failover budget, address and security (the
+    /// files are read again at validation: a rotated token is picked up by the next job), and
+    /// the defaults of a bare `launch` for the rest. Validated like a command line
+    /// ([`LaunchArgs::validate`]), so a job placed here starts exactly as a launch would.
+    pub fn launch_args(&self, job: &pb::JobSpec) -> Result<LaunchArgs, String> {
+        let mut args = LaunchArgs::defaults()?;
+        args.coordinator = Some(self.coordinator.clone());
+        args.job_id = Some(job.job_id.clone());
+        args.nnodes = Some(format!(
+            "{}:{}",
+            job.min_nodes,
+            job.max_nodes.max(job.min_nodes)
+        ));
+        args.nproc_per_node = Some(Nproc::Count(job.nproc_per_node));
+        args.max_restarts = Some(job.max_restarts);
+        // 0: the job leaves it to the agents.
+        args.grace_period_ms = Some(if job.grace_period_ms > 0 {
+            job.grace_period_ms
+        } else {
+            self.grace_period_ms
+        });
+        args.failover_timeout_ms = self.failover_timeout_ms;
+        args.advertise_addr = self.advertise_addr.clone();
+        args.security = self.security.clone();
+        args.command = std::iter::once(&job.program)
+            .chain(&job.args)
+            .map(OsString::from)
+            .collect();
+        Ok(args)
+    }
+}
+
 /// `muster-agent submit`.
 #[derive(Debug, Clone, Args)]
 pub struct SubmitArgs {
@@ -107,6 +144,27 @@ impl SubmitArgs {
         }
         Ok(())
     }
+
+    /// The job as the coordinator takes it (`Ops.SubmitJob`); the error names the flag.
+    pub fn job_spec(&self) -> Result<pb::JobSpec, String> {
+        let (min, max) = node_range(&self.nnodes)?;
+        let (program, rest) = self
+            .command
+            .split_first()
+            .ok_or("no program to run: give it after `--`")?;
+        Ok(pb::JobSpec {
+            job_id: self.job_id.clone().unwrap_or_default(),
+            program: program.clone(),
+            args: rest.to_vec(),
+            env: pairs("--env", &self.env)?,
+            min_nodes: min,
+            max_nodes: max,
+            nproc_per_node: self.nproc_per_node,
+            max_restarts: self.max_restarts,
+            node_selector: pairs("--selector", &self.selector)?,
+            grace_period_ms: self.grace_period_ms,
+        })
+    }
 }
 
 /// `muster-agent status`.
@@ -154,7 +212,7 @@ pub fn pairs(flag: &str, items: &[String]) -> Result<HashMap<String, String>, St
 }
 
 /// Parses `MIN` or `MIN:MAX`.
-pub(crate) fn node_range(s: &str) -> Result<(u32, u32), String> {
+fn node_range(s: &str) -> Result<(u32, u32), String> {
     let bad = |why: &str| format!("--nnodes '{s}' is malformed: {why}");
     let (min, max) = match s.split_once(':') {
         Some((a, b)) => (a, b),
@@ -172,6 +230,133 @@ pub(crate) fn node_range(s: &str) -> Result<(u32, u32), String> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use crate::cli::tests::machine;
+    use crate::cli::{NodeRange, Parsed, parse_in};
+    use std::time::Duration;
+
+    /// `muster-agent <args>` parsed as a daemon-mode command.
+    fn request(args: &[&str]) -> Request {
+        let argv = std::iter::once("muster-agent").chain(args.iter().copied());
+        match parse_in(argv, &machine(None)).unwrap().0 {
+            Parsed::Daemon(r) => r,
+            other => panic!("not a daemon-mode command: {other:?}"),
+        }
+    }
+
+    fn serve(args: &[&str]) -> ServeArgs {
+        match request(&[&["serve"], args].concat()) {
+            Request::Serve(a) => a,
+            other => panic!("not serve: {other:?}"),
+        }
+    }
+
+    /// What `submit` sends reaches the spec a daemon agent runs, through the launch's own
+    /// validation: the job's settings, the serving agent's, and a bare launch's defaults.
+    #[test]
+    fn a_submitted_job_reaches_the_launch_spec() {
+        let Request::Submit(submit) = request(&[
+            "submit",
+            "--coordinator=10.0.0.1:29470",
+            "--job-id=j1",
+            "--nnodes=1:2",
+            "--nproc-per-node=3",
+            "--max-restarts=2",
+            "--grace-period-ms=1234",
+            "--env=A=1",
+            "--",
+            "sh",
+            "-c",
+            "exit 0",
+        ]) else {
+            panic!("not submit")
+        };
+        let job = submit.job_spec().unwrap();
+        let agent = serve(&[
+            "--coordinator=10.0.0.1:29470, 10.0.0.2:29470",
+            "--failover-timeout-ms=700",
+            "--advertise-addr=10.0.0.9",
+            "--grace-period-ms=99",
+        ]);
+        let (spec, _) = agent
+            .launch_args(&job)
+            .unwrap()
+            .validate_in(&machine(None))
+            .unwrap();
+        assert_eq!(
+            spec.coordinator.as_deref(),
+            Some("10.0.0.1:29470,10.0.0.2:29470")
+        );
+        assert_eq!(spec.job_id, "j1");
+        assert_eq!(spec.nodes, NodeRange { min: 1, max: 2 });
+        assert_eq!(spec.nproc_per_node, 3);
+        assert_eq!(spec.max_restarts, 2);
+        assert_eq!(spec.grace_period, Duration::from_millis(1234));
+        assert_eq!(spec.failover_timeout, Duration::from_millis(700));
+        assert_eq!(spec.advertise_addr.as_deref(), Some("10.0.0.9"));
+        assert_eq!(spec.program.name, "sh");
+        assert_eq!(spec.program.args, ["-c", "exit 0"]);
+        // A bare launch's defaults for what a job cannot say.
+        assert_eq!(spec.lease, Duration::from_secs(10));
+        assert!(spec.relay);
+
+        // No grace period of its own: the serving agent's.
+        let job = pb::JobSpec {
+            grace_period_ms: 0,
+            ..job
+        };
+        let (spec, _) = agent
+            .launch_args(&job)
+            .unwrap()
+            .validate_in(&machine(None))
+            .unwrap();
+        assert_eq!(spec.grace_period, Duration::from_millis(99));
+    }
+
+    /// A placed job the launch would refuse is refused with the launch's message.
+    #[test]
+    fn a_placed_job_is_checked_like_a_launch() {
+        let agent = serve(&["--coordinator=10.0.0.1:29470"]);
+        let check = |job: pb::JobSpec| {
+            agent
+                .launch_args(&job)
+                .unwrap()
+                .validate_in(&machine(None))
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        };
+        let job = pb::JobSpec {
+            job_id: "j2".to_owned(),
+            program: "sh".to_owned(),
+            min_nodes: 1,
+            max_nodes: 1,
+            nproc_per_node: 1,
+            ..Default::default()
+        };
+        assert_eq!(check(job.clone()), Ok(()));
+        assert_eq!(
+            check(pb::JobSpec {
+                nproc_per_node: 0,
+                ..job.clone()
+            }),
+            Err("--nproc-per-node 0 is out of range 1..=4096".to_owned())
+        );
+        assert_eq!(
+            check(pb::JobSpec {
+                job_id: "no spaces".to_owned(),
+                ..job.clone()
+            })
+            .map_err(|e| e.starts_with("--job-id: ")),
+            Err(true)
+        );
+        assert_eq!(
+            check(pb::JobSpec {
+                program: "no-such-program-here".to_owned(),
+                ..job
+            })
+            .map_err(|e| e.contains("no-such-program-here")),
+            Err(true)
+        );
+    }
 
     #[test]
     fn pairs_and_ranges() {

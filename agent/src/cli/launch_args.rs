@@ -5,7 +5,7 @@ use super::{accelerate_flags, output, rdzv, torchrun};
 use crate::accelerate_config;
 use crate::gpu::GpuMapping;
 use crate::security::SecurityArgs;
-use clap::Args;
+use clap::{Args, FromArgMatches};
 use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -311,6 +311,20 @@ pub struct LaunchArgs {
     /// MUSTER_PYTHON), as torchrun runs it with its own; any other program runs directly.
     #[arg(value_name = "PROGRAM", trailing_var_arg = true)]
     pub command: Vec<OsString>,
+}
+
+impl LaunchArgs {
+    /// The flags of a launch that gives none: clap's defaults and the `PET_*` variables, as
+    /// for `muster-agent launch` alone. A job placed on a daemon agent starts from these
+    /// ([`super::daemon_args::ServeArgs::launch_args`]), so a flag it does not set means
+    /// there what it means on the command line.
+    pub fn defaults() -> Result<Self, String> {
+        let command = Self::augment_args(clap::Command::new("launch")).no_binary_name(true);
+        command
+            .try_get_matches_from(std::iter::empty::<OsString>())
+            .and_then(|m| Self::from_arg_matches(&m))
+            .map_err(|e| super::first_line(&e.to_string()))
+    }
 }
 
 /// `--nproc-per-node`: a count, or one of torchrun's words for "as many as there are".
