@@ -163,6 +163,20 @@ impl FileNamer<'_> {
     }
 }
 
+/// The main machine's address and port, and this node's own address, as given.
+struct MainMachine {
+    master_addr: Option<Given<String>>,
+    advertise_addr: Option<String>,
+    master_port: Option<u16>,
+}
+
+/// Where the job is coordinated, and under which id.
+struct Coordination {
+    coordinator: Option<String>,
+    self_host: Option<SelfHost>,
+    job_id: String,
+}
+
 impl LaunchArgs {
     /// Checks everything that can be checked before starting, in this process's context
     /// (see [`Context::of_process`]); warnings are printed.
@@ -175,6 +189,9 @@ impl LaunchArgs {
     /// Checks everything that can be checked before starting: the config file, ranges,
     /// formats, conflicts, GPUs against the machine's, and that the program resolves on
     /// `ctx.path_var` to an executable file. Returns the spec and warnings to print.
+    ///
+    /// The steps run in this order so that the first problem reported, and the order of the
+    /// warnings, stay those of the command line read from left to right by topic.
     pub fn validate_in(
         mut self,
         ctx: &Context<'_>,
@@ -184,36 +201,149 @@ impl LaunchArgs {
             .config_file
             .as_ref()
             .map(|p| p.to_string_lossy().into_owned());
-        let config = match &self.config_file {
-            Some(path) => {
-                let file = shown_file.clone().unwrap_or_default();
-                let config = accelerate_config::load(path).map_err(|error| UsageError::Config {
-                    file: file.clone(),
-                    error,
-                })?;
-                warnings.extend(
-                    config
-                        .warnings
-                        .iter()
-                        .map(|w| format!("--config-file '{file}': {w}")),
-                );
-                config
-            }
-            None => AccelerateConfig::default(),
-        };
+        let config = self.config(shown_file.as_deref(), &mut warnings)?;
         let file = FileNamer(shown_file.as_deref());
-        let num = |n: &u32| n.to_string();
+        let slurm = self.slurm_defaults(ctx)?;
+        let nodes = self.nodes(&config, &file, slurm.as_ref())?;
+        let node_rank = self.node_rank(&config, &file, slurm.as_ref(), &nodes)?;
 
-        // A Slurm step's defaults, for what neither the flags (nor PET_*) nor the file say.
-        let slurm = match ctx.slurm.defaults() {
-            Ok(defaults) => defaults,
-            Err(e) if self.nnodes.is_none() && self.node_rank.is_none() => {
-                return Err(UsageError::Invalid(e));
-            }
-            Err(_) => None,
+        // GPUs (before the worker count: `--nproc-per-node gpu` counts them).
+        let gpu_ids = self.gpu_ids(&config, &file)?;
+        let ids = gpu_ids.as_ref().map_or(GpuIds::All, |g| g.value.clone());
+        let nproc = self.workers_per_node(&config, &file, &nodes, &ids, ctx)?;
+        // torchrun's OMP_NUM_THREADS warning, once per launch, unless the thread count is given
+        // (the user's variable, or `--num_cpu_threads_per_process`: decided below).
+        let omp_warning_at = (nproc > 1 && ctx.omp_num_threads.is_none()).then_some(warnings.len());
+        warnings.extend(self.torchrun.notes());
+        let output = self.output.validate(nproc)?;
+        warnings.extend(self.output.notes());
+        let use_cpu = self.use_cpu(&config, &file, gpu_ids.as_ref())?;
+        let gpus = self.gpu_plan(&ids, gpu_ids.as_ref(), nproc, ctx, &mut warnings)?;
+        let grace_period = self.grace_period()?;
+
+        // Accelerate's settings.
+        let mixed_precision = self
+            .mixed_precision
+            .clone()
+            .or(config.mixed_precision.clone());
+        let acc = self.accelerate_settings(
+            &config,
+            shown_file.as_deref(),
+            mixed_precision.as_deref(),
+            omp_warning_at,
+            &mut warnings,
+        )?;
+        let accelerate = self.accelerate_only() || acc.given;
+        let max_restarts = self.max_restarts.or(config.max_restarts).unwrap_or(0);
+        self.check_monitor_interval()?;
+
+        // The rendezvous, the main machine, and where the job is coordinated.
+        let rdzv = std::mem::take(&mut self.rdzv).resolve(&mut warnings)?;
+        let (join_timeout, last_call) = self.rendezvous_waits(&rdzv)?;
+        if self.lease_ms == 0 {
+            return Err(UsageError::Invalid(
+                "--lease-ms 0: a node needs some time to keep its workers without the coordinator"
+                    .to_owned(),
+            ));
+        }
+        let main = self.main_machine(&config, &file, slurm.as_ref(), &nodes)?;
+        if let Some(s) = &slurm {
+            self.take_slurm_job_id(s, &nodes, node_rank.as_ref(), &main, &rdzv, &mut warnings);
+        }
+        let place = self.coordination(&rdzv, &nodes, &main, &mut warnings)?;
+        let security = self.security_for(place.coordinator.as_deref(), &mut warnings)?;
+
+        if self.command.is_empty() {
+            return Err(UsageError::NoProgram);
+        }
+        let form = self.torchrun.form()?;
+        let mut program = Program::for_launch(form, self.command, &ctx.python, ctx.path_var)?;
+        program.env.extend(acc.extra_env);
+        let spec = LaunchSpec {
+            nproc_per_node: nproc,
+            coordinator: place.coordinator,
+            self_host: place.self_host,
+            failover_timeout: Duration::from_millis(self.failover_timeout_ms),
+            job_id: place.job_id,
+            nodes: nodes.value,
+            node_rank: node_rank.map(|r| r.value),
+            advertise_addr: main.advertise_addr,
+            grace_period,
+            max_restarts,
+            join_timeout,
+            last_call,
+            lease: Duration::from_millis(self.lease_ms),
+            master_addr: main.master_addr.map(|g| g.value),
+            master_port: main.master_port,
+            gpus,
+            output,
+            mixed_precision,
+            use_cpu: use_cpu.is_some(),
+            debug: self.debug || config.debug == Some(true),
+            cpu_affinity: self.enable_cpu_affinity || config.enable_cpu_affinity == Some(true),
+            accelerate,
+            accelerate_env: acc.env,
+            quiet: acc.quiet,
+            relay: !self.no_relay,
+            metrics_addr: self.metrics_addr,
+            role: self
+                .torchrun
+                .role
+                .unwrap_or_else(|| crate::env::DEFAULT_ROLE.to_owned()),
+            virtual_local_rank: self.torchrun.virtual_local_rank,
+            security,
+            program,
         };
+        Ok((spec, warnings))
+    }
 
-        // Nodes.
+    /// The Accelerate config file (`--config-file`), its warnings added; empty without one.
+    fn config(
+        &self,
+        shown_file: Option<&str>,
+        warnings: &mut Vec<String>,
+    ) -> Result<AccelerateConfig, UsageError> {
+        let Some(path) = &self.config_file else {
+            return Ok(AccelerateConfig::default());
+        };
+        let file = shown_file.unwrap_or_default().to_owned();
+        let config = accelerate_config::load(path).map_err(|error| UsageError::Config {
+            file: file.clone(),
+            error,
+        })?;
+        warnings.extend(
+            config
+                .warnings
+                .iter()
+                .map(|w| format!("--config-file '{file}': {w}")),
+        );
+        Ok(config)
+    }
+
+    /// A Slurm step's defaults, for what neither the flags (nor PET_*) nor the file say. A
+    /// step whose variables do not parse is an error only when nothing else names the nodes.
+    fn slurm_defaults(
+        &self,
+        ctx: &Context<'_>,
+    ) -> Result<Option<slurm::SlurmDefaults>, UsageError> {
+        match ctx.slurm.defaults() {
+            Ok(defaults) => Ok(defaults),
+            Err(e) if self.nnodes.is_none() && self.node_rank.is_none() => {
+                Err(UsageError::Invalid(e))
+            }
+            Err(_) => Ok(None),
+        }
+    }
+
+    /// The node count: `--nnodes`, `--num_machines`, the file's `num_machines`, the Slurm
+    /// step's, else 1.
+    fn nodes(
+        &self,
+        config: &AccelerateConfig,
+        file: &FileNamer<'_>,
+        slurm: Option<&slurm::SlurmDefaults>,
+    ) -> Result<Given<NodeRange>, UsageError> {
+        let num = |n: &u32| n.to_string();
         let nnodes = match &self.nnodes {
             Some(s) => Some(Given {
                 value: parse_nnodes(s)?,
@@ -236,7 +366,7 @@ impl LaunchArgs {
             value: machines(m.value),
             name: m.name,
         });
-        let nodes = Given::either(nnodes, flag_machines)?
+        Ok(Given::either(nnodes, flag_machines)?
             .or_else(|| {
                 file.given("num_machines", config.num_machines, num)
                     .map(|g| Given {
@@ -245,7 +375,7 @@ impl LaunchArgs {
                     })
             })
             .or_else(|| {
-                slurm.as_ref().map(|s| Given {
+                slurm.map(|s| Given {
                     value: machines(s.nnodes),
                     name: format!("SLURM_NNODES {}", s.nnodes),
                 })
@@ -253,16 +383,25 @@ impl LaunchArgs {
             .unwrap_or(Given {
                 value: NodeRange { min: 1, max: 1 },
                 name: "--nnodes 1".to_owned(),
-            });
+            }))
+    }
 
-        // Node rank.
+    /// This node's rank, if anything says, below the most nodes.
+    fn node_rank(
+        &self,
+        config: &AccelerateConfig,
+        file: &FileNamer<'_>,
+        slurm: Option<&slurm::SlurmDefaults>,
+        nodes: &Given<NodeRange>,
+    ) -> Result<Option<Given<u32>>, UsageError> {
+        let num = |n: &u32| n.to_string();
         let node_rank = Given::either(
             Given::flag("--node-rank", self.node_rank, num),
             Given::flag("--machine_rank", self.machine_rank, num),
         )?
         .or_else(|| file.given("machine_rank", config.machine_rank, num))
         .or_else(|| {
-            slurm.as_ref().map(|s| Given {
+            slurm.map(|s| Given {
                 value: s.node_rank,
                 name: format!("SLURM_NODEID {}", s.node_rank),
             })
@@ -276,9 +415,16 @@ impl LaunchArgs {
                 max: nodes.value.max,
             });
         }
+        Ok(node_rank)
+    }
 
-        // GPUs (before the worker count: `--nproc-per-node gpu` counts them).
-        let gpu_ids = match &self.gpu_ids {
+    /// `--gpu-ids`, else the file's `gpu_ids`.
+    fn gpu_ids(
+        &self,
+        config: &AccelerateConfig,
+        file: &FileNamer<'_>,
+    ) -> Result<Option<Given<GpuIds>>, UsageError> {
+        Ok(match &self.gpu_ids {
             Some(s) => Some(Given {
                 value: GpuIds::parse("--gpu-ids", s).map_err(UsageError::Invalid)?,
                 name: format!("--gpu-ids {s}"),
@@ -287,20 +433,17 @@ impl LaunchArgs {
                 GpuIds::All => "all".to_owned(),
                 GpuIds::List(l) => l.join(","),
             }),
-        };
-        let inherited = ctx.cuda_visible_devices.as_deref();
-        let ids = gpu_ids.as_ref().map_or(GpuIds::All, |g| g.value.clone());
+        })
+    }
 
-        // Workers per node, and where their output goes.
-        let nproc = self.workers_per_node(&config, &file, &nodes, &ids, ctx)?;
-        // torchrun's OMP_NUM_THREADS warning, once per launch, unless the thread count is given
-        // (the user's variable, or `--num_cpu_threads_per_process`: decided below).
-        let omp_warning_at = (nproc > 1 && ctx.omp_num_threads.is_none()).then_some(warnings.len());
-        warnings.extend(self.torchrun.notes());
-        let output = self.output.validate(nproc)?;
-        warnings.extend(self.output.notes());
-
-        // Accelerate's settings.
+    /// Where `--cpu` (or the file's `use_cpu`) comes from, if anywhere; it conflicts with a
+    /// list of GPUs.
+    fn use_cpu(
+        &self,
+        config: &AccelerateConfig,
+        file: &FileNamer<'_>,
+        gpu_ids: Option<&Given<GpuIds>>,
+    ) -> Result<Option<String>, UsageError> {
         let use_cpu = if self.cpu {
             Some("--cpu".to_owned())
         } else if config.use_cpu == Some(true) {
@@ -309,11 +452,24 @@ impl LaunchArgs {
         } else {
             None
         };
-        if let (Some(cpu), Some(ids)) = (&use_cpu, &gpu_ids)
+        if let (Some(cpu), Some(ids)) = (&use_cpu, gpu_ids)
             && matches!(ids.value, GpuIds::List(_))
         {
             return Err(UsageError::Conflict(cpu.clone(), ids.name.clone()));
         }
+        Ok(use_cpu)
+    }
+
+    /// The workers' GPUs: the ids and mapping given, against the machine's GPUs and the
+    /// agent's own CUDA_VISIBLE_DEVICES.
+    fn gpu_plan(
+        &self,
+        ids: &GpuIds,
+        gpu_ids: Option<&Given<GpuIds>>,
+        nproc: u32,
+        ctx: &Context<'_>,
+        warnings: &mut Vec<String>,
+    ) -> Result<GpuPlan, UsageError> {
         // torchrun's --virtual-local-rank is one GPU per process with LOCAL_RANK=0.
         let virtual_local_rank = self.torchrun.virtual_local_rank;
         let mapping = match (self.gpu_mapping, virtual_local_rank) {
@@ -334,17 +490,21 @@ impl LaunchArgs {
                 m
             }
         };
-        let (gpus, gpu_warnings) = GpuPlan::resolve(&ids, mapping, nproc, &ctx.gpus, inherited)
-            .map_err(|e| match (&e, &gpu_ids) {
+        let inherited = ctx.cuda_visible_devices.as_deref();
+        let (gpus, gpu_warnings) = GpuPlan::resolve(ids, mapping, nproc, &ctx.gpus, inherited)
+            .map_err(|e| match (&e, gpu_ids) {
                 (GpuError::NoSuchGpu { .. }, Some(ids)) => {
                     UsageError::Invalid(format!("{}: {e}", ids.name))
                 }
                 _ => UsageError::Invalid(implied(e.to_string())),
             })?;
         warnings.extend(gpu_warnings.into_iter().map(implied));
+        Ok(gpus)
+    }
 
-        // How long stopped workers get before SIGKILL.
-        let grace_period = Given::either(
+    /// How long stopped workers get before SIGKILL.
+    fn grace_period(&self) -> Result<Duration, UsageError> {
+        Ok(Given::either(
             Given::flag(
                 "--grace-period-ms",
                 self.grace_period_ms.map(Duration::from_millis),
@@ -356,10 +516,13 @@ impl LaunchArgs {
                 |d| d.as_secs().to_string(),
             ),
         )?
-        .map_or(DEFAULT_GRACE_PERIOD, |g| g.value);
-        // Flags only `accelerate launch` has, or its config file: the workers then get what
-        // Accelerate's launcher always sets.
-        let accelerate = self.config_file.is_some()
+        .map_or(DEFAULT_GRACE_PERIOD, |g| g.value))
+    }
+
+    /// Whether a flag only `accelerate launch` has, or its config file, is given: the workers
+    /// then get what Accelerate's launcher always sets.
+    fn accelerate_only(&self) -> bool {
+        self.config_file.is_some()
             || self.num_processes.is_some()
             || self.num_machines.is_some()
             || self.machine_rank.is_some()
@@ -368,10 +531,19 @@ impl LaunchArgs {
             || self.mixed_precision.is_some()
             || self.cpu
             || self.multi_gpu
-            || self.enable_cpu_affinity;
-        let mixed_precision_from_file = self.mixed_precision.is_none();
-        let mixed_precision = self.mixed_precision.or(config.mixed_precision.clone());
-        // `accelerate launch`'s other flags and the file's paradigm sections.
+            || self.enable_cpu_affinity
+    }
+
+    /// `accelerate launch`'s other flags and the file's paradigm sections; torchrun's
+    /// OMP_NUM_THREADS warning goes in at `omp_warning_at` unless they set the thread count.
+    fn accelerate_settings(
+        &self,
+        config: &AccelerateConfig,
+        shown_file: Option<&str>,
+        mixed_precision: Option<&str>,
+        omp_warning_at: Option<usize>,
+        warnings: &mut Vec<String>,
+    ) -> Result<accelerate_flags::Resolved, UsageError> {
         let (pythonpath, cwd) = (std::env::var("PYTHONPATH").ok(), std::env::current_dir());
         let cwd = cwd
             .map(|d| d.to_string_lossy().into_owned())
@@ -379,10 +551,10 @@ impl LaunchArgs {
         let acc = self.accelerate_flags.resolve(&accelerate_flags::Inputs {
             cpu: self.cpu,
             multi_gpu: self.multi_gpu,
-            mixed_precision: mixed_precision.as_deref(),
-            mixed_precision_from_file: mixed_precision_from_file && mixed_precision.is_some(),
-            config: &config,
-            file: shown_file.as_deref(),
+            mixed_precision,
+            mixed_precision_from_file: self.mixed_precision.is_none() && mixed_precision.is_some(),
+            config,
+            file: shown_file,
             pythonpath: pythonpath.as_deref(),
             cwd: &cwd,
         })?;
@@ -400,8 +572,11 @@ impl LaunchArgs {
                     .to_owned(),
             );
         }
-        let accelerate = accelerate || acc.given;
-        let max_restarts = self.max_restarts.or(config.max_restarts).unwrap_or(0);
+        Ok(acc)
+    }
+
+    /// `--monitor-interval` is accepted (torchrun's) but must be a number of seconds.
+    fn check_monitor_interval(&self) -> Result<(), UsageError> {
         if let Some(secs) = self.monitor_interval
             && !(secs.is_finite() && secs >= 0.0)
         {
@@ -409,9 +584,15 @@ impl LaunchArgs {
                 "--monitor-interval {secs} is not a number of seconds"
             )));
         }
+        Ok(())
+    }
 
-        // Rendezvous timing.
-        let rdzv = self.rdzv.resolve(&mut warnings)?;
+    /// The rendezvous' join timeout and last call, from muster's flags or `--rdzv-conf`, each
+    /// within the coordinator's range.
+    fn rendezvous_waits(
+        &self,
+        rdzv: &rdzv::Rendezvous,
+    ) -> Result<(Option<Duration>, Option<Duration>), UsageError> {
         let ms = |d: &Duration| d.as_millis().to_string();
         let secs = |d: &Duration| d.as_secs_f64().to_string();
         let join_timeout = Given::either(
@@ -451,26 +632,30 @@ impl LaunchArgs {
                 )));
             }
         }
-        if self.lease_ms == 0 {
-            return Err(UsageError::Invalid(
-                "--lease-ms 0: a node needs some time to keep its workers without the coordinator"
-                    .to_owned(),
-            ));
-        }
+        Ok((join_timeout.map(|g| g.value), last_call.map(|g| g.value)))
+    }
 
-        // The main machine.
-        let host = |flag: &str, v: Option<String>| -> Result<Option<Given<String>>, UsageError> {
+    /// The main machine's address and port (MASTER_ADDR, MASTER_PORT) and this node's own
+    /// address, each checked to be a host without a port.
+    fn main_machine(
+        &self,
+        config: &AccelerateConfig,
+        file: &FileNamer<'_>,
+        slurm: Option<&slurm::SlurmDefaults>,
+        nodes: &Given<NodeRange>,
+    ) -> Result<MainMachine, UsageError> {
+        let host = |flag: &str, v: &Option<String>| -> Result<Option<Given<String>>, UsageError> {
             match v {
                 Some(h) => {
-                    plain_host(&h).map_err(|why| UsageError::Invalid(format!("{flag} {why}")))?;
-                    Ok(Given::flag(flag, Some(h), Clone::clone))
+                    plain_host(h).map_err(|why| UsageError::Invalid(format!("{flag} {why}")))?;
+                    Ok(Given::flag(flag, Some(h.clone()), Clone::clone))
                 }
                 None => Ok(None),
             }
         };
         let master_addr = Given::either(
-            host("--master-addr", self.master_addr)?,
-            host("--main_process_ip", self.main_process_ip)?,
+            host("--master-addr", &self.master_addr)?,
+            host("--main_process_ip", &self.main_process_ip)?,
         )?
         .or_else(|| {
             file.given(
@@ -480,17 +665,14 @@ impl LaunchArgs {
             )
         })
         .or_else(|| {
-            slurm
-                .as_ref()
-                .filter(|_| nodes.value.max > 1)
-                .map(|s| Given {
-                    value: s.master_addr.clone(),
-                    name: format!("the Slurm step's first host {}", s.master_addr),
-                })
+            slurm.filter(|_| nodes.value.max > 1).map(|s| Given {
+                value: s.master_addr.clone(),
+                name: format!("the Slurm step's first host {}", s.master_addr),
+            })
         });
         let advertise_addr = Given::either(
-            host("--advertise-addr", self.advertise_addr.clone())?,
-            host("--local-addr", self.torchrun.local_addr.clone())?,
+            host("--advertise-addr", &self.advertise_addr)?,
+            host("--local-addr", &self.torchrun.local_addr)?,
         )?
         .map(|g| g.value);
         let port = |p: &u16| p.to_string();
@@ -501,38 +683,60 @@ impl LaunchArgs {
         .or_else(|| file.given("main_process_port", config.main_process_port, port))
         .map(|p| p.value)
         .filter(|p| *p != 0);
+        Ok(MainMachine {
+            master_addr,
+            advertise_addr,
+            master_port,
+        })
+    }
 
-        // Under srun, every node of the step derives the same job id.
-        if let Some(s) = &slurm {
-            let mut taken = Vec::new();
-            if nodes.name.starts_with("SLURM_") {
-                taken.push(format!("--nnodes {}", s.nnodes));
-            }
-            if node_rank
-                .as_ref()
-                .is_some_and(|r| r.name.starts_with("SLURM_"))
-            {
-                taken.push(format!("--node-rank {}", s.node_rank));
-            }
-            if master_addr
-                .as_ref()
-                .is_some_and(|a| a.name.starts_with("the Slurm"))
-            {
-                taken.push(format!("--master-addr {}", s.master_addr));
-            }
-            if self.job_id.is_none() && rdzv.job_id.is_none() {
-                self.job_id = Some(s.job_id.clone());
-                taken.push(format!("--job-id {}", s.job_id));
-            }
-            if !taken.is_empty() {
-                warnings.push(note(&format!(
-                    "Slurm step: {} (flags and PET_* variables override these)",
-                    taken.join(" ")
-                )));
-            }
+    /// Under srun, every node of the step derives the same job id; the note says which of
+    /// the step's defaults were taken.
+    fn take_slurm_job_id(
+        &mut self,
+        s: &slurm::SlurmDefaults,
+        nodes: &Given<NodeRange>,
+        node_rank: Option<&Given<u32>>,
+        main: &MainMachine,
+        rdzv: &rdzv::Rendezvous,
+        warnings: &mut Vec<String>,
+    ) {
+        let mut taken = Vec::new();
+        if nodes.name.starts_with("SLURM_") {
+            taken.push(format!("--nnodes {}", s.nnodes));
         }
+        if node_rank.is_some_and(|r| r.name.starts_with("SLURM_")) {
+            taken.push(format!("--node-rank {}", s.node_rank));
+        }
+        if main
+            .master_addr
+            .as_ref()
+            .is_some_and(|a| a.name.starts_with("the Slurm"))
+        {
+            taken.push(format!("--master-addr {}", s.master_addr));
+        }
+        if self.job_id.is_none() && rdzv.job_id.is_none() {
+            self.job_id = Some(s.job_id.clone());
+            taken.push(format!("--job-id {}", s.job_id));
+        }
+        if !taken.is_empty() {
+            warnings.push(note(&format!(
+                "Slurm step: {} (flags and PET_* variables override these)",
+                taken.join(" ")
+            )));
+        }
+    }
 
-        // Where the job is coordinated, and under which id.
+    /// Where the job is coordinated, and under which id: `--coordinator`, else the
+    /// rendezvous endpoint (or the main machine's address, port 29470, for a multi-node job),
+    /// hosted by the agent whose machine can bind it; else the agent's own coordinator.
+    fn coordination(
+        &self,
+        rdzv: &rdzv::Rendezvous,
+        nodes: &Given<NodeRange>,
+        main: &MainMachine,
+        warnings: &mut Vec<String>,
+    ) -> Result<Coordination, UsageError> {
         let given_coordinator = match &self.coordinator {
             Some(c) => Some(coordinator_list(c)?),
             None => None,
@@ -559,8 +763,6 @@ impl LaunchArgs {
                 )));
             }
         }
-        // Without --coordinator, the rendezvous endpoint (or the main machine's address, port
-        // 29470, for a multi-node job) is hosted by the agent whose machine can bind it.
         let endpoint = match (&given_coordinator, &rdzv.endpoint) {
             (Some(_), Some((host, port))) => {
                 warnings.push(torchrun::no_effect(
@@ -571,7 +773,8 @@ impl LaunchArgs {
             }
             (_, endpoint) => endpoint.clone(),
         };
-        let (coordinator, hosted) = match (given_coordinator, &endpoint, &master_addr) {
+        let master_addr = main.master_addr.as_ref();
+        let (coordinator, hosted) = match (given_coordinator, &endpoint, master_addr) {
             (Some(c), _, _) => (Some(c), false),
             (None, Some((host, port)), _) => (Some(host_port(host, *port)), true),
             (None, None, Some(addr)) if multi_node => {
@@ -579,17 +782,63 @@ impl LaunchArgs {
             }
             (None, None, _) if multi_node => {
                 return Err(UsageError::MultiNode(
-                    nodes.name,
+                    nodes.name.clone(),
                     "--coordinator (or --rdzv-endpoint, or the main machine's address: --master-addr, --main_process_ip)",
                 ));
             }
             (None, None, _) => (None, false),
         };
-        let self_host = match (hosted, rdzv.conf.is_host) {
+        let self_host = self.self_host(hosted, rdzv, coordinator.as_deref(), warnings)?;
+        let job_id = Given::either(
+            Given::flag("--job-id", self.job_id.clone(), Clone::clone),
+            rdzv.job_id.clone().map(|id| Given {
+                name: format!("--rdzv-id {id}"),
+                value: id,
+            }),
+        )?
+        .map(|g| g.value);
+        let job_id = match (job_id, &endpoint, master_addr) {
+            (Some(id), _, _) => JobId::parse(&id)
+                .map_err(|e| UsageError::JobId(e.0))?
+                .as_str()
+                .to_owned(),
+            (None, Some((host, port)), _) => derived_job_id(host, *port),
+            (None, None, Some(addr)) if multi_node => derived_job_id(
+                &addr.value,
+                main.master_port.unwrap_or(ACCELERATE_MAIN_PORT),
+            ),
+            (None, None, _) if multi_node => {
+                return Err(UsageError::MultiNode(
+                    nodes.name.clone(),
+                    "--job-id (or --rdzv-id, or the main machine's address: --master-addr, --main_process_ip)",
+                ));
+            }
+            (None, None, _) => fresh_job_id(),
+        };
+        if let Some(h) = &self.advertise_addr {
+            plain_host(h).map_err(|why| UsageError::Invalid(format!("--advertise-addr {why}")))?;
+        }
+        Ok(Coordination {
+            coordinator,
+            self_host,
+            job_id,
+        })
+    }
+
+    /// Whether this agent may host the coordinator at the rendezvous endpoint, and with which
+    /// security: hosting needs the server's files when any security flag is given.
+    fn self_host(
+        &self,
+        hosted: bool,
+        rdzv: &rdzv::Rendezvous,
+        coordinator: Option<&str>,
+        warnings: &mut Vec<String>,
+    ) -> Result<Option<SelfHost>, UsageError> {
+        Ok(match (hosted, rdzv.conf.is_host) {
             (false, Some(_)) | (true, Some(false)) | (false, None) => None,
             (true, must) => {
                 let must = must == Some(true);
-                let at = coordinator.clone().unwrap_or_default();
+                let at = coordinator.unwrap_or_default();
                 match rdzv::server_security(&self.security) {
                     Ok(secured) => Some(SelfHost { must, secured }),
                     Err(missing) if must => {
@@ -605,87 +854,26 @@ impl LaunchArgs {
                     }
                 }
             }
-        };
-        let job_id = Given::either(
-            Given::flag("--job-id", self.job_id, Clone::clone),
-            rdzv.job_id.map(|id| Given {
-                name: format!("--rdzv-id {id}"),
-                value: id,
-            }),
-        )?
-        .map(|g| g.value);
-        let job_id = match (job_id, &endpoint, &master_addr) {
-            (Some(id), _, _) => JobId::parse(&id)
-                .map_err(|e| UsageError::JobId(e.0))?
-                .as_str()
-                .to_owned(),
-            (None, Some((host, port)), _) => derived_job_id(host, *port),
-            (None, None, Some(addr)) if multi_node => {
-                derived_job_id(&addr.value, master_port.unwrap_or(ACCELERATE_MAIN_PORT))
-            }
-            (None, None, _) if multi_node => {
-                return Err(UsageError::MultiNode(
-                    nodes.name,
-                    "--job-id (or --rdzv-id, or the main machine's address: --master-addr, --main_process_ip)",
-                ));
-            }
-            (None, None, _) => fresh_job_id(),
-        };
-        if let Some(h) = &self.advertise_addr {
-            plain_host(h).map_err(|why| UsageError::Invalid(format!("--advertise-addr {why}")))?;
-        }
-        let mut security = self.security.resolve().map_err(UsageError::Invalid)?;
+        })
+    }
+
+    /// TLS and the token for `coordinator`; plaintext (with a warning if any was given) for
+    /// the agent's own.
+    fn security_for(
+        &self,
+        coordinator: Option<&str>,
+        warnings: &mut Vec<String>,
+    ) -> Result<Security, UsageError> {
+        let security = self.security.resolve().map_err(UsageError::Invalid)?;
         if coordinator.is_none() && self.security.any() {
             warnings.push(
                 "--tls-* and --auth-token-file have no use without --coordinator: the agent's \
                  own coordinator listens on 127.0.0.1 without TLS or authentication"
                     .to_owned(),
             );
-            security = Security::plaintext();
+            return Ok(Security::plaintext());
         }
-
-        if self.command.is_empty() {
-            return Err(UsageError::NoProgram);
-        }
-        let form = self.torchrun.form()?;
-        let mut program = Program::for_launch(form, self.command, &ctx.python, ctx.path_var)?;
-        program.env.extend(acc.extra_env);
-        let spec = LaunchSpec {
-            nproc_per_node: nproc,
-            coordinator,
-            self_host,
-            failover_timeout: Duration::from_millis(self.failover_timeout_ms),
-            job_id,
-            nodes: nodes.value,
-            node_rank: node_rank.map(|r| r.value),
-            advertise_addr,
-            grace_period,
-            max_restarts,
-            join_timeout: join_timeout.map(|g| g.value),
-            last_call: last_call.map(|g| g.value),
-            lease: Duration::from_millis(self.lease_ms),
-            master_addr: master_addr.map(|g| g.value),
-            master_port,
-            gpus,
-            output,
-            mixed_precision,
-            use_cpu: use_cpu.is_some(),
-            debug: self.debug || config.debug == Some(true),
-            cpu_affinity: self.enable_cpu_affinity || config.enable_cpu_affinity == Some(true),
-            accelerate,
-            accelerate_env: acc.env,
-            quiet: acc.quiet,
-            relay: !self.no_relay,
-            metrics_addr: self.metrics_addr,
-            role: self
-                .torchrun
-                .role
-                .unwrap_or_else(|| crate::env::DEFAULT_ROLE.to_owned()),
-            virtual_local_rank,
-            security,
-            program,
-        };
-        Ok((spec, warnings))
+        Ok(security)
     }
 
     /// `--nproc-per-node`, or Accelerate's total (`--num_processes`, `num_processes`) divided
