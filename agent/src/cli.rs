@@ -5,6 +5,7 @@
 
 pub mod accelerate_flags;
 pub mod daemon_args;
+pub mod error;
 pub mod launch_args;
 pub mod output;
 pub mod rdzv;
@@ -13,14 +14,17 @@ pub mod slurm;
 mod tests;
 pub mod torchrun;
 pub mod validate;
+pub mod values;
 
 pub use crate::spec::{LaunchSpec, NodeRange};
 use clap::{Parser, Subcommand};
 use daemon_args::{CancelArgs, Request, ServeArgs, StatusArgs, SubmitArgs, pairs};
+pub use error::UsageError;
 pub use launch_args::{LaunchArgs, Nproc};
 use std::ffi::{OsStr, OsString};
-pub(crate) use validate::job_id_chars;
-pub use validate::{Context, DEFAULT_COORDINATOR_PORT, UsageError, coordinator_list, parse_nnodes};
+pub use validate::{Context, DEFAULT_COORDINATOR_PORT};
+pub(crate) use values::job_id_chars;
+pub use values::{coordinator_list, parse_nnodes};
 
 /// `muster-agent`: one per machine; joins a job's rendezvous and runs the machine's workers.
 #[derive(Debug, Parser)]

@@ -1,7 +1,7 @@
 //! The command line's tests: whole command lines through [`super::parse_in`], and the
 //! helpers the submodules' tests share.
 
-use super::validate::derived_job_id;
+use super::values::derived_job_id;
 use super::*;
 use crate::gpu::{Discovery, GpuInfo, GpuMapping, GpuPlan};
 use std::path::PathBuf;

@@ -7,17 +7,19 @@
 //! from its default, in that order. Two flags that set one thing differently are an error
 //! naming both; a flag beats the file.
 
+use super::error::UsageError;
 use super::launch_args::{LaunchArgs, Nproc};
+use super::values::{coordinator_list, derived_job_id, fresh_job_id, parse_nnodes};
 use super::{accelerate_flags, note, print_messages, rdzv, slurm, torchrun};
-use crate::accelerate_config::{self, AccelerateConfig, ConfigError};
+use crate::accelerate_config::{self, AccelerateConfig};
 use crate::gpu::{self, Discovery, GpuError, GpuIds, GpuMapping, GpuPlan};
-use crate::net::{host_port, is_host_port, plain_host};
-use crate::program::{Program, ProgramError, PythonChoice};
+use crate::net::{host_port, plain_host};
+use crate::program::{Program, PythonChoice};
 use crate::security::Security;
 use crate::spec::{LaunchSpec, NodeRange, SelfHost};
 use muster_core::model::{self, JobId};
 use std::ffi::OsStr;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 /// The coordinator port a multi-node job's agents dial when only Accelerate's
 /// `main_process_ip` names the main machine.
@@ -27,63 +29,6 @@ pub const DEFAULT_COORDINATOR_PORT: u16 = muster_proto::DEFAULT_COORDINATOR_PORT
 const DEFAULT_GRACE_PERIOD: Duration = Duration::from_millis(5000);
 /// MASTER_PORT as Accelerate and torchrun default it (used to name a derived job id).
 const ACCELERATE_MAIN_PORT: u16 = 29500;
-
-/// A problem with the command line; the agent prints `muster-agent: <problem>` and exits 2.
-#[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum UsageError {
-    /// Clap could not parse the arguments (its message, first line only).
-    #[error("{0} (see `muster-agent launch --help`)")]
-    Parse(String),
-    /// No program after the flags.
-    #[error(
-        "no program to launch: give it after the flags, as in `muster-agent launch --nproc-per-node 2 train.py`"
-    )]
-    NoProgram,
-    /// The program cannot be run.
-    #[error(transparent)]
-    Program(#[from] ProgramError),
-    /// `--nproc-per-node` is 0 or too large.
-    #[error("--nproc-per-node {0} is out of range 1..={max}", max = model::MAX_LOCAL_WORLD_SIZE)]
-    NprocPerNode(u32),
-    /// `--nnodes` does not parse or makes no sense.
-    #[error("--nnodes '{0}' is malformed: {1}")]
-    Nnodes(String, &'static str),
-    /// The node rank is not below the most nodes the job can have.
-    #[error("{rank} is out of range for {nodes} (node ranks are 0..{max})")]
-    NodeRank {
-        /// The requested rank, as given (`--node-rank 3`).
-        rank: String,
-        /// The node count, as given (`--nnodes 2:3`).
-        nodes: String,
-        /// The most nodes.
-        max: u32,
-    },
-    /// `--job-id` is not a valid job id.
-    #[error("--job-id: {0}")]
-    JobId(String),
-    /// `--coordinator` is not `host:port`.
-    #[error(
-        "--coordinator '{0}' is malformed: expected HOST:PORT, as in 10.0.0.1:29470, or a comma-separated list of them"
-    )]
-    Coordinator(String),
-    /// A multi-node job needs what only the user can give.
-    #[error("{0} needs {1}: every node must name the same one")]
-    MultiNode(String, &'static str),
-    /// Two settings of the same thing disagree.
-    #[error("{0} conflicts with {1}")]
-    Conflict(String, String),
-    /// A flag's value (or a combination) makes no sense; the message names the flag.
-    #[error("{0}")]
-    Invalid(String),
-    /// The Accelerate config file cannot be used.
-    #[error("--config-file '{file}': {error}")]
-    Config {
-        /// The path, as given.
-        file: String,
-        /// What is wrong.
-        error: ConfigError,
-    },
-}
 
 /// What validation reads besides the arguments: the agent's environment and machine.
 #[derive(Debug, Clone, Default)]
@@ -959,72 +904,4 @@ impl LaunchArgs {
         }
         Ok(n)
     }
-}
-
-/// `s` with every character a job id cannot hold ([A-Za-z0-9._-] only) replaced by `-`, for
-/// job ids derived from addresses, rendezvous ids and Slurm's variables.
-pub(crate) fn job_id_chars(s: &str) -> String {
-    s.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
-                c
-            } else {
-                '-'
-            }
-        })
-        .collect()
-}
-
-/// The job id every machine of a multi-node launch derives from the main machine's address
-/// and port: `muster-<addr>-<port>`, with characters a job id cannot hold replaced by `-`.
-pub(crate) fn derived_job_id(addr: &str, port: u16) -> String {
-    let addr = job_id_chars(addr);
-    let mut id = format!("muster-{addr}-{port}");
-    id.truncate(128);
-    id
-}
-
-/// Parses `MIN` or `MIN:MAX` with `1 <= MIN <= MAX <= MAX_NODES`.
-pub fn parse_nnodes(s: &str) -> Result<NodeRange, UsageError> {
-    let bad = |why| UsageError::Nnodes(s.to_owned(), why);
-    let number = |part: &str| {
-        part.trim()
-            .parse::<u32>()
-            .map_err(|_| bad("expected MIN or MIN:MAX, as in 2 or 1:4"))
-    };
-    let (min, max) = match s.split_once(':') {
-        Some((min, max)) => (number(min)?, number(max)?),
-        None => {
-            let n = number(s)?;
-            (n, n)
-        }
-    };
-    if min == 0 {
-        return Err(bad("a job needs at least 1 node"));
-    }
-    if max < min {
-        return Err(bad("MAX is below MIN"));
-    }
-    if max > model::MAX_NODES {
-        return Err(bad("more nodes than the coordinator allows (100000)"));
-    }
-    Ok(NodeRange { min, max })
-}
-
-/// A `--coordinator` value: one `host:port` or a comma-separated list of them; returned
-/// without blanks or repeats.
-pub fn coordinator_list(value: &str) -> Result<String, UsageError> {
-    match crate::failover::split_list(value) {
-        Some(addrs) if addrs.iter().all(|a| is_host_port(a)) => Ok(addrs.join(",")),
-        _ => Err(UsageError::Coordinator(value.to_owned())),
-    }
-}
-
-/// A job id that no other launch on this machine uses: `job-<pid>-<unix millis>`.
-fn fresh_job_id() -> String {
-    let millis = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map(|d| d.as_millis())
-        .unwrap_or_default();
-    format!("job-{}-{millis}", std::process::id())
 }
