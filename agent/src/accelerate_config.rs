@@ -340,7 +340,7 @@ fn read_setting(config: &mut AccelerateConfig, key: &str, value: &Yaml) -> Resul
             config.main_process_ip = match v.string()? {
                 Some("") | None => None,
                 Some(s) => Some(
-                    crate::cli::plain_host(s)
+                    crate::net::plain_host(s)
                         .map_err(|why| v.invalid(&why))?
                         .to_owned(),
                 ),

@@ -15,33 +15,20 @@
 //!
 //! Every `--coordinator` here takes one `HOST:PORT` or a comma-separated list of replicas.
 
-use crate::cli::{LaunchSpec, Parsed};
+pub use crate::cli::daemon_args::Request;
+use crate::cli::daemon_args::{CancelArgs, ServeArgs, StatusArgs, SubmitArgs, pairs};
 use crate::failover::{self, Coordinators};
 use crate::launch::{self, Outcome, Stops};
 use crate::security::SecurityArgs;
-use clap::Args;
+use crate::spec::LaunchSpec;
 use muster_proto::v1 as pb;
 use muster_proto::v1::agents_client::AgentsClient;
 use muster_proto::v1::ops_client::OpsClient;
 use std::collections::HashMap;
-use std::ffi::OsString;
 use std::time::Duration;
 use tokio::signal::unix::{SignalKind, signal};
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-
-/// A daemon-mode or operator command.
-#[derive(Debug, Clone)]
-pub enum Request {
-    /// `serve`.
-    Serve(ServeArgs),
-    /// `submit`.
-    Submit(SubmitArgs),
-    /// `status`.
-    Status(StatusArgs),
-    /// `cancel`.
-    Cancel(CancelArgs),
-}
 
 /// Runs a daemon-mode or operator command; returns the exit status, or a one-line error.
 pub async fn run(request: Request) -> Result<u8, String> {
@@ -51,155 +38,6 @@ pub async fn run(request: Request) -> Result<u8, String> {
         Request::Status(a) => status(a).await,
         Request::Cancel(a) => cancel(a).await,
     }
-}
-
-/// `muster-agent serve`.
-#[derive(Debug, Clone, Args)]
-pub struct ServeArgs {
-    /// The coordinator's HOST:PORT, or its replicas' as a comma-separated list.
-    #[arg(long, value_name = "HOST:PORT[,HOST:PORT...]")]
-    pub coordinator: String,
-    /// How long the jobs run here (agent and workers) retry across a coordinator failover.
-    #[arg(long, value_name = "MS", default_value_t = 30_000)]
-    pub failover_timeout_ms: u64,
-    /// Labels of this machine, `key=value` (repeat the flag or separate with commas); jobs
-    /// select machines by them.
-    #[arg(
-        long = "labels",
-        alias = "label",
-        value_name = "K=V[,K=V]",
-        value_delimiter = ','
-    )]
-    pub labels: Vec<String>,
-    /// This agent's id in the pool. Default: host name and process id.
-    #[arg(long, value_name = "ID")]
-    pub agent_id: Option<String>,
-    /// The address other nodes reach this machine at. Default: the local address that routes
-    /// to the coordinator.
-    #[arg(long, value_name = "HOST")]
-    pub advertise_addr: Option<String>,
-    /// How long workers get between SIGTERM and SIGKILL when a job is stopped, unless the job
-    /// says otherwise.
-    #[arg(long, value_name = "MS", default_value_t = 5000)]
-    pub grace_period_ms: u64,
-    /// Where to serve Prometheus metrics (`GET /metrics`, plain HTTP), as an IP address and
-    /// port (0.0.0.0:29472): the workers of the jobs run here by state, restarts, failures by
-    /// cause, coordinator failovers and the relays' barrier latency. Default: none.
-    #[arg(long, value_name = "IP:PORT")]
-    pub metrics_addr: Option<std::net::SocketAddr>,
-    /// TLS and the cluster token, for this agent's calls and the jobs it runs.
-    #[command(flatten)]
-    pub security: SecurityArgs,
-}
-
-/// `muster-agent submit`.
-#[derive(Debug, Clone, Args)]
-pub struct SubmitArgs {
-    /// The coordinator's HOST:PORT, or its replicas' as a comma-separated list.
-    #[arg(long, value_name = "HOST:PORT[,HOST:PORT...]")]
-    pub coordinator: String,
-    /// The job id. Default: the coordinator picks one.
-    #[arg(long, value_name = "ID")]
-    pub job_id: Option<String>,
-    /// How many nodes: MIN or MIN:MAX.
-    #[arg(long, value_name = "MIN[:MAX]", default_value = "1")]
-    pub nnodes: String,
-    /// Workers per node.
-    #[arg(long, value_name = "N")]
-    pub nproc_per_node: u32,
-    /// Restarts allowed after a failure.
-    #[arg(long, value_name = "N", default_value_t = 0)]
-    pub max_restarts: u32,
-    /// Extra environment for the workers, `NAME=VALUE` (repeatable).
-    #[arg(long = "env", value_name = "NAME=VALUE")]
-    pub env: Vec<String>,
-    /// Only machines with these labels, `key=value` (repeatable or comma-separated).
-    #[arg(long = "selector", value_name = "K=V[,K=V]", value_delimiter = ',')]
-    pub selector: Vec<String>,
-    /// SIGTERM-to-SIGKILL grace when workers are stopped (0: the agents' default).
-    #[arg(long, value_name = "MS", default_value_t = 0)]
-    pub grace_period_ms: u64,
-    /// Wait until the job ends and exit 0 only if it finished.
-    #[arg(long)]
-    pub wait: bool,
-    /// TLS and the cluster token.
-    #[command(flatten)]
-    pub security: SecurityArgs,
-    /// The program and its arguments, after `--`.
-    #[arg(value_name = "PROGRAM", trailing_var_arg = true, required = true)]
-    pub command: Vec<String>,
-}
-
-impl SubmitArgs {
-    /// Checks what can be checked before calling the coordinator; the error names the flag.
-    pub fn check(&self) -> Result<(), String> {
-        node_range(&self.nnodes)?;
-        pairs("--env", &self.env)?;
-        pairs("--selector", &self.selector)?;
-        if self.nproc_per_node == 0 {
-            return Err("--nproc-per-node 0 is out of range: at least 1".to_owned());
-        }
-        Ok(())
-    }
-}
-
-/// `muster-agent status`.
-#[derive(Debug, Clone, Args)]
-pub struct StatusArgs {
-    /// The coordinator's HOST:PORT, or its replicas' as a comma-separated list.
-    #[arg(long, value_name = "HOST:PORT[,HOST:PORT...]")]
-    pub coordinator: String,
-    /// A job to describe. Without it: every job and every daemon agent.
-    pub job_id: Option<String>,
-    /// TLS and the cluster token.
-    #[command(flatten)]
-    pub security: SecurityArgs,
-}
-
-/// `muster-agent cancel`.
-#[derive(Debug, Clone, Args)]
-pub struct CancelArgs {
-    /// The coordinator's HOST:PORT, or its replicas' as a comma-separated list.
-    #[arg(long, value_name = "HOST:PORT[,HOST:PORT...]")]
-    pub coordinator: String,
-    /// The job to cancel.
-    pub job_id: String,
-    /// Why (shown to the job's agents and workers).
-    #[arg(long, default_value = "cancelled by an operator")]
-    pub reason: String,
-    /// TLS and the cluster token.
-    #[command(flatten)]
-    pub security: SecurityArgs,
-}
-
-/// Parses `key=value` items; the error names the flag and the item.
-pub fn pairs(flag: &str, items: &[String]) -> Result<HashMap<String, String>, String> {
-    let mut out = HashMap::new();
-    for item in items.iter().filter(|i| !i.is_empty()) {
-        let Some((k, v)) = item.split_once('=') else {
-            return Err(format!("{flag} '{item}' is malformed: expected KEY=VALUE"));
-        };
-        if k.is_empty() {
-            return Err(format!("{flag} '{item}' has an empty key"));
-        }
-        out.insert(k.to_owned(), v.to_owned());
-    }
-    Ok(out)
-}
-
-/// Parses `MIN` or `MIN:MAX`.
-fn node_range(s: &str) -> Result<(u32, u32), String> {
-    let bad = |why: &str| format!("--nnodes '{s}' is malformed: {why}");
-    let (min, max) = match s.split_once(':') {
-        Some((a, b)) => (a, b),
-        None => (s, s),
-    };
-    let min: u32 = min.parse().map_err(|_| bad("MIN is not a number"))?;
-    let max: u32 = max.parse().map_err(|_| bad("MAX is not a number"))?;
-    if min == 0 || max < min {
-        return Err(bad("expected 1 <= MIN <= MAX"));
-    }
-    Ok((min, max))
 }
 
 /// The replicas of a `--coordinator` value, one of them reached (tried in turn for a few
@@ -222,26 +60,8 @@ const CONNECT_WINDOW: Duration = Duration::from_secs(2);
 /// `muster-agent submit`: prints the job id and where it runs; with `--wait`, follows it to
 /// its end. Returns the exit status.
 pub async fn submit(args: SubmitArgs) -> Result<u8, String> {
-    let (min, max) = node_range(&args.nnodes)?;
-    let env = pairs("--env", &args.env)?;
-    let selector = pairs("--selector", &args.selector)?;
-    let (program, rest) = args
-        .command
-        .split_first()
-        .ok_or("no program to run: give it after `--`")?;
+    let spec = args.job_spec()?;
     let coordinators = connect(&args.coordinator, &args.security).await?;
-    let spec = pb::JobSpec {
-        job_id: args.job_id.clone().unwrap_or_default(),
-        program: program.clone(),
-        args: rest.to_vec(),
-        env,
-        min_nodes: min,
-        max_nodes: max,
-        nproc_per_node: args.nproc_per_node,
-        max_restarts: args.max_restarts,
-        node_selector: selector,
-        grace_period_ms: args.grace_period_ms,
-    };
     // Not idempotent: sent again only when a refusal proves it was not applied.
     let request = pb::SubmitJobRequest { spec: Some(spec) };
     let answer = failover::call_if(
@@ -433,52 +253,17 @@ pub async fn cancel(args: CancelArgs) -> Result<u8, String> {
     Ok(0)
 }
 
-/// The `launch` command line equivalent to a placed job, parsed by the same code as the
-/// command line (so a job placed here is validated exactly like a launch).
+/// The spec of a job placed here: its flags ([`ServeArgs::launch_args`]) through the
+/// command line's validation, then the job's own environment for the workers.
 fn launch_spec(
     args: &ServeArgs,
     spec: &pb::JobSpec,
     path: Option<&std::ffi::OsStr>,
 ) -> Result<LaunchSpec, String> {
-    let grace = if spec.grace_period_ms > 0 {
-        spec.grace_period_ms
-    } else {
-        args.grace_period_ms
-    };
-    let mut argv: Vec<OsString> = vec![
-        "muster-agent".into(),
-        "launch".into(),
-        "--coordinator".into(),
-        args.coordinator.clone().into(),
-        "--job-id".into(),
-        spec.job_id.clone().into(),
-        "--nnodes".into(),
-        format!("{}:{}", spec.min_nodes, spec.max_nodes.max(spec.min_nodes)).into(),
-        "--nproc-per-node".into(),
-        spec.nproc_per_node.to_string().into(),
-        "--max-restarts".into(),
-        spec.max_restarts.to_string().into(),
-        "--grace-period-ms".into(),
-        grace.to_string().into(),
-        "--failover-timeout-ms".into(),
-        args.failover_timeout_ms.to_string().into(),
-    ];
-    if let Some(a) = &args.advertise_addr {
-        argv.push("--advertise-addr".into());
-        argv.push(a.clone().into());
-    }
-    // The agent's own TLS settings and token (the files are read again: a rotated token
-    // is picked up by the next job).
-    argv.extend(args.security.to_args());
-    argv.push("--".into());
-    argv.push(spec.program.clone().into());
-    argv.extend(spec.args.iter().map(OsString::from));
-    let mut launch = match crate::cli::parse(argv, path).map_err(|e| e.to_string())? {
-        Parsed::Launch(spec) => spec,
-        Parsed::Exit(_) | Parsed::Daemon(_) => {
-            return Err("the job's command line is not a launch".to_owned());
-        }
-    };
+    let mut launch = args
+        .launch_args(spec)?
+        .validate(path)
+        .map_err(|e| e.to_string())?;
     let mut env: Vec<(String, String)> = spec.env.clone().into_iter().collect();
     env.sort();
     launch.program.env = env;
@@ -714,25 +499,4 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
     }
     eprintln!("muster-agent: agent {agent_id} stopped");
     Ok(0)
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-    use super::*;
-
-    #[test]
-    fn pairs_and_ranges() {
-        let p = pairs("--labels", &["a=1".into(), "b=x=y".into()]).unwrap();
-        assert_eq!(p["a"], "1");
-        assert_eq!(p["b"], "x=y");
-        assert_eq!(
-            pairs("--labels", &["nokey".into()]).unwrap_err(),
-            "--labels 'nokey' is malformed: expected KEY=VALUE"
-        );
-        assert_eq!(node_range("2").unwrap(), (2, 2));
-        assert_eq!(node_range("1:3").unwrap(), (1, 3));
-        assert!(node_range("3:1").unwrap_err().contains("MIN <= MAX"));
-        assert!(node_range("x").unwrap_err().contains("not a number"));
-    }
 }

@@ -15,7 +15,9 @@
 //! hands each worker a token for its job only ([`security`]).
 //!
 //! The binary (`main.rs`) only parses the command line ([`cli::parse`]) and calls
-//! [`launch::run`]; tests call both directly.
+//! [`launch::run`]; tests call both directly. The command line and a job placed on a daemon
+//! agent ([`daemon`]) both become one [`spec::LaunchSpec`] through the same validation
+//! ([`cli::validate`]).
 
 pub mod accelerate_config;
 pub mod cli;
@@ -29,15 +31,18 @@ pub mod gpu;
 pub mod guard;
 pub mod launch;
 pub mod metrics;
+pub mod net;
 pub mod program;
 pub mod relay;
 pub mod security;
+pub mod spec;
 pub mod systemd;
 pub mod watch;
 pub mod worker;
 
-pub use cli::{LaunchSpec, Parsed, UsageError};
+pub use cli::{Parsed, UsageError};
 pub use launch::{LaunchError, Outcome};
+pub use spec::LaunchSpec;
 
 /// Exit status for a bad command line (nothing was started).
 pub const USAGE_EXIT: u8 = 2;

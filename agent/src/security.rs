@@ -97,7 +97,7 @@ impl SecurityArgs {
             _ => {}
         }
         if let Some(domain) = &self.tls_domain
-            && crate::cli::plain_host(domain).is_err()
+            && crate::net::plain_host(domain).is_err()
         {
             return Err(format!("--tls-domain '{domain}' is not a host name"));
         }
@@ -138,30 +138,6 @@ impl SecurityArgs {
             None => None,
         };
         Ok(Security { client, token, tls })
-    }
-
-    /// The flags again, as command-line arguments (a daemon agent passes its own to the
-    /// launches of the jobs placed on it).
-    pub fn to_args(&self) -> Vec<std::ffi::OsString> {
-        let mut out = Vec::new();
-        let mut add = |flag: &str, value: Option<&std::ffi::OsStr>| {
-            if let Some(v) = value {
-                out.push(flag.into());
-                out.push(v.to_owned());
-            }
-        };
-        add("--tls-ca", self.tls_ca.as_deref().map(Path::as_os_str));
-        add("--tls-cert", self.tls_cert.as_deref().map(Path::as_os_str));
-        add("--tls-key", self.tls_key.as_deref().map(Path::as_os_str));
-        add(
-            "--tls-domain",
-            self.tls_domain.as_deref().map(std::ffi::OsStr::new),
-        );
-        add(
-            "--auth-token-file",
-            self.auth_token_file.as_deref().map(Path::as_os_str),
-        );
-        out
     }
 }
 

@@ -6,9 +6,9 @@
 
 use super::UsageError;
 use super::torchrun::{no_effect, pet_bool};
+use crate::spec::ServerSecurity;
 use clap::{Args, ValueEnum};
 use muster_core::model::JobId;
-use std::path::PathBuf;
 use std::time::Duration;
 
 /// The `--help` heading of these flags.
@@ -202,31 +202,6 @@ pub fn parse_rdzv_conf(s: &str) -> Result<RdzvConf, String> {
     Ok(conf)
 }
 
-/// Whether and how this agent hosts the coordinator at the rendezvous endpoint.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SelfHost {
-    /// `is_host=true`: failing to bind the endpoint is an error, not a reason to dial.
-    pub must: bool,
-    /// TLS and the cluster token the hosted coordinator serves with; `None`: plaintext and
-    /// without authentication (warned about when the address is not loopback).
-    pub secured: Option<ServerSecurity>,
-}
-
-/// The launch's `--tls-*` and `--auth-token-file`, read as a server's: the node's certificate
-/// and key serve, its CA checks the clients' certificates (mutual TLS), the token file is the
-/// cluster token.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ServerSecurity {
-    /// `--tls-cert`: must name the endpoint's host (or `--tls-domain`) for the dialers.
-    pub cert: PathBuf,
-    /// `--tls-key`.
-    pub key: PathBuf,
-    /// `--tls-ca`.
-    pub client_ca: PathBuf,
-    /// `--auth-token-file`.
-    pub token_file: PathBuf,
-}
-
 /// The rendezvous flags, checked: what the rest of the launch's validation needs.
 #[derive(Debug, Default)]
 pub struct Rendezvous {
@@ -328,7 +303,8 @@ pub fn parse_endpoint(s: &str) -> Result<(String, u16), UsageError> {
             None => (s, None),
         }
     };
-    super::plain_host(host).map_err(|why| UsageError::Invalid(format!("--rdzv-endpoint {why}")))?;
+    crate::net::plain_host(host)
+        .map_err(|why| UsageError::Invalid(format!("--rdzv-endpoint {why}")))?;
     let port = match port {
         None => C10D_PORT,
         Some(p) => match p.parse::<u16>() {

@@ -1,0 +1,178 @@
+//! Joining a job's rendezvous round as one node, and settling the generation's MASTER_PORT.
+
+use super::LaunchError;
+use crate::env::NodeAssignment;
+use crate::failover::{self, Coordinators};
+use crate::spec::LaunchSpec;
+use muster_proto::v1 as pb;
+use muster_proto::v1::key_value_client::KeyValueClient;
+use muster_proto::v1::rendezvous_client::RendezvousClient;
+use std::time::{Duration, Instant};
+
+/// How long a node other than node 0 waits for node 0's MASTER_PORT.
+const MASTER_PORT_WAIT: Duration = Duration::from_secs(60);
+
+/// Joins the round and settles MASTER_PORT. Cancel-safe: dropping it withdraws the join
+/// (the coordinator sees the call go away).
+///
+/// The join carries a request id of its own; when it fails retryably (a follower's refusal,
+/// a coordinator that died during the long poll) the same request, with the same id, goes to
+/// the leader again within the failover budget, and a round that closed meanwhile gives this
+/// node the place it already had.
+pub(super) async fn join(
+    spec: &LaunchSpec,
+    coordinators: &Coordinators,
+    host: &str,
+    node_id: &str,
+) -> Result<NodeAssignment, LaunchError> {
+    // 0 on the wire means "the coordinator's default": an explicit zero is sent as 1 ms.
+    let millis = |d: Option<Duration>| {
+        d.map_or(0, |d| {
+            u64::try_from(d.as_millis()).unwrap_or(u64::MAX).max(1)
+        })
+    };
+    let request = pb::JoinRequest {
+        job_id: spec.job_id.clone(),
+        node_id: node_id.to_owned(),
+        host: host.to_owned(),
+        local_world_size: spec.nproc_per_node,
+        requested_node_rank: spec.node_rank,
+        config: Some(pb::RendezvousConfig {
+            min_nodes: spec.nodes.min,
+            max_nodes: spec.nodes.max,
+            last_call_ms: millis(spec.last_call),
+            join_timeout_ms: millis(spec.join_timeout),
+            max_restarts: Some(spec.max_restarts),
+        }),
+        request_id: failover::request_id(),
+    };
+    let join_error = |status| LaunchError::Join {
+        job: spec.job_id.clone(),
+        status,
+    };
+    // A running generation with every node it can take refuses the join. Wait as a spare for
+    // a while: an agent restarted after a crash its coordinator has not noticed yet (a host
+    // that lost power, a cut link) replaces its old node once the coordinator declares that
+    // node lost (the heartbeat timeout) and opens the next round. A second agent started on
+    // a job id that is in use gets the refusal after the wait.
+    let spare_until = Instant::now() + FULL_JOB_WAIT;
+    let mut said = false;
+    let answer = loop {
+        let answer = failover::call(coordinators, "Rendezvous.Join", |channel| {
+            let request = request.clone();
+            async move { RendezvousClient::new(channel).join(request).await }
+        })
+        .await;
+        match answer {
+            Err(status)
+                if status.code() == tonic::Code::FailedPrecondition
+                    && status.message().contains("the job is full")
+                    && Instant::now() < spare_until =>
+            {
+                if !said && !spec.quiet {
+                    eprintln!(
+                        "muster-agent: job {}: every node of the running generation is taken; waiting up to {} s as a spare, in case one of them is lost (a restarted agent replaces its old node)",
+                        spec.job_id,
+                        FULL_JOB_WAIT.as_secs()
+                    );
+                }
+                said = true;
+                tokio::time::sleep(FULL_JOB_RETRY).await;
+            }
+            answer => break answer.map_err(join_error)?.into_inner(),
+        }
+    };
+    if answer.local_world_size != spec.nproc_per_node {
+        return Err(join_error(tonic::Status::internal(format!(
+            "the coordinator assigned {} workers to this node, which runs {}",
+            answer.local_world_size, spec.nproc_per_node
+        ))));
+    }
+    let master_port = match spec.master_port {
+        Some(port) => port,
+        None => {
+            master_port(coordinators, &answer)
+                .await
+                .map_err(|why| LaunchError::MasterPort {
+                    job: spec.job_id.clone(),
+                    why,
+                })?
+        }
+    };
+    let node = NodeAssignment {
+        coordinator: coordinators.list(),
+        failover_timeout: coordinators.budget(),
+        job_id: answer.job_id,
+        generation: answer.generation,
+        node_rank: answer.node_rank,
+        num_nodes: answer.num_nodes,
+        rank_offset: answer.rank_offset,
+        local_world_size: answer.local_world_size,
+        world_size: answer.world_size,
+        restart_count: answer.restart_count,
+        max_restarts: answer.max_restarts,
+        host: host.to_owned(),
+        master_addr: spec.master_addr.clone().unwrap_or(answer.master_host),
+        master_port,
+        agent_socket: None,
+        error_dir: None,
+    };
+    Ok(node)
+}
+
+/// How long a join refused because the running generation is full is retried (the
+/// coordinator's default heartbeat timeout, 10 s, plus a restart round).
+const FULL_JOB_WAIT: Duration = Duration::from_secs(15);
+/// How often it is retried meanwhile.
+const FULL_JOB_RETRY: Duration = Duration::from_secs(1);
+
+/// MASTER_PORT: node 0 finds a free port (bind :0, close) and, in a multi-node job, shares it
+/// through the job's key-value store; the other nodes read it from there.
+async fn master_port(
+    coordinators: &Coordinators,
+    answer: &pb::JoinResponse,
+) -> Result<u16, String> {
+    let key = format!("muster/master_port/gen{}", answer.generation);
+    if answer.node_rank == 0 {
+        let port = std::net::TcpListener::bind(("0.0.0.0", 0))
+            .and_then(|l| l.local_addr())
+            .map_err(|e| format!("no free port: {e}"))?
+            .port();
+        if answer.num_nodes > 1 {
+            let request = pb::SetRequest {
+                job_id: answer.job_id.clone(),
+                key,
+                value: port.to_string().into_bytes(),
+            };
+            failover::call(coordinators, "KeyValue.Set", |channel| {
+                let request = request.clone();
+                async move { KeyValueClient::new(channel).set(request).await }
+            })
+            .await
+            .map_err(|s| crate::security::explain(&s))?;
+        }
+        return Ok(port);
+    }
+    let request = pb::GetRequest {
+        job_id: answer.job_id.clone(),
+        key: key.clone(),
+        wait_ms: u64::try_from(MASTER_PORT_WAIT.as_millis()).unwrap_or(u64::MAX),
+    };
+    let value = failover::call(coordinators, "KeyValue.Get", |channel| {
+        let request = request.clone();
+        async move { KeyValueClient::new(channel).get(request).await }
+    })
+    .await
+    .map_err(|s| {
+        format!(
+            "node 0 did not publish it: {}",
+            crate::security::explain(&s)
+        )
+    })?
+    .into_inner()
+    .value;
+    std::str::from_utf8(&value)
+        .ok()
+        .and_then(|s| s.parse::<u16>().ok())
+        .ok_or_else(|| format!("node 0 published a malformed port under '{key}'"))
+}
