@@ -36,8 +36,8 @@
 use crate::env::NodeAssignment;
 use muster_core::barrier::{self, Key, Place, Table, Waiter, consumes_seq};
 use muster_core::model::{self, Scope, barrier_error as simple_error};
-use muster_telemetry::traces as telemetry;
 use muster_proto::v1 as pb;
+use muster_telemetry::traces as telemetry;
 use pb::barrier_error::Kind as ErrKind;
 use std::collections::HashMap;
 use std::time::{Duration, Instant};
