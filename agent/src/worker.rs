@@ -506,14 +506,14 @@ impl Worker {
         let role = env
             .iter()
             .rev()
-            .find(|(k, _)| *k == "ROLE_NAME")
+            .find(|(k, _)| *k == muster_core::contract::env::ROLE_NAME)
             .map(|(_, v)| v.as_str())
             .or_else(|| {
                 program
                     .env
                     .iter()
                     .rev()
-                    .find(|(k, _)| k == "ROLE_NAME")
+                    .find(|(k, _)| k == muster_core::contract::env::ROLE_NAME)
                     .map(|(_, v)| v.as_str())
             })
             .unwrap_or("");

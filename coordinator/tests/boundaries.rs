@@ -1,6 +1,7 @@
 //! Architecture invariants checked on the source tree, so that they stay true rather than
-//! stated: only the coordinator's store module knows etcd, and the agent uses the coordinator
-//! crate only to embed a coordinator.
+//! stated: only the coordinator's store module knows etcd; the agent uses the coordinator
+//! crate only to embed a coordinator; muster-core does no I/O and has no server dependency;
+//! the worker-agent contract's variable names are spelled only in muster-core.
 
 use std::path::{Path, PathBuf};
 
@@ -106,5 +107,107 @@ fn the_agent_uses_the_coordinator_crate_only_to_embed_one() {
         offenders.is_empty(),
         "the agent may use muster_coordinator only for `serve` and its `Config` (shared rules \
          are in muster-core, telemetry in muster-telemetry), but: {offenders:#?}"
+    );
+}
+
+/// The non-test part of a source file: what precedes its first `#[cfg(test)]` (every file
+/// here keeps its tests in a `mod tests` at the end, or in a `tests.rs` of their own).
+fn non_test(path: &Path) -> String {
+    if path.file_name().is_some_and(|n| n == "tests.rs") {
+        return String::new();
+    }
+    let text = read(path);
+    match text.find("#[cfg(test)]") {
+        Some(at) => text[..at].to_string(),
+        None => text,
+    }
+}
+
+#[test]
+fn muster_core_does_no_io_and_names_no_server() {
+    let root = root();
+    let manifest = read(&root.join("core/Cargo.toml"));
+    let deps = manifest
+        .split("[dependencies]")
+        .nth(1)
+        .and_then(|rest| rest.split("\n[").next())
+        .unwrap_or_else(|| panic!("core/Cargo.toml has no [dependencies]"));
+    let forbidden_crates = [
+        "tokio",
+        "etcd-client",
+        "hyper",
+        "opentelemetry",
+        "prometheus-client",
+        "muster-coordinator",
+        "muster-telemetry",
+    ];
+    for name in forbidden_crates {
+        assert!(
+            !deps.lines().any(|l| l.trim_start().starts_with(name)),
+            "muster-core must not depend on {name}: it holds rules, not I/O or servers"
+        );
+    }
+    let mut sources = vec![];
+    rust_sources(&root.join("core/src"), &mut sources);
+    // (`std::process::id` seeds the backoff jitter: not I/O.)
+    let forbidden_paths = [
+        "tokio::",
+        "std::net",
+        "std::fs",
+        "std::thread",
+        "std::process::Command",
+    ];
+    let mut offenders = vec![];
+    for p in &sources {
+        let text = non_test(p);
+        for needle in forbidden_paths {
+            if let Some((line, _)) = occurrences(&text, needle).first() {
+                offenders.push(format!(
+                    "{}:{line}: {needle}",
+                    p.strip_prefix(&root).unwrap_or(p).display()
+                ));
+            }
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "muster-core is plain data and decisions (time is passed in, I/O stays with its \
+         callers), but: {offenders:#?}"
+    );
+}
+
+#[test]
+fn contract_variables_are_spelled_only_in_muster_core() {
+    let root = root();
+    // Every `pub const NAME: &str = "VALUE";` of the contract.
+    let names: Vec<String> = read(&root.join("core/src/contract/env.rs"))
+        .lines()
+        .filter(|l| l.starts_with("pub const ") && l.contains(": &str = \""))
+        .filter_map(|l| l.split('"').nth(1).map(str::to_string))
+        .collect();
+    assert!(
+        names.iter().any(|n| n == "MUSTER_RANK"),
+        "core/src/contract/env.rs lists no names: {names:?}"
+    );
+    let mut sources = vec![];
+    for dir in ["agent/src", "worker-sdk/src", "worker-sdk/python/src"] {
+        rust_sources(&root.join(dir), &mut sources);
+    }
+    let mut offenders = vec![];
+    for p in &sources {
+        let text = non_test(p);
+        for name in &names {
+            if let Some((line, _)) = occurrences(&text, &format!("\"{name}\"")).first() {
+                offenders.push(format!(
+                    "{}:{line}: \"{name}\"",
+                    p.strip_prefix(&root).unwrap_or(p).display()
+                ));
+            }
+        }
+    }
+    assert!(
+        offenders.is_empty(),
+        "the agent and the SDK take the worker environment's names from \
+         muster_core::contract::env, but these spell one: {offenders:#?}"
     );
 }

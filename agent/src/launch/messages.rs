@@ -18,7 +18,7 @@ pub(super) fn state_lost_line(job: &str, coordinator: &str, generation: u64) -> 
 /// there), unless that file already exists.
 pub(super) fn report_root_cause(job: &str, f: &pb::FailureInfo) {
     eprint!("{}", root_cause(job, f));
-    let Some(path) = std::env::var_os("TORCHELASTIC_ERROR_FILE") else {
+    let Some(path) = std::env::var_os(muster_core::contract::env::TORCHELASTIC_ERROR_FILE) else {
         return;
     };
     let message = if f.error_message.is_empty() {

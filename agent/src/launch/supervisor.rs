@@ -226,7 +226,9 @@ impl<'a> Supervisor<'a> {
         let mut options = self.spec.worker_options();
         // On a machine without GPUs, Accelerate must be told to use the CPU, or each process
         // runs alone (world size 1): do what `accelerate launch --cpu` would.
-        if !options.use_cpu && !inherited("ACCELERATE_USE_CPU") && crate::gpu::discover().is_empty()
+        if !options.use_cpu
+            && !inherited(muster_core::contract::env::ACCELERATE_USE_CPU)
+            && crate::gpu::discover().is_empty()
         {
             options.use_cpu = true;
         }

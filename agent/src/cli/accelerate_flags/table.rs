@@ -181,7 +181,7 @@ use Kind as K;
 pub(super) const FLAGS: &[Flag] = &[
     Flag { short: Some('q'), ..flag("quiet", "", K::Switch, D::None, G::Quiet, "", E::Never,
         "Leave out the agent's informational lines and notes (warnings and errors stay)") },
-    flag("num_cpu_threads_per_process", "num-cpu-threads-per-process", K::Int, D::None, G::Threads, "OMP_NUM_THREADS", E::Never,
+    flag("num_cpu_threads_per_process", "num-cpu-threads-per-process", K::Int, D::None, G::Threads, muster_core::contract::env::OMP_NUM_THREADS, E::Never,
         "OMP_NUM_THREADS for every worker (beats the agent's own)"),
     flag("dynamo_backend", "dynamo-backend", K::DynamoBackend, D::None, G::Dynamo, "ACCELERATE_DYNAMO_BACKEND", E::Never,
         "TorchDynamo backend (ACCELERATE_DYNAMO_BACKEND, upper case): no, eager, inductor, ..."),
