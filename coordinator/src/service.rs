@@ -5,9 +5,9 @@
 use crate::auth;
 use crate::config::Config;
 use crate::job::{FailureDetail, Job, JobContext, JoinReq, NodeRef, Outbox, RoundConfig};
-use muster_core::model::{self, Invalid, JobId, Scope};
 use crate::pool::{self, Pool};
 use crate::store::{Store, StoreError};
+use muster_core::model::{self, Invalid, JobId, Scope};
 use muster_proto::v1 as pb;
 use std::collections::HashMap;
 use std::pin::Pin;

@@ -4,4 +4,5 @@
 //! Nothing here does I/O, spawns a task or names a server dependency: every module is plain
 //! data and decisions, so each is tested with plain unit tests.
 
+pub mod failure;
 pub mod model;

@@ -30,10 +30,8 @@
 //! does not export traces.
 
 use crate::env::NodeAssignment;
-use muster_core::model::{
-    self, Scope, barrier_error as simple_error, list_ranks, scope_name,
-};
 use muster_coordinator::telemetry;
+use muster_core::model::{self, Scope, barrier_error as simple_error, list_ranks, scope_name};
 use muster_proto::v1 as pb;
 use pb::barrier_error::Kind as ErrKind;
 use std::collections::HashMap;

@@ -1,0 +1,361 @@
+//! A running generation's state: its nodes, ranks and barrier waits, and how answers reach
+//! the sessions, relays and watches attached to it. No lock or timer here: [`Job`] holds the
+//! generation under its lock and calls in.
+
+use super::*;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum RankState {
+    Pending,
+    Running,
+    Failed,
+    Left,
+}
+
+pub(super) struct NodeSlot {
+    pub(super) node_id: String,
+    /// The request id of the join that placed the node.
+    pub(super) request_id: String,
+    pub(super) host: String,
+    pub(super) local_world_size: u32,
+    pub(super) rank_offset: u32,
+    /// The node's agent, when it relays the node's global barriers.
+    pub(super) relay: Option<RelayOutbox>,
+    /// The relay's latest report of the waits it holds, and when it came.
+    pub(super) report: Option<(Instant, Vec<pb::BarrierInfo>)>,
+    /// The agent's watch stream (its lease), and which attach it was (a reconnect replaces it).
+    pub(super) watch: Option<(u64, NodeOutbox)>,
+    /// Every worker of the node exited 0.
+    pub(super) finished: bool,
+    /// Its agent has attached a watch in this generation (persisted).
+    pub(super) watched: bool,
+    /// When its agent was last heard on its watch (attach or heartbeat).
+    pub(super) last_seen: Option<Instant>,
+}
+
+pub(super) struct RankSlot {
+    pub(super) node_rank: u32,
+    pub(super) state: RankState,
+    pub(super) pid: u32,
+    pub(super) host: String,
+    pub(super) last_seen: Instant,
+    /// Last barrier sequence number entered, per scope.
+    pub(super) seq: [u64; 2],
+    /// Last barrier sequence number released, per scope.
+    pub(super) done: [u64; 2],
+    pub(super) waiting: [bool; 2],
+    pub(super) outbox: Option<Outbox>,
+    /// The rank has opened a session in this generation (persisted).
+    pub(super) had_session: bool,
+    /// The name of the last barrier entered, per scope.
+    pub(super) names: [String; 2],
+    /// The scope of the last barrier entered (an index into `seq`), if any.
+    pub(super) last_scope: Option<usize>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(super) struct BarrierKey {
+    pub(super) scope: Scope,
+    pub(super) node_rank: u32,
+    pub(super) seq: u64,
+}
+
+pub(super) struct Arrival {
+    pub(super) rank: u32,
+    pub(super) name: usize,
+    /// Identifies one wait (a group's ranks share it): timeouts withdraw by token.
+    pub(super) token: u64,
+    /// Arrived through its node's relay: answered once per node, not per rank.
+    pub(super) relayed: bool,
+}
+
+pub(super) struct Barrier {
+    pub(super) expected: u32,
+    pub(super) names: Vec<String>,
+    pub(super) arrivals: Vec<Arrival>,
+    pub(super) first_at: Instant,
+    pub(super) diverged: bool,
+}
+
+pub(super) struct Gen {
+    pub(super) generation: u64,
+    /// Names the generation's published values in the store (see `pb::GenerationRecord`).
+    pub(super) values_id: String,
+    /// Loaded from the store by a new leader (or a restarted coordinator): its ranks
+    /// re-attach with `resume` and may enter barriers before their sessions are back.
+    pub(super) recovered: bool,
+    /// The highest barrier seq known complete, per scope key (scope, node rank; 0 for
+    /// global). A rank re-entering a barrier at or below it after a failover is released at
+    /// once: its peers already passed it under the previous leader.
+    pub(super) released: HashMap<(Scope, u32), u64>,
+    pub(super) nodes: Vec<NodeSlot>,
+    pub(super) ranks: Vec<RankSlot>,
+    pub(super) barriers: HashMap<BarrierKey, Barrier>,
+    pub(super) failure: Option<Failure>,
+    /// The event sent to watchers when the generation ended (and to those who attach later).
+    pub(super) ended: Option<Box<pb::GenerationEnded>>,
+    pub(super) left: u32,
+    pub(super) next_token: u64,
+}
+
+pub(super) fn result(
+    scope: Scope,
+    seq: u64,
+    error: Option<pb::BarrierError>,
+) -> pb::CoordinatorMessage {
+    pb::CoordinatorMessage {
+        kind: Some(pb::coordinator_message::Kind::Barrier(pb::BarrierResult {
+            scope: scope.to_wire(),
+            seq,
+            error,
+        })),
+    }
+}
+
+pub(super) fn relay_result(seq: u64, error: Option<pb::BarrierError>) -> pb::RelayEvent {
+    pb::RelayEvent {
+        kind: Some(pb::relay_event::Kind::Barrier(pb::BarrierResult {
+            scope: Scope::Global.to_wire(),
+            seq,
+            error,
+        })),
+    }
+}
+
+impl RankSlot {
+    pub(super) fn new(node_rank: u32) -> Self {
+        Self {
+            node_rank,
+            state: RankState::Pending,
+            pid: 0,
+            host: String::new(),
+            last_seen: Instant::now(),
+            seq: [0; 2],
+            done: [0; 2],
+            waiting: [false; 2],
+            outbox: None,
+            had_session: false,
+            names: [String::new(), String::new()],
+            last_scope: None,
+        }
+    }
+
+    /// Records the barrier it just entered, for the ops view.
+    pub(super) fn entered(&mut self, idx: usize, name: &str) {
+        if self.names[idx] != name {
+            self.names[idx] = name.to_owned();
+        }
+        self.last_scope = Some(idx);
+    }
+}
+
+impl Gen {
+    pub(super) fn scope_ranks(&self, scope: Scope, node_rank: u32) -> std::ops::Range<u32> {
+        match scope {
+            Scope::Global => 0..self.ranks.len() as u32,
+            Scope::Node => {
+                let n = &self.nodes[node_rank as usize];
+                n.rank_offset..n.rank_offset + n.local_world_size
+            }
+        }
+    }
+
+    pub(super) fn location(&self, rank: u32) -> pb::RankLocation {
+        let slot = &self.ranks[rank as usize];
+        let host = if slot.host.is_empty() {
+            self.nodes[slot.node_rank as usize].host.clone()
+        } else {
+            slot.host.clone()
+        };
+        pb::RankLocation {
+            rank,
+            node_rank: slot.node_rank,
+            host,
+        }
+    }
+
+    pub(super) fn missing(&self, key: &BarrierKey, b: &Barrier) -> Vec<pb::RankLocation> {
+        let mut arrived = vec![false; self.ranks.len()];
+        for a in &b.arrivals {
+            arrived[a.rank as usize] = true;
+        }
+        self.scope_ranks(key.scope, key.node_rank)
+            .filter(|r| !arrived[*r as usize])
+            .map(|r| self.location(r))
+            .collect()
+    }
+
+    pub(super) fn send(&self, rank: u32, msg: pb::CoordinatorMessage) {
+        if let Some(outbox) = &self.ranks[rank as usize].outbox {
+            // A closed outbox means the session is gone; its own end handles that.
+            let _ = outbox.send(Ok(msg));
+        }
+    }
+
+    /// Answers every arrival of a barrier with the same result: each session-arrived rank
+    /// through its session, each relaying node once. Marks the ranks done with `seq`.
+    pub(super) fn deliver<'a>(
+        &mut self,
+        key: BarrierKey,
+        arrivals: impl Iterator<Item = &'a Arrival>,
+        error: Option<&pb::BarrierError>,
+    ) {
+        let idx = key.scope.index();
+        let mut nodes_told: Vec<u32> = vec![];
+        for a in arrivals {
+            let slot = &mut self.ranks[a.rank as usize];
+            if !slot.waiting[idx] || slot.seq[idx] != key.seq {
+                continue;
+            }
+            slot.waiting[idx] = false;
+            slot.done[idx] = key.seq;
+            if a.relayed {
+                let node = slot.node_rank;
+                if !nodes_told.contains(&node) {
+                    nodes_told.push(node);
+                    self.relay_send(node, relay_result(key.seq, error.cloned()));
+                }
+            } else {
+                self.send(a.rank, result(key.scope, key.seq, error.cloned()));
+            }
+        }
+    }
+
+    pub(super) fn relay_send(&self, node_rank: u32, event: pb::RelayEvent) {
+        if let Some(relay) = &self.nodes[node_rank as usize].relay {
+            let _ = relay.send(Ok(event));
+        }
+    }
+
+    /// Sends `ended` to every node's watcher and keeps it for watchers that attach later. A
+    /// drained node (in `drained`) hears its own ending instead (see [`drained_end`]).
+    pub(super) fn end(&mut self, ended: pb::GenerationEnded, drained: &HashMap<String, String>) {
+        for node in &self.nodes {
+            if let Some((_, w)) = &node.watch {
+                let _ = w.send(Ok(pb::NodeEvent {
+                    kind: Some(pb::node_event::Kind::Ended(drained_end(
+                        &ended,
+                        &node.node_id,
+                        drained,
+                    ))),
+                }));
+            }
+        }
+        self.ended = Some(Box::new(ended));
+    }
+
+    /// Tells every live session of the generation that it failed, with `error`, so that
+    /// ranks outside barriers (inside a collective) learn of it too.
+    pub(super) fn sessions_failed(&self, error: &pb::BarrierError) {
+        for rank in 0..self.ranks.len() {
+            self.send(
+                rank as u32,
+                pb::CoordinatorMessage {
+                    kind: Some(pb::coordinator_message::Kind::GenerationFailed(
+                        error.clone(),
+                    )),
+                },
+            );
+        }
+    }
+
+    /// Tells every relaying agent that the generation is over, with `error`.
+    pub(super) fn relays_failed(&self, error: &pb::BarrierError) {
+        for n in 0..self.nodes.len() {
+            self.relay_send(
+                n as u32,
+                pb::RelayEvent {
+                    kind: Some(pb::relay_event::Kind::Failed(error.clone())),
+                },
+            );
+        }
+    }
+
+    /// Ends a barrier with the same error for every rank that arrived.
+    pub(super) fn fail_barrier(&mut self, key: BarrierKey, b: Barrier, error: &pb::BarrierError) {
+        self.deliver(key, b.arrivals.iter(), Some(error));
+    }
+
+    pub(super) fn fail_all_barriers(&mut self, error: &pb::BarrierError) {
+        let barriers: Vec<_> = self.barriers.drain().collect();
+        for (key, b) in barriers {
+            self.fail_barrier(key, b, error);
+        }
+    }
+
+    pub(super) fn divergence_message(&self, key: &BarrierKey, b: &Barrier) -> String {
+        let mut s = format!(
+            "barrier divergence at {} #{}: ranks met under different names:",
+            scope_name(key.scope, key.node_rank),
+            key.seq
+        );
+        for (i, name) in b.names.iter().enumerate() {
+            let ranks: Vec<String> = b
+                .arrivals
+                .iter()
+                .filter(|a| a.name == i)
+                .map(|a| a.rank.to_string())
+                .collect();
+            let _ = write!(s, " [{name}: ranks {}]", ranks.join(","));
+        }
+        let missing = self.missing(key, b);
+        if !missing.is_empty() {
+            let _ = write!(s, "; not yet arrived: {}", list_ranks(&missing));
+        }
+        s
+    }
+
+    /// A rank that left can never reach a barrier it had not entered: fail such barriers.
+    pub(super) fn left_error(&self, key: &BarrierKey, job: &JobId) -> Option<pb::BarrierError> {
+        if self.left == 0 {
+            return None;
+        }
+        let r = self.scope_ranks(key.scope, key.node_rank).find(|r| {
+            let s = &self.ranks[*r as usize];
+            s.state == RankState::Left && s.seq[key.scope.index()] < key.seq
+        })?;
+        let loc = self.location(r);
+        Some(pb::BarrierError {
+            kind: ErrKind::RankLeft as i32,
+            message: format!(
+                "rank {r} (node {}, host {}) has left job '{job}' generation {} before reaching {} #{}; the barrier can never complete",
+                loc.node_rank,
+                loc.host,
+                self.generation,
+                scope_name(key.scope, key.node_rank),
+                key.seq
+            ),
+            rank: r,
+            node_rank: loc.node_rank,
+            host: loc.host,
+            missing: vec![],
+        })
+    }
+
+    /// Records that barrier `seq` of `scope` (node `node_rank` for node scope) completed,
+    /// and releases every pending barrier of that scope at or below it.
+    pub(super) fn mark_released(&mut self, scope: Scope, node_rank: u32, seq: u64) {
+        let node_rank = if scope == Scope::Node { node_rank } else { 0 };
+        let known = self.released.entry((scope, node_rank)).or_insert(0);
+        if seq <= *known {
+            return;
+        }
+        *known = seq;
+        let done: Vec<BarrierKey> = self
+            .barriers
+            .keys()
+            .filter(|k| k.scope == scope && k.node_rank == node_rank && k.seq <= seq)
+            .copied()
+            .collect();
+        for key in done {
+            let b = self.barriers.remove(&key).expect("key listed above");
+            self.deliver(key, b.arrivals.iter(), None);
+        }
+    }
+
+    /// The highest barrier seq of `scope` known complete.
+    pub(super) fn released(&self, scope: Scope, node_rank: u32) -> u64 {
+        let node_rank = if scope == Scope::Node { node_rank } else { 0 };
+        self.released.get(&(scope, node_rank)).copied().unwrap_or(0)
+    }
+}
