@@ -540,7 +540,7 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
             ))
         });
         guard.armed = false;
-        answer?.map(Response::new)
+        Ok(Response::new(answer??))
     }
 
     type WatchStream = WatchStream;

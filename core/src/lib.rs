@@ -4,5 +4,6 @@
 //! Nothing here does I/O, spawns a task or names a server dependency: every module is plain
 //! data and decisions, so each is tested with plain unit tests.
 
+pub mod error;
 pub mod failure;
 pub mod model;

@@ -27,21 +27,21 @@ impl Job {
         host: String,
         outbox: Outbox,
         resume: Option<[u64; 2]>,
-    ) -> Result<Registration, Status> {
+    ) -> Result<Registration, Error> {
         let mut st = self.lock();
         let id = self.id.clone();
         let g = self.running(&mut st, generation)?;
         let world = g.ranks.len();
         if let Some(f) = &g.failure {
-            return Err(Status::failed_precondition(f.describe(&id, generation)));
+            return Err(Error::FailedPrecondition(f.describe(&id, generation)));
         }
         let Some(slot) = g.ranks.get_mut(rank as usize) else {
-            return Err(Status::invalid_argument(format!(
+            return Err(Error::InvalidArgument(format!(
                 "rank {rank} is outside job '{id}' generation {generation} (world size {world})"
             )));
         };
         if slot.state != RankState::Pending {
-            return Err(Status::already_exists(format!(
+            return Err(Error::AlreadyExists(format!(
                 "rank {rank} of job '{id}' generation {generation} is already registered (pid {} on host {})",
                 slot.pid, slot.host
             )));
@@ -317,19 +317,19 @@ impl Job {
         outbox: RelayOutbox,
         heartbeat_interval: Duration,
         resume: Option<u64>,
-    ) -> Result<(), Status> {
+    ) -> Result<(), Error> {
         let mut st = self.lock();
         let id = self.id.clone();
         let g = self.running(&mut st, generation)?;
         let num_nodes = g.nodes.len() as u32;
         let world_size = g.ranks.len() as u32;
         let Some(node) = g.nodes.get_mut(node_rank as usize) else {
-            return Err(Status::invalid_argument(format!(
+            return Err(Error::InvalidArgument(format!(
                 "node rank {node_rank} is outside job '{id}' generation {generation} ({num_nodes} nodes)"
             )));
         };
         if node.relay.as_ref().is_some_and(|r| !r.is_closed()) {
-            return Err(Status::already_exists(format!(
+            return Err(Error::AlreadyExists(format!(
                 "node {node_rank} of job '{id}' generation {generation} already has a relay"
             )));
         }

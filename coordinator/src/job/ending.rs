@@ -168,7 +168,7 @@ impl Job {
         match &mut st.phase {
             Phase::Open(round) => {
                 for j in round.joiners.drain(..) {
-                    let _ = j.reply.send(Err(Status::aborted(message.clone())));
+                    let _ = j.reply.send(Err(Error::Aborted(message.clone())));
                 }
             }
             Phase::Running(g) => {

@@ -26,13 +26,15 @@ mod tests;
 mod views;
 
 pub use barriers::Registration;
+pub use muster_core::error::DRAINED_METADATA;
 pub use muster_core::failure::{Failure, FailureDetail};
-pub use nodes::{DRAINED_METADATA, NodeRef};
+pub use nodes::NodeRef;
 pub use persist::{RECORDS_PREFIX, record_key};
 pub use rendezvous::JoinReq;
 
 use crate::store::Store;
 use generation::*;
+use muster_core::error::Error;
 use muster_core::model::{JobId, Scope, barrier_error as simple_error, list_ranks, scope_name};
 use muster_proto::v1 as pb;
 use nodes::*;
@@ -229,11 +231,12 @@ impl Job {
     pub fn retire(&self, why: &str) {
         let mut st = self.lock();
         self.retired.cancel();
-        let status = || Status::unavailable(why.to_owned());
+        let error = || Error::Unavailable(why.to_owned());
+        let status = || Status::from(error());
         match &mut st.phase {
             Phase::Open(round) => {
                 for j in round.joiners.drain(..) {
-                    let _ = j.reply.send(Err(status()));
+                    let _ = j.reply.send(Err(error()));
                 }
             }
             Phase::Running(g) => {
@@ -257,7 +260,7 @@ impl Job {
     }
 
     /// The name of generation `generation`'s values in the store, while it runs.
-    pub fn values_id(&self, generation: u64) -> Result<String, Status> {
+    pub fn values_id(&self, generation: u64) -> Result<String, Error> {
         let mut st = self.lock();
         Ok(self.running(&mut st, generation)?.values_id.clone())
     }
@@ -284,25 +287,25 @@ impl Job {
     }
 
     /// The running generation `generation`, or the FAILED_PRECONDITION status for any other.
-    fn running<'a>(&self, st: &'a mut JobState, generation: u64) -> Result<&'a mut Gen, Status> {
+    fn running<'a>(&self, st: &'a mut JobState, generation: u64) -> Result<&'a mut Gen, Error> {
         let current = st.generation;
         match &mut st.phase {
             Phase::Running(g) if g.generation == generation => Ok(g),
-            Phase::Running(_) => Err(Status::failed_precondition(stale(
+            Phase::Running(_) => Err(Error::WrongGeneration(stale(
                 &self.id, generation, current, false,
             ))),
-            Phase::Open(_) => Err(Status::failed_precondition(stale(
+            Phase::Open(_) => Err(Error::WrongGeneration(stale(
                 &self.id, generation, current, true,
             ))),
         }
     }
 
     /// Checks that `rank` belongs to the running generation `generation`.
-    pub fn check_member(&self, generation: u64, rank: u32) -> Result<GenStatus, Status> {
+    pub fn check_member(&self, generation: u64, rank: u32) -> Result<GenStatus, Error> {
         let mut st = self.lock();
         let g = self.running(&mut st, generation)?;
         if rank as usize >= g.ranks.len() {
-            return Err(Status::invalid_argument(format!(
+            return Err(Error::InvalidArgument(format!(
                 "rank {rank} is outside job '{}' generation {generation} (world size {})",
                 self.id,
                 g.ranks.len()
@@ -316,10 +319,10 @@ impl Job {
 
     /// The running generation's state, for publishes and fetches: Ok when `rank` is a member
     /// of generation `generation`; the error is the status to return.
-    pub fn alive_member(&self, generation: u64, rank: u32) -> Result<(), Status> {
+    pub fn alive_member(&self, generation: u64, rank: u32) -> Result<(), Error> {
         match self.check_member(generation, rank)? {
             GenStatus::Alive => Ok(()),
-            GenStatus::Failed(msg) => Err(Status::aborted(msg)),
+            GenStatus::Failed(msg) => Err(Error::Aborted(msg)),
         }
     }
 }

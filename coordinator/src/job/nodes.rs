@@ -30,19 +30,11 @@ pub(super) fn drained_end(
 /// The answer to a join from a drained node: FAILED_PRECONDITION naming the node and the
 /// reason, marked with the `muster-drained` metadata key so that an agent can tell a drain
 /// from a job that is over.
-pub(super) fn drained_refusal(job: &JobId, node_id: &str, reason: &str) -> Status {
-    let mut status = Status::failed_precondition(format!(
+pub(super) fn drained_refusal(job: &JobId, node_id: &str, reason: &str) -> Error {
+    Error::Drained(format!(
         "node '{node_id}' was drained from job '{job}' by an operator ({reason}) and may not join it again; start the agent afresh (a new node id) to add this machine back"
-    ));
-    status.metadata_mut().insert(
-        DRAINED_METADATA,
-        tonic::metadata::MetadataValue::from_static("1"),
-    );
-    status
+    ))
 }
-
-/// The metadata key set on a join refused because its node was drained.
-pub const DRAINED_METADATA: &str = "muster-drained";
 
 /// A node named by an operator: by its id or by its rank in the running generation.
 #[derive(Debug, Clone)]
@@ -134,7 +126,7 @@ impl Job {
         node_id: &str,
         outbox: NodeOutbox,
         attached: pb::NodeAttached,
-    ) -> Result<u64, Status> {
+    ) -> Result<u64, Error> {
         let mut st = self.lock();
         let watch_id = st.next_watch;
         st.next_watch += 1;
@@ -142,13 +134,13 @@ impl Job {
         let drained = st.drained.clone();
         let g = self.running(&mut st, generation)?;
         let Some(node) = g.nodes.get_mut(node_rank as usize) else {
-            return Err(Status::invalid_argument(format!(
+            return Err(Error::InvalidArgument(format!(
                 "node rank {node_rank} is outside job '{id}' generation {generation} ({} nodes)",
                 g.nodes.len()
             )));
         };
         if node.node_id != node_id {
-            return Err(Status::permission_denied(format!(
+            return Err(Error::WrongNode(format!(
                 "node rank {node_rank} of job '{id}' generation {generation} is node '{}', not '{node_id}'",
                 node.node_id
             )));
@@ -310,22 +302,22 @@ impl Job {
     /// nodes rejoin without it while the drained node's agent hears CAUSE_DRAINED without
     /// rejoin. In an open round the node's pending join is refused instead. Not a restart:
     /// the restart count is unchanged. Refused when fewer than min_nodes would remain.
-    pub fn drain(&self, node: &NodeRef, reason: &str) -> Result<pb::DrainNodeResponse, Status> {
+    pub fn drain(&self, node: &NodeRef, reason: &str) -> Result<pb::DrainNodeResponse, Error> {
         let mut st = self.lock();
         let id = self.id.clone();
         match &st.done {
             Some(Done::Failed(why)) => {
-                return Err(Status::failed_precondition(format!(
+                return Err(Error::FailedPrecondition(format!(
                     "job '{id}' is over ({why}); there is nothing to drain"
                 )));
             }
             Some(Done::Cancelled(why)) => {
-                return Err(Status::failed_precondition(format!(
+                return Err(Error::FailedPrecondition(format!(
                     "job '{id}' was cancelled ({why}); there is nothing to drain"
                 )));
             }
             Some(Done::Finished(why)) => {
-                return Err(Status::failed_precondition(format!(
+                return Err(Error::FailedPrecondition(format!(
                     "job '{id}' has finished ({why}); there is nothing to drain"
                 )));
             }
@@ -334,7 +326,7 @@ impl Job {
         if let NodeRef::Id(node_id) = node
             && let Some(why) = st.drained.get(node_id)
         {
-            return Err(Status::failed_precondition(format!(
+            return Err(Error::FailedPrecondition(format!(
                 "node '{node_id}' of job '{id}' is already drained ({why})"
             )));
         }
@@ -342,7 +334,7 @@ impl Job {
         let max = st.config.max_nodes;
         let generation = st.generation;
         let too_few = |present: usize, node_id: &str| {
-            Status::failed_precondition(format!(
+            Error::FailedPrecondition(format!(
                 "draining node '{node_id}' would leave job '{id}' with {} of its {present} nodes, below its min_nodes {min} (nodes {min}:{max}); the drain was refused",
                 present - 1
             ))
@@ -352,7 +344,7 @@ impl Job {
                 let node_id = match node {
                     NodeRef::Id(node_id) => node_id,
                     NodeRef::Rank(r) => {
-                        return Err(Status::invalid_argument(format!(
+                        return Err(Error::InvalidArgument(format!(
                             "node rank {r}: job '{id}' has no running generation (its round for generation {generation} is open, node ranks are given when it closes); name the node by node_id"
                         )));
                     }
@@ -363,7 +355,7 @@ impl Job {
                         .iter()
                         .map(|j| j.req.node_id.as_str())
                         .collect();
-                    return Err(Status::invalid_argument(format!(
+                    return Err(Error::InvalidArgument(format!(
                         "node '{node_id}' has not joined job '{id}' (the open round of generation {generation} has [{}])",
                         known.join(", ")
                     )));
@@ -401,7 +393,7 @@ impl Job {
                         .enumerate()
                         .map(|(i, n)| format!("{i}: '{}'", n.node_id))
                         .collect();
-                    return Err(Status::invalid_argument(format!(
+                    return Err(Error::InvalidArgument(format!(
                         "{node} is not part of job '{id}' generation {generation} (nodes {})",
                         known.join(", ")
                     )));
@@ -409,12 +401,12 @@ impl Job {
                 let n = &g.nodes[node_rank];
                 let node_id = n.node_id.clone();
                 if n.finished {
-                    return Err(Status::failed_precondition(format!(
+                    return Err(Error::FailedPrecondition(format!(
                         "node {node_rank} ('{node_id}') of job '{id}' has finished: every worker exited 0; there is nothing to drain"
                     )));
                 }
                 if let Some(ended) = &g.ended {
-                    return Err(Status::failed_precondition(format!(
+                    return Err(Error::FailedPrecondition(format!(
                         "generation {generation} of job '{id}' is already ending ({}); drain once the next generation runs",
                         ended.message
                     )));

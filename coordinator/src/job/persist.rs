@@ -294,7 +294,7 @@ impl Job {
         &self,
         version: u64,
         replies: Vec<(
-            oneshot::Sender<Result<pb::JoinResponse, Status>>,
+            oneshot::Sender<Result<pb::JoinResponse, Error>>,
             pb::JoinResponse,
         )>,
     ) {
@@ -320,7 +320,7 @@ impl Job {
                 }
                 () = retired.cancelled() => {
                     for (tx, _) in replies {
-                        let _ = tx.send(Err(Status::unavailable(format!(
+                        let _ = tx.send(Err(Error::Unavailable(format!(
                             "the coordinator stopped leading before job '{job}''s new generation was stored; join again"
                         ))));
                     }

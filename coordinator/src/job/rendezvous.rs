@@ -35,9 +35,9 @@ pub(super) struct OpenRound {
 }
 
 /// A join's reply channel, and its receiving end.
-pub(super) type JoinReply = oneshot::Sender<Result<pb::JoinResponse, Status>>;
+pub(super) type JoinReply = oneshot::Sender<Result<pb::JoinResponse, Error>>;
 
-pub(super) type JoinAnswer = oneshot::Receiver<Result<pb::JoinResponse, Status>>;
+pub(super) type JoinAnswer = oneshot::Receiver<Result<pb::JoinResponse, Error>>;
 
 /// Node `node_rank`'s answer to its join of the round that formed `nodes`.
 pub(super) fn join_answer(
@@ -70,26 +70,26 @@ impl Job {
     /// Adds a node to the open round (opening the next one if the job is running). Returns the
     /// round's generation, the call's attempt id (for [`Job::withdraw`]) and the receiver of
     /// the node's assignment.
-    pub fn join(self: &Arc<Self>, req: JoinReq) -> Result<(u64, u64, JoinAnswer), Status> {
+    pub fn join(self: &Arc<Self>, req: JoinReq) -> Result<(u64, u64, JoinAnswer), Error> {
         let mut st = self.lock();
         let attempt = st.next_watch;
         st.next_watch += 1;
         let config = st.config;
         match &st.done {
             Some(Done::Failed(why)) => {
-                return Err(Status::failed_precondition(format!(
+                return Err(Error::FailedPrecondition(format!(
                     "job '{}' is over: {why}; start it again under a new job id",
                     self.id
                 )));
             }
             Some(Done::Cancelled(why)) => {
-                return Err(Status::failed_precondition(format!(
+                return Err(Error::FailedPrecondition(format!(
                     "job '{}' was cancelled: {why}",
                     self.id
                 )));
             }
             Some(Done::Finished(why)) => {
-                return Err(Status::failed_precondition(format!(
+                return Err(Error::FailedPrecondition(format!(
                     "job '{}' has finished ({why}); start it again under a new job id",
                     self.id
                 )));
@@ -102,7 +102,7 @@ impl Job {
         if let Some(r) = req.requested
             && r >= config.max_nodes
         {
-            return Err(Status::invalid_argument(format!(
+            return Err(Error::InvalidArgument(format!(
                 "requested node rank {r} is out of range for job '{}' (max_nodes {}: ranks 0..{})",
                 self.id,
                 config.max_nodes,
@@ -149,7 +149,7 @@ impl Job {
         }
         if let Phase::Open(round) = &st.phase {
             if let Some(j) = round.joiners.iter().find(|j| j.req.node_id == req.node_id) {
-                return Err(Status::already_exists(format!(
+                return Err(Error::AlreadyExists(format!(
                     "node '{}' has already joined the open round of job '{}' (host {})",
                     req.node_id, self.id, j.req.host
                 )));
@@ -157,7 +157,7 @@ impl Job {
             if let Some(r) = req.requested
                 && let Some(j) = round.joiners.iter().find(|j| j.req.requested == Some(r))
             {
-                return Err(Status::already_exists(format!(
+                return Err(Error::AlreadyExists(format!(
                     "node rank {r} of job '{}' is already requested by node '{}' (host {})",
                     self.id, j.req.node_id, j.req.host
                 )));
@@ -216,7 +216,7 @@ impl Job {
         &self,
         st: &mut MutexGuard<'_, JobState>,
         req: &JoinReq,
-    ) -> Result<bool, Status> {
+    ) -> Result<bool, Error> {
         let (config, restarts) = (st.config, st.restarts);
         let Phase::Running(g) = &st.phase else {
             return Ok(false);
@@ -231,7 +231,7 @@ impl Job {
                 return Ok(false);
             }
             tracing::warn!(job = %self.id, generation, node_id = %req.node_id, host = %req.host, "join refused: the running generation is full");
-            return Err(Status::failed_precondition(format!(
+            return Err(Error::FailedPrecondition(format!(
                 "job '{}' is running (generation {generation}, {present} of at most {} nodes, {} ranks); node '{}' (host {}) cannot join it: the job is full, and another join would stop its workers. Is another agent running job id '{}'? Use a new job id, or allow more nodes (--nnodes MIN:MAX)",
                 self.id,
                 config.max_nodes,
@@ -262,7 +262,7 @@ impl Job {
             Some(Done::Failed(why)) => why.clone(),
             _ => format!("generation {generation} failed"),
         };
-        Err(Status::failed_precondition(format!(
+        Err(Error::FailedPrecondition(format!(
             "job '{}' is over: {why}; start it again under a new job id",
             self.id
         )))
@@ -335,7 +335,7 @@ impl Job {
         );
         tracing::warn!(job = %self.id, "{msg}");
         for j in round.joiners.drain(..) {
-            let _ = j.reply.send(Err(Status::deadline_exceeded(msg.clone())));
+            let _ = j.reply.send(Err(Error::DeadlineExceeded(msg.clone())));
         }
         round.seq = next_seq;
         round.min_reached = None;

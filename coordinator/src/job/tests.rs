@@ -43,7 +43,7 @@ async fn the_drained_set_is_in_the_record_and_a_restored_job_still_refuses_the_n
     );
     assert_eq!((record.generation, record.restarts), (2, 0));
     let restored = Job::restore(&record, 0, &ctx).unwrap();
-    let err = restored.join(req("b")).unwrap_err();
+    let err = tonic::Status::from(restored.join(req("b")).unwrap_err());
     assert_eq!(err.code(), tonic::Code::FailedPrecondition);
     assert!(err.message().contains("was drained"), "{err:?}");
     assert!(err.metadata().contains_key(DRAINED_METADATA));
@@ -129,7 +129,7 @@ async fn a_final_state_never_changes() {
     every_late_event(&finished).await;
     assert_eq!(outcome(&finished), before);
     assert!(finished.summary().done);
-    let e = finished.join(req("n0")).unwrap_err();
+    let e = tonic::Status::from(finished.join(req("n0")).unwrap_err());
     assert_eq!(e.code(), tonic::Code::FailedPrecondition);
     assert!(
         e.message().contains("job 'j' has finished"),
@@ -193,7 +193,7 @@ async fn a_job_restored_finished_expects_no_reattach() {
 #[tokio::test]
 async fn a_join_into_a_full_running_generation_is_refused_and_changes_nothing() {
     let job = formed(1, 0).await;
-    let e = job.join(req("stranger")).unwrap_err();
+    let e = tonic::Status::from(job.join(req("stranger")).unwrap_err());
     assert_eq!(e.code(), tonic::Code::FailedPrecondition);
     for part in ["job 'j' is running", "1 of at most 1 nodes", "'stranger'"] {
         assert!(e.message().contains(part), "{part}: {}", e.message());
@@ -213,7 +213,7 @@ async fn a_known_node_joining_again_is_a_restart_within_the_budget() {
     let answer = answer.await.unwrap().unwrap();
     assert_eq!((answer.generation, answer.restart_count), (2, 1));
     // The budget is spent: the next one ends the job, naming the node.
-    let e = job.join(req("n0")).unwrap_err();
+    let e = tonic::Status::from(job.join(req("n0")).unwrap_err());
     assert_eq!(e.code(), tonic::Code::FailedPrecondition);
     assert!(
         e.message().contains("is over") && e.message().contains("joined the job again"),
