@@ -7,3 +7,4 @@
 pub mod error;
 pub mod failure;
 pub mod model;
+pub mod requests;

@@ -28,9 +28,8 @@ mod views;
 pub use barriers::Registration;
 pub use muster_core::error::DRAINED_METADATA;
 pub use muster_core::failure::{Failure, FailureDetail};
-pub use nodes::NodeRef;
+pub use muster_core::requests::{JoinReq, NodeRef, RoundConfig};
 pub use persist::{RECORDS_PREFIX, record_key};
-pub use rendezvous::JoinReq;
 
 use crate::store::Store;
 use generation::*;
@@ -57,21 +56,6 @@ pub type RelayOutbox = mpsc::UnboundedSender<Result<pb::RelayEvent, Status>>;
 
 /// Where a node's watch events go (its agent's `Rendezvous.Watch` stream).
 pub type NodeOutbox = mpsc::UnboundedSender<Result<pb::NodeEvent, Status>>;
-
-/// How a job's rounds are formed (validated `RendezvousConfig`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RoundConfig {
-    /// Fewest nodes a round closes with.
-    pub min_nodes: u32,
-    /// Most nodes a round takes.
-    pub max_nodes: u32,
-    /// How long to wait for more nodes once `min_nodes` have joined.
-    pub last_call: Duration,
-    /// How long a round may stay open.
-    pub join_timeout: Duration,
-    /// Restarts allowed after failed generations.
-    pub max_restarts: u32,
-}
 
 /// Why a job is over for good. Every variant is final: once set, no later event (a late
 /// failure report, a lost node, a cancel, a drain, a join, a failover) changes it.

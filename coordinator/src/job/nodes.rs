@@ -36,24 +36,6 @@ pub(super) fn drained_refusal(job: &JobId, node_id: &str, reason: &str) -> Error
     ))
 }
 
-/// A node named by an operator: by its id or by its rank in the running generation.
-#[derive(Debug, Clone)]
-pub enum NodeRef {
-    /// The node id it joined with.
-    Id(String),
-    /// Its node rank in the running generation.
-    Rank(u32),
-}
-
-impl std::fmt::Display for NodeRef {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Self::Id(id) => write!(f, "node '{id}'"),
-            Self::Rank(r) => write!(f, "node rank {r}"),
-        }
-    }
-}
-
 impl Job {
     /// A node's agent went away or went silent while its ranks ran: fails the generation
     /// naming the node (and its first live rank).

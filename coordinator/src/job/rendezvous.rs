@@ -3,22 +3,6 @@
 
 use super::*;
 
-/// A validated join.
-#[derive(Debug, Clone)]
-pub struct JoinReq {
-    /// The node's self-chosen name.
-    pub node_id: String,
-    /// The node's advertised host.
-    pub host: String,
-    /// Workers on the node.
-    pub local_world_size: u32,
-    /// The node rank asked for, if any.
-    pub requested: Option<u32>,
-    /// The caller's id of this join attempt (empty: none), so that a retried join whose
-    /// round already closed gets the same place.
-    pub request_id: String,
-}
-
 pub(super) struct Joiner {
     pub(super) req: JoinReq,
     pub(super) reply: JoinReply,
