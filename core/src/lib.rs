@@ -8,3 +8,6 @@ pub mod error;
 pub mod failure;
 pub mod model;
 pub mod requests;
+
+// The barrier table (task B).
+pub mod barrier;
