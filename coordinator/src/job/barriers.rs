@@ -57,9 +57,7 @@ impl Job {
             // The rank's place in each scope's sequence, as it was under the last leader.
             for scope in [Scope::Global, Scope::Node] {
                 let idx = scope.index();
-                let slot = &mut g.ranks[rank as usize];
-                slot.seq[idx] = slot.seq[idx].max(released[idx]);
-                slot.done[idx] = slot.done[idx].max(released[idx]);
+                g.ranks[rank as usize].place.resume(scope, released[idx]);
                 g.mark_released(scope, node_rank, released[idx]);
             }
             tracing::info!(job = %id, generation, rank, released_global = released[0], released_node = released[1], "session resumed");
@@ -130,68 +128,35 @@ impl Job {
         if seq <= g.released(scope, node_rank) {
             // Completed under the previous leader; this rank's answer was lost in the failover.
             let slot = &mut g.ranks[rank as usize];
-            if !slot.waiting[idx] {
-                slot.seq[idx] = slot.seq[idx].max(seq);
-                slot.done[idx] = slot.done[idx].max(seq);
+            if !slot.place.waiting[idx] {
+                slot.place.resume(scope, seq);
                 let _ = outbox.send(Ok(result(scope, seq, None)));
                 return;
             }
         }
         let slot = &mut g.ranks[rank as usize];
         slot.last_seen = Instant::now();
-        let fresh = seq == slot.seq[idx] + 1;
-        let retry = seq == slot.seq[idx] && slot.done[idx] < seq;
-        if slot.waiting[idx] || !(fresh || retry) {
-            return reply_now(simple_error(
-                ErrKind::Unspecified,
-                format!(
-                    "rank {rank} sent {} #{seq}, but its last was #{}{}: barrier calls must be numbered 1, 2, 3... per scope, one at a time",
-                    scope_name(scope, slot.node_rank),
-                    slot.seq[idx],
-                    if slot.waiting[idx] {
-                        " and is still waiting"
-                    } else {
-                        ""
-                    }
-                ),
-            ));
+        if let Err(message) = slot.place.check_entry(rank, scope, slot.node_rank, seq) {
+            return reply_now(simple_error(ErrKind::Unspecified, message));
         }
-        let node_rank = slot.node_rank;
-        let key = BarrierKey {
-            scope,
-            node_rank: if scope == Scope::Node { node_rank } else { 0 },
-            seq,
-        };
+        let key = BarrierKey::new(scope, node_rank, seq);
         if let Some(err) = g.left_error(&key, &self.id) {
             return reply_now(err);
         }
         let token = g.next_token;
         g.next_token += 1;
-        let expected = g.scope_ranks(scope, key.node_rank).len() as u32;
+        let ranks = g.scope_ranks(scope, key.node_rank);
         let slot = &mut g.ranks[rank as usize];
-        slot.seq[idx] = seq;
-        slot.waiting[idx] = true;
+        slot.place.enter(scope, seq);
         slot.entered(idx, &name);
-        let b = g.barriers.entry(key).or_insert_with(|| Barrier {
-            expected,
-            names: vec![],
-            arrivals: vec![],
-            first_at: Instant::now(),
-            diverged: false,
-        });
-        let name_idx = match b.names.iter().position(|n| *n == name) {
-            Some(i) => i,
-            None => {
-                b.names.push(name);
-                b.names.len() - 1
-            }
-        };
-        b.arrivals.push(Arrival {
-            rank,
-            name: name_idx,
+        let now = Instant::now();
+        let wait = Wait {
             token,
             relayed: false,
-        });
+        };
+        g.barriers
+            .open(key, ranks, now)
+            .arrive(rank, name, now, wait);
         self.settle(g, key, timeout, token);
     }
 
@@ -206,26 +171,27 @@ impl Job {
     ) {
         let generation = g.generation;
         let b = g.barriers.get(&key).expect("settle follows an arrival");
-        let complete = b.arrivals.len() as u32 >= b.expected;
-        if b.names.len() > 1 {
+        let complete = b.complete();
+        if b.diverged() {
             // Divergence: everyone at this barrier, now and later, gets the same error.
-            let msg = g.divergence_message(&key, b);
+            let msg = b.divergence_message(|r| g.location(r));
             tracing::warn!(job = %self.id, generation, "{msg}");
             let err = simple_error(ErrKind::Diverged, msg);
-            let mut b = g.barriers.remove(&key).expect("present above");
-            b.diverged = true;
-            g.deliver(key, b.arrivals.iter(), Some(&err));
-            if !complete {
-                g.barriers.insert(key, b);
+            let b = g.barriers.remove(&key).expect("present above");
+            g.deliver(key, b.arrivals().iter(), Some(&err));
+            if complete {
+                g.barriers.recycle(b);
+            } else {
+                g.barriers.insert(b);
             }
             return;
         }
         if complete {
             let b = g.barriers.remove(&key).expect("present above");
-            g.deliver(key, b.arrivals.iter(), None);
-            crate::metrics::barrier_completed(b.first_at.elapsed());
-            let known = g.released.entry((key.scope, key.node_rank)).or_insert(0);
-            *known = (*known).max(key.seq);
+            g.deliver(key, b.arrivals().iter(), None);
+            crate::metrics::barrier_completed(b.opened().elapsed());
+            g.barriers.release(key);
+            g.barriers.recycle(b);
             return;
         }
         if let Some(t) = timeout {
@@ -253,48 +219,36 @@ impl Job {
         let Some(b) = g.barriers.get_mut(&key) else {
             return;
         };
-        let (withdrawn, kept): (Vec<Arrival>, Vec<Arrival>) = std::mem::take(&mut b.arrivals)
-            .into_iter()
-            .partition(|a| a.token == token);
-        b.arrivals = kept;
+        let withdrawn = b.withdraw(|a| a.data.token == token);
         let Some(first) = withdrawn.first() else {
             return;
         };
-        let name = b.names[first.name].clone();
-        let (rank, relayed) = (first.rank, first.relayed);
+        let name = b.name_of(first).to_owned();
+        let (rank, relayed) = (first.rank(), first.data.relayed);
         let b = g.barriers.get(&key).expect("present above");
-        let mut missing = g.missing(&key, b);
-        missing.retain(|m| !withdrawn.iter().any(|w| w.rank == m.rank));
-        if b.arrivals.is_empty() {
-            g.barriers.remove(&key);
+        let missing = b.missing_except(
+            |r| withdrawn.iter().any(|w| w.rank() == r),
+            |r| g.location(r),
+        );
+        if b.arrivals().is_empty()
+            && let Some(b) = g.barriers.remove(&key)
+        {
+            g.barriers.recycle(b);
         }
         for w in &withdrawn {
             // The rank's sequence number stays: it may retry the same barrier.
-            g.ranks[w.rank as usize].waiting[key.scope.index()] = false;
+            g.ranks[w.rank() as usize].place.waiting[key.scope.index()] = false;
         }
         let who = if relayed {
-            format!(
-                "ranks {}..={} (node {})",
-                rank,
-                withdrawn[withdrawn.len() - 1].rank,
-                g.ranks[rank as usize].node_rank
-            )
+            barrier::Waiter::Node {
+                first: rank,
+                last: withdrawn[withdrawn.len() - 1].rank(),
+                node_rank: g.ranks[rank as usize].node_rank,
+            }
         } else {
-            format!("rank {rank}")
+            barrier::Waiter::Rank(rank)
         };
-        let err = pb::BarrierError {
-            kind: ErrKind::Timeout as i32,
-            message: format!(
-                "{} #{} ({name}) timed out after {:.3}s on {who} of job '{}' generation {generation}; missing ranks: {}",
-                scope_name(key.scope, key.node_rank),
-                key.seq,
-                after.as_secs_f64(),
-                self.id,
-                list_ranks(&missing)
-            ),
-            missing,
-            ..Default::default()
-        };
+        let err = barrier::timeout_error(key, &name, after, who, &self.id, generation, missing);
         tracing::warn!(job = %self.id, generation, "{}", err.message);
         if relayed {
             g.relay_send(
@@ -350,10 +304,7 @@ impl Job {
         if let Some(released) = resume {
             let node = &g.nodes[node_rank as usize];
             for r in node.rank_offset..node.rank_offset + node.local_world_size {
-                let slot = &mut g.ranks[r as usize];
-                let idx = Scope::Global.index();
-                slot.seq[idx] = slot.seq[idx].max(released);
-                slot.done[idx] = slot.done[idx].max(released);
+                g.ranks[r as usize].place.resume(Scope::Global, released);
             }
             g.mark_released(Scope::Global, 0, released);
             tracing::info!(job = %id, generation, node_rank, released, "relay resumed");
@@ -423,10 +374,9 @@ impl Job {
                 for &rank in ranks {
                     if let Some(slot) = g.ranks.get_mut(rank as usize)
                         && slot.node_rank == node_rank
-                        && !slot.waiting[idx]
+                        && !slot.place.waiting[idx]
                     {
-                        slot.seq[idx] = slot.seq[idx].max(seq);
-                        slot.done[idx] = slot.done[idx].max(seq);
+                        slot.place.resume(Scope::Global, seq);
                     }
                 }
             }
@@ -455,16 +405,10 @@ impl Job {
                             slot.state
                         ))
                     }
-                    Some(slot)
-                        if slot.waiting[idx]
-                            || !(seq == slot.seq[idx] + 1
-                                || (seq == slot.seq[idx] && slot.done[idx] < seq)) =>
-                    {
-                        Some(format!(
-                            "rank {rank} is at global barrier #{} and cannot enter #{seq}",
-                            slot.seq[idx]
-                        ))
-                    }
+                    Some(slot) if !slot.place.may_enter(Scope::Global, seq) => Some(format!(
+                        "rank {rank} is at global barrier #{} and cannot enter #{seq}",
+                        slot.place.seq[idx]
+                    )),
                     Some(_) if !seen.insert(rank) => Some(format!("rank {rank} is named twice")),
                     Some(_) => None,
                 };
@@ -478,48 +422,29 @@ impl Job {
                 }
             }
         }
-        let key = BarrierKey {
-            scope: Scope::Global,
-            node_rank: 0,
-            seq,
-        };
+        let key = BarrierKey::new(Scope::Global, 0, seq);
         if let Some(err) = g.left_error(&key, &id) {
             return reply_now(err);
         }
         let token = g.next_token;
         g.next_token += 1;
-        let expected = g.ranks.len() as u32;
+        let ranks = g.scope_ranks(Scope::Global, 0);
         let now = Instant::now();
         for (name, ranks) in &groups {
             for &rank in ranks {
                 let slot = &mut g.ranks[rank as usize];
-                slot.seq[idx] = seq;
-                slot.waiting[idx] = true;
+                slot.place.enter(Scope::Global, seq);
                 slot.last_seen = now;
                 slot.entered(idx, name);
             }
         }
-        let b = g.barriers.entry(key).or_insert_with(|| Barrier {
-            expected,
-            names: vec![],
-            arrivals: vec![],
-            first_at: now,
-            diverged: false,
-        });
+        let b = g.barriers.open(key, ranks, now);
+        let wait = Wait {
+            token,
+            relayed: true,
+        };
         for (name, ranks) in groups {
-            let name_idx = match b.names.iter().position(|n| *n == name) {
-                Some(i) => i,
-                None => {
-                    b.names.push(name);
-                    b.names.len() - 1
-                }
-            };
-            b.arrivals.extend(ranks.into_iter().map(|rank| Arrival {
-                rank,
-                name: name_idx,
-                token,
-                relayed: true,
-            }));
+            b.arrive_group(ranks, name, now, wait);
         }
         self.settle(g, key, timeout, token);
     }
@@ -540,11 +465,10 @@ impl Job {
         slot.state = RankState::Left;
         slot.outbox = None;
         g.left += 1;
-        let keys: Vec<BarrierKey> = g.barriers.keys().copied().collect();
-        for key in keys {
+        for key in g.barriers.keys() {
             if let Some(err) = g.left_error(&key, &id) {
                 let b = g.barriers.remove(&key).expect("key listed above");
-                g.fail_barrier(key, b, &err);
+                g.fail_barrier(b, &err);
             }
         }
         // The record's left ranks: a new leader does not wait for them.

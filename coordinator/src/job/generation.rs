@@ -39,11 +39,9 @@ pub(super) struct RankSlot {
     pub(super) pid: u32,
     pub(super) host: String,
     pub(super) last_seen: Instant,
-    /// Last barrier sequence number entered, per scope.
-    pub(super) seq: [u64; 2],
-    /// Last barrier sequence number released, per scope.
-    pub(super) done: [u64; 2],
-    pub(super) waiting: [bool; 2],
+    /// Its place in the barrier sequence of each scope (the shared rule for what it may
+    /// enter next).
+    pub(super) place: Place,
     pub(super) outbox: Option<Outbox>,
     /// The rank has opened a session in this generation (persisted).
     pub(super) had_session: bool,
@@ -53,29 +51,18 @@ pub(super) struct RankSlot {
     pub(super) last_scope: Option<usize>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(super) struct BarrierKey {
-    pub(super) scope: Scope,
-    pub(super) node_rank: u32,
-    pub(super) seq: u64,
-}
-
-pub(super) struct Arrival {
-    pub(super) rank: u32,
-    pub(super) name: usize,
+/// What the coordinator keeps per arrival in the shared barrier table.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Wait {
     /// Identifies one wait (a group's ranks share it): timeouts withdraw by token.
     pub(super) token: u64,
     /// Arrived through its node's relay: answered once per node, not per rank.
     pub(super) relayed: bool,
 }
 
-pub(super) struct Barrier {
-    pub(super) expected: u32,
-    pub(super) names: Vec<String>,
-    pub(super) arrivals: Vec<Arrival>,
-    pub(super) first_at: Instant,
-    pub(super) diverged: bool,
-}
+pub(super) type BarrierKey = barrier::Key;
+pub(super) type Barrier = barrier::Barrier<Wait>;
+pub(super) type Arrival = barrier::Arrival<Wait>;
 
 pub(super) struct Gen {
     pub(super) generation: u64,
@@ -84,13 +71,12 @@ pub(super) struct Gen {
     /// Loaded from the store by a new leader (or a restarted coordinator): its ranks
     /// re-attach with `resume` and may enter barriers before their sessions are back.
     pub(super) recovered: bool,
-    /// The highest barrier seq known complete, per scope key (scope, node rank; 0 for
-    /// global). A rank re-entering a barrier at or below it after a failover is released at
-    /// once: its peers already passed it under the previous leader.
-    pub(super) released: HashMap<(Scope, u32), u64>,
     pub(super) nodes: Vec<NodeSlot>,
     pub(super) ranks: Vec<RankSlot>,
-    pub(super) barriers: HashMap<BarrierKey, Barrier>,
+    /// The pending barriers, and the highest seq known complete per scope: a rank
+    /// re-entering a barrier at or below it after a failover is released at once (its peers
+    /// already passed it under the previous leader).
+    pub(super) barriers: barrier::Table<Wait>,
     pub(super) failure: Option<Failure>,
     /// The event sent to watchers when the generation ended (and to those who attach later).
     pub(super) ended: Option<Box<pb::GenerationEnded>>,
@@ -130,9 +116,7 @@ impl RankSlot {
             pid: 0,
             host: String::new(),
             last_seen: Instant::now(),
-            seq: [0; 2],
-            done: [0; 2],
-            waiting: [false; 2],
+            place: Place::default(),
             outbox: None,
             had_session: false,
             names: [String::new(), String::new()],
@@ -174,17 +158,6 @@ impl Gen {
         }
     }
 
-    pub(super) fn missing(&self, key: &BarrierKey, b: &Barrier) -> Vec<pb::RankLocation> {
-        let mut arrived = vec![false; self.ranks.len()];
-        for a in &b.arrivals {
-            arrived[a.rank as usize] = true;
-        }
-        self.scope_ranks(key.scope, key.node_rank)
-            .filter(|r| !arrived[*r as usize])
-            .map(|r| self.location(r))
-            .collect()
-    }
-
     pub(super) fn send(&self, rank: u32, msg: pb::CoordinatorMessage) {
         if let Some(outbox) = &self.ranks[rank as usize].outbox {
             // A closed outbox means the session is gone; its own end handles that.
@@ -200,23 +173,22 @@ impl Gen {
         arrivals: impl Iterator<Item = &'a Arrival>,
         error: Option<&pb::BarrierError>,
     ) {
-        let idx = key.scope.index();
         let mut nodes_told: Vec<u32> = vec![];
         for a in arrivals {
-            let slot = &mut self.ranks[a.rank as usize];
-            if !slot.waiting[idx] || slot.seq[idx] != key.seq {
+            let slot = &mut self.ranks[a.rank() as usize];
+            // Every result the coordinator delivers here uses the seq up (a timeout does not
+            // come this way).
+            if !slot.place.answer(key.scope, key.seq, true) {
                 continue;
             }
-            slot.waiting[idx] = false;
-            slot.done[idx] = key.seq;
-            if a.relayed {
+            if a.data.relayed {
                 let node = slot.node_rank;
                 if !nodes_told.contains(&node) {
                     nodes_told.push(node);
                     self.relay_send(node, relay_result(key.seq, error.cloned()));
                 }
             } else {
-                self.send(a.rank, result(key.scope, key.seq, error.cloned()));
+                self.send(a.rank(), result(key.scope, key.seq, error.cloned()));
             }
         }
     }
@@ -272,37 +244,15 @@ impl Gen {
     }
 
     /// Ends a barrier with the same error for every rank that arrived.
-    pub(super) fn fail_barrier(&mut self, key: BarrierKey, b: Barrier, error: &pb::BarrierError) {
-        self.deliver(key, b.arrivals.iter(), Some(error));
+    pub(super) fn fail_barrier(&mut self, b: Barrier, error: &pb::BarrierError) {
+        self.deliver(b.key(), b.arrivals().iter(), Some(error));
+        self.barriers.recycle(b);
     }
 
     pub(super) fn fail_all_barriers(&mut self, error: &pb::BarrierError) {
-        let barriers: Vec<_> = self.barriers.drain().collect();
-        for (key, b) in barriers {
-            self.fail_barrier(key, b, error);
+        for b in self.barriers.drain() {
+            self.fail_barrier(b, error);
         }
-    }
-
-    pub(super) fn divergence_message(&self, key: &BarrierKey, b: &Barrier) -> String {
-        let mut s = format!(
-            "barrier divergence at {} #{}: ranks met under different names:",
-            scope_name(key.scope, key.node_rank),
-            key.seq
-        );
-        for (i, name) in b.names.iter().enumerate() {
-            let ranks: Vec<String> = b
-                .arrivals
-                .iter()
-                .filter(|a| a.name == i)
-                .map(|a| a.rank.to_string())
-                .collect();
-            let _ = write!(s, " [{name}: ranks {}]", ranks.join(","));
-        }
-        let missing = self.missing(key, b);
-        if !missing.is_empty() {
-            let _ = write!(s, "; not yet arrived: {}", list_ranks(&missing));
-        }
-        s
     }
 
     /// A rank that left can never reach a barrier it had not entered: fail such barriers.
@@ -312,50 +262,30 @@ impl Gen {
         }
         let r = self.scope_ranks(key.scope, key.node_rank).find(|r| {
             let s = &self.ranks[*r as usize];
-            s.state == RankState::Left && s.seq[key.scope.index()] < key.seq
+            s.state == RankState::Left && s.place.seq[key.scope.index()] < key.seq
         })?;
-        let loc = self.location(r);
-        Some(pb::BarrierError {
-            kind: ErrKind::RankLeft as i32,
-            message: format!(
-                "rank {r} (node {}, host {}) has left job '{job}' generation {} before reaching {} #{}; the barrier can never complete",
-                loc.node_rank,
-                loc.host,
-                self.generation,
-                scope_name(key.scope, key.node_rank),
-                key.seq
-            ),
-            rank: r,
-            node_rank: loc.node_rank,
-            host: loc.host,
-            missing: vec![],
-        })
+        Some(barrier::left_error(
+            self.location(r),
+            job,
+            self.generation,
+            *key,
+        ))
     }
 
     /// Records that barrier `seq` of `scope` (node `node_rank` for node scope) completed,
     /// and releases every pending barrier of that scope at or below it.
     pub(super) fn mark_released(&mut self, scope: Scope, node_rank: u32, seq: u64) {
-        let node_rank = if scope == Scope::Node { node_rank } else { 0 };
-        let known = self.released.entry((scope, node_rank)).or_insert(0);
-        if seq <= *known {
-            return;
-        }
-        *known = seq;
-        let done: Vec<BarrierKey> = self
+        for b in self
             .barriers
-            .keys()
-            .filter(|k| k.scope == scope && k.node_rank == node_rank && k.seq <= seq)
-            .copied()
-            .collect();
-        for key in done {
-            let b = self.barriers.remove(&key).expect("key listed above");
-            self.deliver(key, b.arrivals.iter(), None);
+            .release_through(BarrierKey::new(scope, node_rank, seq))
+        {
+            self.deliver(b.key(), b.arrivals().iter(), None);
+            self.barriers.recycle(b);
         }
     }
 
     /// The highest barrier seq of `scope` known complete.
     pub(super) fn released(&self, scope: Scope, node_rank: u32) -> u64 {
-        let node_rank = if scope == Scope::Node { node_rank } else { 0 };
-        self.released.get(&(scope, node_rank)).copied().unwrap_or(0)
+        self.barriers.released(scope, node_rank)
     }
 }

@@ -33,8 +33,9 @@ pub use persist::{RECORDS_PREFIX, record_key};
 
 use crate::store::Store;
 use generation::*;
+use muster_core::barrier::{self, Place};
 use muster_core::error::Error;
-use muster_core::model::{JobId, Scope, barrier_error as simple_error, list_ranks, scope_name};
+use muster_core::model::{JobId, Scope, barrier_error as simple_error, scope_name};
 use muster_proto::v1 as pb;
 use nodes::*;
 use pb::barrier_error::Kind as ErrKind;

@@ -263,11 +263,10 @@ impl Job {
             }
         }
         if newly_left {
-            let keys: Vec<BarrierKey> = g.barriers.keys().copied().collect();
-            for key in keys {
+            for key in g.barriers.keys() {
                 if let Some(err) = g.left_error(&key, &id) {
                     let b = g.barriers.remove(&key).expect("key listed above");
-                    g.fail_barrier(key, b, &err);
+                    g.fail_barrier(b, &err);
                 }
             }
         }

@@ -12,7 +12,7 @@ pub(super) fn ms_since(now: Instant, at: Instant) -> u64 {
 pub(super) fn rank_state(s: &RankSlot) -> pb::RankState {
     match s.state {
         RankState::Pending => pb::RankState::Pending,
-        RankState::Running if s.waiting.contains(&true) => pb::RankState::Waiting,
+        RankState::Running if s.place.waiting.contains(&true) => pb::RankState::Waiting,
         RankState::Running => pb::RankState::Running,
         RankState::Failed => pb::RankState::Failed,
         RankState::Left => pb::RankState::Left,
@@ -41,7 +41,7 @@ impl Gen {
             Some(i) => format!(
                 "last barrier: {} #{} '{}'",
                 scope_of(i),
-                s.seq[i],
+                s.place.seq[i],
                 s.names[i]
             ),
             None => "no barrier entered yet".to_owned(),
@@ -61,29 +61,21 @@ impl Gen {
             RankState::Left => format!("left cleanly ({last})"),
             RankState::Running => {
                 for idx in [Scope::Global.index(), Scope::Node.index()] {
-                    if s.waiting[idx] {
-                        let node_rank = if idx == Scope::Node.index() {
-                            s.node_rank
+                    if s.place.waiting[idx] {
+                        let scope = if idx == Scope::Node.index() {
+                            Scope::Node
                         } else {
-                            0
+                            Scope::Global
                         };
-                        let key = BarrierKey {
-                            scope: if idx == Scope::Node.index() {
-                                Scope::Node
-                            } else {
-                                Scope::Global
-                            },
-                            node_rank,
-                            seq: s.seq[idx],
-                        };
+                        let key = BarrierKey::new(scope, s.node_rank, s.place.seq[idx]);
                         let waited = self
                             .barriers
                             .get(&key)
-                            .map_or(0, |b| ms_since(now, b.first_at));
+                            .map_or(0, |b| ms_since(now, b.opened()));
                         return format!(
                             "waiting at {} #{} '{}' for {waited} ms (heard {heard} ms ago)",
                             scope_of(idx),
-                            s.seq[idx],
+                            s.place.seq[idx],
                             s.names[idx]
                         );
                     }
@@ -209,8 +201,8 @@ impl Job {
                             pid: s.pid,
                             state: state as i32,
                             last_seen_ms_ago: ms_since(now, s.last_seen),
-                            global_seq: s.seq[0],
-                            node_seq: s.seq[1],
+                            global_seq: s.place.seq[0],
+                            node_seq: s.place.seq[1],
                             local_rank: r - node.rank_offset,
                             restart_count: restarts,
                             last_barrier: s
@@ -221,30 +213,15 @@ impl Job {
                     })
                     .collect();
                 let mut barriers: Vec<_> = g.barriers.iter().collect();
-                barriers.sort_by_key(|(k, _)| (k.scope.index(), k.node_rank, k.seq));
+                barriers.sort_by_key(|b| {
+                    let k = b.key();
+                    (k.scope.index(), k.node_rank, k.seq)
+                });
                 resp.barriers = barriers
                     .into_iter()
-                    .map(|(k, b)| pb::BarrierInfo {
-                        scope: k.scope.to_wire(),
-                        node_rank: k.node_rank,
-                        seq: k.seq,
-                        names: b
-                            .names
-                            .iter()
-                            .enumerate()
-                            .map(|(i, name)| pb::BarrierName {
-                                name: name.clone(),
-                                ranks: b
-                                    .arrivals
-                                    .iter()
-                                    .filter(|a| a.name == i)
-                                    .map(|a| a.rank)
-                                    .collect(),
-                            })
-                            .collect(),
-                        missing: g.missing(k, b),
-                        waiting_ms: ms_since(now, b.first_at),
-                        missing_detail: vec![],
+                    .map(|b| {
+                        let waited = now.saturating_duration_since(b.opened());
+                        b.info(waited, |r| g.location(r))
                     })
                     .collect();
                 // Waits held by relays: shown as reported, aged to now.
@@ -279,7 +256,7 @@ impl Job {
                                 host: m.host.clone(),
                                 state: info.state,
                                 last_seen_ms_ago: info.last_seen_ms_ago,
-                                last_seq: s.seq[idx],
+                                last_seq: s.place.seq[idx],
                                 last_barrier: s.names[idx].clone(),
                                 activity: info.activity.clone(),
                             })
