@@ -13,6 +13,8 @@
 //!   cancel);
 //! - `nodes.rs`: agents' watches (the node lease), recovery after a failover, drains;
 //! - `persist.rs`: the job record, its writer task, and restoring a job from it;
+//! - `push.rs`: the wire messages the job pushes (barrier results, failures, ends, join
+//!   answers);
 //! - `views.rs`: the ops views (`DescribeJob`, the job list).
 
 mod barriers;
@@ -20,6 +22,7 @@ mod ending;
 mod generation;
 mod nodes;
 mod persist;
+mod push;
 mod rendezvous;
 #[cfg(test)]
 mod tests;
@@ -29,6 +32,7 @@ pub use barriers::Registration;
 pub use muster_core::error::DRAINED_METADATA;
 pub use muster_core::failure::{Failure, FailureDetail};
 pub use muster_core::requests::{JoinReq, NodeRef, RoundConfig};
+pub use nodes::Drained;
 pub use persist::{RECORDS_PREFIX, record_key};
 
 use crate::store::Store;
@@ -40,6 +44,7 @@ use muster_proto::v1 as pb;
 use nodes::*;
 use pb::barrier_error::Kind as ErrKind;
 use persist::*;
+use push::*;
 use rendezvous::*;
 use std::collections::HashMap;
 use std::fmt::Write as _;

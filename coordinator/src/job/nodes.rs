@@ -4,29 +4,6 @@
 
 use super::*;
 
-/// The ending `node_id` hears: `ended` itself, unless the generation was superseded and the
-/// node is drained: then CAUSE_DRAINED without rejoin, so that its agent stops for good.
-pub(super) fn drained_end(
-    ended: &pb::GenerationEnded,
-    node_id: &str,
-    drained: &HashMap<String, String>,
-) -> pb::GenerationEnded {
-    match drained.get(node_id) {
-        Some(reason) if ended.cause == pb::generation_ended::Cause::Superseded as i32 => {
-            pb::GenerationEnded {
-                cause: pb::generation_ended::Cause::Drained as i32,
-                rejoin: false,
-                message: format!(
-                    "node '{node_id}' was drained from generation {} by an operator ({reason}); the job continues on the other nodes",
-                    ended.generation
-                ),
-                ..ended.clone()
-            }
-        }
-        _ => ended.clone(),
-    }
-}
-
 /// The answer to a join from a drained node: FAILED_PRECONDITION naming the node and the
 /// reason, marked with the `muster-drained` metadata key so that an agent can tell a drain
 /// from a job that is over.
@@ -34,6 +11,18 @@ pub(super) fn drained_refusal(job: &JobId, node_id: &str, reason: &str) -> Error
     Error::Drained(format!(
         "node '{node_id}' was drained from job '{job}' by an operator ({reason}) and may not join it again; start the agent afresh (a new node id) to add this machine back"
     ))
+}
+
+/// What a drain did: the node it took out, the generation it ended, and how many nodes
+/// remain to rejoin.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Drained {
+    /// The drained node's id.
+    pub node_id: String,
+    /// The generation it was drained from (superseded, or still forming).
+    pub generation: u64,
+    /// The nodes left in the job.
+    pub remaining_nodes: u32,
 }
 
 impl Job {
@@ -283,7 +272,7 @@ impl Job {
     /// nodes rejoin without it while the drained node's agent hears CAUSE_DRAINED without
     /// rejoin. In an open round the node's pending join is refused instead. Not a restart:
     /// the restart count is unchanged. Refused when fewer than min_nodes would remain.
-    pub fn drain(&self, node: &NodeRef, reason: &str) -> Result<pb::DrainNodeResponse, Error> {
+    pub fn drain(&self, node: &NodeRef, reason: &str) -> Result<Drained, Error> {
         let mut st = self.lock();
         let id = self.id.clone();
         match &st.done {
@@ -356,7 +345,7 @@ impl Job {
                 self.persist(&st);
                 drop(st);
                 self.notify();
-                Ok(pb::DrainNodeResponse {
+                Ok(Drained {
                     node_id: node_id.clone(),
                     generation,
                     remaining_nodes: remaining,
@@ -406,7 +395,7 @@ impl Job {
                     ),
                     false,
                 );
-                Ok(pb::DrainNodeResponse {
+                Ok(Drained {
                     node_id,
                     generation,
                     remaining_nodes: present as u32 - 1,

@@ -23,33 +23,6 @@ pub(super) type JoinReply = oneshot::Sender<Result<pb::JoinResponse, Error>>;
 
 pub(super) type JoinAnswer = oneshot::Receiver<Result<pb::JoinResponse, Error>>;
 
-/// Node `node_rank`'s answer to its join of the round that formed `nodes`.
-pub(super) fn join_answer(
-    job: &JobId,
-    generation: u64,
-    nodes: &[NodeSlot],
-    node_rank: usize,
-    restart_count: u32,
-    max_restarts: u32,
-) -> pb::JoinResponse {
-    let node = &nodes[node_rank];
-    let world_size = nodes
-        .last()
-        .map_or(0, |n| n.rank_offset + n.local_world_size);
-    pb::JoinResponse {
-        job_id: job.to_string(),
-        generation,
-        node_rank: node_rank as u32,
-        num_nodes: nodes.len() as u32,
-        rank_offset: node.rank_offset,
-        local_world_size: node.local_world_size,
-        world_size,
-        master_host: nodes.first().map(|n| n.host.clone()).unwrap_or_default(),
-        restart_count,
-        max_restarts,
-    }
-}
-
 impl Job {
     /// Adds a node to the open round (opening the next one if the job is running). Returns the
     /// round's generation, the call's attempt id (for [`Job::withdraw`]) and the receiver of

@@ -110,8 +110,8 @@ impl pb::ops_server::Ops for OpsService {
         let job = self.0.job(&r.job_id)?;
         let job_id = r.job_id.clone();
         let Drain { node, reason } = Drain::try_from(r)?;
-        let resp = job.drain(&node, &reason)?;
-        self.0.pool.drained(&job_id, &resp.node_id);
-        Ok(Response::new(resp))
+        let drained = job.drain(&node, &reason)?;
+        self.0.pool.drained(&job_id, &drained.node_id);
+        Ok(Response::new(drained.into()))
     }
 }
