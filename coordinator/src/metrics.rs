@@ -170,7 +170,7 @@ pub fn restarted() {
 }
 
 /// Hook: a generation failed with `failure`.
-pub fn generation_failed(failure: &crate::job::Failure) {
+pub fn generation_failed(failure: &muster_core::failure::Failure) {
     let cause = if !failure.node_id.is_empty() {
         Cause::NodeLost
     } else if failure.detail.signal.is_some() {

@@ -4,7 +4,10 @@
 //! Nothing here does I/O, spawns a task or names a server dependency: every module is plain
 //! data and decisions, so each is tested with plain unit tests.
 
+pub mod error;
+pub mod failure;
 pub mod model;
+pub mod requests;
 
 /// The barrier table: arrivals, completion, divergence and every barrier error text.
 pub mod barrier;

@@ -1,6 +1,8 @@
-//! Validated domain types: every request from the network is converted into these at the edge
-//! (in the coordinator's service layer), so the rest of the coordinator never sees an unchecked
-//! job id, an empty host or a zero world size.
+//! Validated domain types and the checks that make them: a job id, a node id, a host, a label,
+//! a generation, a wait, a barrier scope. Every request from the network is converted into
+//! these at the edge, by the `TryFrom` impls in [`crate::requests`] (called in the
+//! coordinator's gRPC handlers) or by these checks directly, so the rest of the coordinator
+//! never sees an unchecked job id, an empty host or a zero world size.
 
 use std::fmt;
 use std::time::Duration;
@@ -26,8 +28,9 @@ impl fmt::Display for Invalid {
 }
 
 impl From<Invalid> for Status {
+    /// Through [`crate::error::Error`], whose mapping is the one table of status codes.
     fn from(e: Invalid) -> Self {
-        Status::invalid_argument(e.0)
+        crate::error::Error::from(e).into()
     }
 }
 

@@ -1,0 +1,482 @@
+//! Sessions and relays: registering them in the running generation, and their barrier
+//! entries (one rank through its session, or a node's ranks at once through its relay), with
+//! divergence, completion and timeouts.
+
+use super::*;
+
+/// What a registered session needs to know.
+#[derive(Debug, Clone)]
+pub struct Registration {
+    /// The worker's node rank.
+    pub node_rank: u32,
+    /// Nodes in the generation.
+    pub num_nodes: u32,
+    /// Ranks in the generation.
+    pub world_size: u32,
+}
+
+impl Job {
+    /// Registers a worker session for `rank`. `resume` carries the last barrier seq the
+    /// worker was released from per scope (global, node) when it re-attaches after a failover:
+    /// those barriers count as complete here, releasing any peer still waiting at them.
+    pub fn register(
+        &self,
+        generation: u64,
+        rank: u32,
+        pid: u32,
+        host: String,
+        outbox: Outbox,
+        resume: Option<[u64; 2]>,
+    ) -> Result<Registration, Error> {
+        let mut st = self.lock();
+        let id = self.id.clone();
+        let g = self.running(&mut st, generation)?;
+        let world = g.ranks.len();
+        if let Some(f) = &g.failure {
+            return Err(Error::FailedPrecondition(f.describe(&id, generation)));
+        }
+        let Some(slot) = g.ranks.get_mut(rank as usize) else {
+            return Err(Error::InvalidArgument(format!(
+                "rank {rank} is outside job '{id}' generation {generation} (world size {world})"
+            )));
+        };
+        if slot.state != RankState::Pending {
+            return Err(Error::AlreadyExists(format!(
+                "rank {rank} of job '{id}' generation {generation} is already registered (pid {} on host {})",
+                slot.pid, slot.host
+            )));
+        }
+        slot.state = RankState::Running;
+        slot.pid = pid;
+        slot.host = host;
+        slot.last_seen = Instant::now();
+        slot.outbox = Some(outbox);
+        let node_rank = slot.node_rank;
+        let first_session = !std::mem::replace(&mut slot.had_session, true);
+        if let Some(released) = resume {
+            // The rank's place in each scope's sequence, as it was under the last leader.
+            for scope in [Scope::Global, Scope::Node] {
+                let idx = scope.index();
+                g.ranks[rank as usize].place.resume(scope, released[idx]);
+                g.mark_released(scope, node_rank, released[idx]);
+            }
+            tracing::info!(job = %id, generation, rank, released_global = released[0], released_node = released[1], "session resumed");
+        }
+        let registration = Registration {
+            node_rank,
+            num_nodes: g.nodes.len() as u32,
+            world_size: world as u32,
+        };
+        if first_session {
+            // Coalesced with the other ranks' registrations by the record writer.
+            self.persist(&st);
+        }
+        Ok(registration)
+    }
+
+    /// Records a heartbeat.
+    pub fn touch(&self, generation: u64, rank: u32) {
+        let mut st = self.lock();
+        if let Ok(g) = self.running(&mut st, generation)
+            && let Some(slot) = g.ranks.get_mut(rank as usize)
+        {
+            slot.last_seen = Instant::now();
+        }
+    }
+
+    /// A barrier entry from `rank`'s session. The answer goes out through the session's outbox
+    /// (now, or when the barrier completes or fails).
+    #[allow(clippy::too_many_arguments)]
+    pub fn barrier(
+        self: &Arc<Self>,
+        generation: u64,
+        rank: u32,
+        scope: Scope,
+        seq: u64,
+        name: String,
+        timeout: Option<Duration>,
+        outbox: &Outbox,
+    ) {
+        let mut st = self.lock();
+        let g = match self.running(&mut st, generation) {
+            Ok(g) => g,
+            Err(status) => {
+                let err = simple_error(ErrKind::StaleGeneration, status.message().to_owned());
+                let _ = outbox.send(Ok(result(scope, seq, Some(err))));
+                return;
+            }
+        };
+        let reply_now = |err: pb::BarrierError| {
+            let _ = outbox.send(Ok(result(scope, seq, Some(err))));
+        };
+        if let Some(f) = &g.failure {
+            return reply_now(f.to_error(&self.id, generation));
+        }
+        let idx = scope.index();
+        // Sessions only pass ranks `register` checked; the check keeps that assumption from
+        // ever becoming a panic (found by the job_ops fuzz target).
+        let Some(node_rank) = g.ranks.get(rank as usize).map(|s| s.node_rank) else {
+            return reply_now(simple_error(
+                ErrKind::Unspecified,
+                format!(
+                    "rank {rank} is outside job '{}' generation {generation} (world size {})",
+                    self.id,
+                    g.ranks.len()
+                ),
+            ));
+        };
+        if seq <= g.released(scope, node_rank) {
+            // Completed under the previous leader; this rank's answer was lost in the failover.
+            let slot = &mut g.ranks[rank as usize];
+            if !slot.place.waiting[idx] {
+                slot.place.resume(scope, seq);
+                let _ = outbox.send(Ok(result(scope, seq, None)));
+                return;
+            }
+        }
+        let slot = &mut g.ranks[rank as usize];
+        slot.last_seen = Instant::now();
+        if let Err(message) = slot.place.check_entry(rank, scope, slot.node_rank, seq) {
+            return reply_now(simple_error(ErrKind::Unspecified, message));
+        }
+        let key = BarrierKey::new(scope, node_rank, seq);
+        if let Some(err) = g.left_error(&key, &self.id) {
+            return reply_now(err);
+        }
+        let token = g.next_token;
+        g.next_token += 1;
+        let ranks = g.scope_ranks(scope, key.node_rank);
+        let slot = &mut g.ranks[rank as usize];
+        slot.place.enter(scope, seq);
+        slot.entered(idx, &name);
+        let now = Instant::now();
+        let wait = Wait {
+            token,
+            relayed: false,
+        };
+        g.barriers
+            .open(key, ranks, now)
+            .arrive(rank, name, now, wait);
+        self.settle(g, key, timeout, token);
+    }
+
+    /// After arrivals were added to barrier `key`: reports divergence, releases a complete
+    /// barrier, or arms the timeout of the wait `token`.
+    pub(super) fn settle(
+        self: &Arc<Self>,
+        g: &mut Gen,
+        key: BarrierKey,
+        timeout: Option<Duration>,
+        token: u64,
+    ) {
+        let generation = g.generation;
+        let b = g.barriers.get(&key).expect("settle follows an arrival");
+        let complete = b.complete();
+        if b.diverged() {
+            // Divergence: everyone at this barrier, now and later, gets the same error.
+            let msg = b.divergence_message(|r| g.location(r));
+            tracing::warn!(job = %self.id, generation, "{msg}");
+            let err = simple_error(ErrKind::Diverged, msg);
+            let b = g.barriers.remove(&key).expect("present above");
+            g.deliver(key, b.arrivals().iter(), Some(&err));
+            if complete {
+                g.barriers.recycle(b);
+            } else {
+                g.barriers.insert(b);
+            }
+            return;
+        }
+        if complete {
+            let b = g.barriers.remove(&key).expect("present above");
+            g.deliver(key, b.arrivals().iter(), None);
+            crate::metrics::barrier_completed(b.opened().elapsed());
+            g.barriers.release(key);
+            g.barriers.recycle(b);
+            return;
+        }
+        if let Some(t) = timeout {
+            let job = Arc::clone(self);
+            tokio::spawn(async move {
+                tokio::time::sleep(t).await;
+                if !job.retired() {
+                    job.barrier_timeout(generation, key, token, t);
+                }
+            });
+        }
+    }
+
+    pub(super) fn barrier_timeout(
+        &self,
+        generation: u64,
+        key: BarrierKey,
+        token: u64,
+        after: Duration,
+    ) {
+        let mut st = self.lock();
+        let Ok(g) = self.running(&mut st, generation) else {
+            return;
+        };
+        let Some(b) = g.barriers.get_mut(&key) else {
+            return;
+        };
+        let withdrawn = b.withdraw(|a| a.data.token == token);
+        let Some(first) = withdrawn.first() else {
+            return;
+        };
+        let name = b.name_of(first).to_owned();
+        let (rank, relayed) = (first.rank(), first.data.relayed);
+        let b = g.barriers.get(&key).expect("present above");
+        let missing = b.missing_except(
+            |r| withdrawn.iter().any(|w| w.rank() == r),
+            |r| g.location(r),
+        );
+        if b.arrivals().is_empty()
+            && let Some(b) = g.barriers.remove(&key)
+        {
+            g.barriers.recycle(b);
+        }
+        for w in &withdrawn {
+            // The rank's sequence number stays: it may retry the same barrier.
+            g.ranks[w.rank() as usize].place.waiting[key.scope.index()] = false;
+        }
+        let who = if relayed {
+            barrier::Waiter::Node {
+                first: rank,
+                last: withdrawn[withdrawn.len() - 1].rank(),
+                node_rank: g.ranks[rank as usize].node_rank,
+            }
+        } else {
+            barrier::Waiter::Rank(rank)
+        };
+        let err = barrier::timeout_error(key, &name, after, who, &self.id, generation, missing);
+        tracing::warn!(job = %self.id, generation, "{}", err.message);
+        if relayed {
+            g.relay_send(
+                g.ranks[rank as usize].node_rank,
+                relay_result(key.seq, Some(err)),
+            );
+        } else {
+            g.send(rank, result(key.scope, key.seq, Some(err)));
+        }
+    }
+
+    /// Registers the relay of node `node_rank`: from now on its agent may enter global
+    /// barriers for the node's ranks, and hears of the generation's failure.
+    /// Sends `registered` (then `failed`, if the generation already failed) under the lock,
+    /// so no event can overtake them.
+    pub fn relay_register(
+        &self,
+        generation: u64,
+        node_rank: u32,
+        outbox: RelayOutbox,
+        heartbeat_interval: Duration,
+        resume: Option<u64>,
+    ) -> Result<(), Error> {
+        let mut st = self.lock();
+        let id = self.id.clone();
+        let g = self.running(&mut st, generation)?;
+        let num_nodes = g.nodes.len() as u32;
+        let world_size = g.ranks.len() as u32;
+        let Some(node) = g.nodes.get_mut(node_rank as usize) else {
+            return Err(Error::InvalidArgument(format!(
+                "node rank {node_rank} is outside job '{id}' generation {generation} ({num_nodes} nodes)"
+            )));
+        };
+        if node.relay.as_ref().is_some_and(|r| !r.is_closed()) {
+            return Err(Error::AlreadyExists(format!(
+                "node {node_rank} of job '{id}' generation {generation} already has a relay"
+            )));
+        }
+        let _ = outbox.send(Ok(pb::RelayEvent {
+            kind: Some(pb::relay_event::Kind::Registered(pb::Registered {
+                heartbeat_interval_ms: heartbeat_interval.as_millis() as u64,
+                world_size,
+                node_rank,
+                num_nodes,
+            })),
+        }));
+        if let Some(f) = &g.failure {
+            let _ = outbox.send(Ok(pb::RelayEvent {
+                kind: Some(pb::relay_event::Kind::Failed(f.to_error(&id, generation))),
+            }));
+        }
+        g.nodes[node_rank as usize].relay = Some(outbox);
+        if let Some(released) = resume {
+            let node = &g.nodes[node_rank as usize];
+            for r in node.rank_offset..node.rank_offset + node.local_world_size {
+                g.ranks[r as usize].place.resume(Scope::Global, released);
+            }
+            g.mark_released(Scope::Global, 0, released);
+            tracing::info!(job = %id, generation, node_rank, released, "relay resumed");
+        }
+        Ok(())
+    }
+
+    /// Keeps node `node_rank`'s report of the waits its relay holds (replacing the last one),
+    /// for the ops view. Ranks outside the node are dropped from it.
+    pub fn relay_report(
+        &self,
+        generation: u64,
+        node_rank: u32,
+        mut barriers: Vec<pb::BarrierInfo>,
+    ) {
+        let mut st = self.lock();
+        let Ok(g) = self.running(&mut st, generation) else {
+            return;
+        };
+        let Some(node) = g.nodes.get(node_rank as usize) else {
+            return;
+        };
+        let local = node.rank_offset..node.rank_offset + node.local_world_size;
+        for b in &mut barriers {
+            b.node_rank = node_rank;
+            for n in &mut b.names {
+                n.ranks.retain(|r| local.contains(r));
+            }
+        }
+        g.nodes[node_rank as usize].report =
+            (!barriers.is_empty()).then(|| (Instant::now(), barriers));
+    }
+
+    /// A relay's aggregated entry: every rank in `groups` enters global barrier `seq`. All
+    /// ranks are checked before any is recorded; the answer goes to the relay (once for the
+    /// node).
+    pub fn barrier_group(
+        self: &Arc<Self>,
+        generation: u64,
+        node_rank: u32,
+        seq: u64,
+        groups: Vec<(String, Vec<u32>)>,
+        timeout: Option<Duration>,
+        outbox: &RelayOutbox,
+    ) {
+        let mut st = self.lock();
+        let id = self.id.clone();
+        let reply_now = |err: pb::BarrierError| {
+            let _ = outbox.send(Ok(relay_result(seq, Some(err))));
+        };
+        let g = match self.running(&mut st, generation) {
+            Ok(g) => g,
+            Err(status) => {
+                return reply_now(simple_error(
+                    ErrKind::StaleGeneration,
+                    status.message().to_owned(),
+                ));
+            }
+        };
+        if let Some(f) = &g.failure {
+            return reply_now(f.to_error(&id, generation));
+        }
+        let idx = Scope::Global.index();
+        if seq <= g.released(Scope::Global, 0) {
+            // Completed under the previous leader; the node's answer was lost in the failover.
+            for (_, ranks) in &groups {
+                for &rank in ranks {
+                    if let Some(slot) = g.ranks.get_mut(rank as usize)
+                        && slot.node_rank == node_rank
+                        && !slot.place.waiting[idx]
+                    {
+                        slot.place.resume(Scope::Global, seq);
+                    }
+                }
+            }
+            let _ = outbox.send(Ok(relay_result(seq, None)));
+            return;
+        }
+        let recovered = g.recovered;
+        let mut seen = std::collections::HashSet::new();
+        for (_, ranks) in &groups {
+            for &rank in ranks {
+                let problem = match g.ranks.get(rank as usize) {
+                    None => Some(format!(
+                        "rank {rank} is outside the world ({})",
+                        g.ranks.len()
+                    )),
+                    Some(slot) if slot.node_rank != node_rank => Some(format!(
+                        "rank {rank} is on node {}, not on the relay's node {node_rank}",
+                        slot.node_rank
+                    )),
+                    Some(slot)
+                        if slot.state != RankState::Running
+                            && !(recovered && slot.state == RankState::Pending) =>
+                    {
+                        Some(format!(
+                            "rank {rank} has no live session ({:?})",
+                            slot.state
+                        ))
+                    }
+                    Some(slot) if !slot.place.may_enter(Scope::Global, seq) => Some(format!(
+                        "rank {rank} is at global barrier #{} and cannot enter #{seq}",
+                        slot.place.seq[idx]
+                    )),
+                    Some(_) if !seen.insert(rank) => Some(format!("rank {rank} is named twice")),
+                    Some(_) => None,
+                };
+                if let Some(problem) = problem {
+                    return reply_now(simple_error(
+                        ErrKind::Unspecified,
+                        format!(
+                            "relay of node {node_rank} entered global barrier #{seq} for job '{id}' generation {generation}: {problem}"
+                        ),
+                    ));
+                }
+            }
+        }
+        let key = BarrierKey::new(Scope::Global, 0, seq);
+        if let Some(err) = g.left_error(&key, &id) {
+            return reply_now(err);
+        }
+        let token = g.next_token;
+        g.next_token += 1;
+        let ranks = g.scope_ranks(Scope::Global, 0);
+        let now = Instant::now();
+        for (name, ranks) in &groups {
+            for &rank in ranks {
+                let slot = &mut g.ranks[rank as usize];
+                slot.place.enter(Scope::Global, seq);
+                slot.last_seen = now;
+                slot.entered(idx, name);
+            }
+        }
+        let b = g.barriers.open(key, ranks, now);
+        let wait = Wait {
+            token,
+            relayed: true,
+        };
+        for (name, ranks) in groups {
+            b.arrive_group(ranks, name, now, wait);
+        }
+        self.settle(g, key, timeout, token);
+    }
+
+    /// `rank` ends its session cleanly.
+    pub fn leave(&self, generation: u64, rank: u32) {
+        let mut st = self.lock();
+        let id = self.id.clone();
+        let Ok(g) = self.running(&mut st, generation) else {
+            return;
+        };
+        let Some(slot) = g.ranks.get_mut(rank as usize) else {
+            return;
+        };
+        if slot.state != RankState::Running {
+            return;
+        }
+        slot.state = RankState::Left;
+        slot.outbox = None;
+        g.left += 1;
+        for key in g.barriers.keys() {
+            if let Some(err) = g.left_error(&key, &id) {
+                let b = g.barriers.remove(&key).expect("key listed above");
+                g.fail_barrier(b, &err);
+            }
+        }
+        // The record's left ranks: a new leader does not wait for them.
+        let finished = self.check_finished(&mut st);
+        self.persist(&st);
+        if finished {
+            drop(st);
+            self.notify();
+        }
+    }
+}

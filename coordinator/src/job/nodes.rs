@@ -1,0 +1,417 @@
+//! Nodes: an agent's watch stream (its lease, and where the generation's end is pushed),
+//! a node lost or finished, the grace after a failover in which nodes and sessions re-attach,
+//! and an operator's drain of a node.
+
+use super::*;
+
+/// The answer to a join from a drained node: FAILED_PRECONDITION naming the node and the
+/// reason, marked with the `muster-drained` metadata key so that an agent can tell a drain
+/// from a job that is over.
+pub(super) fn drained_refusal(job: &JobId, node_id: &str, reason: &str) -> Error {
+    Error::Drained(format!(
+        "node '{node_id}' was drained from job '{job}' by an operator ({reason}) and may not join it again; start the agent afresh (a new node id) to add this machine back"
+    ))
+}
+
+/// What a drain did: the node it took out, the generation it ended, and how many nodes
+/// remain to rejoin.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Drained {
+    /// The drained node's id.
+    pub node_id: String,
+    /// The generation it was drained from (superseded, or still forming).
+    pub generation: u64,
+    /// The nodes left in the job.
+    pub remaining_nodes: u32,
+}
+
+impl Job {
+    /// A node's agent went away or went silent while its ranks ran: fails the generation
+    /// naming the node (and its first live rank).
+    pub fn node_lost(&self, generation: u64, node_rank: u32, watch_id: u64, why: &str) {
+        let mut st = self.lock();
+        if self.retired() {
+            return;
+        }
+        let Ok(g) = self.running(&mut st, generation) else {
+            return;
+        };
+        let Some(node) = g.nodes.get_mut(node_rank as usize) else {
+            return;
+        };
+        if node.watch.as_ref().is_some_and(|(id, _)| *id != watch_id) {
+            // A newer stream of the same agent replaced this one.
+            return;
+        }
+        // Dropping the outbox ends the stream's answers.
+        node.watch = None;
+        if node.finished {
+            return;
+        }
+        let range = node.rank_offset..node.rank_offset + node.local_world_size;
+        let Some(rank) = range.clone().find(|r| {
+            matches!(
+                g.ranks[*r as usize].state,
+                RankState::Pending | RankState::Running
+            )
+        }) else {
+            // Its ranks all left: it may have been the last thing the job waited for.
+            if self.check_finished(&mut st) {
+                self.persist(&st);
+                drop(st);
+                self.notify();
+            }
+            return;
+        };
+        let node_id = node.node_id.clone();
+        let host = node.host.clone();
+        for r in range {
+            let slot = &mut g.ranks[r as usize];
+            if matches!(slot.state, RankState::Pending | RankState::Running) {
+                slot.state = RankState::Failed;
+                slot.outbox = None;
+            }
+        }
+        if g.failure.is_some() {
+            return;
+        }
+        let failure = Failure {
+            rank,
+            node_rank,
+            host: host.clone(),
+            reason: format!("node {node_rank} (host {host}, agent {node_id}) was lost: {why}"),
+            precise: true,
+            detail: FailureDetail::default(),
+            node_id,
+        };
+        self.fail_generation(&mut st, generation, failure);
+    }
+
+    /// Attaches a node's watch stream (replacing an earlier one of the same node). Answers
+    /// `attached`, then at once `ended` if the generation has already ended. Returns the
+    /// attach's id, which [`Job::node_lost`] takes.
+    pub fn watch(
+        &self,
+        generation: u64,
+        node_rank: u32,
+        node_id: &str,
+        outbox: NodeOutbox,
+        attached: pb::NodeAttached,
+    ) -> Result<u64, Error> {
+        let mut st = self.lock();
+        let watch_id = st.next_watch;
+        st.next_watch += 1;
+        let id = self.id.clone();
+        let drained = st.drained.clone();
+        let g = self.running(&mut st, generation)?;
+        let Some(node) = g.nodes.get_mut(node_rank as usize) else {
+            return Err(Error::InvalidArgument(format!(
+                "node rank {node_rank} is outside job '{id}' generation {generation} ({} nodes)",
+                g.nodes.len()
+            )));
+        };
+        if node.node_id != node_id {
+            return Err(Error::WrongNode(format!(
+                "node rank {node_rank} of job '{id}' generation {generation} is node '{}', not '{node_id}'",
+                node.node_id
+            )));
+        }
+        let _ = outbox.send(Ok(pb::NodeEvent {
+            kind: Some(pb::node_event::Kind::Attached(attached)),
+        }));
+        if let Some(ended) = &g.ended {
+            let _ = outbox.send(Ok(pb::NodeEvent {
+                kind: Some(pb::node_event::Kind::Ended(drained_end(
+                    ended, node_id, &drained,
+                ))),
+            }));
+        }
+        node.watch = Some((watch_id, outbox));
+        node.last_seen = Some(Instant::now());
+        if !std::mem::replace(&mut node.watched, true) {
+            self.persist(&st);
+        }
+        Ok(watch_id)
+    }
+
+    /// After a failover: once `grace` has passed, fails the recovered generation if a node
+    /// whose agent had a watch, or a rank that had a session, has not re-attached (it died
+    /// while no coordinator led, so no one saw it go).
+    /// A job restored in a final state (finished, failed, cancelled) expects no re-attach.
+    pub fn arm_recovery_grace(self: &Arc<Self>, grace: Duration) {
+        if self.lock().done.is_some() {
+            return;
+        }
+        let job = Arc::clone(self);
+        // Task "recovery-grace", one per recovered job: sleeps once, then checks.
+        tokio::spawn(async move {
+            tokio::time::sleep(grace).await;
+            job.check_reattached(grace);
+        });
+    }
+
+    pub(super) fn check_reattached(&self, grace: Duration) {
+        let mut st = self.lock();
+        if self.retired() || st.done.is_some() {
+            return;
+        }
+        let Phase::Running(g) = &mut st.phase else {
+            return;
+        };
+        if !g.recovered || g.failure.is_some() || g.ended.is_some() {
+            return;
+        }
+        let generation = g.generation;
+        // A node whose ranks all left cleanly is not awaited either (its agent may have
+        // exited before it could say the node finished).
+        let lost_node = g.nodes.iter().position(|n| {
+            n.watched
+                && n.watch.is_none()
+                && !n.finished
+                && (n.rank_offset..n.rank_offset + n.local_world_size)
+                    .any(|r| g.ranks[r as usize].state != RankState::Left)
+        });
+        // A rank that left cleanly (restored as Left) or whose node finished is not awaited.
+        let lost_rank = g.ranks.iter().position(|r| {
+            r.had_session
+                && r.state == RankState::Pending
+                && !g.nodes[r.node_rank as usize].finished
+        });
+        let failure = if let Some(n) = lost_node {
+            let node = &g.nodes[n];
+            Failure {
+                rank: node.rank_offset,
+                node_rank: n as u32,
+                host: node.host.clone(),
+                reason: format!(
+                    "node {n} (host {}, agent {}) did not re-attach within {:.1}s after the coordinator failover (its agent stopped or cannot reach the new leader)",
+                    node.host,
+                    node.node_id,
+                    grace.as_secs_f64()
+                ),
+                precise: true,
+                detail: FailureDetail::default(),
+                node_id: node.node_id.clone(),
+            }
+        } else if let Some(r) = lost_rank {
+            let loc = g.location(r as u32);
+            g.ranks[r].state = RankState::Failed;
+            Failure {
+                rank: r as u32,
+                node_rank: loc.node_rank,
+                host: loc.host,
+                reason: format!(
+                    "its session did not re-attach within {:.1}s after the coordinator failover (process gone or cannot reach the new leader)",
+                    grace.as_secs_f64()
+                ),
+                precise: false,
+                detail: FailureDetail::default(),
+                node_id: String::new(),
+            }
+        } else {
+            if self.check_finished(&mut st) {
+                self.persist(&st);
+                drop(st);
+                self.notify();
+            }
+            return;
+        };
+        self.fail_generation(&mut st, generation, failure);
+    }
+
+    /// A node's workers all exited 0: its ranks count as left (workers that never opened a
+    /// session included), and its watch stream may end without failing anything; the last
+    /// node to finish finishes the job. Returns once that is in the store (at once without
+    /// one, or when this coordinator stops leading): the agent exits when its stream ends,
+    /// and a new leader must not read a finished node as one that vanished. Cancel-safe: the
+    /// state changes before the first `.await`.
+    pub async fn node_finished(&self, generation: u64, node_rank: u32) {
+        self.mark_node_finished(generation, node_rank);
+        self.persisted().await;
+    }
+
+    pub(super) fn mark_node_finished(&self, generation: u64, node_rank: u32) {
+        let mut st = self.lock();
+        let id = self.id.clone();
+        let Ok(g) = self.running(&mut st, generation) else {
+            return;
+        };
+        let Some(node) = g.nodes.get_mut(node_rank as usize) else {
+            return;
+        };
+        let newly_finished = !std::mem::replace(&mut node.finished, true);
+        let range = node.rank_offset..node.rank_offset + node.local_world_size;
+        let mut newly_left = false;
+        for r in range {
+            let slot = &mut g.ranks[r as usize];
+            if matches!(slot.state, RankState::Pending | RankState::Running) {
+                slot.state = RankState::Left;
+                slot.outbox = None;
+                g.left += 1;
+                newly_left = true;
+            }
+        }
+        if newly_left {
+            for key in g.barriers.keys() {
+                if let Some(err) = g.left_error(&key, &id) {
+                    let b = g.barriers.remove(&key).expect("key listed above");
+                    g.fail_barrier(b, &err);
+                }
+            }
+        }
+        if newly_finished || newly_left {
+            self.check_finished(&mut st);
+            self.persist(&st);
+        }
+        drop(st);
+        self.notify();
+    }
+
+    /// Drains a node (`Ops.DrainNode`): marks it drained (persisted, so its joins stay
+    /// refused after a failover) and supersedes the running generation, so that the other
+    /// nodes rejoin without it while the drained node's agent hears CAUSE_DRAINED without
+    /// rejoin. In an open round the node's pending join is refused instead. Not a restart:
+    /// the restart count is unchanged. Refused when fewer than min_nodes would remain.
+    pub fn drain(&self, node: &NodeRef, reason: &str) -> Result<Drained, Error> {
+        let mut st = self.lock();
+        let id = self.id.clone();
+        match &st.done {
+            Some(Done::Failed(why)) => {
+                return Err(Error::FailedPrecondition(format!(
+                    "job '{id}' is over ({why}); there is nothing to drain"
+                )));
+            }
+            Some(Done::Cancelled(why)) => {
+                return Err(Error::FailedPrecondition(format!(
+                    "job '{id}' was cancelled ({why}); there is nothing to drain"
+                )));
+            }
+            Some(Done::Finished(why)) => {
+                return Err(Error::FailedPrecondition(format!(
+                    "job '{id}' has finished ({why}); there is nothing to drain"
+                )));
+            }
+            None => {}
+        }
+        if let NodeRef::Id(node_id) = node
+            && let Some(why) = st.drained.get(node_id)
+        {
+            return Err(Error::FailedPrecondition(format!(
+                "node '{node_id}' of job '{id}' is already drained ({why})"
+            )));
+        }
+        let min = st.config.min_nodes;
+        let max = st.config.max_nodes;
+        let generation = st.generation;
+        let too_few = |present: usize, node_id: &str| {
+            Error::FailedPrecondition(format!(
+                "draining node '{node_id}' would leave job '{id}' with {} of its {present} nodes, below its min_nodes {min} (nodes {min}:{max}); the drain was refused",
+                present - 1
+            ))
+        };
+        match &mut st.phase {
+            Phase::Open(round) => {
+                let node_id = match node {
+                    NodeRef::Id(node_id) => node_id,
+                    NodeRef::Rank(r) => {
+                        return Err(Error::InvalidArgument(format!(
+                            "node rank {r}: job '{id}' has no running generation (its round for generation {generation} is open, node ranks are given when it closes); name the node by node_id"
+                        )));
+                    }
+                };
+                let Some(pos) = round.joiners.iter().position(|j| j.req.node_id == *node_id) else {
+                    let known: Vec<&str> = round
+                        .joiners
+                        .iter()
+                        .map(|j| j.req.node_id.as_str())
+                        .collect();
+                    return Err(Error::InvalidArgument(format!(
+                        "node '{node_id}' has not joined job '{id}' (the open round of generation {generation} has [{}])",
+                        known.join(", ")
+                    )));
+                };
+                let present = round.joiners.len();
+                if (present as u32) - 1 < min {
+                    return Err(too_few(present, node_id));
+                }
+                let j = round.joiners.remove(pos);
+                if (round.joiners.len() as u32) < min {
+                    round.min_reached = None;
+                }
+                let remaining = round.joiners.len() as u32;
+                tracing::info!(job = %id, node_id = %node_id, reason, "joiner drained from the open round");
+                let _ = j.reply.send(Err(drained_refusal(&id, node_id, reason)));
+                st.drained.insert(node_id.clone(), reason.to_owned());
+                self.persist(&st);
+                drop(st);
+                self.notify();
+                Ok(Drained {
+                    node_id: node_id.clone(),
+                    generation,
+                    remaining_nodes: remaining,
+                })
+            }
+            Phase::Running(g) => {
+                let found = match node {
+                    NodeRef::Id(node_id) => g.nodes.iter().position(|n| n.node_id == *node_id),
+                    NodeRef::Rank(r) => ((*r as usize) < g.nodes.len()).then_some(*r as usize),
+                };
+                let Some(node_rank) = found else {
+                    let known: Vec<String> = g
+                        .nodes
+                        .iter()
+                        .enumerate()
+                        .map(|(i, n)| format!("{i}: '{}'", n.node_id))
+                        .collect();
+                    return Err(Error::InvalidArgument(format!(
+                        "{node} is not part of job '{id}' generation {generation} (nodes {})",
+                        known.join(", ")
+                    )));
+                };
+                let n = &g.nodes[node_rank];
+                let node_id = n.node_id.clone();
+                if n.finished {
+                    return Err(Error::FailedPrecondition(format!(
+                        "node {node_rank} ('{node_id}') of job '{id}' has finished: every worker exited 0; there is nothing to drain"
+                    )));
+                }
+                if let Some(ended) = &g.ended {
+                    return Err(Error::FailedPrecondition(format!(
+                        "generation {generation} of job '{id}' is already ending ({}); drain once the next generation runs",
+                        ended.message
+                    )));
+                }
+                let present = g.nodes.len();
+                if (present as u32) - 1 < min {
+                    return Err(too_few(present, &node_id));
+                }
+                let host = n.host.clone();
+                st.drained.insert(node_id.clone(), reason.to_owned());
+                tracing::info!(job = %id, generation, node_rank, node_id = %node_id, reason, "node drained");
+                self.open_next_round(
+                    &mut st,
+                    &format!(
+                        "node {node_rank} ('{node_id}', host {host}) was drained by an operator ({reason})"
+                    ),
+                    false,
+                );
+                Ok(Drained {
+                    node_id,
+                    generation,
+                    remaining_nodes: present as u32 - 1,
+                })
+            }
+        }
+    }
+
+    /// The node's agent was heard on its watch `watch_id` (a heartbeat).
+    pub fn node_heartbeat(&self, generation: u64, node_rank: u32, watch_id: u64) {
+        let mut st = self.lock();
+        if let Ok(g) = self.running(&mut st, generation)
+            && let Some(node) = g.nodes.get_mut(node_rank as usize)
+            && node.watch.as_ref().is_some_and(|(id, _)| *id == watch_id)
+        {
+            node.last_seen = Some(Instant::now());
+        }
+    }
+}

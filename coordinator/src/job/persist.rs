@@ -1,0 +1,344 @@
+//! Persistence: the job's record (what a new leader rebuilds the job from), the task that
+//! writes it in order, join answers held until their record is stored, and restoring a job.
+
+use super::*;
+use prost::Message as _;
+
+/// The record writer's queue: the latest record and its version.
+pub(super) type RecordQueue = (u64, Option<Arc<pb::JobRecord>>);
+
+/// The job's record writer: the latest record to write (with its version), and the version
+/// last written. Writes are ordered and only the latest matters, so a record superseded while
+/// an earlier write is in flight is skipped.
+pub(super) struct Persist {
+    pub(super) pending: watch::Sender<RecordQueue>,
+    pub(super) written: watch::Sender<u64>,
+}
+
+/// The store key of a job's record.
+pub fn record_key(job: &JobId) -> String {
+    format!("records/{job}")
+}
+
+/// The store prefix of every job record.
+pub const RECORDS_PREFIX: &str = "records/";
+
+/// One bit per rank (bit r of byte r / 8), set where `set` holds: the record's rank sets.
+pub(super) fn rank_bits(ranks: &[RankSlot], set: impl Fn(&RankSlot) -> bool) -> Vec<u8> {
+    let mut bits = vec![0u8; ranks.len().div_ceil(8)];
+    for (r, slot) in ranks.iter().enumerate() {
+        if set(slot) {
+            bits[r / 8] |= 1 << (r % 8);
+        }
+    }
+    bits
+}
+
+/// The body of a job's "job-record" task (see [`Job::with_state`]).
+pub(super) async fn write_records(
+    key: String,
+    store: Arc<dyn Store>,
+    mut pending: watch::Receiver<RecordQueue>,
+    written: watch::Sender<u64>,
+    retired: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            changed = pending.changed() => {
+                if changed.is_err() {
+                    return;
+                }
+            }
+            () = retired.cancelled() => return,
+        }
+        let (version, record) = pending.borrow_and_update().clone();
+        let Some(record) = record else { continue };
+        let bytes = record.encode_to_vec();
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            match store.put(&key, bytes.clone()).await {
+                Ok(()) => {
+                    written.send_replace(version);
+                    break;
+                }
+                Err(e) => {
+                    if retired.is_cancelled() {
+                        return;
+                    }
+                    tracing::warn!(key, "job record not written, retrying: {e}");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                    if pending.has_changed().unwrap_or(true) {
+                        // A newer record replaces this one.
+                        break;
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Gen {
+    /// A running generation from its record: every rank pending (re-attaching).
+    pub(super) fn restore(
+        r: &pb::GenerationRecord,
+        ended: Option<pb::GenerationEnded>,
+    ) -> Result<Self, String> {
+        let mut nodes = Vec::with_capacity(r.nodes.len());
+        let mut ranks = vec![];
+        let mut left = 0;
+        for (node_rank, n) in r.nodes.iter().enumerate() {
+            if n.rank_offset as usize != ranks.len() {
+                return Err(format!(
+                    "stored generation {} has node {node_rank} at rank offset {}, expected {}",
+                    r.generation,
+                    n.rank_offset,
+                    ranks.len()
+                ));
+            }
+            nodes.push(NodeSlot {
+                node_id: n.node_id.clone(),
+                request_id: n.request_id.clone(),
+                host: n.host.clone(),
+                local_world_size: n.local_world_size,
+                rank_offset: n.rank_offset,
+                relay: None,
+                report: None,
+                watch: None,
+                finished: n.finished,
+                watched: n.watched,
+                last_seen: None,
+            });
+            let bit = |bits: &[u8], rank: usize| {
+                bits.get(rank / 8)
+                    .is_some_and(|b| b & (1 << (rank % 8)) != 0)
+            };
+            for _ in 0..n.local_world_size {
+                let mut slot = RankSlot::new(node_rank as u32);
+                let rank = ranks.len();
+                slot.had_session = bit(&r.sessions, rank);
+                if n.finished || bit(&r.left, rank) {
+                    // It left cleanly under the previous leader: not expected back.
+                    slot.state = RankState::Left;
+                    left += 1;
+                }
+                ranks.push(slot);
+            }
+        }
+        let failure = r.failure.as_ref().map(|f| Failure {
+            rank: f.rank,
+            node_rank: f.node_rank,
+            host: f.host.clone(),
+            reason: f.reason.clone(),
+            precise: true,
+            detail: FailureDetail {
+                exit_code: f.exit_code,
+                signal: f.signal,
+                error_message: f.error_message.clone(),
+                error_traceback: f.error_traceback.clone(),
+                stderr_tail: f.stderr_tail.clone(),
+            },
+            node_id: f.node_id.clone(),
+        });
+        Ok(Self {
+            generation: r.generation,
+            values_id: r.values_id.clone(),
+            recovered: true,
+            nodes,
+            ranks,
+            barriers: barrier::Table::default(),
+            failure,
+            ended: ended.map(Box::new),
+            left,
+            next_token: 1,
+        })
+    }
+}
+
+impl Job {
+    /// Rebuilds a job from its stored record (a new leader or a restarted coordinator):
+    /// the same generation, nodes, ranks and restart count; sessions, relays and watches
+    /// re-attach with `resume`. `kv_bytes` is the size of its stored key-value data.
+    pub fn restore(
+        record: &pb::JobRecord,
+        kv_bytes: usize,
+        ctx: &JobContext,
+    ) -> Result<Arc<Self>, String> {
+        let id = JobId::parse(&record.job_id).map_err(|e| e.0)?;
+        let config = RoundConfig {
+            min_nodes: record.min_nodes.max(1),
+            max_nodes: record.max_nodes.max(record.min_nodes).max(1),
+            last_call: Duration::from_millis(record.last_call_ms),
+            join_timeout: Duration::from_millis(record.join_timeout_ms),
+            max_restarts: record.max_restarts,
+        };
+        let done = if !record.cancelled.is_empty() {
+            Some(Done::Cancelled(record.cancelled.clone()))
+        } else if !record.failed.is_empty() {
+            Some(Done::Failed(record.failed.clone()))
+        } else if !record.finished.is_empty() {
+            Some(Done::Finished(record.finished.clone()))
+        } else {
+            None
+        };
+        let phase = match &record.running {
+            Some(r) if r.generation == record.generation => {
+                let mut g = Gen::restore(r, record.ended.clone())?;
+                if matches!(done, Some(Done::Finished(_))) {
+                    // Final: every rank left, whatever bits an older record lacks.
+                    for slot in &mut g.ranks {
+                        slot.state = RankState::Left;
+                    }
+                    for node in &mut g.nodes {
+                        node.finished = true;
+                    }
+                    g.left = g.ranks.len() as u32;
+                }
+                Phase::Running(Box::new(g))
+            }
+            _ => Phase::Open(OpenRound {
+                seq: 0,
+                joiners: vec![],
+                opened: Instant::now(),
+                min_reached: None,
+            }),
+        };
+        let state = JobState {
+            config,
+            generation: record.generation.max(1),
+            restarts: record.restarts,
+            next_round_seq: 1,
+            phase,
+            done,
+            next_watch: 1,
+            drained: record.drained.clone(),
+        };
+        Ok(Self::with_state(id, state, kv_bytes, ctx))
+    }
+
+    /// The job's record as it stands.
+    pub(super) fn record(&self, st: &JobState) -> pb::JobRecord {
+        let c = st.config;
+        let (mut failed, mut cancelled, mut finished) =
+            (String::new(), String::new(), String::new());
+        match &st.done {
+            Some(Done::Failed(why)) => failed.clone_from(why),
+            Some(Done::Cancelled(why)) => cancelled.clone_from(why),
+            Some(Done::Finished(why)) => finished.clone_from(why),
+            None => {}
+        }
+        let (running, ended) = match &st.phase {
+            Phase::Running(g) => (
+                Some(pb::GenerationRecord {
+                    generation: g.generation,
+                    values_id: g.values_id.clone(),
+                    nodes: g
+                        .nodes
+                        .iter()
+                        .map(|n| pb::NodeRecord {
+                            node_id: n.node_id.clone(),
+                            host: n.host.clone(),
+                            local_world_size: n.local_world_size,
+                            rank_offset: n.rank_offset,
+                            request_id: n.request_id.clone(),
+                            watched: n.watched,
+                            finished: n.finished,
+                        })
+                        .collect(),
+                    failure: g.failure.as_ref().map(|f| f.to_info(g.generation)),
+                    sessions: rank_bits(&g.ranks, |slot| slot.had_session),
+                    left: rank_bits(&g.ranks, |slot| slot.state == RankState::Left),
+                }),
+                g.ended.as_deref().cloned(),
+            ),
+            Phase::Open(_) => (None, None),
+        };
+        pb::JobRecord {
+            job_id: self.id.to_string(),
+            min_nodes: c.min_nodes,
+            max_nodes: c.max_nodes,
+            last_call_ms: c.last_call.as_millis() as u64,
+            join_timeout_ms: c.join_timeout.as_millis() as u64,
+            max_restarts: c.max_restarts,
+            generation: st.generation,
+            restarts: st.restarts,
+            running,
+            failed,
+            cancelled,
+            ended,
+            drained: st.drained.clone(),
+            finished,
+        }
+    }
+
+    /// Queues the job's current record for writing; returns its version (0 without a
+    /// durable store).
+    pub(super) fn persist(&self, st: &JobState) -> u64 {
+        let Some(p) = &self.persist else {
+            return 0;
+        };
+        let record = Arc::new(self.record(st));
+        let mut version = 0;
+        p.pending.send_modify(|(v, r)| {
+            *v += 1;
+            version = *v;
+            *r = Some(record);
+        });
+        version
+    }
+
+    /// Sends each join answer once the record of version `version` is in the store (at once
+    /// without a durable store), so that no node learns a place a new leader would not know.
+    pub(super) fn answer_when_persisted(
+        &self,
+        version: u64,
+        replies: Vec<(
+            oneshot::Sender<Result<pb::JoinResponse, Error>>,
+            pb::JoinResponse,
+        )>,
+    ) {
+        let Some(p) = &self.persist else {
+            for (tx, answer) in replies {
+                let _ = tx.send(Ok(answer));
+            }
+            return;
+        };
+        let mut written = p.written.subscribe();
+        let retired = self.retired.clone();
+        let job = self.id.clone();
+        // Task "join-answer", one per closed round with a durable store: ends when the
+        // record is written or the job is retired.
+        tokio::spawn(async move {
+            tokio::select! {
+                ok = written.wait_for(|w| *w >= version) => {
+                    if ok.is_ok() {
+                        for (tx, answer) in replies {
+                            let _ = tx.send(Ok(answer));
+                        }
+                    }
+                }
+                () = retired.cancelled() => {
+                    for (tx, _) in replies {
+                        let _ = tx.send(Err(Error::Unavailable(format!(
+                            "the coordinator stopped leading before job '{job}''s new generation was stored; join again"
+                        ))));
+                    }
+                }
+            }
+        });
+    }
+
+    /// Waits until the record queued last is in the store (at once without a durable store;
+    /// gives up when the job is retired).
+    pub(super) async fn persisted(&self) {
+        let Some(p) = &self.persist else {
+            return;
+        };
+        let version = p.pending.borrow().0;
+        let mut written = p.written.subscribe();
+        tokio::select! {
+            _ = written.wait_for(|w| *w >= version) => {}
+            () = self.retired.cancelled() => {}
+        }
+    }
+}

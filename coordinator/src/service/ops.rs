@@ -1,0 +1,117 @@
+//! `muster.v1.Ops`: the operator's views (job list, `DescribeJob` with its long poll) and
+//! actions (submit, cancel, drain).
+
+use super::*;
+
+/// The longest `DescribeJob` long poll (`wait_ms`).
+const DESCRIBE_WAIT_MAX: Duration = Duration::from_secs(60);
+
+/// `muster.v1.Ops`.
+#[derive(Clone)]
+pub struct OpsService(pub Arc<Coordinator>);
+
+#[tonic::async_trait]
+impl pb::ops_server::Ops for OpsService {
+    async fn list_jobs(&self, _: Request<pb::ListJobsRequest>) -> Rpc<pb::ListJobsResponse> {
+        let jobs: Vec<Arc<Job>> = self.0.jobs().values().cloned().collect();
+        let mut jobs: Vec<pb::JobSummary> = jobs.iter().map(|j| j.summary()).collect();
+        jobs.sort_by(|a, b| a.job_id.cmp(&b.job_id));
+        Ok(Response::new(pb::ListJobsResponse { jobs }))
+    }
+
+    async fn describe_job(
+        &self,
+        request: Request<pb::DescribeJobRequest>,
+    ) -> Rpc<pb::DescribeJobResponse> {
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        if let Some(unless) = r.unless.filter(|_| r.wait_ms > 0) {
+            // The long poll: answer once the summary differs from the client's, or at the
+            // deadline (a timeout here is not an error: the answer is the current view).
+            let wait = Duration::from_millis(r.wait_ms).min(DESCRIBE_WAIT_MAX);
+            let changed = wait_for(
+                &job,
+                Some(Instant::now() + wait),
+                || format!("a change of job '{}'", job.id),
+                || {
+                    let differs = job.summary() != unless;
+                    async move { Ok(differs.then_some(())) }
+                },
+            )
+            .await;
+            if let Err(status) = changed
+                && status.code() != tonic::Code::DeadlineExceeded
+            {
+                return Err(status);
+            }
+        }
+        let mut resp = job.describe();
+        // Daemon agents' machines: their labels and host names.
+        let machines = self.0.pool.machines(&r.job_id);
+        for node in &mut resp.nodes {
+            if let Some(m) = machines
+                .iter()
+                .find(|m| m.agent_id == node.node_id)
+                .or_else(|| machines.iter().find(|m| m.address == node.host))
+            {
+                node.labels = m.labels.clone();
+                node.hostname = m.hostname.clone();
+            }
+        }
+        Ok(Response::new(resp))
+    }
+
+    async fn submit_job(
+        &self,
+        request: Request<pb::SubmitJobRequest>,
+    ) -> Rpc<pb::SubmitJobResponse> {
+        let spec = request
+            .into_inner()
+            .spec
+            .ok_or_else(|| Status::invalid_argument("spec is missing"))?;
+        let spec = pool::check_spec(spec, || {
+            let n = self
+                .0
+                .next_job
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs());
+            format!("job-{t}-{n}")
+        })?;
+        let job_id = spec.job_id.clone();
+        let agents = self.0.pool.submit(spec, |spec| self.0.create_job(spec))?;
+        Ok(Response::new(pb::SubmitJobResponse { job_id, agents }))
+    }
+
+    async fn cancel_job(
+        &self,
+        request: Request<pb::CancelJobRequest>,
+    ) -> Rpc<pb::CancelJobResponse> {
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        let Cancel { reason } = Cancel::try_from(&r)?;
+        let cancelled = job.cancel(&reason);
+        self.0.pool.cancel(&r.job_id, &reason);
+        Ok(Response::new(pb::CancelJobResponse { cancelled }))
+    }
+
+    async fn list_agents(&self, _: Request<pb::ListAgentsRequest>) -> Rpc<pb::ListAgentsResponse> {
+        Ok(Response::new(pb::ListAgentsResponse {
+            agents: self.0.pool.list(),
+        }))
+    }
+
+    async fn drain_node(
+        &self,
+        request: Request<pb::DrainNodeRequest>,
+    ) -> Rpc<pb::DrainNodeResponse> {
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        let job_id = r.job_id.clone();
+        let Drain { node, reason } = Drain::try_from(r)?;
+        let drained = job.drain(&node, &reason)?;
+        self.0.pool.drained(&job_id, &drained.node_id);
+        Ok(Response::new(drained.into()))
+    }
+}

@@ -1,0 +1,103 @@
+//! `muster.v1.Relay`: a node agent's relay stream, which enters global barriers for the
+//! node's ranks at once and reports the waits it holds.
+
+use super::*;
+
+/// The most waits one relay report may list.
+const MAX_REPORTED_BARRIERS: usize = 64;
+
+/// `muster.v1.Relay`.
+#[derive(Clone)]
+pub struct RelayService(pub Arc<Coordinator>);
+
+type RelayStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::RelayEvent, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl pb::relay_server::Relay for RelayService {
+    type AttachStream = RelayStream;
+
+    async fn attach(&self, request: Request<Streaming<pb::RelayMessage>>) -> Rpc<RelayStream> {
+        let mut inbound = request.into_inner();
+        let first = first_message(&mut inbound, self.0.config.heartbeat_timeout, "relay").await?;
+        let Some(pb::relay_message::Kind::Register(reg)) = first.kind else {
+            return Err(Status::invalid_argument(
+                "the first relay message must be register",
+            ));
+        };
+        let job = self.0.job(&reg.job_id)?;
+        let RelayRegister {
+            generation,
+            node_rank,
+            resume,
+        } = RelayRegister::try_from(&reg)?;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        job.relay_register(
+            generation,
+            node_rank,
+            tx.clone(),
+            self.0.config.heartbeat_interval(),
+            resume,
+        )?;
+        // Task policy: one per relay; ends with the stream. A relay that goes away needs no
+        // action here: its workers' own sessions report their ends.
+        tokio::spawn(async move {
+            while let Ok(Some(msg)) = inbound.message().await {
+                if job.retired() {
+                    // A lapsed leader takes no barrier entry in; the relay moves on.
+                    let _ = tx.send(Err(crate::tenure::Tenure::lapsed()));
+                    break;
+                }
+                match msg.kind {
+                    Some(pb::relay_message::Kind::Enter(e)) => {
+                        let seq = e.seq;
+                        // A span per group entry, like a session's barrier span: a child of
+                        // the trace context the relay passed on (the agent's relay span, or a
+                        // worker's); disabled (no work) unless DEBUG spans are recorded.
+                        let span = tracing::debug_span!(
+                            "barrier",
+                            otel.kind = "server",
+                            job = %job.id,
+                            generation,
+                            node_rank,
+                            seq = e.seq,
+                            relayed = true,
+                        );
+                        muster_telemetry::traces::set_parent(&span, &e.trace_context);
+                        let _entered = span.enter();
+                        match GroupEntry::try_from(e) {
+                            Ok(g) => job.barrier_group(
+                                generation, node_rank, g.seq, g.groups, g.timeout, &tx,
+                            ),
+                            Err(err) => {
+                                let _ = tx.send(Ok(pb::RelayEvent {
+                                    kind: Some(pb::relay_event::Kind::Barrier(pb::BarrierResult {
+                                        scope: Scope::Global.to_wire(),
+                                        seq,
+                                        error: Some(pb::BarrierError {
+                                            message: err.0,
+                                            ..Default::default()
+                                        }),
+                                    })),
+                                }));
+                            }
+                        }
+                    }
+                    Some(pb::relay_message::Kind::Heartbeat(_)) => {}
+                    Some(pb::relay_message::Kind::Waiting(report)) => {
+                        // Information for the ops view, capped like any list from the network.
+                        let mut barriers = report.barriers;
+                        barriers.truncate(MAX_REPORTED_BARRIERS);
+                        job.relay_report(generation, node_rank, barriers);
+                    }
+                    Some(pb::relay_message::Kind::Register(_)) | None => {
+                        let _ = tx.send(Err(Status::invalid_argument(
+                            "register may only be the first relay message",
+                        )));
+                        break;
+                    }
+                }
+            }
+        });
+        Ok(Response::new(Box::pin(self.0.tenure().guard(rx))))
+    }
+}

@@ -1,0 +1,184 @@
+//! `muster.v1.Rendezvous`: joins into rounds (withdrawn when the caller goes away), the
+//! agents' watch streams (each one its node's lease), and agents' failure reports.
+
+use super::*;
+
+type WatchStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::NodeEvent, Status>> + Send>>;
+
+/// `muster.v1.Rendezvous`.
+#[derive(Clone)]
+pub struct RendezvousService(pub Arc<Coordinator>);
+
+/// Removes a joiner from its round if its caller goes away before the round closes.
+struct JoinGuard {
+    job: Arc<Job>,
+    generation: u64,
+    node_id: String,
+    attempt: u64,
+    armed: bool,
+}
+
+impl Drop for JoinGuard {
+    fn drop(&mut self) {
+        if self.armed {
+            self.job
+                .withdraw(self.generation, &self.node_id, self.attempt);
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl pb::rendezvous_server::Rendezvous for RendezvousService {
+    /// Cancel-safe: a dropped call withdraws its node from the open round.
+    async fn join(&self, request: Request<pb::JoinRequest>) -> Rpc<pb::JoinResponse> {
+        let Join {
+            job_id: id,
+            node: req,
+            round,
+        } = Join::try_from(request.into_inner())?;
+        let defaults = self.0.round_defaults();
+        let job = {
+            let mut jobs = self.0.jobs();
+            match jobs.get(&id) {
+                Some(job) => {
+                    let have = job.config();
+                    if let Some(spec) = round {
+                        // A join that leaves the restart budget unset takes the job's.
+                        let c = spec.resolve(defaults, have.max_restarts);
+                        if c != have {
+                            return Err(Status::failed_precondition(format!(
+                                "job '{id}' exists with min_nodes={} max_nodes={} last_call_ms={} join_timeout_ms={} max_restarts={}; this join asks for {}:{} {} {} {}",
+                                have.min_nodes,
+                                have.max_nodes,
+                                have.last_call.as_millis(),
+                                have.join_timeout.as_millis(),
+                                have.max_restarts,
+                                c.min_nodes,
+                                c.max_nodes,
+                                c.last_call.as_millis(),
+                                c.join_timeout.as_millis(),
+                                c.max_restarts
+                            )));
+                        }
+                    }
+                    Arc::clone(job)
+                }
+                None => {
+                    self.0.may_create(&id, jobs.len())?;
+                    let c = round.map_or(defaults, |spec| spec.resolve(defaults, 0));
+                    let job = Job::new(id.clone(), c, &self.0.ctx);
+                    jobs.insert(id, Arc::clone(&job));
+                    job
+                }
+            }
+        };
+        let node_id = req.node_id.clone();
+        let (generation, attempt, rx) = job.join(req)?;
+        let mut guard = JoinGuard {
+            job: Arc::clone(&job),
+            generation,
+            node_id,
+            attempt,
+            armed: true,
+        };
+        let answer = rx.await.map_err(|_| {
+            Status::aborted(format!(
+                "rendezvous round of job '{}' was abandoned",
+                job.id
+            ))
+        });
+        guard.armed = false;
+        Ok(Response::new(answer??))
+    }
+
+    type WatchStream = WatchStream;
+
+    async fn watch(&self, request: Request<Streaming<pb::NodeMessage>>) -> Rpc<WatchStream> {
+        let hb = self.0.config.heartbeat_timeout;
+        let mut inbound = request.into_inner();
+        let first = first_message(&mut inbound, hb, "node watch").await?;
+        let Some(pb::node_message::Kind::Attach(a)) = first.kind else {
+            return Err(Status::invalid_argument(
+                "the first node watch message must be attach",
+            ));
+        };
+        let job = self.0.job(&a.job_id)?;
+        let NodeAttach {
+            generation,
+            node_rank,
+            node_id,
+        } = NodeAttach::try_from(&a)?;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let attached = pb::NodeAttached {
+            heartbeat_interval_ms: self.0.config.heartbeat_interval().as_millis() as u64,
+            heartbeat_timeout_ms: hb.as_millis() as u64,
+        };
+        let watch_id = job.watch(generation, node_rank, &node_id, tx.clone(), attached)?;
+        // Task "node-watch", one per attached agent: it is the node's lease. It ends with the
+        // stream; if the node's ranks still run then, the generation fails naming the node.
+        tokio::spawn(async move {
+            use pb::node_message::Kind;
+            let why = loop {
+                // Silence counts only while this process runs (`tenure::within`).
+                match crate::tenure::within(hb, inbound.message()).await {
+                    None => {
+                        break format!(
+                            "no heartbeat from its agent for {:.1}s (agent stopped, hung or partitioned)",
+                            hb.as_secs_f64()
+                        );
+                    }
+                    Some(Err(status)) => {
+                        break format!("its agent's stream broke: {}", status.message());
+                    }
+                    Some(Ok(None)) => break "its agent disconnected".to_owned(),
+                    Some(Ok(Some(_))) if job.retired() => {
+                        // A lapsed leader takes nothing in; the agent moves to the leader.
+                        let _ = tx.send(Err(crate::tenure::Tenure::lapsed()));
+                        break "this coordinator's leadership lapsed".to_owned();
+                    }
+                    Some(Ok(Some(msg))) => match msg.kind {
+                        Some(Kind::Heartbeat(_)) => {
+                            job.node_heartbeat(generation, node_rank, watch_id);
+                            let _ = tx.send(Ok(pb::NodeEvent {
+                                kind: Some(pb::node_event::Kind::Heartbeat(pb::Heartbeat {})),
+                            }));
+                        }
+                        Some(Kind::Finished(_)) => {
+                            // Ending the stream is the answer the agent waits for: it exits
+                            // as soon as its node's end is recorded. The node is finished,
+                            // so `node_lost` below only drops its outbox.
+                            job.node_finished(generation, node_rank).await;
+                            break "its agent finished".to_owned();
+                        }
+                        Some(Kind::Attach(_)) | None => {
+                            let _ = tx.send(Err(Status::invalid_argument(
+                                "attach may only be the first node watch message",
+                            )));
+                            break "protocol error on its watch stream".to_owned();
+                        }
+                    },
+                }
+            };
+            job.node_lost(generation, node_rank, watch_id, &why);
+        });
+        // What a lapsed leader would push never leaves (`tenure::Tenure::guard`).
+        Ok(Response::new(Box::pin(self.0.tenure().guard(rx))))
+    }
+
+    async fn report_failure(
+        &self,
+        request: Request<pb::ReportFailureRequest>,
+    ) -> Rpc<pb::ReportFailureResponse> {
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        let report = FailureReport::try_from(r)?;
+        job.check_member(report.generation, report.rank)?;
+        job.fail_rank(
+            report.generation,
+            report.rank,
+            report.reason,
+            Some(report.detail),
+        );
+        Ok(Response::new(pb::ReportFailureResponse {}))
+    }
+}

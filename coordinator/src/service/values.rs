@@ -1,0 +1,399 @@
+//! `muster.v1.KeyValue`, `muster.v1.UniqueIds` and `muster.v1.SharedValues`: a job's
+//! key-value data and its generations' published values, in the store under byte caps.
+
+use super::*;
+
+fn kv_key(job: &JobId, key: &str) -> String {
+    format!("jobs/{job}/kv/{key}")
+}
+
+fn value_key(job: &JobId, values_id: &str, kind: &str, name: &str) -> String {
+    format!("jobs/{job}/gen/{values_id}/{kind}/{name}")
+}
+
+/// A published value is stored as the publisher's rank (4 bytes, little endian) then the value.
+fn encode_published(rank: u32, value: &[u8]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(4 + value.len());
+    v.extend_from_slice(&rank.to_le_bytes());
+    v.extend_from_slice(value);
+    v
+}
+
+fn decode_published(stored: &[u8]) -> Result<(u32, &[u8]), Status> {
+    match stored.split_first_chunk::<4>() {
+        Some((rank, value)) => Ok((u32::from_le_bytes(*rank), value)),
+        None => Err(Status::internal(
+            "stored value is corrupt (shorter than its header)",
+        )),
+    }
+}
+
+/// `muster.v1.KeyValue`, `muster.v1.UniqueIds` and `muster.v1.SharedValues`.
+#[derive(Clone)]
+pub struct ValuesService(pub Arc<Coordinator>);
+
+impl ValuesService {
+    fn check_value(&self, value: &[u8]) -> Result<(), Status> {
+        if value.len() > self.0.config.max_value_bytes {
+            return Err(Status::resource_exhausted(format!(
+                "value is {} bytes; the limit is {} (max_value_bytes)",
+                value.len(),
+                self.0.config.max_value_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// Writes `value` (None: deletes) under the job's byte cap. Caller holds the job's kv lock.
+    async fn write(
+        &self,
+        job: &Job,
+        total: &mut usize,
+        key: &str,
+        user_key: &str,
+        value: Option<Vec<u8>>,
+    ) -> Result<Option<Vec<u8>>, Status> {
+        let old = self.0.store.get(key).await?;
+        let old_len = old.as_ref().map_or(0, |v| user_key.len() + v.len());
+        let new_len = value.as_ref().map_or(0, |v| user_key.len() + v.len());
+        let next = (*total + new_len).saturating_sub(old_len);
+        if next > self.0.config.max_job_bytes && new_len > old_len {
+            return Err(Status::resource_exhausted(format!(
+                "job '{}' key-value store would hold {next} bytes; the limit is {} (max_job_bytes: raise it with --max-job-bytes)",
+                job.id, self.0.config.max_job_bytes
+            )));
+        }
+        // Over all jobs too (max_total_bytes): reserved before the write, given back if it
+        // does not happen.
+        let grow = new_len.saturating_sub(old_len);
+        self.0
+            .stored
+            .reserve(&job.id, grow, &format!("writing key '{user_key}'"))?;
+        let written = match value {
+            Some(v) => self.0.store.put(key, v).await,
+            None => self.0.store.delete(key).await.map(|_| ()),
+        };
+        if let Err(e) = written {
+            self.0.stored.release(&job.id, grow);
+            return Err(e.into());
+        }
+        self.0
+            .stored
+            .release(&job.id, old_len.saturating_sub(new_len));
+        *total = next;
+        job.notify();
+        Ok(old)
+    }
+
+    async fn publish(
+        &self,
+        job: &Arc<Job>,
+        generation: u64,
+        rank: u32,
+        kind: &str,
+        name: &str,
+        value: &[u8],
+    ) -> Result<(), Status> {
+        job.alive_member(generation, rank)?;
+        let key = value_key(&job.id, &job.values_id(generation)?, kind, name);
+        let stored = encode_published(rank, value);
+        // Published values count towards max_total_bytes (given back if already published).
+        let size = name.len() + stored.len();
+        self.0
+            .stored
+            .reserve(&job.id, size, &format!("publishing {kind} '{name}'"))?;
+        let created = self.0.store.create(&key, stored).await;
+        if !matches!(created, Ok(None)) {
+            self.0.stored.release(&job.id, size);
+        }
+        if let Some(existing) = created? {
+            let (by, old) = decode_published(&existing)?;
+            if old != value {
+                return Err(Status::already_exists(format!(
+                    "{kind} '{name}' of job '{}' generation {generation} was already published by rank {by} with different bytes",
+                    job.id
+                )));
+            }
+        }
+        job.notify();
+        Ok(())
+    }
+
+    async fn fetch(
+        &self,
+        job: &Arc<Job>,
+        generation: u64,
+        rank: u32,
+        kind: &str,
+        name: &str,
+        wait_ms: u64,
+    ) -> Result<(u32, Vec<u8>), Status> {
+        let deadline = deadline("wait_ms", wait_ms)?;
+        job.check_member(generation, rank)?;
+        let key = value_key(&job.id, &job.values_id(generation)?, kind, name);
+        let store = &self.0.store;
+        wait_for(
+            job,
+            deadline,
+            || {
+                format!(
+                    "{kind} '{name}' of job '{}' generation {generation}",
+                    job.id
+                )
+            },
+            || async {
+                if let Some(v) = store.get(&key).await? {
+                    let (by, value) = decode_published(&v)?;
+                    return Ok(Some((by, value.to_vec())));
+                }
+                job.alive_member(generation, rank)?;
+                Ok(None)
+            },
+        )
+        .await
+    }
+}
+
+/// A request about one job, which a job token may make only for its own job.
+trait JobScoped {
+    fn job_id(&self) -> &str;
+}
+
+macro_rules! job_scoped {
+    ($($t:ty),* $(,)?) => {
+        $(impl JobScoped for $t {
+            fn job_id(&self) -> &str {
+                &self.job_id
+            }
+        })*
+    };
+}
+
+job_scoped!(
+    pb::SetRequest,
+    pb::GetRequest,
+    pb::AddRequest,
+    pb::CompareAndSetRequest,
+    pb::DeleteRequest,
+    pb::ListRequest,
+    pb::PublishUniqueIdRequest,
+    pb::FetchUniqueIdRequest,
+    pb::PublishValueRequest,
+    pb::FetchValueRequest,
+);
+
+/// The request's message, once its caller may act on the job it names (`auth`): before the
+/// job is even looked up, so a worker of one job cannot probe for others.
+fn authorized<T: JobScoped>(request: Request<T>) -> Result<T, Status> {
+    auth::authorize_job(&request, request.get_ref().job_id())?;
+    Ok(request.into_inner())
+}
+
+#[tonic::async_trait]
+impl pb::key_value_server::KeyValue for ValuesService {
+    async fn set(&self, request: Request<pb::SetRequest>) -> Rpc<pb::SetResponse> {
+        let r = authorized(request)?;
+        let job = self.0.job(&r.job_id)?;
+        let key = model::kv_key(&r.key)?;
+        self.check_value(&r.value)?;
+        let mut total = job.kv_bytes.lock().await;
+        self.write(
+            &job,
+            &mut total,
+            &kv_key(&job.id, &key),
+            &key,
+            Some(r.value),
+        )
+        .await?;
+        Ok(Response::new(pb::SetResponse {}))
+    }
+
+    async fn get(&self, request: Request<pb::GetRequest>) -> Rpc<pb::GetResponse> {
+        let r = authorized(request)?;
+        let job = self.0.job(&r.job_id)?;
+        let key = model::kv_key(&r.key)?;
+        let deadline = deadline("wait_ms", r.wait_ms)?;
+        let full = kv_key(&job.id, &key);
+        let store = &self.0.store;
+        if deadline.is_none() {
+            return match store.get(&full).await? {
+                Some(value) => Ok(Response::new(pb::GetResponse { value })),
+                None => Err(Status::not_found(format!(
+                    "key '{key}' not found in job '{}'",
+                    job.id
+                ))),
+            };
+        }
+        let value = wait_for(
+            &job,
+            deadline,
+            || format!("key '{key}' in job '{}'", job.id),
+            || async { Ok(store.get(&full).await?) },
+        )
+        .await?;
+        Ok(Response::new(pb::GetResponse { value }))
+    }
+
+    async fn add(&self, request: Request<pb::AddRequest>) -> Rpc<pb::AddResponse> {
+        let r = authorized(request)?;
+        let job = self.0.job(&r.job_id)?;
+        let key = model::kv_key(&r.key)?;
+        let full = kv_key(&job.id, &key);
+        let mut total = job.kv_bytes.lock().await;
+        let current = match self.0.store.get(&full).await? {
+            None => 0i64,
+            Some(v) => std::str::from_utf8(&v)
+                .ok()
+                .and_then(|s| s.parse::<i64>().ok())
+                .ok_or_else(|| {
+                    Status::failed_precondition(format!(
+                        "key '{key}' in job '{}' holds a value that is not a decimal integer; add needs a counter",
+                        job.id
+                    ))
+                })?,
+        };
+        let value = current.checked_add(r.delta).ok_or_else(|| {
+            Status::out_of_range(format!(
+                "counter '{key}' would overflow: {current} + {}",
+                r.delta
+            ))
+        })?;
+        self.write(
+            &job,
+            &mut total,
+            &full,
+            &key,
+            Some(value.to_string().into_bytes()),
+        )
+        .await?;
+        Ok(Response::new(pb::AddResponse { value }))
+    }
+
+    async fn compare_and_set(
+        &self,
+        request: Request<pb::CompareAndSetRequest>,
+    ) -> Rpc<pb::CompareAndSetResponse> {
+        let r = authorized(request)?;
+        let job = self.0.job(&r.job_id)?;
+        let key = model::kv_key(&r.key)?;
+        self.check_value(&r.desired)?;
+        let full = kv_key(&job.id, &key);
+        let mut total = job.kv_bytes.lock().await;
+        let current = self.0.store.get(&full).await?;
+        if current != r.expected {
+            return Ok(Response::new(pb::CompareAndSetResponse {
+                swapped: false,
+                current,
+            }));
+        }
+        self.write(&job, &mut total, &full, &key, Some(r.desired.clone()))
+            .await?;
+        Ok(Response::new(pb::CompareAndSetResponse {
+            swapped: true,
+            current: Some(r.desired),
+        }))
+    }
+
+    async fn delete(&self, request: Request<pb::DeleteRequest>) -> Rpc<pb::DeleteResponse> {
+        let r = authorized(request)?;
+        let job = self.0.job(&r.job_id)?;
+        let key = model::kv_key(&r.key)?;
+        let mut total = job.kv_bytes.lock().await;
+        let old = self
+            .write(&job, &mut total, &kv_key(&job.id, &key), &key, None)
+            .await?;
+        Ok(Response::new(pb::DeleteResponse {
+            existed: old.is_some(),
+        }))
+    }
+
+    async fn list(&self, request: Request<pb::ListRequest>) -> Rpc<pb::ListResponse> {
+        let r = authorized(request)?;
+        let job = self.0.job(&r.job_id)?;
+        if r.prefix.len() > 512 {
+            return Err(Status::invalid_argument("prefix is longer than 512 bytes"));
+        }
+        let base = kv_key(&job.id, "");
+        let items = self
+            .0
+            .store
+            .list(&format!("{base}{}", r.prefix))
+            .await?
+            .into_iter()
+            .map(|(k, value)| pb::KeyValuePair {
+                key: k[base.len()..].to_owned(),
+                value,
+            })
+            .collect();
+        Ok(Response::new(pb::ListResponse { items }))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::unique_ids_server::UniqueIds for ValuesService {
+    async fn publish(
+        &self,
+        request: Request<pb::PublishUniqueIdRequest>,
+    ) -> Rpc<pb::PublishUniqueIdResponse> {
+        let r = authorized(request)?;
+        let job = self.0.job(&r.job_id)?;
+        let generation = model::generation(r.generation)?;
+        let comm = model::communicator(&r.communicator)?;
+        if r.unique_id.len() != muster_proto::NCCL_UNIQUE_ID_BYTES {
+            return Err(Status::invalid_argument(format!(
+                "unique_id is {} bytes; an NCCL unique id is exactly {}",
+                r.unique_id.len(),
+                muster_proto::NCCL_UNIQUE_ID_BYTES
+            )));
+        }
+        self.publish(&job, generation, r.rank, "nccl", &comm, &r.unique_id)
+            .await?;
+        Ok(Response::new(pb::PublishUniqueIdResponse {}))
+    }
+
+    async fn fetch(
+        &self,
+        request: Request<pb::FetchUniqueIdRequest>,
+    ) -> Rpc<pb::FetchUniqueIdResponse> {
+        let r = authorized(request)?;
+        let job = self.0.job(&r.job_id)?;
+        let generation = model::generation(r.generation)?;
+        let comm = model::communicator(&r.communicator)?;
+        let (root_rank, unique_id) =
+            ValuesService::fetch(self, &job, generation, r.rank, "nccl", &comm, r.wait_ms).await?;
+        Ok(Response::new(pb::FetchUniqueIdResponse {
+            unique_id,
+            root_rank,
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl pb::shared_values_server::SharedValues for ValuesService {
+    async fn publish(
+        &self,
+        request: Request<pb::PublishValueRequest>,
+    ) -> Rpc<pb::PublishValueResponse> {
+        let r = authorized(request)?;
+        let job = self.0.job(&r.job_id)?;
+        let generation = model::generation(r.generation)?;
+        let name = model::label("name", &r.name, 256)?;
+        self.check_value(&r.value)?;
+        ValuesService::publish(self, &job, generation, r.rank, "shared", &name, &r.value).await?;
+        Ok(Response::new(pb::PublishValueResponse {}))
+    }
+
+    async fn fetch(&self, request: Request<pb::FetchValueRequest>) -> Rpc<pb::FetchValueResponse> {
+        let r = authorized(request)?;
+        let job = self.0.job(&r.job_id)?;
+        let generation = model::generation(r.generation)?;
+        let name = model::label("name", &r.name, 256)?;
+        let (publisher_rank, value) =
+            ValuesService::fetch(self, &job, generation, r.rank, "shared", &name, r.wait_ms)
+                .await?;
+        Ok(Response::new(pb::FetchValueResponse {
+            value,
+            publisher_rank,
+        }))
+    }
+}

@@ -1,0 +1,91 @@
+//! A generation's first failure and what the agent reported about it: what the job records,
+//! what the metrics count, and the text every waiter of the generation is told.
+
+use crate::model::JobId;
+use muster_proto::v1 as pb;
+use pb::barrier_error::Kind as ErrKind;
+use std::fmt::Write as _;
+
+/// The first failure of a generation: which rank, where, and why.
+#[derive(Debug, Clone)]
+pub struct Failure {
+    /// The failed global rank.
+    pub rank: u32,
+    /// Its node rank.
+    pub node_rank: u32,
+    /// Its host.
+    pub host: String,
+    /// Why it failed.
+    pub reason: String,
+    /// Whether the reason came from the agent (exit status) rather than a dropped session.
+    pub precise: bool,
+    /// What the agent reported beyond the reason.
+    pub detail: FailureDetail,
+    /// The failed node's id, for a node-level failure (a lost agent).
+    pub node_id: String,
+}
+
+/// What an agent reports about a worker's end beyond the one-line reason.
+#[derive(Debug, Clone, Default)]
+pub struct FailureDetail {
+    /// The exit code, when the worker exited.
+    pub exit_code: Option<i32>,
+    /// The signal number, when a signal ended it.
+    pub signal: Option<i32>,
+    /// Its structured error (error file) message and traceback.
+    pub error_message: String,
+    /// The traceback of that error.
+    pub error_traceback: String,
+    /// Its last stderr lines.
+    pub stderr_tail: String,
+}
+
+impl Failure {
+    /// The one-line account every waiter and the job's final state carry: rank, node, host,
+    /// reason, then the error message and the end of stderr when the agent reported them.
+    pub fn describe(&self, job: &JobId, generation: u64) -> String {
+        let mut text = format!(
+            "rank {} (node {}, host {}) of job '{job}' generation {generation} failed: {}",
+            self.rank, self.node_rank, self.host, self.reason
+        );
+        let d = &self.detail;
+        if !d.error_message.is_empty() {
+            let _ = write!(text, "; error: {}", d.error_message.trim_end());
+        }
+        if !d.stderr_tail.is_empty() {
+            let n = d.stderr_tail.chars().count();
+            let tail: String = d.stderr_tail.chars().skip(n.saturating_sub(2048)).collect();
+            let _ = write!(text, "; last stderr: {}", tail.trim_end());
+        }
+        text
+    }
+
+    /// The failure as the job record and the ops view carry it.
+    pub fn to_info(&self, generation: u64) -> pb::FailureInfo {
+        pb::FailureInfo {
+            rank: self.rank,
+            node_rank: self.node_rank,
+            host: self.host.clone(),
+            reason: self.reason.clone(),
+            generation,
+            exit_code: self.detail.exit_code,
+            signal: self.detail.signal,
+            error_message: self.detail.error_message.clone(),
+            error_traceback: self.detail.error_traceback.clone(),
+            stderr_tail: self.detail.stderr_tail.clone(),
+            node_id: self.node_id.clone(),
+        }
+    }
+
+    /// The error a waiter at one of the generation's barriers is answered with.
+    pub fn to_error(&self, job: &JobId, generation: u64) -> pb::BarrierError {
+        pb::BarrierError {
+            kind: ErrKind::RankFailed as i32,
+            message: self.describe(job, generation),
+            rank: self.rank,
+            node_rank: self.node_rank,
+            host: self.host.clone(),
+            missing: vec![],
+        }
+    }
+}
