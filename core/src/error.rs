@@ -71,6 +71,13 @@ impl Error {
     }
 }
 
+impl From<crate::model::Invalid> for Status {
+    /// Through [`Error`], whose mapping is the one table of status codes.
+    fn from(e: crate::model::Invalid) -> Self {
+        Error::from(e).into()
+    }
+}
+
 impl From<crate::model::Invalid> for Error {
     fn from(e: crate::model::Invalid) -> Self {
         Self::InvalidArgument(e.0)

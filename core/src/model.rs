@@ -6,7 +6,6 @@
 
 use std::fmt;
 use std::time::Duration;
-use tonic::Status;
 
 /// Largest number of workers one node may run.
 pub const MAX_LOCAL_WORLD_SIZE: u32 = 4096;
@@ -24,13 +23,6 @@ pub struct Invalid(pub String);
 impl fmt::Display for Invalid {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.0)
-    }
-}
-
-impl From<Invalid> for Status {
-    /// Through [`crate::error::Error`], whose mapping is the one table of status codes.
-    fn from(e: Invalid) -> Self {
-        crate::error::Error::from(e).into()
     }
 }
 
