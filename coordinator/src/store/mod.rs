@@ -8,7 +8,7 @@
 //! checks it). Barriers and sessions are deliberately not here: they are ephemeral and their
 //! path never waits on a store.
 //!
-//! Keys written through the trait (by `service.rs`): `jobs/<job>/kv/<key>` (the job's
+//! Keys written through the trait (by `service/values.rs`): `jobs/<job>/kv/<key>` (the job's
 //! key-value store), `jobs/<job>/gen/<incarnation>-<g>/nccl/<communicator>` (NCCL unique ids) and
 //! `jobs/<job>/gen/<incarnation>-<g>/shared/<name>` (shared values); published values are stored as the
 //! publisher's rank (4 bytes, little endian) followed by the bytes.
