@@ -1096,7 +1096,8 @@ mod tests {
         assert_eq!(unknown.to_string(), "not the leader (no leader is known)");
     }
 
-    #[tokio::test]
+    // Paused time: the deadlines pass exactly, with no real waiting.
+    #[tokio::test(start_paused = true)]
     async fn the_lease_is_lost_at_the_local_deadline_unless_extended() {
         let start = Instant::now();
         let (tx, mut rx) = watch::channel(Some(start + Duration::from_millis(100)));
