@@ -92,6 +92,7 @@ async fn run(input: Input) {
     let ctx = JobContext {
         incarnation: 1,
         store: None,
+        tenure: muster_coordinator::tenure::Tenure::always(),
     };
     let Ok(id) = JobId::parse("fuzz") else { return };
     let job = Job::new(id, config, &ctx);
@@ -184,19 +185,24 @@ async fn run(input: Input) {
                 generation,
                 rank,
                 exit_code,
-            } => job.fail_rank(
-                u64::from(generation),
-                u32::from(rank),
-                "fuzz".into(),
-                Some(FailureDetail {
-                    exit_code,
-                    ..FailureDetail::default()
-                }),
-            ),
+            } => {
+                let _ = job.fail_rank(
+                    u64::from(generation),
+                    u32::from(rank),
+                    "fuzz".into(),
+                    Some(FailureDetail {
+                        exit_code,
+                        ..FailureDetail::default()
+                    }),
+                );
+            }
             Op::NodeFinished {
                 generation,
                 node_rank,
-            } => job.node_finished(u64::from(generation), u32::from(node_rank)),
+            } => {
+                job.node_finished(u64::from(generation), u32::from(node_rank))
+                    .await
+            }
             Op::Cancel => {
                 let _ = job.cancel("fuzz");
             }

@@ -11,9 +11,9 @@
 use libfuzzer_sys::fuzz_target;
 use muster_coordinator::config::Config;
 use muster_coordinator::job::{Job, JobContext};
-use muster_core::model::{self, JobId, Scope};
 use muster_coordinator::service::{Coordinator, OpsService, RendezvousService, ValuesService};
 use muster_coordinator::{MemoryStore, Store};
+use muster_core::model::{self, JobId, Scope};
 use muster_proto::v1 as pb;
 use pb::key_value_server::KeyValue;
 use pb::ops_server::Ops;
@@ -114,6 +114,7 @@ fn restore_record(bytes: &[u8]) {
     let ctx = JobContext {
         incarnation: 1,
         store: None,
+        tenure: muster_coordinator::tenure::Tenure::always(),
     };
     if let Ok(job) = Job::restore(&record, 0, &ctx) {
         let _ = job.describe();
