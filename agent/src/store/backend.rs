@@ -194,41 +194,37 @@ impl Backend {
         Ok((tail - head).max(0))
     }
 
-    /// Pops the oldest item, waiting for one. An item is claimed by moving the head with a
-    /// compare-and-set only once the tail shows it exists, so a pop cancelled while it waits
-    /// (the client went away) claims nothing and loses no item.
-    pub async fn queue_pop(&self, name: &str) -> Result<Vec<u8>, Error> {
+    /// Pops the oldest item, or `None` when the queue is empty: torch's server does not
+    /// block a pop (its client blocks with a `WAIT` on the queue's name first). An item is
+    /// claimed by moving the head with a compare-and-set, once the tail shows it exists, so
+    /// two ranks never pop the same item.
+    pub async fn queue_pop(&self, name: &str) -> Result<Option<Vec<u8>>, Error> {
         let head_key = self.queue(name, "head");
         loop {
             let (head, raw) = self.counter(&head_key).await?;
             let (tail, _) = self.counter(&self.queue(name, "tail")).await?;
-            if tail > head {
-                let claimed = self
-                    .kv
-                    .compare_and_set(&head_key, raw.as_deref(), (head + 1).to_string())
-                    .await?
-                    .swapped;
-                if claimed {
-                    let item = self.queue(name, &format!("item/{head}"));
-                    // The pusher claimed this index before writing it: wait out that gap.
-                    let value = loop {
-                        match self.kv.get_wait(&item, WAIT_CHUNK).await {
-                            Ok(v) => break v,
-                            Err(e) if e.is_timeout() => continue,
-                            Err(e) => return Err(e),
-                        }
-                    };
-                    self.kv.delete(&item).await?;
-                    return Ok(value);
-                }
+            if tail <= head {
+                return Ok(None);
+            }
+            let claimed = self
+                .kv
+                .compare_and_set(&head_key, raw.as_deref(), (head + 1).to_string())
+                .await?
+                .swapped;
+            if !claimed {
                 continue;
             }
-            let next = self.queue(name, &format!("item/{tail}"));
-            match self.kv.get_wait(&next, WAIT_CHUNK).await {
-                Ok(_) => continue,
-                Err(e) if e.is_timeout() => continue,
-                Err(e) => return Err(e),
-            }
+            let item = self.queue(name, &format!("item/{head}"));
+            // The pusher claims its index before it writes the item: wait out that gap.
+            let value = loop {
+                match self.kv.get_wait(&item, WAIT_CHUNK).await {
+                    Ok(v) => break v,
+                    Err(e) if e.is_timeout() => continue,
+                    Err(e) => return Err(e),
+                }
+            };
+            self.kv.delete(&item).await?;
+            return Ok(Some(value));
         }
     }
 }

@@ -1,6 +1,6 @@
 //! The agent store's listener and one task per connection: reads requests with
-//! [`protocol::parse`], runs them on the [`Backend`] and writes the replies. A blocking `WAIT`
-//! or `QUEUE_POP` keeps reading the connection while it waits, so torch's `CANCEL_WAIT` (sent
+//! [`protocol::parse`], runs them on the [`Backend`] and writes the replies. A blocking `WAIT` (also
+//! what a blocking `queue_pop` sends first) keeps reading the connection while it waits, so torch's `CANCEL_WAIT` (sent
 //! when the client's timeout runs out) is answered at once.
 
 use tokio::{
@@ -169,9 +169,13 @@ impl Connection {
                 }
             }
             Request::QueuePush { key, value } => b.queue_push(&key, value).await?,
-            Request::QueuePop { key } => match self.blocking(b.queue_pop(&key)).await? {
-                Blocked::Done(value) => protocol::put_bytes(out, &value),
-                Blocked::Cancelled => out.push(protocol::WAIT_CANCELED),
+            // A count of items (0: empty, the client raises `DistQueueEmptyError`), then the item.
+            Request::QueuePop { key } => match b.queue_pop(&key).await? {
+                Some(value) => {
+                    protocol::put_i64(out, 1);
+                    protocol::put_bytes(out, &value);
+                }
+                None => protocol::put_i64(out, 0),
             },
             Request::QueueLen { key } => protocol::put_i64(out, b.queue_len(&key).await?),
             Request::ListKeys => {
