@@ -361,6 +361,7 @@ pub fn put_u32(out: &mut Vec<u8>, v: u32) {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     /// Builds requests the way torch's client does (`SendBuffer`).
