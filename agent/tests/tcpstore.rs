@@ -330,3 +330,27 @@ async fn the_store_listens_on_loopback_and_stops_on_shutdown() {
     h.store.shutdown().await;
     assert!(TcpStream::connect(("127.0.0.1", port)).is_err());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_store_holding_another_jobs_token_cannot_touch_this_jobs_keys() {
+    let Some(python) = torch() else { return };
+    let h = Harness::start("tcpstore-mine").await;
+    // A store for this job whose backend carries the token of another job.
+    let foreign = AgentStore::start(
+        job_kv(&h.coordinator, &h.job, "tcpstore-other"),
+        h.generation,
+    )
+    .unwrap();
+    let port = foreign.port().to_string();
+    let output = client(&python, &[&port, "get", "anything"]).await;
+    assert!(
+        !output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+    // The refused client did not stop the job's own store.
+    stdout(&client(&python, &[&h.port(), "set", "still", "served"]).await);
+    let kv = job_kv(&h.coordinator, &h.job, &h.job);
+    let key = format!("torch/g{}/still", h.generation);
+    assert_eq!(kv.get(&key).await.unwrap(), Some(b"served".to_vec()));
+}
