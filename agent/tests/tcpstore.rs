@@ -1,0 +1,356 @@
+//! The agent store against torch's own `TCPStore` client (`tests/python/tcpstore_client.py`,
+//! run with the peers' venv): a real coordinator in-process on loopback with authentication
+//! on, a job formed through the real rendezvous, the store's backend authenticated with the
+//! job token as `launch` mints it, and real client processes. Without the venv, the tests that
+//! need torch print `skipped: ...` and pass; the handshake tests need no Python.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+#[path = "../../tests/src/peers.rs"]
+mod peers;
+
+use std::{
+    io::{Read, Write},
+    net::TcpStream,
+    path::{Path, PathBuf},
+    process::{Command, Output},
+    time::{Duration, Instant},
+};
+
+use muster::client::{ClientSecurity, Coordinator, Credentials, Kv};
+use muster_agent::store::AgentStore;
+use muster_proto::v1::{self as pb, rendezvous_client::RendezvousClient};
+
+/// The cluster token the test coordinator trusts.
+const CLUSTER_TOKEN: &str = "tcpstore-test-cluster-token-0123456789";
+
+/// A coordinator and one job's agent store, as `launch` would run them.
+struct Harness {
+    coordinator: String,
+    job: String,
+    generation: u64,
+    store: AgentStore,
+}
+
+impl Harness {
+    /// Starts a coordinator (cluster token required), forms `job` with one node and starts
+    /// the agent store on the job's generation, its backend carrying the job's token.
+    async fn start(job: &str) -> Harness {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let coordinator = listener.local_addr().unwrap().to_string();
+        let config = muster_coordinator::Config {
+            auth: muster_coordinator::auth::Auth::with_cluster_token(CLUSTER_TOKEN.to_owned()),
+            ..muster_coordinator::Config::default()
+        };
+        tokio::spawn(async move {
+            muster_coordinator::serve(listener, config, std::future::pending())
+                .await
+                .unwrap()
+        });
+        let generation = join(&coordinator, job).await;
+        let kv = job_kv(&coordinator, job, job);
+        let store = AgentStore::start(kv, generation).unwrap();
+        Harness {
+            coordinator,
+            job: job.to_owned(),
+            generation,
+            store,
+        }
+    }
+
+    fn port(&self) -> String {
+        self.store.port().to_string()
+    }
+}
+
+/// A `Kv` on `job`'s store carrying the job token of `token_job` (as `launch` mints it).
+fn job_kv(coordinator: &str, job: &str, token_job: &str) -> Kv {
+    let token = muster_core::job_token::mint(CLUSTER_TOKEN, token_job);
+    let security =
+        ClientSecurity::plaintext().with_credentials(Credentials::bearer(&token).unwrap());
+    Kv::new(
+        Coordinator::connect_lazy_with(coordinator, security).unwrap(),
+        job,
+    )
+}
+
+/// Forms `job` with one node, as an agent does; returns the generation.
+async fn join(coordinator: &str, job: &str) -> u64 {
+    let security =
+        ClientSecurity::plaintext().with_credentials(Credentials::bearer(CLUSTER_TOKEN).unwrap());
+    let channel = security.wrap(
+        tonic::transport::Endpoint::from_shared(format!("http://{coordinator}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap(),
+    );
+    let response = RendezvousClient::new(channel)
+        .join(pb::JoinRequest {
+            job_id: job.to_owned(),
+            node_id: "node-0".to_owned(),
+            host: "127.0.0.1".to_owned(),
+            local_world_size: 1,
+            requested_node_rank: Some(0),
+            config: Some(pb::RendezvousConfig {
+                min_nodes: 1,
+                max_nodes: 1,
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    response.generation
+}
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/python/tcpstore_client.py")
+}
+
+/// Runs the client script with `args`, off the runtime's threads.
+async fn client(python: &Path, args: &[&str]) -> Output {
+    let mut command = Command::new(python);
+    command.arg(script()).args(args);
+    tokio::task::spawn_blocking(move || command.output().unwrap())
+        .await
+        .unwrap()
+}
+
+fn stdout(output: &Output) -> String {
+    assert!(
+        output.status.success(),
+        "client failed: {}\nstdout: {}\nstderr: {}",
+        output.status,
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout).into_owned()
+}
+
+fn torch() -> Option<PathBuf> {
+    peers::peers_python(&["torch"])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn torch_client_runs_every_operation() {
+    let Some(python) = torch() else { return };
+    let h = Harness::start("tcpstore-ops").await;
+    let out = stdout(&client(&python, &[&h.port(), "ops"]).await);
+    assert!(out.contains("every operation ok"), "{out}");
+    // torch's client strips its own `/` from the keys the agent lists.
+    assert!(
+        out.contains("list_keys ['fresh', 'k', 'log', 'm1', 'm2', 'n']"),
+        "{out}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn blocking_get_and_wait_time_out_with_torchs_error() {
+    let Some(python) = torch() else { return };
+    let h = Harness::start("tcpstore-timeout").await;
+    let out = stdout(&client(&python, &[&h.port(), "wait-timeout"]).await);
+    for what in ["get", "wait"] {
+        let line = out
+            .lines()
+            .find(|l| l.starts_with(&format!("{what} ")))
+            .unwrap_or_else(|| panic!("no {what} line: {out}"));
+        assert!(line.contains("DistStoreError after"), "{line}");
+        let seconds: f64 = line
+            .split_whitespace()
+            .nth(3)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("{line}"));
+        // The client's timeout is 1 s: its error comes at that time, not after a hang.
+        assert!((0.9..3.0).contains(&seconds), "{line}");
+    }
+    assert!(out.contains("after 1"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_blocked_get_returns_when_another_client_sets_the_key() {
+    let Some(python) = torch() else { return };
+    let h = Harness::start("tcpstore-wakeup").await;
+    let port = h.port();
+    let waiter = {
+        let python = python.clone();
+        let port = port.clone();
+        tokio::spawn(async move { client(&python, &[&port, "wait-for", "late"]).await })
+    };
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stdout(&client(&python, &[&port, "set", "late", "here"]).await);
+    let out = stdout(&waiter.await.unwrap());
+    assert!(out.starts_with("got here after"), "{out}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_adds_from_eight_processes_are_exact() {
+    let Some(python) = torch() else { return };
+    let h = Harness::start("tcpstore-adds").await;
+    let port = h.port();
+    let clients: Vec<_> = (0..8)
+        .map(|_| {
+            let python = python.clone();
+            let port = port.clone();
+            tokio::spawn(async move { client(&python, &[&port, "add", "count", "25"]).await })
+        })
+        .collect();
+    for c in clients {
+        stdout(&c.await.unwrap());
+    }
+    let kv = job_kv(&h.coordinator, &h.job, &h.job);
+    let key = format!("torch/g{}/count", h.generation);
+    assert_eq!(kv.get(&key).await.unwrap(), Some(b"200".to_vec()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn compare_set_races_have_exactly_one_winner() {
+    let Some(python) = torch() else { return };
+    let h = Harness::start("tcpstore-cas").await;
+    let port = h.port();
+    let clients: Vec<_> = (0..8)
+        .map(|i| {
+            let python = python.clone();
+            let port = port.clone();
+            tokio::spawn(async move {
+                client(&python, &[&port, "cas", "leader", &format!("rank{i}")]).await
+            })
+        })
+        .collect();
+    let mut winners = 0;
+    for c in clients {
+        let out = stdout(&c.await.unwrap());
+        if out.trim() == "won" {
+            winners += 1;
+        } else {
+            assert_eq!(out.trim(), "lost");
+        }
+    }
+    assert_eq!(winners, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn torch_and_the_sdk_see_the_same_keys() {
+    let Some(python) = torch() else { return };
+    let h = Harness::start("tcpstore-doors").await;
+    let kv = job_kv(&h.coordinator, &h.job, &h.job);
+    let prefix = format!("torch/g{}/", h.generation);
+    // torch -> SDK: a value and a counter.
+    stdout(&client(&python, &[&h.port(), "set", "from-torch", "t"]).await);
+    assert_eq!(
+        kv.get(&format!("{prefix}from-torch")).await.unwrap(),
+        Some(b"t".to_vec())
+    );
+    stdout(&client(&python, &[&h.port(), "add", "shared-count", "3"]).await);
+    assert_eq!(
+        kv.add(&format!("{prefix}shared-count"), 1).await.unwrap(),
+        4
+    );
+    // SDK -> torch.
+    kv.set(&format!("{prefix}from-sdk"), "s").await.unwrap();
+    let out = stdout(&client(&python, &[&h.port(), "get", "from-sdk"]).await);
+    assert_eq!(out.trim(), "value s");
+    let out = stdout(&client(&python, &[&h.port(), "get", "shared-count"]).await);
+    assert_eq!(out.trim(), "value 4");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_blocked_queue_pop_gets_a_later_push() {
+    let Some(python) = torch() else { return };
+    let h = Harness::start("tcpstore-queue").await;
+    let port = h.port();
+    let popper = {
+        let python = python.clone();
+        let port = port.clone();
+        tokio::spawn(async move { client(&python, &[&port, "pop", "jobs"]).await })
+    };
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stdout(&client(&python, &[&port, "push", "jobs", "item"]).await);
+    assert_eq!(stdout(&popper.await.unwrap()).trim(), "popped item");
+}
+
+/// Sends `bytes` on a fresh connection and reads until the agent closes it.
+fn refused(port: u16, bytes: &[u8]) -> (String, Duration) {
+    let started = Instant::now();
+    let mut socket = TcpStream::connect(("127.0.0.1", port)).unwrap();
+    socket
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    socket.write_all(bytes).unwrap();
+    let mut reply = Vec::new();
+    socket
+        .read_to_end(&mut reply)
+        .expect("the agent closes the connection, it does not hang");
+    (
+        String::from_utf8_lossy(&reply).into_owned(),
+        started.elapsed(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_bad_handshake_is_refused_at_once_and_others_are_still_served() {
+    let h = Harness::start("tcpstore-handshake").await;
+    let port = h.store.port();
+    tokio::task::spawn_blocking(move || {
+        // A bad magic number.
+        let mut bad = vec![0u8];
+        bad.extend_from_slice(&0xDEAD_BEEFu32.to_le_bytes());
+        let (text, took) = refused(port, &bad);
+        assert!(text.contains("expected 0x3C85F7CE"), "{text}");
+        assert!(took < Duration::from_secs(2), "{took:?}");
+        // Another protocol (an HTTP request): no handshake at all.
+        let (text, _) = refused(port, b"GET / HTTP/1.1\r\n\r\n");
+        assert!(text.contains("VALIDATE"), "{text}");
+        // A validated client with a query type this protocol does not have.
+        let mut unknown = vec![0u8];
+        unknown.extend_from_slice(&0x3C85_F7CEu32.to_le_bytes());
+        unknown.push(99);
+        let (text, _) = refused(port, &unknown);
+        assert!(text.contains("unknown TCPStore query type 99"), "{text}");
+        // A good client after all that: validate, then ping is echoed.
+        let mut socket = TcpStream::connect(("127.0.0.1", port)).unwrap();
+        let mut hello = vec![0u8];
+        hello.extend_from_slice(&0x3C85_F7CEu32.to_le_bytes());
+        hello.push(13);
+        hello.extend_from_slice(&42u32.to_le_bytes());
+        socket.write_all(&hello).unwrap();
+        let mut nonce = [0u8; 4];
+        socket.read_exact(&mut nonce).unwrap();
+        assert_eq!(u32::from_le_bytes(nonce), 42);
+    })
+    .await
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_store_listens_on_loopback_and_stops_on_shutdown() {
+    let h = Harness::start("tcpstore-stop").await;
+    assert!(h.store.addr().ip().is_loopback());
+    let port = h.store.port();
+    h.store.shutdown().await;
+    assert!(TcpStream::connect(("127.0.0.1", port)).is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_store_holding_another_jobs_token_cannot_touch_this_jobs_keys() {
+    let Some(python) = torch() else { return };
+    let h = Harness::start("tcpstore-mine").await;
+    // A store for this job whose backend carries the token of another job.
+    let foreign = AgentStore::start(
+        job_kv(&h.coordinator, &h.job, "tcpstore-other"),
+        h.generation,
+    )
+    .unwrap();
+    let port = foreign.port().to_string();
+    let output = client(&python, &[&port, "get", "anything"]).await;
+    assert!(
+        !output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+    // The refused client did not stop the job's own store.
+    stdout(&client(&python, &[&h.port(), "set", "still", "served"]).await);
+    let kv = job_kv(&h.coordinator, &h.job, &h.job);
+    let key = format!("torch/g{}/still", h.generation);
+    assert_eq!(kv.get(&key).await.unwrap(), Some(b"served".to_vec()));
+}
