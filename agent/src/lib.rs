@@ -36,6 +36,7 @@ pub mod program;
 pub mod relay;
 pub mod security;
 pub mod spec;
+pub mod store;
 pub mod systemd;
 pub mod watch;
 pub mod worker;
