@@ -335,6 +335,23 @@ mod tests {
         );
     }
 
+    /// With the agent store, torch's `env://` must see exactly Python's `str(True)`.
+    #[test]
+    fn the_agent_store_tells_torch_to_connect_as_a_client() {
+        let get = |agent_store: bool| {
+            let options = WorkerOptions {
+                agent_store,
+                ..WorkerOptions::default()
+            };
+            worker_env(&node(), 0, &options, |_| false)
+                .into_iter()
+                .find(|(k, _)| *k == "TORCHELASTIC_USE_AGENT_STORE")
+                .map(|(_, v)| v)
+        };
+        assert_eq!(get(true).as_deref(), Some("True"));
+        assert_eq!(get(false).as_deref(), Some("False"));
+    }
+
     #[test]
     fn single_node_and_inherited_defaults() {
         let single = NodeAssignment {
@@ -577,6 +594,7 @@ mod tests {
             virtual_local_rank: false,
             accelerate: false,
             accelerate_env: None,
+            agent_store: false,
         };
         assert_eq!(
             added(&options, 1),

@@ -328,6 +328,7 @@ mod tests {
         let Request::Submit(submit) = request(&[
             "submit",
             "--coordinator=10.0.0.1:29470",
+            "--job-id=j2",
             "--nproc-per-node=2",
             "--no-agent-store",
             "--",
