@@ -48,7 +48,11 @@ fn listeners() -> Vec<Listener> {
     }
     let mut pids: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
     for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
-        let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
             continue;
         };
         let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) else {
@@ -138,10 +142,8 @@ struct GoFile(PathBuf);
 
 impl GoFile {
     fn new(name: &str) -> Self {
-        let dir = std::env::temp_dir().join(format!(
-            "muster-agent-store-{}-{name}",
-            std::process::id()
-        ));
+        let dir =
+            std::env::temp_dir().join(format!("muster-agent-store-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).expect("a scratch folder");
         Self(dir.join("go"))
@@ -267,7 +269,11 @@ fn no_worker_opens_a_store_server_and_the_store_outlives_rank_0() {
     let port = ready[0].master_port;
     for r in &ready {
         assert_eq!(
-            (r.master_addr.as_str(), r.master_port, r.agent_store.as_str()),
+            (
+                r.master_addr.as_str(),
+                r.master_port,
+                r.agent_store.as_str()
+            ),
             ("127.0.0.1", port, "True"),
             "rank {} got another store: {}",
             r.rank,

@@ -1054,10 +1054,16 @@ fn agent_store_opt_out() {
     // setting it here would race with every other test that parses a launch.
     assert_eq!(arg.get_env(), Some(OsStr::new("MUSTER_NO_AGENT_STORE")));
 
-    let off = ConfigFile::new("no-agent-store", "num_processes: 2\nmuster_agent_store: false\n");
-    let on = ConfigFile::new("agent-store", "num_processes: 2\nmuster_agent_store: true\n");
+    let off = ConfigFile::new(
+        "no-agent-store",
+        "num_processes: 2\nmuster_agent_store: false\n",
+    );
+    let on = ConfigFile::new(
+        "agent-store",
+        "num_processes: 2\nmuster_agent_store: true\n",
+    );
     let bad = ConfigFile::new("bad-agent-store", "muster_agent_store: sometimes\n");
-    let spec = |args: String| {
+    let parsed = |args: String| {
         let argv = ["muster-agent", "launch"]
             .into_iter()
             .map(str::to_owned)
@@ -1067,14 +1073,19 @@ fn agent_store_opt_out() {
             other => panic!("not a launch: {other:?}"),
         })
     };
-    assert!(spec("-- sh".to_owned()).unwrap());
-    assert!(!spec("--no-agent-store -- sh".to_owned()).unwrap());
-    assert!(!spec(format!("--config-file {} -- sh", off.path())).unwrap());
-    assert!(spec(format!("--config-file {} -- sh", on.path())).unwrap());
+    let spec = |args: String| parsed(args).expect("a valid launch");
+    assert!(spec("-- sh".to_owned()));
+    assert!(!spec("--no-agent-store -- sh".to_owned()));
+    assert!(!spec(format!("--config-file {} -- sh", off.path())));
+    assert!(spec(format!("--config-file {} -- sh", on.path())));
     // The key can only opt out; the flag beats a file that keeps the store.
-    assert!(!spec(format!("--config-file {} --no-agent-store -- sh", on.path())).unwrap());
-    let err = spec(format!("--config-file {} -- sh", bad.path()))
-        .unwrap_err()
-        .to_string();
+    assert!(!spec(format!(
+        "--config-file {} --no-agent-store -- sh",
+        on.path()
+    )));
+    let err = parsed(format!("--config-file {} -- sh", bad.path()))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
     assert!(err.contains("muster_agent_store"), "{err}");
 }
