@@ -8,6 +8,7 @@
 //! process group is up. The tests need the peers' virtual environment (PyTorch):
 //! `$MUSTER_PEERS_VENV`, else `~/.cache/muster-peers`; without it each prints `skipped: ...`.
 
+use muster_tests::coordinator::Coordinator;
 use muster_tests::{Agent, Finished, Stream, peers_python, workspace_root};
 use std::collections::BTreeMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
@@ -438,4 +439,41 @@ fn venv_file(python: &Path, path: &str) -> Option<PathBuf> {
         .flatten()
         .map(|dir| dir.path().join("site-packages").join(path))
         .find(|p| p.exists())
+}
+
+/// With a coordinator that authenticates every call (a cluster token), the agent store's calls
+/// carry the job's token: a DDP script whose whole rendezvous goes through the store succeeds.
+#[test]
+fn the_agent_store_authenticates_at_a_coordinator_with_a_token() {
+    let Some(python) = peers_python(&["torch"]) else {
+        return;
+    };
+    let go = GoFile::new("token");
+    let token_file = go.0.with_file_name("cluster-token");
+    std::fs::write(&token_file, "agent-store-test-cluster-token-0123456789\n")
+        .expect("the token file");
+    let token_file = token_file.to_str().expect("a UTF-8 temporary path");
+    let coordinator = Coordinator::start(&["--auth-token-file", token_file]);
+    let agent = launch_path(
+        &python,
+        &[
+            "--coordinator",
+            &coordinator.addr,
+            "--auth-token-file",
+            token_file,
+        ],
+        2,
+        "agent-store-token",
+        &workspace_root().join("tests/python/torch_ddp.py"),
+        &[],
+        &[],
+    );
+    let run = finish(agent);
+    for rank in 0..2 {
+        let expected = format!(
+            "torch_ddp rank={rank} world=2 local_rank={rank} restart_count=0 \
+             run_id=agent-store-token all_reduce=3 params_in_sync=True"
+        );
+        assert_eq!(run.rank_stdout(rank), [expected], "{}", run.dump());
+    }
 }
