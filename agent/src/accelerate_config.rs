@@ -44,6 +44,9 @@ pub struct AccelerateConfig {
     pub enable_cpu_affinity: Option<bool>,
     /// `max_restarts`.
     pub max_restarts: Option<u32>,
+    /// `muster_agent_store` (muster's own key; `false` is `--no-agent-store`): whether the
+    /// agent serves torch's store to the workers.
+    pub muster_agent_store: Option<bool>,
     /// `monitor_interval`, in seconds: checked, not used (muster learns of exits at once).
     pub monitor_interval: Option<f64>,
     /// `distributed_type`, upper case (`FSDP`, `DEEPSPEED`, `MULTI_GPU`, ...).
@@ -360,6 +363,7 @@ fn read_setting(config: &mut AccelerateConfig, key: &str, value: &Yaml) -> Resul
         "use_cpu" => config.use_cpu = v.boolean()?,
         "debug" => config.debug = v.boolean()?,
         "enable_cpu_affinity" => config.enable_cpu_affinity = v.boolean()?,
+        "muster_agent_store" => config.muster_agent_store = v.boolean()?,
         "monitor_interval" => config.monitor_interval = v.seconds()?,
         "distributed_type" => {
             if let Some(t) = v.string()? {
@@ -605,6 +609,7 @@ mod tests {
                 add("debug", c.debug.map(|v| v.to_string()));
                 add("affinity", c.enable_cpu_affinity.map(|v| v.to_string()));
                 add("restarts", c.max_restarts.map(|v| v.to_string()));
+                add("agent_store", c.muster_agent_store.map(|v| v.to_string()));
                 add("monitor", c.monitor_interval.map(|v| v.to_string()));
                 for w in &c.warnings {
                     parts.push(format!("warning: {w}"));
@@ -696,6 +701,21 @@ dynamo_config:
         check("main_process_port: 0", "port=0");
         check("mixed_precision: false", "mp=no");
         check("monitor_interval: 1", "monitor=1");
+    }
+
+    /// muster's own key: `false` opts out of the agent store; it is a boolean like the others.
+    #[test]
+    fn the_agent_store_key() {
+        check("muster_agent_store: false", "agent_store=false");
+        check("muster_agent_store: true", "agent_store=true");
+        check("muster_agent_store: off", "agent_store=false");
+        check("muster_agent_store: ~", "");
+        let got = parse("muster_agent_store: sometimes").map(|c| c.muster_agent_store);
+        assert!(
+            got.as_ref()
+                .is_err_and(|e| e.to_string().contains("muster_agent_store")),
+            "{got:?}"
+        );
     }
 
     #[test]

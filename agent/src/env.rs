@@ -39,9 +39,10 @@ pub struct NodeAssignment {
     pub max_restarts: u32,
     /// The host this node advertised.
     pub host: String,
-    /// Node rank 0's host.
+    /// Node rank 0's host; with the agent store, 127.0.0.1 (this node's agent serves it).
     pub master_addr: String,
-    /// A free port on node rank 0's host, the same for every worker of the job.
+    /// A free port on node rank 0's host, the same for every worker of the job; with the
+    /// agent store, the port this node's agent serves torch's store on.
     pub master_port: u16,
     /// The node relay's socket (`MUSTER_AGENT_SOCKET`), when the agent runs one.
     pub agent_socket: Option<String>,
@@ -84,6 +85,9 @@ pub struct WorkerOptions<'a> {
     /// torchrun's `--virtual-local-rank`: every worker gets `LOCAL_RANK=0` (its GPU, alone in
     /// its `CUDA_VISIBLE_DEVICES`, is device 0); `MUSTER_LOCAL_RANK` keeps the real one.
     pub virtual_local_rank: bool,
+    /// `TORCHELASTIC_USE_AGENT_STORE=True`: the agent serves torch's store at `MASTER_ADDR`:
+    /// `MASTER_PORT`, so torch's `env://` makes every rank a client and no rank a server.
+    pub agent_store: bool,
 }
 
 impl Default for WorkerOptions<'_> {
@@ -105,6 +109,7 @@ impl Default for WorkerOptions<'_> {
             virtual_local_rank: false,
             accelerate: false,
             accelerate_env: None,
+            agent_store: false,
         }
     }
 }
@@ -206,7 +211,11 @@ pub fn worker_env(
             node.max_restarts.to_string(),
         ),
         (var::TORCHELASTIC_RUN_ID, node.job_id.clone()),
-        (var::TORCHELASTIC_USE_AGENT_STORE, "False".to_owned()),
+        (
+            var::TORCHELASTIC_USE_AGENT_STORE,
+            // Python's `str(bool)`: torch compares the value with `str(True)`.
+            if options.agent_store { "True" } else { "False" }.to_owned(),
+        ),
     ]);
     if let Some(path) = error_file {
         env.push((var::TORCHELASTIC_ERROR_FILE, path));
@@ -324,6 +333,23 @@ mod tests {
              TORCHELASTIC_RESTART_COUNT=2 TORCHELASTIC_MAX_RESTARTS=0 TORCHELASTIC_RUN_ID=job7
              TORCHELASTIC_USE_AGENT_STORE=False TORCH_NCCL_ASYNC_ERROR_HANDLING=1 OMP_NUM_THREADS=1",
         );
+    }
+
+    /// With the agent store, torch's `env://` must see exactly Python's `str(True)`.
+    #[test]
+    fn the_agent_store_tells_torch_to_connect_as_a_client() {
+        let get = |agent_store: bool| {
+            let options = WorkerOptions {
+                agent_store,
+                ..WorkerOptions::default()
+            };
+            worker_env(&node(), 0, &options, |_| false)
+                .into_iter()
+                .find(|(k, _)| *k == "TORCHELASTIC_USE_AGENT_STORE")
+                .map(|(_, v)| v)
+        };
+        assert_eq!(get(true).as_deref(), Some("True"));
+        assert_eq!(get(false).as_deref(), Some("False"));
     }
 
     #[test]
@@ -568,6 +594,7 @@ mod tests {
             virtual_local_rank: false,
             accelerate: false,
             accelerate_env: None,
+            agent_store: false,
         };
         assert_eq!(
             added(&options, 1),

@@ -22,7 +22,9 @@ use crate::failover::{self, Coordinators};
 use crate::metrics;
 use crate::relay::Relay;
 use crate::spec::LaunchSpec;
+use crate::store::{AgentStore, Kv};
 use crate::watch::Watch;
+use muster_proto::security::Credentials;
 use muster_proto::v1 as pb;
 use muster_proto::v1::ops_client::OpsClient;
 use nix::sys::signal::Signal;
@@ -101,6 +103,14 @@ pub enum LaunchError {
     /// The MASTER_PORT could not be found or shared.
     #[error("cannot settle MASTER_PORT for job '{job}': {why}")]
     MasterPort {
+        /// The job id.
+        job: String,
+        /// Why.
+        why: String,
+    },
+    /// The agent store could not start (`--no-agent-store` runs without it).
+    #[error("job '{job}': cannot start the agent store for the workers: {why}")]
+    AgentStore {
         /// The job id.
         job: String,
         /// Why.
@@ -293,6 +303,24 @@ async fn run_at(
             None
         };
         node.agent_socket = relay.as_ref().map(|r| r.socket().to_owned());
+        // The agent store, like the relay, lives exactly as long as this generation's
+        // workers: started before any of them (so torch's clients find it), dropped only
+        // after the last one has exited (so rank 0 may finish first).
+        let store = if spec.agent_store {
+            match start_store(&spec, &node) {
+                Ok(store) => {
+                    node.master_addr = STORE_ADDR.to_owned();
+                    node.master_port = store.port();
+                    Some(store)
+                }
+                Err(why) => {
+                    drop(relay);
+                    return Err(LaunchError::AgentStore { job, why });
+                }
+            }
+        } else {
+            None
+        };
         let watch = Watch::start(
             coordinators.clone(),
             pb::NodeAttach {
@@ -308,6 +336,7 @@ async fn run_at(
             .run()
             .await;
         drop(relay);
+        drop(store);
         match end {
             End::Succeeded { spawned, watch } => {
                 watch.finish().await;
@@ -478,6 +507,31 @@ async fn start_relay(node: &NodeAssignment, coordinators: &Coordinators) -> Opti
             None
         }
     }
+}
+
+/// `MASTER_ADDR` with the agent store: it listens on loopback only, so the only
+/// control-plane socket a job exposes beyond the machine is the coordinator's.
+const STORE_ADDR: &str = "127.0.0.1";
+
+/// Starts this generation's agent store: torch's TCPStore protocol on a loopback port, served
+/// from the job's key-value store through the SDK's client (its failover included), with the
+/// job token (not the cluster token), so the store's calls can reach this job's keys only.
+fn start_store(spec: &LaunchSpec, node: &NodeAssignment) -> Result<AgentStore, String> {
+    let mut security = spec.security.client().clone();
+    if let Some((_, token)) = spec
+        .security
+        .worker_env(&node.job_id)
+        .into_iter()
+        .find(|(name, _)| *name == muster_proto::security::env::TOKEN)
+    {
+        security = security.with_credentials(Credentials::bearer(&token)?);
+    }
+    let coordinator = muster::client::Coordinator::connect_lazy_with(&node.coordinator, security)
+        .map_err(|e| e.to_string())?;
+    // The launch's budget (`--failover-timeout-ms`), not the variable the SDK reads.
+    coordinator.set_failover_timeout(node.failover_timeout);
+    AgentStore::start(Kv::new(coordinator, &node.job_id), node.generation)
+        .map_err(|e| format!("cannot listen on {STORE_ADDR}: {e}"))
 }
 
 /// How a wait before the workers start ended.

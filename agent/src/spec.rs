@@ -88,6 +88,10 @@ pub struct LaunchSpec {
     pub quiet: bool,
     /// Whether to run the node relay (not `--no-relay`).
     pub relay: bool,
+    /// Whether each generation's workers get this node's agent store (torch's TCPStore
+    /// protocol on a loopback port, backed by the job's key-value store) instead of rank 0's
+    /// own TCPStore (not `--no-agent-store`).
+    pub agent_store: bool,
     /// `--metrics-addr`: where to serve Prometheus metrics; `None`: nowhere.
     pub metrics_addr: Option<SocketAddr>,
     /// `--role`: the workers' ROLE_NAME.
@@ -119,6 +123,7 @@ impl LaunchSpec {
             security: Some(&self.security),
             role: &self.role,
             virtual_local_rank: self.virtual_local_rank,
+            agent_store: self.agent_store,
         }
     }
 }

@@ -93,7 +93,7 @@ fn workers_get_the_contract_environment() {
             ("TORCHELASTIC_RESTART_COUNT", "0"),
             ("TORCHELASTIC_MAX_RESTARTS", "0"),
             ("TORCHELASTIC_RUN_ID", "env-check"),
-            ("TORCHELASTIC_USE_AGENT_STORE", "False"),
+            ("TORCHELASTIC_USE_AGENT_STORE", "True"),
             ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"),
             ("OMP_NUM_THREADS", "1"),
             ("MUSTER_JOB_ID", "env-check"),
@@ -415,8 +415,8 @@ fn launching_eight_trivial_workers_is_fast() {
 }
 
 /// Two agents on this machine form one two-node job at an external coordinator (run in
-/// process): dense node ranks, contiguous global ranks, node 0's host as MASTER_ADDR and one
-/// MASTER_PORT for both nodes.
+/// process): dense node ranks, contiguous global ranks, and with `--no-agent-store` node 0's
+/// host as MASTER_ADDR and one MASTER_PORT for both nodes.
 #[test]
 fn two_agents_form_one_job_at_an_external_coordinator() {
     let runtime = tokio::runtime::Runtime::new().expect("runtime");
@@ -430,6 +430,8 @@ fn two_agents_form_one_job_at_an_external_coordinator() {
         std::future::pending(),
     ));
     let script = "echo rank=$RANK local=$LOCAL_RANK node=$GROUP_RANK of=$GROUP_WORLD_SIZE world=$WORLD_SIZE master=$MASTER_ADDR:$MASTER_PORT host=$MUSTER_HOST";
+    // Node 0's MASTER_PORT is shared only on opt-out: with the agent store each node serves
+    // its own loopback port (tests/tests/agent_store_launch.rs).
     let common = [
         "--coordinator",
         &addr,
@@ -437,6 +439,7 @@ fn two_agents_form_one_job_at_an_external_coordinator() {
         "two-nodes",
         "--nnodes",
         "2",
+        "--no-agent-store",
     ];
     let mut second = common.to_vec();
     second.extend_from_slice(&["--node-rank", "1", "--host", "127.0.0.2"]);

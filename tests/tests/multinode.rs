@@ -128,6 +128,10 @@ impl Cluster {
             &nproc,
             "--grace-period-ms",
             "1000",
+            // These jobs check node 0's shared MASTER_ADDR:MASTER_PORT, which only the
+            // opt-out has (with the agent store each node serves its own loopback port;
+            // tests/tests/agent_store_launch.rs).
+            "--no-agent-store",
         ];
         args.extend(self.security.iter().map(String::as_str));
         args.extend_from_slice(flags);

@@ -84,6 +84,9 @@ impl ServeArgs {
         } else {
             self.grace_period_ms
         });
+        // A job that opts out does so on every agent; one that does not leaves it to the
+        // serving agent's own MUSTER_NO_AGENT_STORE, as a bare launch would.
+        args.no_agent_store |= job.no_agent_store;
         args.failover_timeout_ms = self.failover_timeout_ms;
         args.advertise_addr = self.advertise_addr.clone();
         args.security = self.security.clone();
@@ -122,6 +125,10 @@ pub struct SubmitArgs {
     /// SIGTERM-to-SIGKILL grace when workers are stopped (0: the agents' default).
     #[arg(long, value_name = "MS", default_value_t = 0)]
     pub grace_period_ms: u64,
+    /// Give the workers rank 0's own torch TCPStore instead of their agents' store (as
+    /// `launch --no-agent-store`).
+    #[arg(long, alias = "no_agent_store")]
+    pub no_agent_store: bool,
     /// Wait until the job ends and exit 0 only if it finished.
     #[arg(long)]
     pub wait: bool,
@@ -163,6 +170,7 @@ impl SubmitArgs {
             max_restarts: self.max_restarts,
             node_selector: pairs("--selector", &self.selector)?,
             grace_period_ms: self.grace_period_ms,
+            no_agent_store: self.no_agent_store,
         })
     }
 }
@@ -298,6 +306,7 @@ mod tests {
         // A bare launch's defaults for what a job cannot say.
         assert_eq!(spec.lease, Duration::from_secs(10));
         assert!(spec.relay);
+        assert!(spec.agent_store, "the agent store is the default");
 
         // No grace period of its own: the serving agent's.
         let job = pb::JobSpec {
@@ -310,6 +319,44 @@ mod tests {
             .validate_in(&machine(None))
             .unwrap();
         assert_eq!(spec.grace_period, Duration::from_millis(99));
+    }
+
+    /// `submit --no-agent-store` reaches the daemon agent's spec as `launch --no-agent-store`
+    /// reaches a launch's: rank 0's own TCPStore.
+    #[test]
+    fn a_submitted_job_opts_out_of_the_agent_store_as_a_launch_does() {
+        let Request::Submit(submit) = request(&[
+            "submit",
+            "--coordinator=10.0.0.1:29470",
+            "--job-id=j2",
+            "--nproc-per-node=2",
+            "--no-agent-store",
+            "--",
+            "sh",
+        ]) else {
+            panic!("not submit")
+        };
+        let job = submit.job_spec().unwrap();
+        assert!(job.no_agent_store);
+        let agent = serve(&["--coordinator=10.0.0.1:29470"]);
+        let (spec, _) = agent
+            .launch_args(&job)
+            .unwrap()
+            .validate_in(&machine(None))
+            .unwrap();
+        assert!(!spec.agent_store);
+        let argv = [
+            "muster-agent",
+            "launch",
+            "--coordinator=10.0.0.1:29470",
+            "--nproc-per-node=2",
+            "--no-agent-store",
+            "sh",
+        ];
+        let Parsed::Launch(launched) = parse_in(argv, &machine(None)).unwrap().0 else {
+            panic!("not launch")
+        };
+        assert_eq!(launched.agent_store, spec.agent_store);
     }
 
     /// A placed job the launch would refuse is refused with the launch's message.

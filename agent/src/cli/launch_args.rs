@@ -97,6 +97,20 @@ pub struct LaunchArgs {
     #[arg(long)]
     pub no_relay: bool,
 
+    /// Give the workers rank 0's own torch TCPStore (on the shared MASTER_PORT of node rank
+    /// 0), as under plain torchrun. By default each node's agent serves torch's store on a
+    /// loopback port of its own (MASTER_ADDR=127.0.0.1, TORCHELASTIC_USE_AGENT_STORE=True),
+    /// backed by the job's key-value store at the coordinator: no worker opens a store server,
+    /// and the store outlives rank 0. Also MUSTER_NO_AGENT_STORE=1, or
+    /// `muster_agent_store: false` in --config-file.
+    #[arg(
+        long,
+        alias = "no_agent_store",
+        env = "MUSTER_NO_AGENT_STORE",
+        value_parser = torchrun::pet_bool
+    )]
+    pub no_agent_store: bool,
+
     /// Where to serve Prometheus metrics (`GET /metrics`, plain HTTP), as an IP address and
     /// port (0.0.0.0:29472): this node's workers by state, restarts, failures by cause,
     /// coordinator failovers and the relay's barrier latency. Default: none.

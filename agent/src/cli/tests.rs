@@ -124,6 +124,9 @@ pub(super) fn summary(s: &LaunchSpec, warnings: &[String]) -> String {
     if s.virtual_local_rank {
         add("virtual-local-rank".to_owned());
     }
+    if !s.agent_store {
+        add("no-agent-store".to_owned());
+    }
     for w in warnings {
         match w.strip_prefix(NOTE) {
             Some(n) => add(format!("| note: {n}")),
@@ -227,6 +230,25 @@ fn valid_command_lines() {
         "--nproc-per-node 1 --no-relay -- sh",
         Ok(
             r#"n=1 nodes=1:1 rank=None coord=None job=<fresh> grace=5000ms relay=false prog=sh args=[]"#,
+        ),
+    );
+    check(
+        "--nproc-per-node 1 --no-agent-store -- sh",
+        Ok(
+            r#"n=1 nodes=1:1 rank=None coord=None job=<fresh> grace=5000ms relay=true prog=sh args=[] no-agent-store"#,
+        ),
+    );
+    check(
+        "--nproc-per-node 1 --no_agent_store -- sh",
+        Ok(
+            r#"n=1 nodes=1:1 rank=None coord=None job=<fresh> grace=5000ms relay=true prog=sh args=[] no-agent-store"#,
+        ),
+    );
+    // The flag takes no value: a value is the program.
+    check(
+        "--nproc-per-node 1 --no-agent-store=1 -- sh",
+        Err(
+            "unexpected value '1' for '--no-agent-store' found; no more were expected (see `muster-agent launch --help`)",
         ),
     );
     check(
@@ -1016,4 +1038,54 @@ fn security_flags() {
         assert!(shown.contains(&token), "{shown}");
         assert!(!shown.contains(SecurityFiles::TOKEN), "{shown}");
     }
+}
+
+/// The agent store's opt-out: the flag, its variable and the config file's key all reach the
+/// spec.
+#[test]
+fn agent_store_opt_out() {
+    use clap::Args as _;
+    let launch = LaunchArgs::augment_args(clap::Command::new("launch"));
+    let arg = launch
+        .get_arguments()
+        .find(|a| a.get_long() == Some("no-agent-store"))
+        .expect("--no-agent-store");
+    // Read through the variable in tests/tests/agent_store_launch.rs (the opt-out test):
+    // setting it here would race with every other test that parses a launch.
+    assert_eq!(arg.get_env(), Some(OsStr::new("MUSTER_NO_AGENT_STORE")));
+
+    let off = ConfigFile::new(
+        "no-agent-store",
+        "num_processes: 2\nmuster_agent_store: false\n",
+    );
+    let on = ConfigFile::new(
+        "agent-store",
+        "num_processes: 2\nmuster_agent_store: true\n",
+    );
+    let bad = ConfigFile::new("bad-agent-store", "muster_agent_store: sometimes\n");
+    let parsed = |args: String| {
+        let argv = ["muster-agent", "launch"]
+            .into_iter()
+            .map(str::to_owned)
+            .chain(args.split_whitespace().map(str::to_owned));
+        parse_in(argv, &machine(None)).map(|(p, _)| match p {
+            Parsed::Launch(s) => s.agent_store,
+            other => panic!("not a launch: {other:?}"),
+        })
+    };
+    let spec = |args: String| parsed(args).expect("a valid launch");
+    assert!(spec("-- sh".to_owned()));
+    assert!(!spec("--no-agent-store -- sh".to_owned()));
+    assert!(!spec(format!("--config-file {} -- sh", off.path())));
+    assert!(spec(format!("--config-file {} -- sh", on.path())));
+    // The key can only opt out; the flag beats a file that keeps the store.
+    assert!(!spec(format!(
+        "--config-file {} --no-agent-store -- sh",
+        on.path()
+    )));
+    let err = parsed(format!("--config-file {} -- sh", bad.path()))
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(err.contains("muster_agent_store"), "{err}");
 }

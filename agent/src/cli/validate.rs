@@ -230,6 +230,8 @@ impl LaunchArgs {
             accelerate_env: acc.env,
             quiet: acc.quiet,
             relay: !self.no_relay,
+            // The flag (or its variable) and the config file can each only opt out.
+            agent_store: !self.no_agent_store && config.muster_agent_store != Some(false),
             metrics_addr: self.metrics_addr,
             role: self
                 .torchrun

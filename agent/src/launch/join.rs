@@ -1,4 +1,5 @@
-//! Joining a job's rendezvous round as one node, and settling the generation's MASTER_PORT.
+//! Joining a job's rendezvous round as one node, and settling the generation's MASTER_PORT
+//! when the workers use rank 0's own TCPStore (`--no-agent-store`).
 
 use super::LaunchError;
 use crate::env::NodeAssignment;
@@ -89,6 +90,9 @@ pub(super) async fn join(
         ))));
     }
     let master_port = match spec.master_port {
+        // With the agent store each node serves its own loopback port, set once the store
+        // has started ([`super::start_store`]): there is nothing to share.
+        _ if spec.agent_store => 0,
         Some(port) => port,
         None => {
             master_port(coordinators, &answer)

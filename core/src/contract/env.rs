@@ -79,9 +79,11 @@ pub const ROLE_RANK: &str = "ROLE_RANK";
 pub const ROLE_NAME: &str = "ROLE_NAME";
 /// Workers of the same role.
 pub const ROLE_WORLD_SIZE: &str = "ROLE_WORLD_SIZE";
-/// Node rank 0's host, for `torch.distributed`'s own rendezvous.
+/// Node rank 0's host, for `torch.distributed`'s own rendezvous; `127.0.0.1` with the agent
+/// store (each node's agent serves it on loopback).
 pub const MASTER_ADDR: &str = "MASTER_ADDR";
-/// A free port on node rank 0's host, the same for every worker.
+/// A free port on node rank 0's host, the same for every worker; with the agent store, the
+/// port of this node's agent store.
 pub const MASTER_PORT: &str = "MASTER_PORT";
 /// Restarts so far.
 pub const TORCHELASTIC_RESTART_COUNT: &str = "TORCHELASTIC_RESTART_COUNT";
@@ -89,7 +91,8 @@ pub const TORCHELASTIC_RESTART_COUNT: &str = "TORCHELASTIC_RESTART_COUNT";
 pub const TORCHELASTIC_MAX_RESTARTS: &str = "TORCHELASTIC_MAX_RESTARTS";
 /// The run id: the job id.
 pub const TORCHELASTIC_RUN_ID: &str = "TORCHELASTIC_RUN_ID";
-/// Always `False`: muster's agent runs no torch `TCPStore` for the workers.
+/// `True` when the agent serves torch's store at `MASTER_ADDR:MASTER_PORT` (the default), so
+/// torch's `env://` opens no store server in any worker; `False` with `--no-agent-store`.
 pub const TORCHELASTIC_USE_AGENT_STORE: &str = "TORCHELASTIC_USE_AGENT_STORE";
 /// The JSON file PyTorch's `@record` writes a fatal error to, read back by the agent.
 pub const TORCHELASTIC_ERROR_FILE: &str = "TORCHELASTIC_ERROR_FILE";

@@ -1,0 +1,479 @@
+//! Unmodified PyTorch scripts under the real `muster-agent launch` with the agent store (the
+//! default): torch's `env://` connects every rank to its node's agent as a client, so no worker
+//! opens a store server and the store outlives rank 0; `MUSTER_NO_AGENT_STORE=1` (the
+//! environment form of `--no-agent-store`) gives rank 0's own TCPStore back.
+//!
+//! Who listens where is read from `/proc/net/tcp{,6}` (the listening sockets and their inodes)
+//! and `/proc/<pid>/fd` (which process holds each inode), while the workers wait after their
+//! process group is up. The tests need the peers' virtual environment (PyTorch):
+//! `$MUSTER_PEERS_VENV`, else `~/.cache/muster-peers`; without it each prints `skipped: ...`.
+
+use muster_tests::coordinator::Coordinator;
+use muster_tests::{Agent, Finished, Stream, peers_python, workspace_root};
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// torch's import alone takes seconds on a 2-core machine; every rank imports it at once.
+const PYTHON_LIMIT: Duration = Duration::from_secs(120);
+
+/// One listening TCP socket of this machine.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Listener {
+    addr: IpAddr,
+    port: u16,
+    /// The processes holding it (a socket can be inherited).
+    pids: Vec<u32>,
+}
+
+/// Every listening TCP socket (IPv4 and IPv6) with the processes that hold it.
+fn listeners() -> Vec<Listener> {
+    let mut by_inode: BTreeMap<u64, (IpAddr, u16)> = BTreeMap::new();
+    for (file, v6) in [("/proc/net/tcp", false), ("/proc/net/tcp6", true)] {
+        let Ok(text) = std::fs::read_to_string(file) else {
+            continue;
+        };
+        for line in text.lines().skip(1) {
+            let cols: Vec<&str> = line.split_whitespace().collect();
+            // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
+            if cols.len() < 10 || cols[3] != "0A" {
+                continue;
+            }
+            let (Some((addr, port)), Ok(inode)) = (local_address(cols[1], v6), cols[9].parse())
+            else {
+                continue;
+            };
+            by_inode.insert(inode, (addr, port));
+        }
+    }
+    let mut pids: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
+    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) else {
+            continue;
+        };
+        for fd in fds.flatten() {
+            let Ok(target) = std::fs::read_link(fd.path()) else {
+                continue;
+            };
+            let inode = target
+                .to_str()
+                .and_then(|t| t.strip_prefix("socket:["))
+                .and_then(|t| t.strip_suffix(']'))
+                .and_then(|t| t.parse::<u64>().ok());
+            if let Some(inode) = inode
+                && by_inode.contains_key(&inode)
+            {
+                pids.entry(inode).or_default().push(pid);
+            }
+        }
+    }
+    by_inode
+        .into_iter()
+        .map(|(inode, (addr, port))| Listener {
+            addr,
+            port,
+            pids: pids.remove(&inode).unwrap_or_default(),
+        })
+        .collect()
+}
+
+/// `0100007F:1F90` (IPv4) or 32 hex digits and a port (IPv6): the kernel prints the address
+/// as 32-bit words in host (little-endian) byte order.
+fn local_address(text: &str, v6: bool) -> Option<(IpAddr, u16)> {
+    let (addr, port) = text.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    let words: Vec<[u8; 4]> = (0..addr.len() / 8)
+        .map(|i| {
+            u32::from_str_radix(addr.get(i * 8..i * 8 + 8)?, 16)
+                .ok()
+                .map(u32::to_le_bytes)
+        })
+        .collect::<Option<_>>()?;
+    let ip = match (v6, words.as_slice()) {
+        (false, [w]) => IpAddr::V4(Ipv4Addr::from(*w)),
+        (true, [a, b, c, d]) => {
+            let mut bytes = [0u8; 16];
+            for (i, w) in [a, b, c, d].into_iter().enumerate() {
+                bytes[i * 4..i * 4 + 4].copy_from_slice(w);
+            }
+            IpAddr::V6(Ipv6Addr::from(bytes))
+        }
+        _ => return None,
+    };
+    Some((ip, port))
+}
+
+/// What a rank printed once its process group was up.
+#[derive(Debug)]
+struct Ready {
+    rank: u32,
+    pid: u32,
+    master_addr: String,
+    master_port: u16,
+    agent_store: String,
+}
+
+/// Parses `[rank R] ready rank=R pid=P master=ADDR:PORT agent_store=V`.
+fn ready(line: &str) -> Option<Ready> {
+    let rest = line.split_once("] ready ")?.1;
+    let field = |name: &str| {
+        rest.split(' ')
+            .find_map(|w| w.strip_prefix(name)?.strip_prefix('='))
+    };
+    let (master_addr, master_port) = field("master")?.rsplit_once(':')?;
+    Some(Ready {
+        rank: field("rank")?.parse().ok()?,
+        pid: field("pid")?.parse().ok()?,
+        master_addr: master_addr.to_owned(),
+        master_port: master_port.parse().ok()?,
+        agent_store: field("agent_store")?.to_owned(),
+    })
+}
+
+/// A file that releases the workers when it appears; removed with its folder when dropped.
+struct GoFile(PathBuf);
+
+impl GoFile {
+    fn new(name: &str) -> Self {
+        let dir =
+            std::env::temp_dir().join(format!("muster-agent-store-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a scratch folder");
+        Self(dir.join("go"))
+    }
+
+    fn path(&self) -> &str {
+        self.0.to_str().expect("a UTF-8 temporary path")
+    }
+
+    fn release(&self) {
+        std::fs::write(&self.0, b"go").expect("the go file");
+    }
+}
+
+impl Drop for GoFile {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+/// Starts `muster-agent launch --nproc-per-node N --job-id JOB -- PYTHON tests/python/SCRIPT
+/// ARGS`.
+fn launch(
+    python: &Path,
+    nproc: u32,
+    job: &str,
+    script: &str,
+    script_args: &[&str],
+    env: &[(&str, &str)],
+) -> Agent {
+    launch_path(
+        python,
+        &[],
+        nproc,
+        job,
+        &workspace_root().join("tests/python").join(script),
+        script_args,
+        env,
+    )
+}
+
+/// Starts `muster-agent launch FLAGS --nproc-per-node N --job-id JOB -- PYTHON SCRIPT ARGS`.
+fn launch_path(
+    python: &Path,
+    flags: &[&str],
+    nproc: u32,
+    job: &str,
+    script: &Path,
+    script_args: &[&str],
+    env: &[(&str, &str)],
+) -> Agent {
+    let python = python.to_str().expect("a UTF-8 venv path");
+    let script = script.to_str().expect("a UTF-8 script path");
+    let nproc = nproc.to_string();
+    let mut args = vec!["launch"];
+    args.extend_from_slice(flags);
+    args.extend_from_slice(&[
+        "--nproc-per-node",
+        &nproc,
+        "--job-id",
+        job,
+        "--",
+        python,
+        script,
+    ]);
+    args.extend_from_slice(script_args);
+    Agent::start_with_env(&args, env)
+}
+
+/// Waits for every rank's `ready` line, by rank.
+fn wait_ready(agent: &Agent, nproc: u32) -> Vec<Ready> {
+    let lines = agent.wait_for_lines(Stream::Stdout, nproc as usize, PYTHON_LIMIT, |l| {
+        l.contains("] ready ")
+    });
+    let mut ready: Vec<Ready> = lines
+        .iter()
+        .map(|l| ready(l).unwrap_or_else(|| panic!("a malformed ready line: {l}")))
+        .collect();
+    ready.sort_by_key(|r| r.rank);
+    assert_eq!(
+        ready.iter().map(|r| r.rank).collect::<Vec<_>>(),
+        (0..nproc).collect::<Vec<_>>(),
+        "{}",
+        agent.output()
+    );
+    ready
+}
+
+/// The listening sockets held by `pid`.
+fn held_by(all: &[Listener], pid: u32) -> Vec<&Listener> {
+    all.iter().filter(|l| l.pids.contains(&pid)).collect()
+}
+
+fn finish(agent: Agent) -> Finished {
+    let run = agent.finish(PYTHON_LIMIT);
+    assert_eq!(run.code(), Some(0), "{}", run.dump());
+    run
+}
+
+/// With the agent store: every rank gets MASTER_ADDR=127.0.0.1, this node's agent store's
+/// port and TORCHELASTIC_USE_AGENT_STORE=True; only the agent listens on MASTER_PORT, on
+/// loopback; no worker holds a listener on it, and rank 0 listens on no more ports than the
+/// other ranks (the ports they all hold are gloo's data plane, out of scope here). Then rank
+/// 0 exits first and the other ranks go on using the store.
+#[test]
+fn no_worker_opens_a_store_server_and_the_store_outlives_rank_0() {
+    let Some(python) = peers_python(&["torch"]) else {
+        return;
+    };
+    let nproc = 3;
+    let go = GoFile::new("agent");
+    let agent = launch(
+        &python,
+        nproc,
+        "agent-store-launch",
+        "agent_store_job.py",
+        &[go.path(), "rank0-first"],
+        &[],
+    );
+    let ready = wait_ready(&agent, nproc);
+    let port = ready[0].master_port;
+    for r in &ready {
+        assert_eq!(
+            (
+                r.master_addr.as_str(),
+                r.master_port,
+                r.agent_store.as_str()
+            ),
+            ("127.0.0.1", port, "True"),
+            "rank {} got another store: {}",
+            r.rank,
+            agent.output()
+        );
+    }
+    let agent_pid = agent.pid().as_raw().unsigned_abs();
+    let all = listeners();
+    let on_master: Vec<&Listener> = all.iter().filter(|l| l.port == port).collect();
+    assert_eq!(
+        on_master,
+        [&Listener {
+            addr: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            port,
+            pids: vec![agent_pid],
+        }],
+        "only the agent (pid {agent_pid}) may listen on MASTER_PORT {port}, on 127.0.0.1; all listeners: {all:#?}"
+    );
+    let counts: Vec<usize> = ready.iter().map(|r| held_by(&all, r.pid).len()).collect();
+    eprintln!("listening sockets per rank (gloo's): {counts:?}");
+    assert!(
+        counts.iter().all(|&c| c == counts[0]),
+        "a rank listens on more ports than the others (a store server?): {counts:?}\n{all:#?}"
+    );
+
+    go.release();
+    let run = finish(agent);
+    assert_eq!(
+        run.rank_stdout(0).last().copied(),
+        Some("rank 0 leaves first"),
+        "{}",
+        run.dump()
+    );
+    for rank in 1..nproc {
+        let expected = format!(
+            "after-rank0 rank={rank} rank0_said=goodbye seen=rank1,rank2 count={}",
+            nproc - 1
+        );
+        assert_eq!(
+            run.rank_stdout(rank).last().copied(),
+            Some(expected.as_str()),
+            "{}",
+            run.dump()
+        );
+    }
+}
+
+/// An unmodified DDP training script (`tests/python/torch_ddp.py`: gloo from `env://`, an
+/// all_reduce, a DDP step, all_gather, a barrier) on 4 processes with the agent store.
+#[test]
+fn a_ddp_script_trains_on_4_processes_with_the_agent_store() {
+    let Some(python) = peers_python(&["torch"]) else {
+        return;
+    };
+    let run = finish(launch(
+        &python,
+        4,
+        "agent-store-ddp",
+        "torch_ddp.py",
+        &[],
+        &[],
+    ));
+    for rank in 0..4 {
+        let expected = format!(
+            "torch_ddp rank={rank} world=4 local_rank={rank} restart_count=0 \
+             run_id=agent-store-ddp all_reduce=10 params_in_sync=True"
+        );
+        assert_eq!(run.rank_stdout(rank), [expected], "{}", run.dump());
+    }
+}
+
+/// `MUSTER_NO_AGENT_STORE=1` (`--no-agent-store`): TORCHELASTIC_USE_AGENT_STORE=False, and
+/// rank 0 opens torch's TCPStore on MASTER_PORT, as under plain torchrun.
+#[test]
+fn the_opt_out_gives_rank_0_its_own_tcp_store() {
+    let Some(python) = peers_python(&["torch"]) else {
+        return;
+    };
+    let nproc = 2;
+    let go = GoFile::new("opt-out");
+    let agent = launch(
+        &python,
+        nproc,
+        "agent-store-opt-out",
+        "agent_store_job.py",
+        &[go.path(), "together"],
+        &[("MUSTER_NO_AGENT_STORE", "1")],
+    );
+    let ready = wait_ready(&agent, nproc);
+    let port = ready[0].master_port;
+    for r in &ready {
+        assert_eq!(
+            (r.master_port, r.agent_store.as_str()),
+            (port, "False"),
+            "{}",
+            agent.output()
+        );
+    }
+    let all = listeners();
+    let owners: Vec<u32> = all
+        .iter()
+        .filter(|l| l.port == port)
+        .flat_map(|l| l.pids.clone())
+        .collect();
+    assert!(
+        !owners.is_empty() && owners.iter().all(|&p| p == ready[0].pid),
+        "rank 0 (pid {}) should hold MASTER_PORT {port}, held by {owners:?}: {all:#?}",
+        ready[0].pid
+    );
+    go.release();
+    let run = finish(agent);
+    for rank in 0..nproc {
+        let expected = format!("together rank={rank} sum=1");
+        assert_eq!(
+            run.rank_stdout(rank).last().copied(),
+            Some(expected.as_str()),
+            "{}",
+            run.dump()
+        );
+    }
+}
+
+/// Accelerate's own distributed test script (`accelerate/test_utils/scripts/test_script.py` in
+/// the peers' venv), unmodified, on 2 CPU processes with the agent store (`--cpu`, as
+/// `accelerate launch --cpu` would run it).
+#[test]
+fn accelerates_own_test_script_runs_with_the_agent_store() {
+    let Some(python) = peers_python(&["torch", "accelerate"]) else {
+        return;
+    };
+    let Some(script) = venv_file(&python, "accelerate/test_utils/scripts/test_script.py") else {
+        eprintln!("skipped: the peers' accelerate has no test_utils/scripts/test_script.py");
+        return;
+    };
+    let agent = launch_path(
+        &python,
+        &["--cpu"],
+        2,
+        "agent-store-accelerate",
+        &script,
+        &[],
+        &[],
+    );
+    let run = agent.finish(ACCELERATE_LIMIT);
+    assert_eq!(run.code(), Some(0), "{}", run.dump());
+    // The script checks itself (it raises on any mismatch); make sure it ran distributed.
+    assert!(
+        run.stdout.iter().any(|l| l.ends_with("] Num processes: 2")),
+        "{}",
+        run.dump()
+    );
+}
+
+/// Accelerate's test script trains several small models on 2 cores.
+const ACCELERATE_LIMIT: Duration = Duration::from_secs(420);
+
+/// `site-packages/PATH` of the venv whose python is `python`, if it exists.
+fn venv_file(python: &Path, path: &str) -> Option<PathBuf> {
+    let lib = python.parent()?.parent()?.join("lib");
+    std::fs::read_dir(lib)
+        .ok()?
+        .flatten()
+        .map(|dir| dir.path().join("site-packages").join(path))
+        .find(|p| p.exists())
+}
+
+/// With a coordinator that authenticates every call (a cluster token), the agent store's calls
+/// carry the job's token: a DDP script whose whole rendezvous goes through the store succeeds.
+#[test]
+fn the_agent_store_authenticates_at_a_coordinator_with_a_token() {
+    let Some(python) = peers_python(&["torch"]) else {
+        return;
+    };
+    let go = GoFile::new("token");
+    let token_file = go.0.with_file_name("cluster-token");
+    std::fs::write(&token_file, "agent-store-test-cluster-token-0123456789\n")
+        .expect("the token file");
+    let token_file = token_file.to_str().expect("a UTF-8 temporary path");
+    let coordinator = Coordinator::start(&["--auth-token-file", token_file]);
+    let agent = launch_path(
+        &python,
+        &[
+            "--coordinator",
+            &coordinator.addr,
+            "--auth-token-file",
+            token_file,
+        ],
+        2,
+        "agent-store-token",
+        &workspace_root().join("tests/python/torch_ddp.py"),
+        &[],
+        &[],
+    );
+    let run = finish(agent);
+    for rank in 0..2 {
+        let expected = format!(
+            "torch_ddp rank={rank} world=2 local_rank={rank} restart_count=0 \
+             run_id=agent-store-token all_reduce=3 params_in_sync=True"
+        );
+        assert_eq!(run.rank_stdout(rank), [expected], "{}", run.dump());
+    }
+}
