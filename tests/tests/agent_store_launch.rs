@@ -397,34 +397,56 @@ fn the_opt_out_gives_rank_0_its_own_tcp_store() {
     }
 }
 
-/// Accelerate's own distributed test script (`accelerate/test_utils/scripts/test_script.py` in
-/// the peers' venv), unmodified, on 2 CPU processes with the agent store (`--cpu`, as
-/// `accelerate launch --cpu` would run it).
-#[test]
-fn accelerates_own_test_script_runs_with_the_agent_store() {
+/// Accelerate's own distributed test scripts (`accelerate/test_utils/scripts/` in the peers'
+/// venv), unmodified, on 2 CPU processes with the agent store (`--cpu`, as
+/// `accelerate launch --cpu` would run them). Each raises on any mismatch, so exit 0 is the
+/// check; `ran` is a line only the distributed path prints, so a silent single-process run
+/// cannot pass.
+fn accelerate_script(name: &str, ran: &str) {
     let Some(python) = peers_python(&["torch", "accelerate"]) else {
         return;
     };
-    let Some(script) = venv_file(&python, "accelerate/test_utils/scripts/test_script.py") else {
-        eprintln!("skipped: the peers' accelerate has no test_utils/scripts/test_script.py");
+    let path = format!("accelerate/test_utils/scripts/{name}");
+    let Some(script) = venv_file(&python, &path) else {
+        eprintln!("skipped: the peers' accelerate has no {path}");
         return;
     };
-    let agent = launch_path(
-        &python,
-        &["--cpu"],
-        2,
-        "agent-store-accelerate",
-        &script,
-        &[],
-        &[],
+    let job = format!(
+        "agent-store-{}",
+        name.trim_end_matches(".py").replace('_', "-")
     );
+    let agent = launch_path(&python, &["--cpu"], 2, &job, &script, &[], &[]);
     let run = agent.finish(ACCELERATE_LIMIT);
     assert_eq!(run.code(), Some(0), "{}", run.dump());
-    // The script checks itself (it raises on any mismatch); make sure it ran distributed.
     assert!(
-        run.stdout.iter().any(|l| l.ends_with("] Num processes: 2")),
-        "{}",
+        run.stdout.iter().any(|l| l.contains(ran)),
+        "no line with {ran:?}\n{}",
         run.dump()
+    );
+}
+
+#[test]
+fn accelerates_test_script_runs_with_the_agent_store() {
+    accelerate_script("test_script.py", "] Num processes: 2");
+}
+
+/// `test_ops.py` builds a bare `PartialState()`, which ignores `ACCELERATE_USE_CPU`: on a machine
+/// without GPUs each process runs it alone (`DistributedType.NO`), under torchrun and
+/// `accelerate launch --cpu` too. What this shows is that both ranks run it to the end under the
+/// agent store's environment.
+#[test]
+fn accelerates_test_ops_runs_with_the_agent_store() {
+    accelerate_script(
+        "test_ops.py",
+        "[rank 1] testing sending tensors across devices",
+    );
+}
+
+#[test]
+fn accelerates_test_sync_runs_with_the_agent_store() {
+    accelerate_script(
+        "test_sync.py",
+        "**Test Distributed `no_sync` context manager**",
     );
 }
 

@@ -92,3 +92,41 @@ def test_the_store_serves_what_torch_asks(launch) -> None:
     assert run.value(0, "deleted") == "True,False"
     # count and lock remain.
     assert run.value(0, "keys") == "2", run.dump()
+
+
+def test_the_agent_store_and_muster_torch_store_are_two_doors_to_the_same_keys(launch) -> None:
+    """torch's own TCPStore client at MASTER_PORT (the agent's store, as ``env://`` reaches it)
+    and ``muster.torch.Store`` read and write the same keys of the same generation."""
+    run = launch(
+        2,
+        """
+        import datetime, os
+        import torch.distributed as dist
+        import muster, muster.torch
+        timeout = datetime.timedelta(seconds=30)
+        ours = muster.torch.Store(timeout=timeout)
+        theirs = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            timeout=timeout,
+        )
+        rank = muster.Accelerator().process_index
+        if rank == 0:
+            ours.set("from-sdk", b"s")
+        else:
+            theirs.set("from-tcpstore", b"t")
+        print(f"tcpstore_sees={theirs.get('from-sdk').decode()}", flush=True)
+        print(f"sdk_sees={ours.get('from-tcpstore').decode()}", flush=True)
+        ours.add("n", 1)
+        theirs.add("n", 10)
+        muster.Accelerator().wait_for_everyone()
+        print(f"n={theirs.add('n', 0)},{ours.add('n', 0)}", flush=True)
+        print(f"agent_store={os.environ.get('TORCHELASTIC_USE_AGENT_STORE')}", flush=True)
+        """,
+        timeout=120,
+    )
+    assert run.code == 0, run.dump()
+    for rank in range(2):
+        assert run.value(rank, "tcpstore_sees") == "s", run.dump()
+        assert run.value(rank, "sdk_sees") == "t", run.dump()
+        assert run.value(rank, "n") == "22,22", run.dump()
+        assert run.value(rank, "agent_store") == "True", run.dump()
