@@ -42,7 +42,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long a node keeps its workers re-attaching after its watch stream broke, beyond its
 /// lease: the failover budget when there are several replicas (a standby may take a while to
 /// lead; the workers keep running through the failover), nothing with one address (there is
-/// nobody else to fail over to, so the lease alone decides, as the README promises).
+/// nobody else to fail over to, so the lease alone decides, as docs/ha.md promises).
 pub fn reattach_budget(coordinators: &Coordinators) -> Duration {
     if coordinators.len() > 1 {
         coordinators.budget()

@@ -486,3 +486,43 @@ pub fn free_port() -> u16 {
     }
     panic!("no free port in 20000..32000");
 }
+
+/// `--help` of a binary (`muster-coordinator`, or `muster-agent SUBCOMMAND`), cached: the tests
+/// that hold documented command lines (deploy/, README.md) to the flags the binaries have.
+pub fn help_of(binary: &str, subcommand: Option<&str>) -> String {
+    use std::collections::HashMap;
+    static CACHE: Mutex<Option<HashMap<String, String>>> = Mutex::new(None);
+    let key = format!("{binary} {subcommand:?}");
+    let mut cache = CACHE
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(h) = cache.get_or_insert_with(HashMap::new).get(&key) {
+        return h.clone();
+    }
+    let path = match binary {
+        "muster-coordinator" => coordinator_bin(),
+        "muster-agent" => agent_bin(),
+        other => panic!("unknown binary {other}"),
+    };
+    let out = Command::new(path)
+        .args(subcommand)
+        .arg("--help")
+        .output()
+        .expect("the binary runs");
+    assert!(out.status.success(), "{key} --help: {out:?}");
+    let help = String::from_utf8(out.stdout).expect("--help is UTF-8");
+    cache
+        .get_or_insert_with(HashMap::new)
+        .insert(key, help.clone());
+    help
+}
+
+/// Whether `help` documents `flag` (as a whole word: `--listen` is not `--listen-x`).
+pub fn has_flag(help: &str, flag: &str) -> bool {
+    help.match_indices(flag).any(|(i, _)| {
+        !help[i + flag.len()..]
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    })
+}

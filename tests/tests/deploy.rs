@@ -13,7 +13,9 @@ use muster_proto::security::{ClientSecurity, Credentials, read_token_file};
 use muster_proto::v1 as pb;
 use muster_tests::notify::NotifySocket;
 use muster_tests::pki::Pki;
-use muster_tests::{agent_bin, coordinator::Coordinator, coordinator_bin, workspace_root};
+use muster_tests::{
+    agent_bin, coordinator::Coordinator, coordinator_bin, has_flag, help_of, workspace_root,
+};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use std::collections::{BTreeSet, HashMap};
@@ -579,41 +581,6 @@ fn sigterm_drains_a_coordinator_with_a_waiting_client() {
 // ----------------------------------------------------------------------------------------
 // Kubernetes
 // ----------------------------------------------------------------------------------------
-
-/// `--help` of a binary (`muster-coordinator`, or `muster-agent SUBCOMMAND`), cached.
-fn help_of(binary: &str, subcommand: Option<&str>) -> String {
-    use std::sync::Mutex;
-    static CACHE: Mutex<Option<HashMap<String, String>>> = Mutex::new(None);
-    let key = format!("{binary} {subcommand:?}");
-    let mut cache = CACHE.lock().unwrap();
-    if let Some(h) = cache.get_or_insert_with(HashMap::new).get(&key) {
-        return h.clone();
-    }
-    let path = match binary {
-        "muster-coordinator" => coordinator_bin(),
-        "muster-agent" => agent_bin(),
-        other => panic!("unknown binary {other}"),
-    };
-    let out = Command::new(path)
-        .args(subcommand)
-        .arg("--help")
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{key} --help: {out:?}");
-    let help = String::from_utf8(out.stdout).unwrap();
-    cache.as_mut().unwrap().insert(key, help.clone());
-    help
-}
-
-/// Whether `help` documents `flag` (as a whole word: `--listen` is not `--listen-x`).
-fn has_flag(help: &str, flag: &str) -> bool {
-    help.match_indices(flag).any(|(i, _)| {
-        !help[i + flag.len()..]
-            .chars()
-            .next()
-            .is_some_and(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
-    })
-}
 
 /// The `MUSTER_COORDINATOR_*` variables the coordinator reads: `Layer::from_env`'s, and the
 /// `[env: ...]` of its flags.
