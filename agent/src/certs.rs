@@ -25,23 +25,24 @@ use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
-/// `muster-agent certs --out DIR --host NAME...`.
-#[derive(Debug, Clone, Args)]
-#[command(
-    about = "Write a CA, server and client certificates and a cluster token, for trying TLS",
-    long_about = "Write a throwaway PKI for trying a secured cluster in minutes: a CA (ca.pem, \
-ca-key.pem), a certificate for the coordinator valid for every --host (server.pem, \
+/// `muster-agent certs --help`: what the command is for, and what it is not for.
+pub const LONG_ABOUT: &str = "Write a throwaway PKI for trying a secured cluster in minutes: a \
+CA (ca.pem, ca-key.pem), a certificate for the coordinator valid for every --host (server.pem, \
 server-key.pem), a client certificate for the agents (client.pem, client-key.pem) and a cluster \
 token (token), then print the muster-coordinator and muster-agent flags that use them.\n\n\
 This is for trying TLS, not for production: the CA key lies next to what it signed, nothing can \
 revoke a certificate, and they expire after a year. Production keeps its own PKI (your \
-organisation's CA, cert-manager, Vault...) and passes its files with the same flags."
-)]
+organisation's CA, cert-manager, Vault...) and passes its files with the same flags.";
+
+/// `muster-agent certs --out DIR --host NAME...`, as given. Both flags are checked by
+/// [`CertsArgs::check`] rather than by clap, so that a missing one gets a message about
+/// `certs`.
+#[derive(Debug, Clone, Args)]
 pub struct CertsArgs {
     /// Directory to write into; created (mode 0700) if missing. Keys and the token are
     /// written 0600, certificates 0644.
     #[arg(long, value_name = "DIR")]
-    pub out: PathBuf,
+    pub out: Option<PathBuf>,
 
     /// A host name or IP address the agents reach the coordinator at; the server certificate
     /// is valid for each. Repeat for every name (at least one).
@@ -80,9 +81,23 @@ const PUBLIC: u32 = 0o644;
 const PRIVATE: u32 = 0o600;
 const PRIVATE_DIR: u32 = 0o700;
 
+/// What [`CertsArgs::check`] found to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// `--out`.
+    pub out: PathBuf,
+    /// The `--host` names without repeats, in the order given; never empty.
+    pub hosts: Vec<String>,
+    /// `--force`.
+    pub force: bool,
+}
+
 /// Why `certs` wrote nothing (or, with `--force`, may have replaced part of the files).
 #[derive(Debug, thiserror::Error)]
 pub enum CertsError {
+    /// No `--out`.
+    #[error("certs needs --out DIR: the directory to write the files into")]
+    NoOut,
     /// No `--host`.
     #[error(
         "certs needs at least one --host: the name or IP address agents reach the coordinator at, as in --host node1.example.com --host 10.0.0.1"
@@ -128,9 +143,10 @@ pub enum CertsError {
 }
 
 impl CertsArgs {
-    /// Checks the flags before anything is generated: at least one `--host`, each a host name
-    /// or IP address. Returns the names without repeats, in the order given.
-    pub fn check(&self) -> Result<Vec<String>, CertsError> {
+    /// Checks the flags before anything is generated: `--out`, and at least one `--host`,
+    /// each a host name or IP address.
+    pub fn check(&self) -> Result<Plan, CertsError> {
+        let out = self.out.clone().ok_or(CertsError::NoOut)?;
         if self.hosts.is_empty() {
             return Err(CertsError::NoHost);
         }
@@ -141,7 +157,11 @@ impl CertsArgs {
                 names.push(host.clone());
             }
         }
-        Ok(names)
+        Ok(Plan {
+            out,
+            hosts: names,
+            force: self.force,
+        })
     }
 }
 
@@ -394,16 +414,16 @@ fn quoted(path: &Path) -> String {
     shlex::try_quote(&shown).map_or_else(|_| shown.to_string(), |q| q.into_owned())
 }
 
-/// Runs `muster-agent certs` with checked `hosts`: writes the files, prints what to run next.
-pub fn run(args: &CertsArgs, hosts: &[String]) -> Result<(), CertsError> {
-    let dir = std::path::absolute(&args.out).map_err(|source| CertsError::Io {
+/// Runs `muster-agent certs`: writes the files, prints what to run next.
+pub fn run(plan: &Plan) -> Result<(), CertsError> {
+    let dir = std::path::absolute(&plan.out).map_err(|source| CertsError::Io {
         what: "cannot use",
-        path: args.out.display().to_string(),
+        path: plan.out.display().to_string(),
         source,
     })?;
-    let files = generate(hosts, SystemTime::now())?;
-    write(&dir, &files, args.force)?;
-    print!("{}", next_steps(&dir, hosts));
+    let files = generate(&plan.hosts, SystemTime::now())?;
+    write(&dir, &files, plan.force)?;
+    print!("{}", next_steps(&dir, &plan.hosts));
     Ok(())
 }
 
@@ -441,7 +461,7 @@ mod tests {
 
     fn args(out: &Path, names: &[&str]) -> CertsArgs {
         CertsArgs {
-            out: out.to_owned(),
+            out: Some(out.to_owned()),
             hosts: hosts(names),
             force: false,
         }
@@ -508,7 +528,7 @@ mod tests {
         let scratch = Scratch::new("modes");
         let out = scratch.0.join("nested").join("pki");
         let a = args(&out, &["node1.example.com"]);
-        run(&a, &a.check().expect("valid flags")).expect("certs writes");
+        run(&a.check().expect("valid flags")).expect("certs writes");
         assert_eq!(
             listing(&out),
             [CA_KEY, CA, CLIENT_KEY, CLIENT, SERVER_KEY, SERVER, TOKEN]
@@ -546,7 +566,7 @@ mod tests {
         std::fs::set_permissions(&scratch.0, Permissions::from_mode(0o750)).expect("chmod");
         std::fs::write(scratch.0.join("notes.txt"), "mine").expect("write");
         let a = args(&scratch.0, &["10.0.0.1"]);
-        run(&a, &a.check().expect("valid flags")).expect("certs writes");
+        run(&a.check().expect("valid flags")).expect("certs writes");
         assert_eq!(mode(&scratch.0), 0o750);
         assert_eq!(listing(&scratch.0).len(), 8);
         assert_eq!(
@@ -570,12 +590,12 @@ mod tests {
                 "NODE1.example.com",
             ],
         );
-        let names = a.check().expect("valid flags");
+        let plan = a.check().expect("valid flags");
         assert_eq!(
-            names,
+            plan.hosts,
             ["node1.example.com", "10.0.0.1", "fd00::7", "localhost"]
         );
-        run(&a, &names).expect("certs writes");
+        run(&plan).expect("certs writes");
         let now = SystemTime::now();
         let dir = &scratch.0;
 
@@ -628,7 +648,7 @@ mod tests {
         let (one, two) = (Scratch::new("ca-one"), Scratch::new("ca-two"));
         for s in [&one, &two] {
             let a = args(&s.0, &["localhost"]);
-            run(&a, &a.check().expect("valid flags")).expect("certs writes");
+            run(&a.check().expect("valid flags")).expect("certs writes");
         }
         // Two's client certificate against one's CA.
         std::fs::copy(two.0.join(CLIENT), one.0.join("foreign.pem")).expect("copy");
@@ -650,8 +670,7 @@ mod tests {
         std::fs::write(scratch.0.join(TOKEN), "an-old-token-0123456789\n").expect("write");
         std::fs::write(scratch.0.join(SERVER), "old").expect("write");
         let mut a = args(&scratch.0, &["localhost"]);
-        let names = a.check().expect("valid flags");
-        let e = run(&a, &names).expect_err("existing files");
+        let e = run(&a.check().expect("valid flags")).expect_err("existing files");
         assert_eq!(
             e.to_string(),
             format!(
@@ -668,7 +687,7 @@ mod tests {
         );
 
         a.force = true;
-        run(&a, &names).expect("--force replaces");
+        run(&a.check().expect("valid flags")).expect("--force replaces");
         assert_eq!(listing(&scratch.0).len(), 7);
         assert_eq!(mode(&scratch.0.join(TOKEN)), 0o600);
         assert_eq!(valid_for(&scratch.0, "localhost"), Ok(()));
@@ -681,7 +700,7 @@ mod tests {
         let file = scratch.0.join("plain-file");
         std::fs::write(&file, "x").expect("write");
         let a = args(&file, &["localhost"]);
-        let e = run(&a, &a.check().expect("valid flags")).expect_err("a file");
+        let e = run(&a.check().expect("valid flags")).expect_err("a file");
         assert_eq!(
             e.to_string(),
             format!("--out {} is not a directory", file.display())
@@ -689,7 +708,7 @@ mod tests {
 
         let under = file.join("pki");
         let a = args(&under, &["localhost"]);
-        let e = run(&a, &a.check().expect("valid flags")).expect_err("under a file");
+        let e = run(&a.check().expect("valid flags")).expect_err("under a file");
         let message = e.to_string();
         assert!(
             message.starts_with(&format!("cannot use {}: Not a directory", under.display()))
@@ -702,7 +721,7 @@ mod tests {
         // Where no one may make a directory, root included.
         let sys = Path::new("/sys/muster-certs-test/pki");
         let a = args(sys, &["localhost"]);
-        let e = run(&a, &a.check().expect("valid flags")).expect_err("in /sys");
+        let e = run(&a.check().expect("valid flags")).expect_err("in /sys");
         let message = e.to_string();
         assert!(
             message.starts_with(&format!("cannot create {}: ", sys.display()))
@@ -727,7 +746,12 @@ mod tests {
     #[test]
     fn hosts_are_checked_before_anything_is_written() {
         let scratch = Scratch::new("hosts");
-        let check = |names: &[&str]| args(&scratch.0, names).check().map_err(|e| e.to_string());
+        let check = |names: &[&str]| {
+            args(&scratch.0, names)
+                .check()
+                .map(|p| p.hosts)
+                .map_err(|e| e.to_string())
+        };
         assert_eq!(
             check(&[]),
             Err("certs needs at least one --host: the name or IP address agents reach the coordinator at, as in --host node1.example.com --host 10.0.0.1".into())
@@ -744,6 +768,12 @@ mod tests {
             check(&["ok", "", "x"]),
             Err("--host '' is not a host name or IP address".into())
         );
+        let mut no_out = args(&scratch.0, &["x"]);
+        no_out.out = None;
+        assert_eq!(
+            no_out.check().map_err(|e| e.to_string()),
+            Err("certs needs --out DIR: the directory to write the files into".into())
+        );
         assert!(!scratch.0.exists());
     }
 
@@ -753,9 +783,9 @@ mod tests {
     fn the_printed_flags_name_the_files_and_the_agent_accepts_them() {
         let scratch = Scratch::new("next steps");
         let a = args(&scratch.0, &["fd00::7", "node1"]);
-        let names = a.check().expect("valid flags");
-        run(&a, &names).expect("certs writes");
-        let text = next_steps(&scratch.0, &names);
+        let plan = a.check().expect("valid flags");
+        run(&plan).expect("certs writes");
+        let text = next_steps(&scratch.0, &plan.hosts);
         let words = |prefix: &str| -> Vec<String> {
             let line = text
                 .lines()

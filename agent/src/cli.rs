@@ -52,6 +52,7 @@ pub enum Command {
     /// Cancel a job: its workers are stopped on every node.
     Cancel(CancelArgs),
     /// Write a CA, server and client certificates and a cluster token, for trying TLS.
+    #[command(long_about = crate::certs::LONG_ABOUT)]
     Certs(crate::certs::CertsArgs),
 }
 
@@ -64,8 +65,8 @@ pub enum Parsed {
     Launch(LaunchSpec),
     /// A daemon-mode or operator command (`serve`, `submit`, `status`, `cancel`).
     Daemon(Request),
-    /// Write a trial PKI (`certs`) for these host names (checked, without repeats).
-    Certs(crate::certs::CertsArgs, Vec<String>),
+    /// Write a trial PKI (`certs`).
+    Certs(crate::certs::Plan),
     /// Help or version was asked for (and printed); exit with this status.
     Exit(i32),
 }
@@ -167,8 +168,8 @@ where
             Ok((Parsed::Daemon(Request::Cancel(a)), vec![]))
         }
         Command::Certs(a) => {
-            let hosts = a.check().map_err(|e| UsageError::Invalid(e.to_string()))?;
-            Ok((Parsed::Certs(a, hosts), vec![]))
+            let plan = a.check().map_err(|e| UsageError::Invalid(e.to_string()))?;
+            Ok((Parsed::Certs(plan), vec![]))
         }
     }
 }

@@ -57,8 +57,8 @@ fn run(args: Vec<OsString>) -> u8 {
             runtime.shutdown_timeout(Duration::from_millis(200));
             return code;
         }
-        Ok(Parsed::Certs(args, hosts)) => {
-            return match crate::certs::run(&args, &hosts) {
+        Ok(Parsed::Certs(plan)) => {
+            return match crate::certs::run(&plan) {
                 Ok(()) => 0,
                 Err(e) => {
                     eprintln!("muster-agent: {e}");
