@@ -38,6 +38,7 @@ organisation's CA, cert-manager, Vault...) and passes its files with the same fl
 /// [`CertsArgs::check`] rather than by clap, so that a missing one gets a message about
 /// `certs`.
 #[derive(Debug, Clone, Args)]
+#[command(override_usage = "muster-agent certs --out DIR --host NAME [--host NAME...] [--force]")]
 pub struct CertsArgs {
     /// Directory to write into; created (mode 0700) if missing. Keys and the token are
     /// written 0600, certificates 0644.
