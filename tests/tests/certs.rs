@@ -67,12 +67,7 @@ struct Printed {
 impl Printed {
     /// The value of the agents' `flag`.
     fn flag(&self, flag: &str) -> String {
-        let at = self
-            .agent_flags
-            .iter()
-            .position(|w| w == flag)
-            .unwrap_or_else(|| panic!("no {flag} in {:?}", self.agent_flags));
-        self.agent_flags[at + 1].clone()
+        value_of(&self.agent_flags, flag)
     }
 
     /// The agents' flags for the coordinator at `addr`.
@@ -117,24 +112,42 @@ fn certs_ok(dir: &Path, hosts: &[&str]) -> Printed {
     }
 }
 
-/// `words` with the value after `flag` replaced by `value`.
-fn with_value(words: &[String], flag: &str, value: &str) -> Vec<String> {
-    let at = words
+/// Where the value of `flag` is in `words`.
+fn value_at(words: &[String], flag: &str) -> usize {
+    words
         .iter()
         .position(|w| w == flag)
-        .unwrap_or_else(|| panic!("no {flag} in {words:?}"));
+        .filter(|at| at + 1 < words.len())
+        .unwrap_or_else(|| panic!("no {flag} VALUE in {words:?}"))
+        + 1
+}
+
+/// The value after `flag` in `words`.
+fn value_of(words: &[String], flag: &str) -> String {
+    words[value_at(words, flag)].clone()
+}
+
+/// `words` with the value after `flag` replaced by `value`.
+fn with_value(words: &[String], flag: &str, value: &str) -> Vec<String> {
     let mut words = words.to_vec();
-    words[at + 1] = value.to_owned();
+    let at = value_at(&words, flag);
+    words[at] = value.to_owned();
     words
 }
 
-/// The coordinator exactly as printed, but listening on a free loopback port rather than
-/// 0.0.0.0:29470 (tests run side by side). Returns it and its port.
+/// The coordinator exactly as printed, on every address as printed (which it refuses without
+/// TLS and the token), but on a free port rather than 29470 (tests run side by side). Returns
+/// it and its port.
 fn coordinator(printed: &Printed) -> (Agent, u16) {
     assert_eq!(printed.coordinator[0], "muster-coordinator");
     let port = muster_tests::free_port();
+    assert_eq!(value_of(&printed.coordinator, "--listen"), "0.0.0.0:29470");
+    let args = with_value(
+        &printed.coordinator[1..],
+        "--listen",
+        &format!("0.0.0.0:{port}"),
+    );
     let addr = format!("127.0.0.1:{port}");
-    let args = with_value(&printed.coordinator[1..], "--listen", &addr);
     let mut cmd = Command::new(coordinator_bin());
     cmd.args(&args).env("RUST_LOG", "warn").env("NO_COLOR", "1");
     let coordinator = Agent::spawn(cmd, format!("muster-coordinator {args:?}"));
