@@ -191,7 +191,8 @@ fn contents(dir: &Path) -> BTreeMap<String, Vec<u8>> {
 /// its first `--host` (a DNS name), the other by the second (an IP address), so both kinds of
 /// name in the server certificate are checked by a real handshake. The workers (the SDK's
 /// `allreduce_bench`) reach the coordinator with the TLS files and job token their agent
-/// hands them. `status` with the same flags then shows the finished job.
+/// hands them. `status` with the same flags then shows the finished job, and a daemon agent
+/// (`serve`) runs a job given to `submit`, all with the same flags.
 #[test]
 fn a_two_node_job_runs_with_what_certs_wrote_and_printed() {
     let scratch = Scratch::new("job");
@@ -249,8 +250,44 @@ fn a_two_node_job_runs_with_what_certs_wrote_and_printed() {
         .count();
     assert_eq!(sizes, 2, "{}", runs[0].dump());
 
-    let jobs = status(&printed.agent_flags_for(&format!("localhost:{port}")));
+    let flags = printed.agent_flags_for(&format!("localhost:{port}"));
+    let jobs = status(&flags);
     assert!(jobs.contains("certs-job"), "{jobs}");
+
+    // Daemon mode with the same flags: `serve` registers, `submit --wait` places a job on it
+    // and follows it to its end.
+    let mut cmd = Command::new(agent_bin());
+    cmd.args(["serve", "--agent-id", "certs-daemon"])
+        .args(&flags)
+        .env("NO_COLOR", "1");
+    let daemon = Agent::spawn(cmd, "muster-agent serve");
+    daemon.wait_for_lines(muster_tests::Stream::Stderr, 1, SLOW, |l| {
+        l.contains("serving as")
+    });
+    let out = Command::new(agent_bin())
+        .args([
+            "submit",
+            "--job-id",
+            "certs-submitted",
+            "--nproc-per-node",
+            "2",
+            "--wait",
+        ])
+        .args(&flags)
+        .args(["--", "true"])
+        .output()
+        .expect("muster-agent runs");
+    let context = format!(
+        "{}\n--- daemon\n{}\n--- coordinator\n{}",
+        dump(&out),
+        daemon.output(),
+        coordinator.output()
+    );
+    assert!(out.status.success(), "{context}");
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("job certs-submitted: finished"),
+        "{context}"
+    );
 }
 
 /// A second `certs` run makes a second CA: its client certificate is refused by a
