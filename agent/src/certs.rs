@@ -180,6 +180,7 @@ pub struct Output {
 /// Generates the bundle for `hosts` (already checked): the CA, the server and client
 /// certificates with their keys, and a token, valid from an hour before `now`.
 pub fn generate(hosts: &[String], now: SystemTime) -> Result<Vec<Output>, CertsError> {
+    let first = hosts.first().ok_or(CertsError::NoHost)?;
     let bad = |e: rcgen::Error| CertsError::Generate(e.to_string());
     let since_epoch = now
         .duration_since(SystemTime::UNIX_EPOCH)
@@ -223,11 +224,7 @@ pub fn generate(hosts: &[String], now: SystemTime) -> Result<Vec<Output>, CertsE
         let cert = p.signed_by(&key, &issuer).map_err(bad)?;
         Ok((cert.pem(), key.serialize_pem()))
     };
-    let (server, server_key) = leaf(
-        hosts.to_vec(),
-        &hosts[0],
-        ExtendedKeyUsagePurpose::ServerAuth,
-    )?;
+    let (server, server_key) = leaf(hosts.to_vec(), first, ExtendedKeyUsagePurpose::ServerAuth)?;
     let (client, client_key) = leaf(
         Vec::new(),
         "muster-agent",
@@ -367,10 +364,11 @@ fn write_file(path: &Path, f: &Output) -> std::io::Result<()> {
 }
 
 /// What to run next, with `dir`'s files: the coordinator's command and the agents' flags, for
-/// the first host name.
+/// the first host name (`hosts` is never empty).
 pub fn next_steps(dir: &Path, hosts: &[String]) -> String {
     let file = |name: &str| quoted(&dir.join(name));
-    let coordinator = crate::net::host_port(&hosts[0], crate::cli::DEFAULT_COORDINATOR_PORT);
+    let first = hosts.first().map_or("localhost", String::as_str);
+    let coordinator = crate::net::host_port(first, crate::cli::DEFAULT_COORDINATOR_PORT);
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -383,7 +381,7 @@ pub fn next_steps(dir: &Path, hosts: &[String]) -> String {
         "These are for trying TLS; production keeps its own PKI. {CA_KEY} signs more \
          certificates: keep it off the cluster.\n"
     );
-    let _ = writeln!(s, "On the coordinator's machine ({}):", hosts[0]);
+    let _ = writeln!(s, "On the coordinator's machine ({first}):");
     let _ = writeln!(
         s,
         "  muster-coordinator --listen 0.0.0.0:{port} --tls-cert {} --tls-key {} --tls-client-ca {} --auth-token-file {}\n",
