@@ -51,6 +51,9 @@ pub enum Command {
     Status(StatusArgs),
     /// Cancel a job: its workers are stopped on every node.
     Cancel(CancelArgs),
+    /// Write a CA, server and client certificates and a cluster token, for trying TLS.
+    #[command(long_about = crate::certs::LONG_ABOUT)]
+    Certs(crate::certs::CertsArgs),
 }
 
 /// What the command line asks for.
@@ -62,6 +65,8 @@ pub enum Parsed {
     Launch(LaunchSpec),
     /// A daemon-mode or operator command (`serve`, `submit`, `status`, `cancel`).
     Daemon(Request),
+    /// Write a trial PKI (`certs`).
+    Certs(crate::certs::Plan),
     /// Help or version was asked for (and printed); exit with this status.
     Exit(i32),
 }
@@ -161,6 +166,10 @@ where
         Command::Cancel(a) => {
             a.security.resolve().map_err(UsageError::Invalid)?;
             Ok((Parsed::Daemon(Request::Cancel(a)), vec![]))
+        }
+        Command::Certs(a) => {
+            let plan = a.check().map_err(|e| UsageError::Invalid(e.to_string()))?;
+            Ok((Parsed::Certs(plan), vec![]))
         }
     }
 }

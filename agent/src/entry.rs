@@ -57,6 +57,15 @@ fn run(args: Vec<OsString>) -> u8 {
             runtime.shutdown_timeout(Duration::from_millis(200));
             return code;
         }
+        Ok(Parsed::Certs(plan)) => {
+            return match crate::certs::run(&plan) {
+                Ok(()) => 0,
+                Err(e) => {
+                    eprintln!("muster-agent: {e}");
+                    LAUNCH_ERROR_EXIT
+                }
+            };
+        }
         Ok(Parsed::Exit(code)) => return u8::try_from(code).unwrap_or(USAGE_EXIT),
         Err(e) => {
             eprintln!("muster-agent: {e}");

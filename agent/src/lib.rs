@@ -20,6 +20,7 @@
 //! ([`cli::validate`]).
 
 pub mod accelerate_config;
+pub mod certs;
 pub mod cli;
 pub mod console;
 pub mod daemon;

@@ -147,6 +147,7 @@ pub(super) fn check_on(ctx: &Context<'_>, args: &str, expected: Result<&str, &st
         Ok((Parsed::Launch(s), warnings)) => Ok(summary(&s, &warnings)),
         Ok((Parsed::Exit(code), _)) => Ok(format!("exit {code}")),
         Ok((Parsed::Daemon(r), _)) => Ok(format!("{r:?}")),
+        Ok((p @ Parsed::Certs(..), _)) => Ok(format!("{p:?}")),
         Err(e) => Err(e.to_string()),
     };
     let got = got.as_deref().map_err(String::as_str);
