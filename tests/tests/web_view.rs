@@ -99,7 +99,10 @@ fn wait_for(port: u16, what: &str, ready: impl Fn(&Value) -> bool) -> Value {
         if ready(&v) {
             return v;
         }
-        assert!(Instant::now() < deadline, "no {what} in the web view: {v:#}");
+        assert!(
+            Instant::now() < deadline,
+            "no {what} in the web view: {v:#}"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
 }
@@ -244,12 +247,18 @@ async fn the_json_view_names_the_stuck_barrier_the_missing_rank_and_the_failure(
 
     // The stuck job: running, two nodes, rank 0 waiting, rank 1 missing with what it does.
     let stuck = job(&v, STUCK).unwrap();
-    assert_eq!(stuck["summary"]["state"], "ROUND_STATE_RUNNING", "{stuck:#}");
+    assert_eq!(
+        stuck["summary"]["state"], "ROUND_STATE_RUNNING",
+        "{stuck:#}"
+    );
     assert_eq!(stuck["summary"]["world_size"], 2, "{stuck:#}");
     assert_eq!(stuck["nodes"].as_array().unwrap().len(), 2, "{stuck:#}");
     // Zeros are written, not dropped: rank 0 on node 0 is there by number.
     let rank0 = &stuck["ranks"][0];
-    assert_eq!((&rank0["rank"], &rank0["node_rank"]), (&0.into(), &0.into()));
+    assert_eq!(
+        (&rank0["rank"], &rank0["node_rank"]),
+        (&0.into(), &0.into())
+    );
     assert_eq!(rank0["state"], "RANK_STATE_WAITING", "{stuck:#}");
     let b = stuck_barrier(&v).unwrap();
     assert_eq!(b["scope"], "BARRIER_SCOPE_GLOBAL", "{b:#}");
@@ -275,11 +284,18 @@ async fn the_json_view_names_the_stuck_barrier_the_missing_rank_and_the_failure(
     // The failed job: over, after one restart, naming its rank and exit status; the worker's
     // stderr is not shown on this unauthenticated page.
     let failed = job(&v, FAILED).unwrap();
-    assert_eq!(failed["summary"]["state"], "ROUND_STATE_FAILED", "{failed:#}");
+    assert_eq!(
+        failed["summary"]["state"], "ROUND_STATE_FAILED",
+        "{failed:#}"
+    );
     assert_eq!(failed["summary"]["done"], true, "{failed:#}");
     assert_eq!(failed["restart_count"], 1, "{failed:#}");
     let f = &failed["failure"];
-    assert_eq!((&f["rank"], &f["exit_code"]), (&0.into(), &3.into()), "{f:#}");
+    assert_eq!(
+        (&f["rank"], &f["exit_code"]),
+        (&0.into(), &3.into()),
+        "{f:#}"
+    );
     assert_eq!(f["stderr_tail"], "", "{f:#}");
     assert!(!v.to_string().contains("loss diverged"), "{v:#}");
 
@@ -288,7 +304,10 @@ async fn the_json_view_names_the_stuck_barrier_the_missing_rank_and_the_failure(
     let (code, head, page) = get(scene.web, "/");
     assert_eq!(code, 200, "{head}");
     assert!(head.contains("content-type: text/html"), "{head}");
-    assert!(head.contains("content-security-policy: default-src 'none'"), "{head}");
+    assert!(
+        head.contains("content-security-policy: default-src 'none'"),
+        "{head}"
+    );
     assert!(page.contains("/api/view"), "{page}");
     assert_no_secrets(&scene, "/", &page);
 
@@ -345,7 +364,12 @@ fn run_chromium(chromium: &Path, profile: &Path, mode: &str, url: &str) -> Strin
             "--hide-scrollbars",
         ])
         .arg(format!("--user-data-dir={}", profile.display()))
-        .args(["--window-size=1280,900", "--virtual-time-budget=5000", mode, url])
+        .args([
+            "--window-size=1280,900",
+            "--virtual-time-budget=5000",
+            mode,
+            url,
+        ])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -388,11 +412,17 @@ async fn headless_chromium_renders_the_job_its_stuck_barrier_and_the_missing_ran
     // The script ran and drew the view from the JSON (the static page has none of these).
     assert!(dom.contains("data-loaded=\"true\""), "{dom}");
     assert!(dom.contains(&format!("data-job=\"{STUCK}\"")), "{dom}");
-    assert!(dom.contains(&format!("data-barrier=\"{}\"", scene.barrier)), "{dom}");
+    assert!(
+        dom.contains(&format!("data-barrier=\"{}\"", scene.barrier)),
+        "{dom}"
+    );
     assert!(dom.contains("data-missing-rank=\"1\""), "{dom}");
     assert!(dom.contains("missing: rank 1"), "{dom}");
     assert!(dom.contains("no session yet"), "{dom}");
-    assert!(dom.contains(&format!("data-failed-job=\"{FAILED}\"")), "{dom}");
+    assert!(
+        dom.contains(&format!("data-failed-job=\"{FAILED}\"")),
+        "{dom}"
+    );
     assert_no_secrets(&scene, "the rendered page", &dom);
 
     let shot = scene.dir.join("web-view.png");
