@@ -181,6 +181,35 @@ mod tests {
         assert_eq!(v["activity"], "waiting at global barrier #1 'step'", "{v}");
     }
 
+    /// A follower's job state is not the cluster's: its view is empty and names the leader.
+    #[tokio::test]
+    async fn a_replica_that_does_not_lead_shows_no_jobs_and_names_the_leader() {
+        let coordinator = Coordinator::new(
+            crate::Config::default(),
+            Arc::new(crate::MemoryStore::default()),
+        );
+        let gate = Gate::new(
+            crate::ha::Readiness::Following(Some("10.1.2.3:29470".into())),
+            "127.0.0.1:29470",
+        );
+        let v = View::new(Arc::clone(&coordinator), gate.clone())
+            .json()
+            .await;
+        assert_eq!(v["serving"], false, "{v}");
+        assert!(
+            v["note"].as_str().unwrap().contains("10.1.2.3:29470"),
+            "{v}"
+        );
+        assert_eq!(v["jobs"], json!([]), "{v}");
+        gate.set(crate::ha::Readiness::Serving);
+        let v = View::new(coordinator, gate).json().await;
+        assert_eq!(
+            (&v["serving"], &v["note"]),
+            (&json!(true), &json!("")),
+            "{v}"
+        );
+    }
+
     #[test]
     fn an_unknown_message_is_named_not_fatal() {
         let v = to_json("muster.v1.NoSuchMessage", &pb::RankInfo::default());

@@ -320,6 +320,25 @@ async fn the_json_view_names_the_stuck_barrier_the_missing_rank_and_the_failure(
     assert!(std::net::TcpStream::connect(&scene.coordinator.addr).is_ok());
 }
 
+#[test]
+fn a_taken_web_port_fails_the_start_in_one_line() {
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let web = taken.local_addr().unwrap().to_string();
+    let listen = format!("127.0.0.1:{}", free_port());
+    let out = Command::new(muster_tests::coordinator_bin())
+        .args(["--listen", &listen, "--web-addr", &web])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{stderr}");
+    let line = format!("muster-coordinator: cannot listen on web address {web}: ");
+    assert!(
+        stderr.lines().any(|l| l.starts_with(&line)),
+        "expected a line starting with {line:?}: {stderr}"
+    );
+}
+
 /// Debian's chromium, installed by `scripts/install-chromium.sh` when missing; `None` (with
 /// the reason printed) where it cannot be.
 fn chromium() -> Option<PathBuf> {
