@@ -1,12 +1,12 @@
 //! The coordinator's live web view (`--web-addr`), end to end: a real `muster-coordinator`
 //! process with a cluster token, two real `muster-agent launch` nodes of a job whose rank 1
-//! never reaches the barrier rank 0 waits at, and a one-node job that failed after a restart.
-//! Over HTTP, the JSON names the job, the barrier, the missing rank and what it is doing, and
-//! the failure and restart; neither it nor the page holds the cluster token, the job token or
-//! the NCCL unique id published in the job. In Debian's headless chromium, the rendered page
-//! names the job, the barrier and the missing rank (skipped, with the reason printed, where
-//! chromium cannot be installed). `MUSTER_WEB_SCREENSHOT=1` also writes the page's screenshot
-//! to `docs/web-view.png`.
+//! never reaches the barrier rank 0 waits at, a one-node job that failed after a restart, and
+//! an idle daemon agent. Over HTTP, the JSON names the job, the barrier, the missing rank and
+//! what it is doing, the failure and restart, and the agent; neither it nor the page holds the
+//! cluster token, the job token or the NCCL unique id published in the job. In Debian's
+//! headless chromium, the rendered page names the job, the barrier and the missing rank
+//! (skipped, with the reason printed, where chromium cannot be installed).
+//! `MUSTER_WEB_SCREENSHOT=1` also writes the page's screenshot to `docs/web-view.png`.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use muster_proto::v1 as pb;
@@ -23,6 +23,8 @@ const TOKEN: &str = "web-view-cluster-token-5f1c9e7a2b";
 const STUCK: &str = "train-stuck";
 /// The job that fails, is restarted once, and fails for good.
 const FAILED: &str = "eval-failed";
+/// An idle daemon agent's id.
+const POOLED: &str = "idle-gpu-box";
 
 /// A coordinator with a web view, the stuck job running and the failed job over.
 struct Scene {
@@ -137,7 +139,7 @@ async fn scene(name: &str) -> Scene {
         "if [ \"$RANK\" = 1 ]; then echo stuck; exec sleep 600; fi; exec {} --warmup 1 --iters 1",
         barrier_loop.display()
     );
-    let agents: Vec<Agent> = (0..2)
+    let mut agents: Vec<Agent> = (0..2)
         .map(|_| {
             launch(
                 &coordinator.addr,
@@ -158,7 +160,21 @@ async fn scene(name: &str) -> Scene {
     let run = failed.finish(2 * SLOW);
     assert_ne!(run.code(), Some(0), "{}", run.dump());
 
-    let v = wait_for(web, "stuck barrier", |v| stuck_barrier(v).is_some());
+    // An idle daemon agent, for the pool's table.
+    agents.push(Agent::start(&[
+        "serve",
+        "--coordinator",
+        &coordinator.addr,
+        "--auth-token-file",
+        token_file.to_str().unwrap(),
+        "--agent-id",
+        POOLED,
+        "--labels",
+        "zone=b",
+    ]));
+    let v = wait_for(web, "stuck barrier and pooled agent", |v| {
+        stuck_barrier(v).is_some() && v["agents"].as_array().is_some_and(|a| !a.is_empty())
+    });
     let barrier = stuck_barrier(&v).unwrap()["names"][0]["name"]
         .as_str()
         .unwrap()
@@ -300,6 +316,12 @@ async fn the_json_view_names_the_stuck_barrier_the_missing_rank_and_the_failure(
     assert!(!v.to_string().contains("loss diverged"), "{v:#}");
 
     // No credential and no unique id anywhere, in the JSON or the page.
+    // The idle daemon agent, with its labels.
+    let pooled = &v["agents"][0];
+    assert_eq!(pooled["machine"]["agent_id"], POOLED, "{pooled:#}");
+    assert_eq!(pooled["machine"]["labels"]["zone"], "b", "{pooled:#}");
+    assert_eq!(pooled["jobs"], serde_json::json!([]), "{pooled:#}");
+
     assert_no_secrets(&scene, "/api/view", &v.to_string());
     let (code, head, page) = get(scene.web, "/");
     assert_eq!(code, 200, "{head}");
@@ -442,6 +464,7 @@ async fn headless_chromium_renders_the_job_its_stuck_barrier_and_the_missing_ran
         dom.contains(&format!("data-failed-job=\"{FAILED}\"")),
         "{dom}"
     );
+    assert!(dom.contains(&format!("data-agent=\"{POOLED}\"")), "{dom}");
     assert_no_secrets(&scene, "the rendered page", &dom);
 
     let shot = scene.dir.join("web-view.png");
