@@ -19,7 +19,7 @@ struct Args {
     /// TOML config file (keys: listen, heartbeat_timeout_ms, last_call_ms, join_timeout_ms,
     /// max_value_bytes, max_job_bytes, max_message_bytes, store, etcd_endpoints, etcd_prefix,
     /// etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file, advertise_addr,
-    /// lease_ttl_ms, metrics_addr, max_connections, max_streams_per_connection,
+    /// lease_ttl_ms, metrics_addr, web_addr, max_connections, max_streams_per_connection,
     /// max_connections_per_peer, handshake_timeout_ms, max_total_bytes, max_jobs,
     /// finished_job_ttl_ms, health_addr, tls_cert, tls_key, tls_client_ca, auth_token_file,
     /// insecure).
@@ -71,6 +71,10 @@ struct Args {
     /// Address to serve Prometheus metrics on (`GET /metrics`, plain HTTP) [default: none].
     #[arg(long, value_name = "HOST:PORT")]
     metrics_addr: Option<SocketAddr>,
+    /// Address to serve the live web view on (`GET /`, plain HTTP, read-only: jobs, nodes,
+    /// ranks, pending barriers and who they wait for) [default: none].
+    #[arg(long, value_name = "HOST:PORT")]
+    web_addr: Option<SocketAddr>,
     /// Address of a plaintext gRPC listener serving only grpc.health.v1, for probes that
     /// cannot speak TLS (Kubernetes' gRPC probes) [default: none].
     #[arg(long, value_name = "HOST:PORT")]
@@ -164,6 +168,7 @@ fn load(args: &Args) -> Result<Config, String> {
         advertise_addr: args.advertise_addr.clone(),
         lease_ttl_ms: args.lease_ttl_ms,
         metrics_addr: args.metrics_addr,
+        web_addr: args.web_addr,
         max_connections: args.max_connections,
         max_streams_per_connection: args.max_streams_per_connection,
         max_connections_per_peer: args.max_connections_per_peer,

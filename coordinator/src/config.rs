@@ -52,6 +52,10 @@ pub struct Config {
     pub etcd: EtcdConfig,
     /// Where to serve Prometheus metrics (`GET /metrics`, plain HTTP); none when unset.
     pub metrics_addr: Option<SocketAddr>,
+    /// Where to serve the live web view (`GET /` and `GET /api/view`, plain HTTP, read-only;
+    /// see `web.rs`); none when unset. Exposed like the metrics: it shows what they count,
+    /// by name, and never a credential or a unique id.
+    pub web_addr: Option<SocketAddr>,
     /// A second, plaintext gRPC listener serving only `grpc.health.v1`, for probes that cannot
     /// speak TLS (Kubernetes' native gRPC probes); none when unset.
     pub health_addr: Option<SocketAddr>,
@@ -300,6 +304,7 @@ impl Default for Config {
             store: StoreKind::Memory,
             etcd: EtcdConfig::default(),
             metrics_addr: None,
+            web_addr: None,
             health_addr: None,
             tls: TlsConfig::default(),
             auth_token_file: None,
@@ -363,6 +368,8 @@ pub struct Layer {
     pub lease_ttl_ms: Option<u64>,
     /// `metrics_addr = "0.0.0.0:29471"`.
     pub metrics_addr: Option<SocketAddr>,
+    /// `web_addr = "127.0.0.1:29473"`.
+    pub web_addr: Option<SocketAddr>,
     /// `health_addr = "0.0.0.0:29472"`.
     pub health_addr: Option<SocketAddr>,
     /// `tls_cert = "/etc/muster/tls/server.pem"`.
@@ -475,6 +482,7 @@ impl Layer {
             advertise_addr: get("MUSTER_COORDINATOR_ADVERTISE_ADDR"),
             lease_ttl_ms: parse(&get, "MUSTER_COORDINATOR_LEASE_TTL_MS")?,
             metrics_addr: parse(&get, "MUSTER_COORDINATOR_METRICS_ADDR")?,
+            web_addr: parse(&get, "MUSTER_COORDINATOR_WEB_ADDR")?,
             health_addr: parse(&get, "MUSTER_COORDINATOR_HEALTH_ADDR")?,
             tls_cert: get("MUSTER_COORDINATOR_TLS_CERT").map(PathBuf::from),
             tls_key: get("MUSTER_COORDINATOR_TLS_KEY").map(PathBuf::from),
@@ -597,6 +605,9 @@ impl Config {
         if l.health_addr.is_some() {
             self.health_addr = l.health_addr;
         }
+        if l.web_addr.is_some() {
+            self.web_addr = l.web_addr;
+        }
         for (to, from) in [
             (&mut self.tls.cert, &l.tls_cert),
             (&mut self.tls.key, &l.tls_key),
@@ -718,6 +729,14 @@ impl Config {
         {
             return Err(format!(
                 "health_addr ({h}) must differ from the gRPC listen and metrics addresses"
+            ));
+        }
+        if let Some(w) = self.web_addr
+            && w.port() != 0
+            && (w == self.listen || Some(w) == self.metrics_addr || Some(w) == self.health_addr)
+        {
+            return Err(format!(
+                "web_addr ({w}) must differ from the gRPC listen, metrics and health addresses"
             ));
         }
         self.tls.validate()?;
@@ -863,6 +882,48 @@ mod tests {
             ..Config::default()
         };
         assert!(same.validate().unwrap_err().contains("metrics_addr"));
+    }
+
+    #[test]
+    fn web_addr_layers_and_validates() {
+        let file: Layer = toml::from_str("web_addr = \"127.0.0.1:9200\"").unwrap();
+        let c = Config::default().apply(&file);
+        assert_eq!(c.web_addr, Some("127.0.0.1:9200".parse().unwrap()));
+        c.validate().unwrap();
+        let env: HashMap<&str, &str> = [("MUSTER_COORDINATOR_WEB_ADDR", "0.0.0.0:9201")].into();
+        let c = c.apply(&Layer::from_env(|k| env.get(k).map(|v| v.to_string())).unwrap());
+        assert_eq!(c.web_addr.unwrap().port(), 9201);
+        let bad: HashMap<&str, &str> = [("MUSTER_COORDINATOR_WEB_ADDR", "nowhere")].into();
+        let e = Layer::from_env(|k| bad.get(k).map(|v| v.to_string())).unwrap_err();
+        assert!(e.contains("MUSTER_COORDINATOR_WEB_ADDR"), "{e}");
+        let m: SocketAddr = "127.0.0.1:9100".parse().unwrap();
+        for clash in [
+            Config {
+                web_addr: Some(Config::default().listen),
+                ..Config::default()
+            },
+            Config {
+                metrics_addr: Some(m),
+                web_addr: Some(m),
+                ..Config::default()
+            },
+            Config {
+                health_addr: Some(m),
+                web_addr: Some(m),
+                ..Config::default()
+            },
+        ] {
+            let e = clash.validate().unwrap_err();
+            assert!(e.starts_with("web_addr (127.0.0.1:"), "{e}");
+        }
+        // Port 0 (any free port) never clashes.
+        Config {
+            metrics_addr: Some("127.0.0.1:0".parse().unwrap()),
+            web_addr: Some("127.0.0.1:0".parse().unwrap()),
+            ..Config::default()
+        }
+        .validate()
+        .unwrap();
     }
 
     #[test]

@@ -17,6 +17,7 @@ pub mod retention;
 pub mod service;
 pub mod store;
 pub mod tenure;
+pub mod web;
 
 pub use config::Config;
 /// Traces (`muster_telemetry::traces`), under the name the coordinator's modules use.
@@ -93,6 +94,14 @@ pub async fn serve_with_store(
             TcpListener::bind(a)
                 .await
                 .map_err(|e| anyhow::anyhow!("cannot listen on metrics address {a}: {e}"))?,
+        ),
+        None => None,
+    };
+    let web_listener = match config.web_addr {
+        Some(a) => Some(
+            TcpListener::bind(a)
+                .await
+                .map_err(|e| anyhow::anyhow!("cannot listen on web address {a}: {e}"))?,
         ),
         None => None,
     };
@@ -193,6 +202,14 @@ pub async fn serve_with_store(
             let coordinator = Arc::clone(&coordinator);
             async move { metrics::render(&state_snapshot(&coordinator).await) }
         }))
+    });
+    // Task "web": the live web view (web.rs); aborted when serving ends.
+    let web_task = web_listener.map(|listener| {
+        if let Ok(a) = listener.local_addr() {
+            tracing::info!(addr = %a, "web view serving");
+        }
+        let view = web::View::new(Arc::clone(&coordinator), gate.clone());
+        tokio::spawn(web::serve(listener, view))
     });
     // Task "health-listener": plaintext grpc.health.v1 only (no muster service, so no
     // credentials needed and nothing to protect); aborted when serving ends.
@@ -308,7 +325,7 @@ pub async fn serve_with_store(
         )
         .await;
     expiry_task.abort();
-    for task in [metrics_task, health_task].into_iter().flatten() {
+    for task in [metrics_task, web_task, health_task].into_iter().flatten() {
         task.abort();
     }
     // Serving can also end on an error: resign then too. The task is bounded by

@@ -63,6 +63,21 @@ fn bad_configuration_is_one_line_and_exit_64() {
         &[],
         "metrics_addr",
     );
+    check_rejected(
+        &[],
+        &[("MUSTER_COORDINATOR_WEB_ADDR", "nowhere")],
+        "MUSTER_COORDINATOR_WEB_ADDR",
+    );
+    check_rejected(
+        &[
+            "--metrics-addr",
+            "127.0.0.1:29998",
+            "--web-addr",
+            "127.0.0.1:29998",
+        ],
+        &[],
+        "web_addr",
+    );
     let out = Command::new(BIN)
         .args(["--listen", "not-an-address"])
         .output()

@@ -4,8 +4,7 @@
 //! (`scripts/install-deps.sh` installs Debian's).
 
 use std::fs::{File, OpenOptions};
-use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::io::Read;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -194,7 +193,7 @@ impl Etcd {
             ("user/grant", r#"{"user":"root","role":"root"}"#.to_owned()),
             ("enable", "{}".to_owned()),
         ] {
-            let answer = http(port, "POST", &format!("/v3/auth/{path}"), &body)
+            let answer = crate::http(port, "POST", &format!("/v3/auth/{path}"), &body)
                 .unwrap_or_else(|e| panic!("etcd auth/{path}: {e}"));
             assert!(
                 answer.contains("\"header\""),
@@ -401,24 +400,7 @@ fn find_etcd() -> Option<PathBuf> {
 
 /// Whether etcd's `/health` on `port` says healthy (it does once the member has a leader).
 fn health(port: u16) -> bool {
-    http(port, "GET", "/health", "").is_ok_and(|a| a.contains("\"health\":\"true\""))
-}
-
-/// One HTTP/1.0 request to `127.0.0.1:port`; the whole answer, headers included.
-fn http(port: u16, method: &str, path: &str, body: &str) -> std::io::Result<String> {
-    let mut s = TcpStream::connect_timeout(
-        &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
-        Duration::from_millis(200),
-    )?;
-    s.set_read_timeout(Some(Duration::from_secs(5)))?;
-    write!(
-        s,
-        "{method} {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )?;
-    let mut answer = String::new();
-    s.read_to_string(&mut answer)?;
-    Ok(answer)
+    crate::http(port, "GET", "/health", "").is_ok_and(|a| a.contains("\"health\":\"true\""))
 }
 
 /// The last 8 KiB of a log file.

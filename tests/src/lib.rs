@@ -24,7 +24,7 @@ pub mod netns;
 pub mod notify;
 pub mod pki;
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -525,4 +525,22 @@ pub fn has_flag(help: &str, flag: &str) -> bool {
             .next()
             .is_some_and(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
     })
+}
+
+/// One HTTP/1.0 request to `127.0.0.1:port` (etcd's JSON gateway, the coordinator's web
+/// view); the whole answer, headers included.
+pub fn http(port: u16, method: &str, path: &str, body: &str) -> std::io::Result<String> {
+    let mut s = std::net::TcpStream::connect_timeout(
+        &std::net::SocketAddr::from(([127, 0, 0, 1], port)),
+        Duration::from_millis(200),
+    )?;
+    s.set_read_timeout(Some(Duration::from_secs(5)))?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.0\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut answer = String::new();
+    s.read_to_string(&mut answer)?;
+    Ok(answer)
 }

@@ -1,0 +1,224 @@
+//! The live web view (`--web-addr`): a read-only page of jobs, nodes, ranks, pending barriers
+//! with who they wait for, failures and restarts, refreshing itself from a JSON view.
+//!
+//! Two routes over plain HTTP/1: `GET /` is one embedded file (`web/index.html`, HTML and
+//! script, no build step) and `GET /api/view` the JSON it polls. The JSON is built from the
+//! Ops handlers' own answers (`ListJobs`, `DescribeJob`, `ListAgents`; their content comes from
+//! `job/views.rs`), written in protobuf's JSON mapping with every field present, so the page
+//! reads the same field names as `grpcurl` and the `.proto` file, and rank 0 shows as `0`.
+//!
+//! Exposure is the metrics endpoint's (`--metrics-addr`): off unless an address is given, plain
+//! HTTP, no credentials. What it shows is chosen for that: the Ops views hold no token or
+//! unique id, and the worker's stderr tail and traceback (which could hold anything a program
+//! prints) are left out; `DescribeJob` with a credential still has them.
+
+use crate::ha::Gate;
+use crate::service::{Coordinator, OpsService};
+use axum::http::{StatusCode, header};
+use axum::response::IntoResponse;
+use muster_proto::v1 as pb;
+use pb::ops_server::Ops as _;
+use prost_reflect::{DescriptorPool, DynamicMessage, SerializeOptions};
+use serde_json::{Value, json};
+use std::sync::{Arc, LazyLock};
+use tokio::net::TcpListener;
+
+/// The page: markup, style and script in one file, embedded in the binary.
+pub const PAGE: &str = include_str!("web/index.html");
+
+/// The page may run its own inline script and style and fetch from this origin only; it is
+/// never framed. Data is put into the page as text (never as markup), so a barrier or job name
+/// cannot inject anything either way.
+const PAGE_POLICY: &str = "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'";
+
+/// What the coordinator knows now, for the web view. Reads through the Ops handlers, as
+/// `muster-agent status` and the metrics' gauges do, so all three agree.
+#[derive(Clone)]
+pub struct View {
+    coordinator: Arc<Coordinator>,
+    gate: Gate,
+}
+
+impl View {
+    /// A view of `coordinator`, empty while `gate` says this replica does not lead (a
+    /// follower's job state is not the cluster's).
+    pub fn new(coordinator: Arc<Coordinator>, gate: Gate) -> Self {
+        Self { coordinator, gate }
+    }
+
+    /// The JSON the page polls: `{"serving", "note", "jobs": [DescribeJobResponse],
+    /// "agents": [AgentInfo]}`.
+    pub async fn json(&self) -> Value {
+        if let Err(status) = self.gate.check() {
+            return json!({ "serving": false, "note": status.message(), "jobs": [], "agents": [] });
+        }
+        let ops = OpsService(Arc::clone(&self.coordinator));
+        let summaries = ops
+            .list_jobs(tonic::Request::new(pb::ListJobsRequest {}))
+            .await
+            .map(|r| r.into_inner().jobs)
+            .unwrap_or_default();
+        let mut jobs = Vec::with_capacity(summaries.len());
+        for s in summaries {
+            let request = tonic::Request::new(pb::DescribeJobRequest {
+                job_id: s.job_id,
+                ..Default::default()
+            });
+            // A job removed between the list and this call is simply not shown.
+            let Ok(d) = ops.describe_job(request).await else {
+                continue;
+            };
+            let mut d = d.into_inner();
+            if let Some(f) = &mut d.failure {
+                f.stderr_tail.clear();
+                f.error_traceback.clear();
+            }
+            jobs.push(to_json("muster.v1.DescribeJobResponse", &d));
+        }
+        let agents = ops
+            .list_agents(tonic::Request::new(pb::ListAgentsRequest {}))
+            .await
+            .map(|r| r.into_inner().agents)
+            .unwrap_or_default();
+        let agents: Vec<Value> = agents
+            .iter()
+            .map(|a| to_json("muster.v1.AgentInfo", a))
+            .collect();
+        json!({ "serving": true, "note": "", "jobs": jobs, "agents": agents })
+    }
+}
+
+/// The muster API's descriptors, as the coordinator serves them to reflection.
+static DESCRIPTORS: LazyLock<Result<DescriptorPool, String>> = LazyLock::new(|| {
+    DescriptorPool::decode(muster_proto::FILE_DESCRIPTOR_SET).map_err(|e| e.to_string())
+});
+
+/// `message` in protobuf's JSON mapping with proto field names, every field present (zeros
+/// included) and 64-bit integers as numbers (the page does arithmetic on milliseconds; none
+/// of these reaches 2^53). A message the descriptors cannot describe becomes `{"error": ...}`
+/// rather than failing the whole view.
+fn to_json(full_name: &str, message: &impl prost::Message) -> Value {
+    let options = SerializeOptions::new()
+        .skip_default_fields(false)
+        .stringify_64_bit_integers(false)
+        .use_proto_field_name(true);
+    let converted = DESCRIPTORS
+        .as_ref()
+        .map_err(Clone::clone)
+        .and_then(|pool| {
+            pool.get_message_by_name(full_name)
+                .ok_or_else(|| format!("no descriptor for {full_name}"))
+        })
+        .and_then(|desc| {
+            DynamicMessage::decode(desc, message.encode_to_vec().as_slice())
+                .map_err(|e| e.to_string())
+        })
+        .and_then(|m| {
+            m.serialize_with_options(serde_json::value::Serializer, &options)
+                .map_err(|e| e.to_string())
+        });
+    converted.unwrap_or_else(|e| json!({ "error": format!("cannot show {full_name}: {e}") }))
+}
+
+/// Serves the page and its JSON on `listener` until the task is dropped or aborted (as the
+/// metrics endpoint: `lib.rs` aborts it when serving ends). Only `GET` (and `HEAD`) of the two
+/// routes; anything else is 404, or 405 for another method. Cancel-safe.
+pub async fn serve(listener: TcpListener, view: View) {
+    use axum::routing::get;
+    let app = axum::Router::new()
+        .route("/", get(page))
+        .route("/api/view", get(api))
+        .fallback(|| async { (StatusCode::NOT_FOUND, "not found; try / or /api/view\n") })
+        .with_state(view);
+    if let Err(e) = axum::serve(listener, app).await {
+        tracing::error!(%e, "the web view stopped serving");
+    }
+}
+
+async fn page() -> impl IntoResponse {
+    (
+        [
+            (header::CONTENT_TYPE, "text/html; charset=utf-8"),
+            (header::CACHE_CONTROL, "no-store"),
+            (header::CONTENT_SECURITY_POLICY, PAGE_POLICY),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        ],
+        PAGE,
+    )
+}
+
+async fn api(axum::extract::State(view): axum::extract::State<View>) -> impl IntoResponse {
+    (
+        [
+            (header::CONTENT_TYPE, "application/json"),
+            (header::CACHE_CONTROL, "no-store"),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        ],
+        view.json().await.to_string(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn zeros_and_enums_are_written_by_name() {
+        let rank = pb::RankInfo {
+            rank: 0,
+            node_rank: 0,
+            state: pb::RankState::Waiting as i32,
+            last_seen_ms_ago: 1500,
+            activity: "waiting at global barrier #1 'step'".into(),
+            ..Default::default()
+        };
+        let v = to_json("muster.v1.RankInfo", &rank);
+        assert_eq!(v["rank"], 0, "{v}");
+        assert_eq!(v["node_rank"], 0, "{v}");
+        assert_eq!(v["state"], "RANK_STATE_WAITING", "{v}");
+        assert_eq!(v["last_seen_ms_ago"], 1500, "{v}");
+        assert_eq!(v["activity"], "waiting at global barrier #1 'step'", "{v}");
+    }
+
+    /// A follower's job state is not the cluster's: its view is empty and names the leader.
+    #[tokio::test]
+    async fn a_replica_that_does_not_lead_shows_no_jobs_and_names_the_leader() {
+        let coordinator = Coordinator::new(
+            crate::Config::default(),
+            Arc::new(crate::MemoryStore::default()),
+        );
+        let gate = Gate::new(
+            crate::ha::Readiness::Following(Some("10.1.2.3:29470".into())),
+            "127.0.0.1:29470",
+        );
+        let v = View::new(Arc::clone(&coordinator), gate.clone())
+            .json()
+            .await;
+        assert_eq!(v["serving"], false, "{v}");
+        assert!(
+            v["note"].as_str().unwrap().contains("10.1.2.3:29470"),
+            "{v}"
+        );
+        assert_eq!(v["jobs"], json!([]), "{v}");
+        gate.set(crate::ha::Readiness::Serving);
+        let v = View::new(coordinator, gate).json().await;
+        assert_eq!(
+            (&v["serving"], &v["note"]),
+            (&json!(true), &json!("")),
+            "{v}"
+        );
+    }
+
+    #[test]
+    fn an_unknown_message_is_named_not_fatal() {
+        let v = to_json("muster.v1.NoSuchMessage", &pb::RankInfo::default());
+        assert!(
+            v["error"]
+                .as_str()
+                .unwrap()
+                .contains("no descriptor for muster.v1.NoSuchMessage"),
+            "{v}"
+        );
+    }
+}
