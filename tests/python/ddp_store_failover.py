@@ -11,16 +11,17 @@ The test steers it with files in DIR:
 - DIR/stop: training goes on until rank 0 sees this file (the ranks agree on it through an
   all_reduce), so the test can kill the leader mid-training and let the job run on after.
 
-Every step is a DDP step plus store traffic through torch's default store: a key set by each
-rank and read (blocking) by the next one, possibly on another node; a shared counter added to
-by every rank; and a delete of an old key. At the end each rank checks that the counter
+Each rank adds 1 to a counter once the process group is up. Every step is then a DDP step plus
+store traffic through torch's default store: a key set by each rank and read (blocking) by the
+next one, possibly on another node; the counter read with add(key, 0), as torch's store-based
+barrier polls one; and a delete of an old key. At the end each rank checks that the counter
 counted every add exactly once (an add applied twice by a retry would show here) and that the
 parameters agree on every rank, and prints one line that the test checks.
 
 Lines printed: "initialising rank=R" before init_process_group; "ready rank=R pid=P
 master=ADDR:PORT agent_store=V" once the process group is up; "step rank=R n=N" after each
-step; "ddp_store_failover rank=R world=W steps=S progress=P restart_count=C
-params_in_sync=B" at the end.
+step; "ddp_store_failover rank=R world=W steps=S started=N restart_count=C params_in_sync=B"
+at the end.
 """
 
 import os
@@ -55,7 +56,9 @@ print(
     flush=True,
 )
 store = dist.distributed_c10d._get_default_store()
+store.add("started", 1)
 
+# DDP's constructor broadcasts the parameters: every rank has added to the counter after it.
 torch.manual_seed(0)
 model = DistributedDataParallel(torch.nn.Linear(8, 1))
 optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -69,7 +72,9 @@ while True:
     optimizer.step()
 
     store.set(f"step/{steps}/{rank}", f"{loss.item():.6f}")
-    store.add("progress", 1)
+    started = store.add("started", 0)
+    if started != world:
+        sys.exit(f"ddp_store_failover.py: the counter says {started} at step {steps}, not {world}")
     peer = (rank + 1) % world
     # Blocks until the next rank (on this node or another) has set its key.
     if not store.get(f"step/{steps}/{peer}"):
@@ -86,17 +91,17 @@ while True:
         break
 
 dist.barrier()
-progress = store.add("progress", 0)
+started = store.add("started", 0)
 params = torch.cat([p.detach().flatten() for p in model.parameters()])
 gathered = [torch.zeros_like(params) for _ in range(world)]
 dist.all_gather(gathered, params)
 in_sync = all(torch.equal(gathered[0], p) for p in gathered)
 print(
-    f"ddp_store_failover rank={rank} world={world} steps={steps} progress={progress}"
+    f"ddp_store_failover rank={rank} world={world} steps={steps} started={started}"
     f" restart_count={os.environ['TORCHELASTIC_RESTART_COUNT']} params_in_sync={in_sync}",
     flush=True,
 )
 dist.barrier()
 dist.destroy_process_group()
-if progress != world * steps:
-    sys.exit(f"ddp_store_failover.py: the counter says {progress}, not {world * steps}")
+if started != world:
+    sys.exit(f"ddp_store_failover.py: the counter says {started}, not {world}")
