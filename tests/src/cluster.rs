@@ -90,7 +90,13 @@ impl Cluster {
         command: &[&str],
         env: &[(&str, &str)],
     ) -> Agent {
-        let mut args = vec!["launch", "--coordinator", &self.coordinator, "--job-id", job];
+        let mut args = vec![
+            "launch",
+            "--coordinator",
+            &self.coordinator,
+            "--job-id",
+            job,
+        ];
         args.extend(self.security.iter().map(String::as_str));
         args.extend_from_slice(flags);
         args.push("--");

@@ -342,7 +342,12 @@ fn a_leader_killed_while_the_job_trains() {
     let started = Instant::now();
     let steer = Steer::new("train");
     steer.init();
-    let agents = launch_local(&python, &ha.replicas.addrs(), "agent-store-ha-train", &steer);
+    let agents = launch_local(
+        &python,
+        &ha.replicas.addrs(),
+        "agent-store-ha-train",
+        &steer,
+    );
     wait_steps(&agents, 5, PYTHON_LIMIT, || ha.replicas.logs());
     let mut agents = agents;
     for (i, agent) in agents.iter_mut().enumerate() {
@@ -488,8 +493,7 @@ fn two_hosts_each_serve_their_workers_store_on_loopback() {
     let coordinator_pid = cluster.coordinator_process.pid().as_raw().unsigned_abs();
     let on_coordinator = listeners_of(coordinator_pid);
     assert!(
-        !on_coordinator.is_empty()
-            && on_coordinator.iter().all(|l| l.pids == [coordinator_pid]),
+        !on_coordinator.is_empty() && on_coordinator.iter().all(|l| l.pids == [coordinator_pid]),
         "only the coordinator (pid {coordinator_pid}) may listen on its host: {on_coordinator:#?}"
     );
     wait_steps(&agents, 3, PYTHON_LIMIT, || {
@@ -499,10 +503,7 @@ fn two_hosts_each_serve_their_workers_store_on_loopback() {
     let deadline = Instant::now() + PYTHON_LIMIT;
     let runs: Vec<Finished> = agents.into_iter().map(|a| a.finish_by(deadline)).collect();
     let steps = check_finished(&runs, &cluster.coordinator_process.output());
-    eprintln!(
-        "two hosts trained {steps} steps in {:?}",
-        started.elapsed()
-    );
+    eprintln!("two hosts trained {steps} steps in {:?}", started.elapsed());
 }
 
 /// On host `n<node>`: every rank of `agent` got MASTER_ADDR=127.0.0.1, one MASTER_PORT and
@@ -512,7 +513,11 @@ fn check_host(cluster: &Cluster, node: usize, agent: &Agent, ready: &[Ready]) ->
     let port = ready[0].master_port;
     for r in ready {
         assert_eq!(
-            (r.master_addr.as_str(), r.master_port, r.agent_store.as_str()),
+            (
+                r.master_addr.as_str(),
+                r.master_port,
+                r.agent_store.as_str()
+            ),
             ("127.0.0.1", port, "True"),
             "n{node}: rank {} got another store\n{}",
             r.rank,

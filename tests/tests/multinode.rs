@@ -207,7 +207,7 @@ fn endless_job(
     let agents: Vec<(String, Agent)> = (0..3)
         .map(|i| {
             let host = format!("n{i}");
-            let agent = agent(&cluster, &host, job, flags, &script);
+            let agent = agent(cluster, &host, job, flags, &script);
             (host, agent)
         })
         .collect();
