@@ -12,6 +12,12 @@
 //!   the coordinator's key-value store, and on each host only the agent listens on its
 //!   `MASTER_PORT`, on loopback.
 //!
+//! The script's steps add nothing but 0 to a counter (a read, which the SDK retries across a
+//! failover): an add of another amount in flight at the instant of the leader's death may or
+//! may not have been applied, the coordinator keeps no request ids to tell, so the SDK does not
+//! retry it (it could count twice) and torch's client sees its connection close.
+//! `an_add_of_0_in_flight_at_the_leaders_death_is_retried` pins the read down at the SDK.
+//!
 //! Each test skips, printing why, without the peers' PyTorch, etcd, or (for the hosts) root.
 //! They run one at a time (a lock in this file): each runs 4 torch processes, and the failover
 //! tests' timing would not hold with several on a 2-core machine.
