@@ -14,6 +14,7 @@
 //! [`example_bin`] build it once with `cargo build`. A binary that exists is used as it is: after changing the agent or
 //! the SDK, run `cargo test --workspace` (or build them) rather than `-p muster-tests` alone.
 
+pub mod cluster;
 pub mod coordinator;
 pub mod etcd;
 pub mod faults;
@@ -23,6 +24,7 @@ pub use peers::peers_python;
 pub mod netns;
 pub mod notify;
 pub mod pki;
+pub mod sockets;
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::process::CommandExt;
@@ -278,6 +280,15 @@ impl Agent {
             lines.stdout.join("\n"),
             lines.stderr.join("\n")
         )
+    }
+
+    /// The lines of `stream` so far.
+    pub fn lines(&self, stream: Stream) -> Vec<String> {
+        let lines = self.captured.lock();
+        match stream {
+            Stream::Stdout => lines.stdout.clone(),
+            Stream::Stderr => lines.stderr.clone(),
+        }
     }
 
     /// Waits until `count` lines of `stream` satisfy `matches`, and returns them; panics with

@@ -3,140 +3,19 @@
 //! opens a store server and the store outlives rank 0; `MUSTER_NO_AGENT_STORE=1` (the
 //! environment form of `--no-agent-store`) gives rank 0's own TCPStore back.
 //!
-//! Who listens where is read from `/proc/net/tcp{,6}` (the listening sockets and their inodes)
-//! and `/proc/<pid>/fd` (which process holds each inode), while the workers wait after their
+//! Who listens where is read from `/proc` (`muster_tests::sockets`) while the workers wait after their
 //! process group is up. The tests need the peers' virtual environment (PyTorch):
 //! `$MUSTER_PEERS_VENV`, else `~/.cache/muster-peers`; without it each prints `skipped: ...`.
 
 use muster_tests::coordinator::Coordinator;
+use muster_tests::sockets::{Listener, Ready, held_by, listeners, ready};
 use muster_tests::{Agent, Finished, Stream, peers_python, workspace_root};
-use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// torch's import alone takes seconds on a 2-core machine; every rank imports it at once.
 const PYTHON_LIMIT: Duration = Duration::from_secs(120);
-
-/// One listening TCP socket of this machine.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Listener {
-    addr: IpAddr,
-    port: u16,
-    /// The processes holding it (a socket can be inherited).
-    pids: Vec<u32>,
-}
-
-/// Every listening TCP socket (IPv4 and IPv6) with the processes that hold it.
-fn listeners() -> Vec<Listener> {
-    let mut by_inode: BTreeMap<u64, (IpAddr, u16)> = BTreeMap::new();
-    for (file, v6) in [("/proc/net/tcp", false), ("/proc/net/tcp6", true)] {
-        let Ok(text) = std::fs::read_to_string(file) else {
-            continue;
-        };
-        for line in text.lines().skip(1) {
-            let cols: Vec<&str> = line.split_whitespace().collect();
-            // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
-            if cols.len() < 10 || cols[3] != "0A" {
-                continue;
-            }
-            let (Some((addr, port)), Ok(inode)) = (local_address(cols[1], v6), cols[9].parse())
-            else {
-                continue;
-            };
-            by_inode.insert(inode, (addr, port));
-        }
-    }
-    let mut pids: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
-    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) else {
-            continue;
-        };
-        for fd in fds.flatten() {
-            let Ok(target) = std::fs::read_link(fd.path()) else {
-                continue;
-            };
-            let inode = target
-                .to_str()
-                .and_then(|t| t.strip_prefix("socket:["))
-                .and_then(|t| t.strip_suffix(']'))
-                .and_then(|t| t.parse::<u64>().ok());
-            if let Some(inode) = inode
-                && by_inode.contains_key(&inode)
-            {
-                pids.entry(inode).or_default().push(pid);
-            }
-        }
-    }
-    by_inode
-        .into_iter()
-        .map(|(inode, (addr, port))| Listener {
-            addr,
-            port,
-            pids: pids.remove(&inode).unwrap_or_default(),
-        })
-        .collect()
-}
-
-/// `0100007F:1F90` (IPv4) or 32 hex digits and a port (IPv6): the kernel prints the address
-/// as 32-bit words in host (little-endian) byte order.
-fn local_address(text: &str, v6: bool) -> Option<(IpAddr, u16)> {
-    let (addr, port) = text.split_once(':')?;
-    let port = u16::from_str_radix(port, 16).ok()?;
-    let words: Vec<[u8; 4]> = (0..addr.len() / 8)
-        .map(|i| {
-            u32::from_str_radix(addr.get(i * 8..i * 8 + 8)?, 16)
-                .ok()
-                .map(u32::to_le_bytes)
-        })
-        .collect::<Option<_>>()?;
-    let ip = match (v6, words.as_slice()) {
-        (false, [w]) => IpAddr::V4(Ipv4Addr::from(*w)),
-        (true, [a, b, c, d]) => {
-            let mut bytes = [0u8; 16];
-            for (i, w) in [a, b, c, d].into_iter().enumerate() {
-                bytes[i * 4..i * 4 + 4].copy_from_slice(w);
-            }
-            IpAddr::V6(Ipv6Addr::from(bytes))
-        }
-        _ => return None,
-    };
-    Some((ip, port))
-}
-
-/// What a rank printed once its process group was up.
-#[derive(Debug)]
-struct Ready {
-    rank: u32,
-    pid: u32,
-    master_addr: String,
-    master_port: u16,
-    agent_store: String,
-}
-
-/// Parses `[rank R] ready rank=R pid=P master=ADDR:PORT agent_store=V`.
-fn ready(line: &str) -> Option<Ready> {
-    let rest = line.split_once("] ready ")?.1;
-    let field = |name: &str| {
-        rest.split(' ')
-            .find_map(|w| w.strip_prefix(name)?.strip_prefix('='))
-    };
-    let (master_addr, master_port) = field("master")?.rsplit_once(':')?;
-    Some(Ready {
-        rank: field("rank")?.parse().ok()?,
-        pid: field("pid")?.parse().ok()?,
-        master_addr: master_addr.to_owned(),
-        master_port: master_port.parse().ok()?,
-        agent_store: field("agent_store")?.to_owned(),
-    })
-}
 
 /// A file that releases the workers when it appears; removed with its folder when dropped.
 struct GoFile(PathBuf);
@@ -233,11 +112,6 @@ fn wait_ready(agent: &Agent, nproc: u32) -> Vec<Ready> {
         agent.output()
     );
     ready
-}
-
-/// The listening sockets held by `pid`.
-fn held_by(all: &[Listener], pid: u32) -> Vec<&Listener> {
-    all.iter().filter(|l| l.pids.contains(&pid)).collect()
 }
 
 fn finish(agent: Agent) -> Finished {

@@ -7,16 +7,13 @@
 //! The coordinator listens on a non-loopback address, so it runs as a cluster should: mutual
 //! TLS and the cluster token, and the agents hand their workers job tokens.
 
-use muster_tests::netns::Net;
-use muster_tests::pki::Pki;
-use muster_tests::{Agent, Finished, SLOW, Stream, agent_bin, coordinator_bin, example_bin};
+use muster_tests::cluster::Cluster;
+use muster_tests::{Agent, Finished, SLOW, Stream, example_bin};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// The coordinator's heartbeat timeout in these tests (its default is 10 s).
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(2);
-/// The coordinator's port, inside its own namespace.
-const PORT: u16 = 29470;
 /// Workers per node.
 const NPROC: u32 = 2;
 /// The coordinator's last-call window: a round with MIN nodes waits this long for more. Long
@@ -28,117 +25,47 @@ const LEASE: Duration = Duration::from_secs(3);
 /// Room for scheduling on a loaded 2-core machine, on top of what the protocol needs.
 const SLACK: Duration = Duration::from_secs(3);
 
-/// The coordinator in host `coord` and hosts `n0`.. for the nodes, on one switch.
-struct Cluster {
-    net: Net,
-    /// `addr:port` of the coordinator.
-    coordinator: String,
-    /// Kept for its drop (and its output, on failure).
-    coordinator_process: Agent,
-    /// The agents' TLS and token flags.
-    security: Vec<String>,
+/// The coordinator (heartbeat timeout [`HEARTBEAT_TIMEOUT`], [`LAST_CALL`]) in host `coord`
+/// and hosts `n0`.. for the nodes, and the `barrier_loop` example's path; `None` when
+/// namespaces are unavailable or the example is missing.
+fn start(nodes: usize) -> Option<(Cluster, String)> {
+    let Some(barrier_loop) = example_bin("barrier_loop") else {
+        eprintln!("skipped: worker-sdk/examples/barrier_loop.rs does not exist");
+        return None;
+    };
+    let timeout_ms = HEARTBEAT_TIMEOUT.as_millis().to_string();
+    let last_call_ms = LAST_CALL.as_millis().to_string();
+    let cluster = Cluster::start(
+        nodes,
+        &[
+            "--heartbeat-timeout-ms",
+            &timeout_ms,
+            "--last-call-ms",
+            &last_call_ms,
+        ],
+    )?;
+    let barrier_loop = barrier_loop
+        .to_str()
+        .expect("a UTF-8 target path")
+        .to_owned();
+    Some((cluster, barrier_loop))
 }
 
-impl Cluster {
-    /// Starts the coordinator (heartbeat timeout [`HEARTBEAT_TIMEOUT`], [`LAST_CALL`]),
-    /// or returns `None` when namespaces are unavailable or the example is missing.
-    fn start(nodes: usize) -> Option<(Self, String)> {
-        let Some(barrier_loop) = example_bin("barrier_loop") else {
-            eprintln!("skipped: worker-sdk/examples/barrier_loop.rs does not exist");
-            return None;
-        };
-        let mut names = vec!["coord".to_owned()];
-        names.extend((0..nodes).map(|i| format!("n{i}")));
-        let names: Vec<&str> = names.iter().map(String::as_str).collect();
-        let net = Net::setup(&names)?;
-        let coord_ip = net.addr("coord");
-        let listen = format!("{coord_ip}:{PORT}");
-        let timeout_ms = HEARTBEAT_TIMEOUT.as_millis().to_string();
-        let last_call_ms = LAST_CALL.as_millis().to_string();
-        // One PKI per cluster: the tests run in parallel, and workers read the files when
-        // they start.
-        static CLUSTERS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-        let n = CLUSTERS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let pki = Pki::generate(
-            &std::env::temp_dir().join(format!("muster-multinode-pki-{}-{n}", std::process::id())),
-            &[&coord_ip.to_string()],
-        );
-        let path = |p: &std::path::Path| p.to_str().expect("a UTF-8 temp path").to_owned();
-        let coordinator_process = net.spawn(
-            "coord",
-            coordinator_bin(),
-            &[
-                "--listen",
-                &listen,
-                "--heartbeat-timeout-ms",
-                &timeout_ms,
-                "--last-call-ms",
-                &last_call_ms,
-                "--tls-cert",
-                &path(&pki.server_cert),
-                "--tls-key",
-                &path(&pki.server_key),
-                "--tls-client-ca",
-                &path(&pki.ca),
-                "--auth-token-file",
-                &path(&pki.token_file),
-            ],
-            &[("NO_COLOR", "1")],
-        );
-        let security = vec![
-            "--tls-ca".to_owned(),
-            path(&pki.ca),
-            "--tls-cert".to_owned(),
-            path(&pki.client_cert),
-            "--tls-key".to_owned(),
-            path(&pki.client_key),
-            "--auth-token-file".to_owned(),
-            path(&pki.token_file),
-        ];
-        coordinator_process.wait_for_lines(Stream::Stderr, 1, SLOW, |l| {
-            l.contains("coordinator serving")
-        });
-        let barrier_loop = barrier_loop
-            .to_str()
-            .expect("a UTF-8 target path")
-            .to_owned();
-        Some((
-            Self {
-                net,
-                coordinator: listen,
-                coordinator_process,
-                security,
-            },
-            barrier_loop,
-        ))
-    }
-
-    /// `muster-agent launch` on host `host` with `flags`, 2 workers of `sh -c script`. No
-    /// `--advertise-addr`: the agent must find its veth address by itself (the local address
-    /// that routes to the coordinator; the host name would resolve to 127.0.0.1 here).
-    fn agent(&self, host: &str, job: &str, flags: &[&str], script: &str) -> Agent {
-        let nproc = NPROC.to_string();
-        let mut args = vec![
-            "launch",
-            "--coordinator",
-            &self.coordinator,
-            "--job-id",
-            job,
-            "--nproc-per-node",
-            &nproc,
-            "--grace-period-ms",
-            "1000",
-            // These jobs check node 0's shared MASTER_ADDR:MASTER_PORT, which only the
-            // opt-out has (with the agent store each node serves its own loopback port;
-            // tests/tests/agent_store_launch.rs).
-            "--no-agent-store",
-        ];
-        args.extend(self.security.iter().map(String::as_str));
-        args.extend_from_slice(flags);
-        args.extend_from_slice(&["--", "sh", "-c", script]);
-        self.net
-            .spawn(host, agent_bin(), &args, &[("NO_COLOR", "1")])
-    }
+/// `muster-agent launch` on host `host` with `flags`, 2 workers of `sh -c script`.
+fn agent(cluster: &Cluster, host: &str, job: &str, flags: &[&str], script: &str) -> Agent {
+    let nproc = NPROC.to_string();
+    let mut all = vec![
+        "--nproc-per-node",
+        &nproc,
+        "--grace-period-ms",
+        "1000",
+        // These jobs check node 0's shared MASTER_ADDR:MASTER_PORT, which only the opt-out
+        // has (with the agent store each node serves its own loopback port:
+        // tests/tests/agent_store_ha.rs).
+        "--no-agent-store",
+    ];
+    all.extend_from_slice(flags);
+    cluster.agent(host, job, &all, &["sh", "-c", script], &[])
 }
 
 /// A worker script: one `ready` line with the environment the test checks, then
@@ -194,7 +121,7 @@ fn all_lines(run: &Finished) -> impl Iterator<Item = &String> {
 /// address for every worker.
 #[test]
 fn three_hosts_run_one_job() {
-    let Some((cluster, barrier_loop)) = Cluster::start(3) else {
+    let Some((cluster, barrier_loop)) = start(3) else {
         return;
     };
     let started = Instant::now();
@@ -202,7 +129,7 @@ fn three_hosts_run_one_job() {
     let agents: Vec<(String, Agent)> = (0..3)
         .map(|i| {
             let host = format!("n{i}");
-            let agent = cluster.agent(&host, "mn-three", &["--nnodes", "3"], &script);
+            let agent = agent(&cluster, &host, "mn-three", &["--nnodes", "3"], &script);
             (host, agent)
         })
         .collect();
@@ -280,7 +207,7 @@ fn endless_job(
     let agents: Vec<(String, Agent)> = (0..3)
         .map(|i| {
             let host = format!("n{i}");
-            let agent = cluster.agent(&host, job, flags, &script);
+            let agent = agent(cluster, &host, job, flags, &script);
             (host, agent)
         })
         .collect();
@@ -379,7 +306,7 @@ fn survivors_fail(
 /// workers too.
 #[test]
 fn a_node_cut_off_mid_job_fails_the_others_after_the_heartbeat_timeout() {
-    let Some((cluster, barrier_loop)) = Cluster::start(3) else {
+    let Some((cluster, barrier_loop)) = start(3) else {
         return;
     };
     let lease_ms = LEASE.as_millis().to_string();
@@ -425,7 +352,7 @@ fn a_node_cut_off_mid_job_fails_the_others_after_the_heartbeat_timeout() {
 /// nodes within a few seconds, whatever the heartbeat timeout.
 #[test]
 fn a_node_whose_agent_is_killed_fails_the_others_within_seconds() {
-    let Some((cluster, barrier_loop)) = Cluster::start(3) else {
+    let Some((cluster, barrier_loop)) = start(3) else {
         return;
     };
     let (agents, nodes) = endless_job(&cluster, &barrier_loop, "mn-kill", &["--nnodes", "3"]);
@@ -457,7 +384,7 @@ fn a_node_whose_agent_is_killed_fails_the_others_within_seconds() {
 /// the heartbeat timeout, the last-call window and some slack.
 #[test]
 fn survivors_of_a_cut_node_restart_as_a_smaller_generation_and_finish() {
-    let Some((cluster, barrier_loop)) = Cluster::start(3) else {
+    let Some((cluster, barrier_loop)) = start(3) else {
         return;
     };
     let (agents, nodes) = endless_job(

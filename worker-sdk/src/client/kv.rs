@@ -20,10 +20,11 @@ pub struct CasOutcome {
 
 /// The job's key-value store (TCPStore parity): small coordination data that user code shares
 /// between ranks. Every method is a single RPC, cancel-safe, and retried across a coordinator
-/// failover within the failover budget: `set`, `get`, `get_wait`, `delete` and `list` on any
-/// retryable failure; `add` and `compare_and_set`, which are not idempotent, only when the
-/// failure proves the request was not applied (a follower refused it, or no connection was
-/// made). Otherwise their error surfaces, and the counter or value may or may not have changed.
+/// failover within the failover budget: `set`, `get`, `get_wait`, `delete`, `list` and an `add`
+/// of 0 on any retryable failure; any other `add` and `compare_and_set`, which are not
+/// idempotent, only when the failure proves the request was not applied (a follower refused
+/// it, or no connection was made). Otherwise their error surfaces, and the counter or value may
+/// or may not have changed.
 #[derive(Debug, Clone)]
 pub struct Kv {
     coordinator: Coordinator,
@@ -104,6 +105,9 @@ impl Kv {
     }
 
     /// Adds `delta` to the counter at `key` (absent counts as 0) and returns the new value.
+    /// An add of 0 reads the counter (creating it at 0, as torch's store does), and is retried
+    /// like a read: torch polls counters so (its store-based barrier), and applying it twice
+    /// changes nothing.
     pub async fn add(&self, key: &str, delta: i64) -> Result<i64, Error> {
         let request = pb::AddRequest {
             job_id: self.job_id.clone(),
@@ -113,7 +117,7 @@ impl Kv {
         let response = self
             .coordinator
             .unary(
-                false,
+                delta == 0,
                 || request.clone(),
                 |channel, request| async move { KeyValueClient::new(channel).add(request).await },
             )

@@ -1,0 +1,561 @@
+//! The agent store (issue 17) under faults and across hosts, with an unmodified torch DDP gloo
+//! script (`tests/python/ddp_store_failover.py`, which keeps torch's default store busy while
+//! it trains) under the real `muster-agent launch`:
+//!
+//! - coordinator replicas on a real etcd (`muster_tests::replicas`), the leader SIGKILLed while
+//!   the job initialises (three ranks inside `init_process_group`, waiting in the store for the
+//!   fourth, which starts its own store traffic during the failover) and while it trains: the
+//!   store calls in flight are retried on the new leader and complete, every rank starts once
+//!   (no restart of the generation) and the job exits 0, its shared counter exact;
+//! - two agents on network-namespace hosts (`muster_tests::cluster`), each serving its own
+//!   workers' store on its loopback: the ranks of both nodes rendezvous and trade keys through
+//!   the coordinator's key-value store, and on each host only the agent listens on its
+//!   `MASTER_PORT`, on loopback.
+//!
+//! The script's steps add nothing but 0 to a counter (a read, which the SDK retries across a
+//! failover): an add of another amount in flight at the instant of the leader's death may or
+//! may not have been applied, the coordinator keeps no request ids to tell, so the SDK does not
+//! retry it (it could count twice) and torch's client sees its connection close.
+//! `an_add_of_0_in_flight_at_the_leaders_death_is_retried` pins the read down at the SDK.
+//!
+//! Each test skips, printing why, without the peers' PyTorch, etcd, or (for the hosts) root.
+//! They run one at a time (a lock in this file): each runs 4 torch processes, and the failover
+//! tests' timing would not hold with several on a 2-core machine.
+
+use muster::client::{Coordinator, Kv};
+use muster_tests::cluster::Cluster;
+use muster_tests::etcd::Etcd;
+use muster_tests::replicas::Replicas;
+use muster_tests::sockets::{Listener, Ready, held_by, listeners_of, ready};
+use muster_tests::{Agent, Finished, Stream, peers_python, workspace_root};
+use std::net::{IpAddr, Ipv4Addr};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// The election lease TTL (etcd's smallest practical TTL is 2 s).
+const TTL: Duration = Duration::from_secs(2);
+/// How long a standby may take to lead after the leader's death, with room for a loaded
+/// machine (the HA tests check the tight bound; here it only has to happen).
+const TAKEOVER: Duration = Duration::from_secs(20);
+/// torch's import alone takes seconds on a 2-core machine; four ranks import it at once.
+const PYTHON_LIMIT: Duration = Duration::from_secs(180);
+/// Nodes (agents) and workers per node of every job here.
+const NODES: u32 = 2;
+const NPROC: u32 = 2;
+const WORLD: u32 = NODES * NPROC;
+/// Steps every rank trains after the failover before the test stops the job.
+const STEPS_AFTER: u32 = 10;
+
+/// One test at a time (see the module comment).
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// The folder of files that steer the script (see its docstring); removed when dropped.
+struct Steer(PathBuf);
+
+impl Steer {
+    fn new(name: &str) -> Self {
+        let dir = std::env::temp_dir().join(format!(
+            "muster-agent-store-ha-{}-{name}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("a scratch folder");
+        Self(dir)
+    }
+
+    fn path(&self) -> &str {
+        self.0.to_str().expect("a UTF-8 temporary path")
+    }
+
+    /// Lets the last rank call `init_process_group`.
+    fn init(&self) {
+        std::fs::write(self.0.join("init"), b"go").expect("the init file");
+    }
+
+    /// Ends the training loop (at the next step).
+    fn stop(&self) {
+        std::fs::write(self.0.join("stop"), b"go").expect("the stop file");
+    }
+}
+
+impl Drop for Steer {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn script() -> String {
+    workspace_root()
+        .join("tests/python/ddp_store_failover.py")
+        .to_str()
+        .expect("a UTF-8 workspace path")
+        .to_owned()
+}
+
+/// The `launch` flags of node `node` of the job, besides the coordinator's.
+fn node_flags(node: u32) -> Vec<String> {
+    [
+        "--nnodes",
+        &NODES.to_string(),
+        "--node-rank",
+        &node.to_string(),
+        "--nproc-per-node",
+        &NPROC.to_string(),
+        "--grace-period-ms",
+        "1000",
+    ]
+    .map(str::to_owned)
+    .to_vec()
+}
+
+/// The two agents of job `job` at the coordinator replicas `addrs`, on this host.
+fn launch_local(python: &Path, addrs: &str, job: &str, steer: &Steer) -> Vec<Agent> {
+    let python = python.to_str().expect("a UTF-8 venv path");
+    let script = script();
+    (0..NODES)
+        .map(|node| {
+            let mut args: Vec<String> = ["launch", "--coordinator", addrs, "--job-id", job]
+                .map(str::to_owned)
+                .to_vec();
+            args.extend(node_flags(node));
+            args.extend(["--", python, &script, steer.path()].map(str::to_owned));
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            Agent::start_with_env(&args, &[("NO_COLOR", "1")])
+        })
+        .collect()
+}
+
+/// The highest step every rank of `agents` has printed (0 before the first).
+fn steps_done(agents: &[Agent]) -> Vec<u32> {
+    let mut done = vec![0; WORLD as usize];
+    for agent in agents {
+        for line in agent.lines(Stream::Stdout) {
+            if let Some(rest) = line.split_once("] step rank=").map(|(_, r)| r)
+                && let Some((rank, n)) = rest.split_once(" n=")
+                && let (Ok(rank), Ok(n)) = (rank.parse::<usize>(), n.parse::<u32>())
+                && rank < done.len()
+            {
+                done[rank] = done[rank].max(n);
+            }
+        }
+    }
+    done
+}
+
+/// Waits until every rank has printed step `n` or later; panics with the agents' output after
+/// `timeout`.
+fn wait_steps(agents: &[Agent], n: u32, timeout: Duration, context: impl Fn() -> String) {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let done = steps_done(agents);
+        if done.iter().all(|&d| d >= n) {
+            return;
+        }
+        if Instant::now() >= deadline {
+            panic!(
+                "not every rank reached step {n} within {timeout:?}: {done:?}\n{}\n{}",
+                outputs(agents),
+                context()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn outputs(agents: &[Agent]) -> String {
+    agents
+        .iter()
+        .map(Agent::output)
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Every agent exited 0, every rank started once (one `initialising` line, restart count 0)
+/// and printed its final line with the same step count, an exact counter and parameters in
+/// sync. Returns the step count.
+fn check_finished(runs: &[Finished], context: &str) -> u32 {
+    let dump = || {
+        runs.iter()
+            .map(Finished::dump)
+            .collect::<Vec<_>>()
+            .join("\n")
+            + "\n"
+            + context
+    };
+    for run in runs {
+        assert_eq!(run.code(), Some(0), "{}", dump());
+    }
+    let mut steps = None;
+    for rank in 0..WORLD {
+        let lines: Vec<&str> = runs.iter().flat_map(|r| r.rank_stdout(rank)).collect();
+        let starts = lines
+            .iter()
+            .filter(|l| l.starts_with("initialising "))
+            .count();
+        assert_eq!(starts, 1, "rank {rank} started {starts} times\n{}", dump());
+        let last = lines.last().copied().unwrap_or_default();
+        let fields: Vec<&str> = last.split(' ').collect();
+        let n: u32 = fields
+            .iter()
+            .find_map(|f| f.strip_prefix("steps="))
+            .and_then(|s| s.parse().ok())
+            .unwrap_or_else(|| panic!("rank {rank} ended without its result\n{}", dump()));
+        let expected = format!(
+            "ddp_store_failover rank={rank} world={WORLD} steps={n} started={WORLD} \
+             restart_count=0 params_in_sync=True"
+        );
+        assert_eq!(last, expected, "{}", dump());
+        assert_eq!(*steps.get_or_insert(n), n, "{}", dump());
+    }
+    steps.unwrap_or_default()
+}
+
+/// The keys of the job's store (torch's, under `torch/`) with their values, read through the
+/// coordinator.
+async fn store_keys(kv: &Kv) -> Vec<(String, String)> {
+    kv.list("torch/")
+        .await
+        .expect("the job's keys")
+        .into_iter()
+        .map(|(k, v)| (k, String::from_utf8_lossy(&v).into_owned()))
+        .collect()
+}
+
+/// Coordinator replicas on etcd and the runtime their health checks need.
+struct Ha {
+    runtime: tokio::runtime::Runtime,
+    replicas: Replicas,
+    _etcd: Etcd,
+}
+
+impl Ha {
+    /// One etcd member and two replicas, one of them leading; `None` without etcd.
+    fn start() -> Option<(Self, usize)> {
+        let etcd = Etcd::start(1)?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("a tokio runtime");
+        let replicas = Replicas::start(&etcd, 2, TTL, &[]);
+        let leader = runtime.block_on(replicas.wait_leader(Duration::from_secs(30), &[]));
+        Some((
+            Self {
+                runtime,
+                replicas,
+                _etcd: etcd,
+            },
+            leader,
+        ))
+    }
+
+    /// SIGKILLs replica `leader`, calls `meanwhile` at once, and waits for the other replica to
+    /// lead; returns when that happened, after the kill.
+    fn kill_leader(&mut self, leader: usize, meanwhile: impl FnOnce()) -> Duration {
+        let killed = Instant::now();
+        self.replicas.kill(leader);
+        meanwhile();
+        let new = self
+            .runtime
+            .block_on(self.replicas.wait_leader(TAKEOVER, &[leader]));
+        let took = killed.elapsed();
+        eprintln!("replica {new} leads {took:?} after the SIGKILL of replica {leader}");
+        took
+    }
+}
+
+/// The coordinator leader is SIGKILLed while ranks 0 to 2 are inside `init_process_group`,
+/// waiting in the store (through their agents, at the leader) for rank 3's keys; rank 3 is let
+/// go at once, so its TCPStore handshake, its `add` to torch's init counter and its gloo keys
+/// go out during the failover. The waits in flight are retried on the new leader, rank 3's
+/// calls complete there, and the job trains and exits 0 with every rank started once.
+#[test]
+fn a_leader_killed_while_the_job_initialises() {
+    let Some(python) = peers_python(&["torch"]) else {
+        return;
+    };
+    let _serial = serial();
+    let Some((mut ha, leader)) = Ha::start() else {
+        return;
+    };
+    let started = Instant::now();
+    let job = "agent-store-ha-init";
+    let steer = Steer::new("init");
+    let agents = launch_local(&python, &ha.replicas.addrs(), job, &steer);
+    for agent in &agents {
+        agent.wait_for_lines(Stream::Stdout, NPROC as usize, PYTHON_LIMIT, |l| {
+            l.contains("] initialising rank=")
+        });
+    }
+    // Ranks 0 to 2 are inside init_process_group once torch's init counter says 3 and their
+    // gloo addresses are in the store (a key each, besides the counter): they wait for rank
+    // 3's.
+    let kv = Kv::new(
+        ha.runtime
+            .block_on(Coordinator::connect(&ha.replicas.addrs()))
+            .expect("a client of the replicas"),
+        job,
+    );
+    let deadline = Instant::now() + PYTHON_LIMIT;
+    let keys = loop {
+        let keys = ha.runtime.block_on(store_keys(&kv));
+        let counted = keys.iter().any(|(k, v)| k.ends_with("/init/") && v == "3");
+        if counted && keys.len() > (WORLD - 1) as usize {
+            break keys;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "ranks 0 to 2 did not reach the store's rendezvous: {keys:?}\n{}",
+            outputs(&agents)
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let names: Vec<&str> = keys.iter().map(|(k, _)| k.as_str()).collect();
+    eprintln!("the store's keys before the kill: {names:?}");
+    let took = ha.kill_leader(leader, || steer.init());
+    wait_steps(&agents, 3, PYTHON_LIMIT, || ha.replicas.logs());
+    steer.stop();
+    let deadline = Instant::now() + PYTHON_LIMIT;
+    let runs: Vec<Finished> = agents.into_iter().map(|a| a.finish_by(deadline)).collect();
+    let steps = check_finished(&runs, &ha.replicas.logs());
+    eprintln!(
+        "failover took {took:?}; the job trained {steps} steps and took {:?}",
+        started.elapsed()
+    );
+}
+
+/// The coordinator leader is SIGKILLed while the job trains, each step's store calls (a set,
+/// an add, a blocking get of another rank's key, a delete) in flight through both agents: they
+/// are retried on the new leader and complete, training goes on for [`STEPS_AFTER`] more
+/// steps, and the job exits 0 with every rank started once and the shared counter exact (an
+/// add applied twice would show).
+#[test]
+fn a_leader_killed_while_the_job_trains() {
+    let Some(python) = peers_python(&["torch"]) else {
+        return;
+    };
+    let _serial = serial();
+    let Some((mut ha, leader)) = Ha::start() else {
+        return;
+    };
+    let started = Instant::now();
+    let steer = Steer::new("train");
+    steer.init();
+    let agents = launch_local(
+        &python,
+        &ha.replicas.addrs(),
+        "agent-store-ha-train",
+        &steer,
+    );
+    wait_steps(&agents, 5, PYTHON_LIMIT, || ha.replicas.logs());
+    let mut agents = agents;
+    for (i, agent) in agents.iter_mut().enumerate() {
+        assert!(!agent.exited(), "agent {i} ended early\n{}", agent.output());
+    }
+    let at_kill = steps_done(&agents);
+    let took = ha.kill_leader(leader, || {});
+    let resumed = Instant::now();
+    let target = at_kill.iter().max().copied().unwrap_or_default() + STEPS_AFTER;
+    wait_steps(&agents, target, PYTHON_LIMIT, || ha.replicas.logs());
+    eprintln!(
+        "steps at the kill {at_kill:?}; {STEPS_AFTER} more on every rank {:?} after the new leader",
+        resumed.elapsed()
+    );
+    steer.stop();
+    let deadline = Instant::now() + PYTHON_LIMIT;
+    let runs: Vec<Finished> = agents.into_iter().map(|a| a.finish_by(deadline)).collect();
+    let steps = check_finished(&runs, &ha.replicas.logs());
+    assert!(steps >= target, "{steps} steps, fewer than {target}");
+    eprintln!(
+        "failover took {took:?}; the job trained {steps} steps and took {:?}",
+        started.elapsed()
+    );
+}
+
+/// The SDK client under the agent store: an `add` of 0 (torch's read of a counter) sent to a
+/// leader that is frozen (SIGSTOP, so the request sits unread in its socket) and then
+/// SIGKILLed is retried on the new leader and completes with the counter's value, where a
+/// non-idempotent add's outcome would be unknown. The job is formed by a real agent whose
+/// worker only sleeps.
+#[test]
+fn an_add_of_0_in_flight_at_the_leaders_death_is_retried() {
+    let _serial = serial();
+    let Some((mut ha, leader)) = Ha::start() else {
+        return;
+    };
+    let job = "agent-store-ha-add0";
+    let addrs = ha.replicas.addrs();
+    let agent = Agent::start_with_env(
+        &[
+            "launch",
+            "--coordinator",
+            &addrs,
+            "--job-id",
+            job,
+            "--nproc-per-node",
+            "1",
+            "--",
+            "sleep",
+            "300",
+        ],
+        &[("NO_COLOR", "1")],
+    );
+    let kv = Kv::new(
+        ha.runtime
+            .block_on(Coordinator::connect(&addrs))
+            .expect("a client of the replicas"),
+        job,
+    );
+    // The job exists once the agent has joined: until then its keys are NOT_FOUND.
+    let deadline = Instant::now() + PYTHON_LIMIT;
+    let counted = loop {
+        match ha.runtime.block_on(kv.add("counter", 5)) {
+            Ok(n) => break n,
+            Err(e) => assert!(
+                Instant::now() < deadline,
+                "the job never formed: {e}\n{}",
+                agent.output()
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(counted, 5);
+    ha.replicas.stop(leader);
+    let read = {
+        let kv = kv.clone();
+        ha.runtime.spawn(async move { kv.add("counter", 0).await })
+    };
+    // Long enough for the request to reach the frozen leader's socket; the result must be the
+    // same if it had not (a refused or unconnected call is retried in any case).
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!read.is_finished(), "a frozen leader answered");
+    ha.kill_leader(leader, || {});
+    let value = ha
+        .runtime
+        .block_on(async { tokio::time::timeout(TAKEOVER, read).await })
+        .expect("the add of 0 completes after the failover")
+        .expect("the task ran");
+    assert_eq!(
+        value.map_err(|e| e.to_string()),
+        Ok(5),
+        "{}",
+        ha.replicas.logs()
+    );
+}
+
+/// Two agents on two network-namespace hosts, a coordinator on a third (TLS and tokens): each
+/// agent serves its own workers' store on its loopback, and the job, whose gloo rendezvous and
+/// per-step keys cross the nodes, completes. While it trains, on each host only its agent
+/// listens on the workers' `MASTER_PORT`, on 127.0.0.1; the agent listens on nothing else but
+/// loopback; no worker listens on more ports than the others (theirs are gloo's data plane);
+/// and on the coordinator's host only the coordinator listens.
+#[test]
+fn two_hosts_each_serve_their_workers_store_on_loopback() {
+    let Some(python) = peers_python(&["torch"]) else {
+        return;
+    };
+    let _serial = serial();
+    let Some(cluster) = Cluster::start(NODES as usize, &[]) else {
+        return;
+    };
+    let started = Instant::now();
+    let steer = Steer::new("hosts");
+    steer.init();
+    let python = python.to_str().expect("a UTF-8 venv path");
+    let script = script();
+    let agents: Vec<Agent> = (0..NODES)
+        .map(|node| {
+            let flags = node_flags(node);
+            let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+            cluster.agent(
+                &format!("n{node}"),
+                "agent-store-hosts",
+                &flags,
+                &[python, &script, steer.path()],
+                // gloo's own address: the host name resolves to loopback in a namespace.
+                &[("GLOO_SOCKET_IFNAME", "eth0")],
+            )
+        })
+        .collect();
+    let mut ports = Vec::new();
+    for (node, agent) in agents.iter().enumerate() {
+        let lines = agent.wait_for_lines(Stream::Stdout, NPROC as usize, PYTHON_LIMIT, |l| {
+            l.contains("] ready ")
+        });
+        let ready: Vec<Ready> = lines
+            .iter()
+            .map(|l| ready(l).unwrap_or_else(|| panic!("a malformed ready line: {l}")))
+            .collect();
+        ports.push(check_host(&cluster, node, agent, &ready));
+    }
+    eprintln!("MASTER_PORT per host: {ports:?}");
+    let coordinator_pid = cluster.coordinator_process.pid().as_raw().unsigned_abs();
+    let on_coordinator = listeners_of(coordinator_pid);
+    assert!(
+        !on_coordinator.is_empty() && on_coordinator.iter().all(|l| l.pids == [coordinator_pid]),
+        "only the coordinator (pid {coordinator_pid}) may listen on its host: {on_coordinator:#?}"
+    );
+    wait_steps(&agents, 3, PYTHON_LIMIT, || {
+        cluster.coordinator_process.output()
+    });
+    steer.stop();
+    let deadline = Instant::now() + PYTHON_LIMIT;
+    let runs: Vec<Finished> = agents.into_iter().map(|a| a.finish_by(deadline)).collect();
+    let steps = check_finished(&runs, &cluster.coordinator_process.output());
+    eprintln!("two hosts trained {steps} steps in {:?}", started.elapsed());
+}
+
+/// On host `n<node>`: every rank of `agent` got MASTER_ADDR=127.0.0.1, one MASTER_PORT and
+/// TORCHELASTIC_USE_AGENT_STORE=True; only the agent listens on that port, on 127.0.0.1; the
+/// agent listens on loopback only; the workers all listen on as many ports. Returns the port.
+fn check_host(cluster: &Cluster, node: usize, agent: &Agent, ready: &[Ready]) -> u16 {
+    let port = ready[0].master_port;
+    for r in ready {
+        assert_eq!(
+            (
+                r.master_addr.as_str(),
+                r.master_port,
+                r.agent_store.as_str()
+            ),
+            ("127.0.0.1", port, "True"),
+            "n{node}: rank {} got another store\n{}",
+            r.rank,
+            agent.output()
+        );
+    }
+    let agent_pid = agent.pid().as_raw().unsigned_abs();
+    let all = listeners_of(agent_pid);
+    let on_master: Vec<&Listener> = all.iter().filter(|l| l.port == port).collect();
+    assert_eq!(
+        on_master,
+        [&Listener {
+            addr: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            port,
+            pids: vec![agent_pid],
+        }],
+        "n{node} ({}): only the agent (pid {agent_pid}) may listen on MASTER_PORT {port}, on \
+         127.0.0.1; all listeners: {all:#?}",
+        cluster.net.addr(&format!("n{node}"))
+    );
+    let beyond: Vec<&Listener> = held_by(&all, agent_pid)
+        .into_iter()
+        .filter(|l| !l.addr.is_loopback())
+        .collect();
+    assert!(
+        beyond.is_empty(),
+        "n{node}: the agent listens beyond loopback: {beyond:#?}"
+    );
+    let counts: Vec<usize> = ready.iter().map(|r| held_by(&all, r.pid).len()).collect();
+    assert!(
+        counts.iter().all(|&c| c == counts[0]),
+        "n{node}: a rank listens on more ports than the others (a store server?): {counts:?}\n{all:#?}"
+    );
+    port
+}
