@@ -51,6 +51,9 @@ pub enum Command {
     Status(StatusArgs),
     /// Cancel a job: its workers are stopped on every node.
     Cancel(CancelArgs),
+    /// Show who a job waits for: each pending barrier's missing ranks and what they are
+    /// doing, its nodes and ranks, its last failure (`--watch` to follow it).
+    Describe(crate::describe::DescribeArgs),
 }
 
 /// What the command line asks for.
@@ -161,6 +164,10 @@ where
         Command::Cancel(a) => {
             a.security.resolve().map_err(UsageError::Invalid)?;
             Ok((Parsed::Daemon(Request::Cancel(a)), vec![]))
+        }
+        Command::Describe(a) => {
+            a.security.resolve().map_err(UsageError::Invalid)?;
+            Ok((Parsed::Daemon(Request::Describe(a)), vec![]))
         }
     }
 }

@@ -23,6 +23,7 @@ pub mod accelerate_config;
 pub mod cli;
 pub mod console;
 pub mod daemon;
+pub mod describe;
 pub mod entry;
 pub mod env;
 pub mod error_file;
