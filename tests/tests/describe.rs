@@ -20,12 +20,17 @@ const CLEAR: &str = "\x1b[H\x1b[2J";
 /// The worker: rank 1 says so and sleeps (the hang), every other rank runs one
 /// `wait_for_everyone` (the SDK's `barrier_loop`), which waits for rank 1 forever.
 fn stuck_script() -> Option<String> {
+    stuck_script_with("echo stuck; exec sleep 300")
+}
+
+/// As [`stuck_script`], with `rank1` (shell) as rank 1's hang.
+fn stuck_script_with(rank1: &str) -> Option<String> {
     let Some(bin) = example_bin("barrier_loop") else {
         eprintln!("skipped: worker-sdk/examples/barrier_loop.rs is missing");
         return None;
     };
     Some(format!(
-        "if [ \"$RANK\" = 1 ]; then echo stuck; exec sleep 300; fi; exec {} --iters 1 --warmup 0",
+        "if [ \"$RANK\" = 1 ]; then {rank1}; fi; exec {} --iters 1 --warmup 0",
         bin.display()
     ))
 }
@@ -80,8 +85,8 @@ fn describe_until_waiting(args: &[&str]) -> String {
 }
 
 /// How the node id of the agent whose worker is rank 1 ends (launch's default id is the host
-/// name and the agent's pid), once that worker has started.
-fn stuck_node(agents: &[Agent]) -> String {
+/// name and the agent's pid), once that worker has said it is stuck.
+fn node_id_of_rank_1(agents: &[Agent]) -> String {
     let deadline = Instant::now() + SLOW;
     loop {
         if let Some(a) = agents
@@ -133,7 +138,7 @@ fn describe_names_the_missing_rank_its_node_and_what_it_does() {
     let agents: Vec<Agent> = (0..2)
         .map(|_| node(&addr, job, &security, &script))
         .collect();
-    let node_id = stuck_node(&agents);
+    let node_id = node_id_of_rank_1(&agents);
 
     let flags = [
         "--coordinator",
@@ -220,7 +225,7 @@ async fn watch_redraws_until_the_job_is_over() {
     let c = Coordinator::start(&[]);
     let job = "hang-watch";
     let agents: Vec<Agent> = (0..2).map(|_| node(&c.addr, job, &[], &script)).collect();
-    stuck_node(&agents);
+    node_id_of_rank_1(&agents);
     let mut cmd = Command::new(agent_bin());
     cmd.args(["describe", "--coordinator", &c.addr, job, "--watch", "0.2"]);
     let watch = Agent::spawn(cmd, "muster-agent describe --watch");
@@ -271,6 +276,47 @@ async fn watch_redraws_until_the_job_is_over() {
         .rposition(|l| l.starts_with(CLEAR))
         .unwrap();
     assert!(run.stdout[last + 2].contains("(over)"), "{}", run.dump());
+    drop(agents);
+}
+
+/// The usual hang: rank 1 connected (a muster Python worker with its session open) but is
+/// busy elsewhere and never calls `wait_for_everyone`. `describe` shows it running, with the
+/// pid of the Python process, on node 1. Skipped with a printed reason without the peers'
+/// venv and its `muster` package.
+#[test]
+fn a_connected_rank_that_never_arrives_shows_its_pid() {
+    let Some(python) = muster_tests::peers::peers_python(&["muster"]) else {
+        return;
+    };
+    let hang = format!(
+        "exec {} -c 'import muster, os, time; a = muster.Accelerator(); print(\"stuck pid=%d\" % os.getpid(), flush=True); time.sleep(300)'",
+        python.display()
+    );
+    let Some(script) = stuck_script_with(&hang) else {
+        return;
+    };
+    let c = Coordinator::start(&[]);
+    let job = "hang-busy";
+    let agents: Vec<Agent> = (0..2).map(|_| node(&c.addr, job, &[], &script)).collect();
+    node_id_of_rank_1(&agents);
+    let pid = agents
+        .iter()
+        .find_map(|a| {
+            let out = a.output();
+            let at = out.find("[rank 1] stuck pid=")?;
+            let rest = &out[at + "[rank 1] stuck pid=".len()..];
+            Some(rest.lines().next()?.trim().to_owned())
+        })
+        .unwrap();
+    let view = describe_until_waiting(&["--coordinator", &c.addr, job]);
+    assert!(
+        view.lines()
+            .any(|l| l.starts_with("  missing rank 1 on node 1 (")
+                && l.contains(&format!(
+                    ", host 127.0.0.1, pid {pid}: running outside barriers ("
+                ))),
+        "{view}"
+    );
     drop(agents);
 }
 
