@@ -75,9 +75,15 @@ pub async fn run(args: DescribeArgs) -> Result<u8, String> {
         print!("{}", render(&fetch().await?));
         return Ok(0);
     };
-    let mut ctrl_c = std::pin::pin!(tokio::signal::ctrl_c());
+    // Registered now, before the first frame: a Ctrl-C right after it is not lost.
+    let mut ctrl_c = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .map_err(|e| format!("cannot watch for Ctrl-C: {e}"))?;
     loop {
-        let d = fetch().await?;
+        // A call may wait out a coordinator failover: Ctrl-C must not wait for it.
+        let d = tokio::select! {
+            d = fetch() => d?,
+            _ = ctrl_c.recv() => return Ok(0),
+        };
         let now = clock();
         print!(
             "{CLEAR}Every {:.1}s: muster-agent describe {}    {now}\n\n{}",
@@ -94,7 +100,7 @@ pub async fn run(args: DescribeArgs) -> Result<u8, String> {
         }
         tokio::select! {
             () = tokio::time::sleep(every) => {}
-            _ = &mut ctrl_c => return Ok(0),
+            _ = ctrl_c.recv() => return Ok(0),
         }
     }
 }

@@ -214,7 +214,7 @@ fn describe_names_the_missing_rank_its_node_and_what_it_does() {
 }
 
 /// `--watch` redraws the view (each frame after a clear-screen, as `watch(1)`) while the job
-/// hangs, and exits once the job is over (1: it did not finish). The DescribeJob reply itself
+/// hangs, and exits once the job is over (1: it did not finish), or at Ctrl-C (0). The DescribeJob reply itself
 /// carries rank 0 and node rank 0 as present fields (proto3 `optional`), so that JSON views
 /// that drop zero scalars (grpcurl) still show them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -258,6 +258,15 @@ async fn watch_redraws_until_the_job_is_over() {
     let b = &d.barriers[0];
     assert_eq!(b.node_rank, None, "a global barrier names no node: {b:?}");
     assert_eq!(b.missing_detail[0].rank, Some(1));
+
+    // Ctrl-C ends a watch cleanly (0), the job untouched.
+    let mut cmd = Command::new(agent_bin());
+    cmd.args(["describe", "--coordinator", &c.addr, job, "--watch"]);
+    let interrupted = Agent::spawn(cmd, "muster-agent describe --watch (Ctrl-C)");
+    interrupted.wait_for_lines(Stream::Stdout, 1, SLOW, |l| l.starts_with(CLEAR));
+    interrupted.signal(nix::sys::signal::Signal::SIGINT);
+    let run = interrupted.finish(SLOW);
+    assert_eq!(run.code(), Some(0), "{}", run.dump());
 
     ops.cancel_job(pb::CancelJobRequest {
         job_id: job.into(),
