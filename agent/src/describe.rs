@@ -31,6 +31,10 @@ pub struct DescribeArgs {
         value_parser = watch_interval
     )]
     pub watch: Option<Duration>,
+    /// Print the DescribeJob reply as JSON instead, one line per refresh, in proto3's JSON
+    /// mapping as grpcurl prints it (zero values left out; ranks always shown).
+    #[arg(long)]
+    pub json: bool,
     /// TLS and the cluster token.
     #[command(flatten)]
     pub security: SecurityArgs,
@@ -71,8 +75,15 @@ pub async fn run(args: DescribeArgs) -> Result<u8, String> {
                 ),
             })
     };
+    let show = |d: &pb::DescribeJobResponse| -> Result<String, String> {
+        Ok(if args.json {
+            format!("{}\n", json(d)?)
+        } else {
+            render(d)
+        })
+    };
     let Some(every) = args.watch else {
-        print!("{}", render(&fetch().await?));
+        print!("{}", show(&fetch().await?)?);
         return Ok(0);
     };
     // Registered now, before the first frame: a Ctrl-C right after it is not lost.
@@ -84,13 +95,19 @@ pub async fn run(args: DescribeArgs) -> Result<u8, String> {
             d = fetch() => d?,
             _ = ctrl_c.recv() => return Ok(0),
         };
-        let now = clock();
-        print!(
-            "{CLEAR}Every {:.1}s: muster-agent describe {}    {now}\n\n{}",
-            every.as_secs_f64(),
-            args.job_id,
-            render(&d)
-        );
+        if args.json {
+            print!("{}", show(&d)?);
+        } else {
+            print!(
+                "{CLEAR}Every {:.1}s: muster-agent describe {}    {}\n\n{}",
+                every.as_secs_f64(),
+                args.job_id,
+                clock(),
+                render(&d)
+            );
+        }
+        // Each frame whole, even into a pipe.
+        let _ = std::io::Write::flush(&mut std::io::stdout());
         let summary = d.summary.unwrap_or_default();
         if summary.state == pb::RoundState::Finished as i32 {
             return Ok(0);
@@ -103,6 +120,20 @@ pub async fn run(args: DescribeArgs) -> Result<u8, String> {
             _ = ctrl_c.recv() => return Ok(0),
         }
     }
+}
+
+/// `d` in proto3's JSON mapping, on one line, read through `muster.v1`'s descriptor set (the
+/// one gRPC reflection serves), so that it is what grpcurl would print for the same reply.
+pub fn json(d: &pb::DescribeJobResponse) -> Result<String, String> {
+    use prost::Message as _;
+    let pool = prost_reflect::DescriptorPool::decode(muster_proto::FILE_DESCRIPTOR_SET)
+        .map_err(|e| format!("muster.v1's descriptor set does not decode: {e}"))?;
+    let desc = pool
+        .get_message_by_name("muster.v1.DescribeJobResponse")
+        .ok_or("muster.v1's descriptor set has no DescribeJobResponse")?;
+    let message = prost_reflect::DynamicMessage::decode(desc, d.encode_to_vec().as_slice())
+        .map_err(|e| format!("cannot read the DescribeJob reply: {e}"))?;
+    serde_json::to_string(&message).map_err(|e| format!("cannot write JSON: {e}"))
 }
 
 /// The time of day (UTC) for the watch header, as `watch(1)` shows one.
@@ -586,6 +617,28 @@ mod tests {
         assert_eq!(ranges(&[5, 0, 1, 2, 7, 8, 3]), "0-3,5,7-8");
         assert_eq!(ranges(&[]), "");
         assert_eq!(ranges(&[4]), "4");
+    }
+
+    /// `--json` is proto3 JSON as grpcurl prints it: zero values are left out, but rank 0 and
+    /// node 0 are present fields and show; a global barrier has no node rank.
+    #[test]
+    fn json_shows_rank_zero_as_grpcurl_would() {
+        let text = json(&stuck()).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let r0 = &v["ranks"][0];
+        assert_eq!(
+            (&r0["rank"], &r0["nodeRank"], &r0["localRank"]),
+            (&0.into(), &0.into(), &0.into()),
+            "{text}"
+        );
+        assert_eq!(v["nodes"][0]["nodeRank"], 0, "{text}");
+        assert_eq!(v["failure"]["rank"], 0, "{text}");
+        assert_eq!(v["barriers"][0]["missing"][0]["rank"], 3, "{text}");
+        assert!(v["barriers"][0].get("nodeRank").is_none(), "{text}");
+        // A zero that is not a rank is left out, as grpcurl does without -emit-defaults.
+        assert!(r0.get("globalSeq").is_none(), "{text}");
+        assert_eq!(v["summary"]["state"], "ROUND_STATE_RUNNING", "{text}");
+        assert!(!text.contains('\n'), "one line: {text}");
     }
 
     /// A wide job lists only its ranks that are not plainly running.

@@ -214,8 +214,8 @@ fn describe_names_the_missing_rank_its_node_and_what_it_does() {
 }
 
 /// `--watch` redraws the view (each frame after a clear-screen, as `watch(1)`) while the job
-/// hangs, and exits once the job is over (1: it did not finish), or at Ctrl-C (0). The DescribeJob reply itself
-/// carries rank 0 and node rank 0 as present fields (proto3 `optional`), so that JSON views
+/// hangs, and exits once the job is over (1: it did not finish), or at Ctrl-C (0). `--json`
+/// prints rank 0 and node rank 0: the DescribeJob reply carries rank 0 and node rank 0 as present fields (proto3 `optional`), so that JSON views
 /// that drop zero scalars (grpcurl) still show them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn watch_redraws_until_the_job_is_over() {
@@ -258,6 +258,24 @@ async fn watch_redraws_until_the_job_is_over() {
     let b = &d.barriers[0];
     assert_eq!(b.node_rank, None, "a global barrier names no node: {b:?}");
     assert_eq!(b.missing_detail[0].rank, Some(1));
+
+    // `--json`: the same reply as grpcurl's JSON, rank 0 and node 0 included.
+    let run = describe(&["--coordinator", &c.addr, job, "--json"]);
+    assert_eq!(
+        (run.code(), run.stdout.len()),
+        (Some(0), 1),
+        "{}",
+        run.dump()
+    );
+    let v: serde_json::Value = serde_json::from_str(&run.stdout[0]).unwrap();
+    let r0 = v["ranks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["rank"] == 0)
+        .unwrap_or_else(|| panic!("no rank 0 in {v}"));
+    assert_eq!(r0["nodeRank"], 0, "{v}");
+    assert_eq!(v["barriers"][0]["missingDetail"][0]["rank"], 1, "{v}");
 
     // Ctrl-C ends a watch cleanly (0), the job untouched.
     let mut cmd = Command::new(agent_bin());
