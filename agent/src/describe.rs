@@ -425,10 +425,18 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
         } else {
             line.push_str(&f.reason);
         }
-        if let Some(c) = f.exit_code {
+        // The agent's reason usually says it already ("exited with status 3"); the coordinator's
+        // own reasons (a lost session) do not.
+        if let Some(c) = f
+            .exit_code
+            .filter(|c| !f.reason.contains(&format!("status {c}")))
+        {
             let _ = write!(line, "; exit code {c}");
         }
-        if let Some(sig) = f.signal {
+        if let Some(sig) = f
+            .signal
+            .filter(|s| !f.reason.contains(&format!("signal {s}")))
+        {
             let _ = write!(line, "; signal {sig}");
         }
         let _ = writeln!(out, "{line}");
@@ -564,7 +572,7 @@ mod tests {
         );
         assert!(
             text.contains(
-                "FAILED generation 1: rank 0 (node 0, host 10.0.0.1) exited with status 3; exit code 3\n  error: ValueError: boom\n"
+                "FAILED generation 1: rank 0 (node 0, host 10.0.0.1) exited with status 3\n  error: ValueError: boom\n"
             ),
             "{text}"
         );

@@ -347,6 +347,39 @@ fn a_connected_rank_that_never_arrives_shows_its_pid() {
     drop(agents);
 }
 
+/// A job that failed for good: the view says so on its first line, and names the failure
+/// (rank, node, host, the worker's exit code) below the tables.
+#[test]
+fn a_failed_job_shows_its_failure() {
+    let Some(bin) = example_bin("fail_at") else {
+        eprintln!("skipped: worker-sdk/examples/fail_at.rs is missing");
+        return;
+    };
+    let script = format!("exec {} --rank 1 --code 3", bin.display());
+    let c = Coordinator::start(&[]);
+    let job = "failed-once";
+    let agents: Vec<Agent> = (0..2).map(|_| node(&c.addr, job, &[], &script)).collect();
+    for a in agents {
+        let run = a.finish(SLOW);
+        assert_eq!(run.code(), Some(1), "{}", run.dump());
+    }
+    let run = describe(&["--coordinator", &c.addr, job]);
+    assert_eq!(run.code(), Some(0), "{}", run.dump());
+    let view = run.stdout.join("\n");
+    eprintln!("the view:\n{view}");
+    assert!(
+        run.stdout[0].starts_with(&format!("job {job}: failed (over), generation 1, 2 nodes")),
+        "{view}"
+    );
+    assert!(
+        run.stdout
+            .iter()
+            .any(|l| l
+                == "FAILED generation 1: rank 1 (node 1, host 127.0.0.1) exited with status 3"),
+        "{view}"
+    );
+}
+
 /// Bad input changes nothing and says what is wrong in one line: an unreachable coordinator
 /// (exit 1), a `--watch` that is not a number of seconds (exit 2, before connecting).
 #[test]
