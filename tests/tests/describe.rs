@@ -9,7 +9,7 @@
 use muster_proto::v1 as pb;
 use muster_tests::coordinator::Coordinator;
 use muster_tests::pki::Pki;
-use muster_tests::{Agent, Finished, SLOW, Stream, agent_bin, coordinator_bin, example_bin};
+use muster_tests::{Agent, Finished, SLOW, Stream, agent_bin, example_bin};
 use pb::ops_client::OpsClient;
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -112,22 +112,17 @@ fn describe_names_the_missing_rank_its_node_and_what_it_does() {
     let dir = std::env::temp_dir().join(format!("muster-describe-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let pki = Pki::generate(&dir, &[]);
-    let addr = format!("127.0.0.1:{}", muster_tests::free_port());
-    let mut cmd = Command::new(coordinator_bin());
-    cmd.args(["--listen", &addr, "--tls-cert"])
-        .arg(&pki.server_cert)
-        .arg("--tls-key")
-        .arg(&pki.server_key)
-        .arg("--auth-token-file")
-        .arg(&pki.token_file);
-    let coordinator = Agent::spawn(cmd, "muster-coordinator");
-    let deadline = Instant::now() + SLOW;
-    while std::net::TcpStream::connect(&addr).is_err() {
-        assert!(Instant::now() < deadline, "{}", coordinator.output());
-        std::thread::sleep(Duration::from_millis(20));
-    }
     let ca = pki.ca.to_str().unwrap().to_owned();
     let token = pki.token_file.to_str().unwrap().to_owned();
+    let coordinator = Coordinator::start(&[
+        "--tls-cert",
+        pki.server_cert.to_str().unwrap(),
+        "--tls-key",
+        pki.server_key.to_str().unwrap(),
+        "--auth-token-file",
+        &token,
+    ]);
+    let addr = coordinator.addr.clone();
     let security = vec![
         "--tls-ca".to_owned(),
         ca.clone(),
