@@ -54,6 +54,9 @@ pub enum Command {
     /// Write a CA, server and client certificates and a cluster token, for trying TLS.
     #[command(long_about = crate::certs::LONG_ABOUT)]
     Certs(crate::certs::CertsArgs),
+    /// Show who a job waits for: each pending barrier's missing ranks and what they are
+    /// doing, its nodes and ranks, its last failure (`--watch` to follow it).
+    Describe(crate::describe::DescribeArgs),
 }
 
 /// What the command line asks for.
@@ -170,6 +173,10 @@ where
         Command::Certs(a) => {
             let plan = a.check().map_err(|e| UsageError::Invalid(e.to_string()))?;
             Ok((Parsed::Certs(plan), vec![]))
+        }
+        Command::Describe(a) => {
+            a.security.resolve().map_err(UsageError::Invalid)?;
+            Ok((Parsed::Daemon(Request::Describe(a)), vec![]))
         }
     }
 }

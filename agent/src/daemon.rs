@@ -37,12 +37,13 @@ pub async fn run(request: Request) -> Result<u8, String> {
         Request::Submit(a) => submit(a).await,
         Request::Status(a) => status(a).await,
         Request::Cancel(a) => cancel(a).await,
+        Request::Describe(a) => crate::describe::run(a).await,
     }
 }
 
 /// The replicas of a `--coordinator` value, one of them reached (tried in turn for a few
 /// seconds) with `security`; calls then follow the leader with [`failover::call`].
-async fn connect(list: &str, security: &SecurityArgs) -> Result<Coordinators, String> {
+pub(crate) async fn connect(list: &str, security: &SecurityArgs) -> Result<Coordinators, String> {
     let list = crate::cli::coordinator_list(list).map_err(|e| e.to_string())?;
     let security = security.resolve()?;
     let coordinators = Coordinators::from_list(&list, failover::DEFAULT_BUDGET)
@@ -120,7 +121,7 @@ const FOLLOW_WAIT: Duration = Duration::from_secs(5);
 
 /// `Ops.DescribeJob` on the leader; with `unless`, a long poll that answers once the job's
 /// summary differs from it (or after [`FOLLOW_WAIT`]).
-async fn describe(
+pub(crate) async fn describe(
     coordinators: &Coordinators,
     job_id: &str,
     unless: Option<pb::JobSummary>,
@@ -166,7 +167,10 @@ fn status_line(d: &pb::DescribeJobResponse) -> String {
     if let Some(f) = &d.failure {
         line.push_str(&format!(
             "; failure: rank {} (node {}, host {}) {}",
-            f.rank, f.node_rank, f.host, f.reason
+            f.rank(),
+            f.node_rank(),
+            f.host,
+            f.reason
         ));
     }
     line
@@ -183,7 +187,11 @@ pub async fn status(args: StatusArgs) -> Result<u8, String> {
         for n in &d.nodes {
             println!(
                 "  node {} {} ({}): {} workers from rank {}",
-                n.node_rank, n.node_id, n.host, n.local_world_size, n.rank_offset
+                crate::describe::or_none(n.node_rank),
+                n.node_id,
+                n.host,
+                n.local_world_size,
+                n.rank_offset
             );
         }
         return Ok(0);

@@ -24,6 +24,7 @@ pub mod certs;
 pub mod cli;
 pub mod console;
 pub mod daemon;
+pub mod describe;
 pub mod entry;
 pub mod env;
 pub mod error_file;

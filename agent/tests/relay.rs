@@ -445,7 +445,7 @@ fn the_ops_view_shows_who_waits_in_a_relay_and_who_is_missing() {
     let mut waiting = b.names[0].ranks.clone();
     waiting.sort_unstable();
     assert_eq!(waiting, [0, 1]);
-    assert_eq!(b.missing.iter().map(|m| m.rank).collect::<Vec<_>>(), [2]);
+    assert_eq!(b.missing.iter().map(|m| m.rank()).collect::<Vec<_>>(), [2]);
     assert!(b.waiting_ms >= 1000, "{b:?}");
     assert_eq!(view.ranks[0].state, pb::RankState::Waiting as i32);
     assert_eq!(view.ranks[2].state, pb::RankState::Running as i32);

@@ -18,9 +18,8 @@ use axum::http::{StatusCode, header};
 use axum::response::IntoResponse;
 use muster_proto::v1 as pb;
 use pb::ops_server::Ops as _;
-use prost_reflect::{DescriptorPool, DynamicMessage, SerializeOptions};
 use serde_json::{Value, json};
-use std::sync::{Arc, LazyLock};
+use std::sync::Arc;
 use tokio::net::TcpListener;
 
 /// The page: markup, style and script in one file, embedded in the binary.
@@ -88,36 +87,12 @@ impl View {
     }
 }
 
-/// The muster API's descriptors, as the coordinator serves them to reflection.
-static DESCRIPTORS: LazyLock<Result<DescriptorPool, String>> = LazyLock::new(|| {
-    DescriptorPool::decode(muster_proto::FILE_DESCRIPTOR_SET).map_err(|e| e.to_string())
-});
-
-/// `message` in protobuf's JSON mapping with proto field names, every field present (zeros
-/// included) and 64-bit integers as numbers (the page does arithmetic on milliseconds; none
-/// of these reaches 2^53). A message the descriptors cannot describe becomes `{"error": ...}`
-/// rather than failing the whole view.
+/// `message` for the page (`muster_proto::json::page`: proto field names, zeros included). A
+/// message the descriptors cannot describe becomes `{"error": ...}` rather than failing the
+/// whole view.
 fn to_json(full_name: &str, message: &impl prost::Message) -> Value {
-    let options = SerializeOptions::new()
-        .skip_default_fields(false)
-        .stringify_64_bit_integers(false)
-        .use_proto_field_name(true);
-    let converted = DESCRIPTORS
-        .as_ref()
-        .map_err(Clone::clone)
-        .and_then(|pool| {
-            pool.get_message_by_name(full_name)
-                .ok_or_else(|| format!("no descriptor for {full_name}"))
-        })
-        .and_then(|desc| {
-            DynamicMessage::decode(desc, message.encode_to_vec().as_slice())
-                .map_err(|e| e.to_string())
-        })
-        .and_then(|m| {
-            m.serialize_with_options(serde_json::value::Serializer, &options)
-                .map_err(|e| e.to_string())
-        });
-    converted.unwrap_or_else(|e| json!({ "error": format!("cannot show {full_name}: {e}") }))
+    muster_proto::json::page(full_name, message)
+        .unwrap_or_else(|e| json!({ "error": format!("cannot show {full_name}: {e}") }))
 }
 
 /// Serves the page and its JSON on `listener` until the task is dropped or aborted (as the
@@ -166,8 +141,8 @@ mod tests {
     #[test]
     fn zeros_and_enums_are_written_by_name() {
         let rank = pb::RankInfo {
-            rank: 0,
-            node_rank: 0,
+            rank: Some(0),
+            node_rank: Some(0),
             state: pb::RankState::Waiting as i32,
             last_seen_ms_ago: 1500,
             activity: "waiting at global barrier #1 'step'".into(),

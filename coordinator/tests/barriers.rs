@@ -94,7 +94,7 @@ async fn a_dead_rank_fails_every_waiting_barrier_within_two_seconds_naming_it() 
     }
     let d = describe(&s.channel, "dead").await;
     assert_eq!(d.summary.unwrap().state, pb::RoundState::Failed as i32);
-    assert_eq!(d.failure.unwrap().rank, 3);
+    assert_eq!(d.failure.unwrap().rank, Some(3));
 }
 
 #[tokio::test]
@@ -153,7 +153,7 @@ async fn timeout_lists_missing_ranks_and_hosts_and_allows_retry() {
     r[1].enter(Global, "b", 0).await;
     let e = r[0].result().await.unwrap();
     assert_eq!(e.kind, Kind::Timeout as i32);
-    let missing: Vec<u32> = e.missing.iter().map(|m| m.rank).collect();
+    let missing: Vec<u32> = e.missing.iter().map(pb::RankLocation::rank).collect();
     assert_eq!(missing, [2, 3]);
     assert!(
         e.message.contains("2 (node 1, host host-n1)"),
@@ -250,7 +250,7 @@ async fn ops_view_shows_who_waits_where_and_who_is_missing() {
     let b = &d.barriers[0];
     assert_eq!(b.names[0].name, "ckpt.rs:7");
     assert_eq!(b.names[0].ranks, [0]);
-    assert_eq!(b.missing[0].rank, 1);
+    assert_eq!(b.missing[0].rank, Some(1));
     assert_eq!(b.missing[0].host, "host-n1");
     let jobs = pb::ops_client::OpsClient::new(s.channel.clone())
         .list_jobs(pb::ListJobsRequest {})

@@ -267,7 +267,7 @@ async fn describe_says_what_each_missing_rank_is_doing() {
         .unwrap();
     assert_eq!(step.missing_detail.len(), 1);
     let m = &step.missing_detail[0];
-    assert_eq!(m.rank, 2);
+    assert_eq!(m.rank, Some(2));
     assert_eq!(m.state, pb::RankState::Waiting as i32);
     assert_eq!((m.last_seq, m.last_barrier.as_str()), (1, "init"));
     assert!(
@@ -289,7 +289,7 @@ async fn describe_says_what_each_missing_rank_is_doing() {
         ckpt.missing_detail
     );
     let r2 = &d.ranks[2];
-    assert_eq!((r2.local_rank, r2.restart_count), (2, 0));
+    assert_eq!((r2.local_rank, r2.restart_count), (Some(2), 0));
     assert_eq!(r2.last_barrier, "ckpt");
     assert_eq!(r2.pid, 1002);
     // A rank that goes away shows as failed, with why.

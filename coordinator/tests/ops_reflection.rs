@@ -256,8 +256,16 @@ jobs = call("ListJobs")
 print("jobs:", " ".join(j.job_id for j in jobs.jobs))
 assert job in [j.job_id for j in jobs.jobs]
 d = call("DescribeJob", job_id=job)
-print("describe:", json_format.MessageToJson(d, indent=None))
+text = json_format.MessageToJson(d, indent=None)
+print("describe:", text)
 assert d.summary.job_id == job and len(d.ranks) == 2
+# JSON as grpcurl prints it drops zero scalars; ranks are `optional` so that rank 0 and
+# node rank 0 still show.
+import json
+view = json.loads(text)
+first = min(view["ranks"], key=lambda r: r.get("rank", -1))
+assert first["rank"] == 0 and first["nodeRank"] == 0 and first["localRank"] == 0, first
+assert any(n["nodeRank"] == 0 for n in view["nodes"]), view["nodes"]
 try:
     call("DrainNode", job_id="ghost", node_rank=0)
     raise SystemExit("DrainNode of an unknown job succeeded")

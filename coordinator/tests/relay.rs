@@ -110,7 +110,10 @@ async fn a_group_timeout_withdraws_the_group_which_may_retry() {
     relay.enter(1, &[("b", &[0, 1])], 200).await;
     let e = relay.result(1).await.unwrap();
     assert_eq!(e.kind, Kind::Timeout as i32);
-    assert_eq!(e.missing.iter().map(|m| m.rank).collect::<Vec<_>>(), [2, 3]);
+    assert_eq!(
+        e.missing.iter().map(|m| m.rank()).collect::<Vec<_>>(),
+        [2, 3]
+    );
     assert!(e.message.contains("ranks 0..=1 (node 0)"), "{}", e.message);
     relay.enter(1, &[("b", &[0, 1])], 0).await;
     for r in ranks.iter_mut().skip(2) {
@@ -163,15 +166,15 @@ async fn waits_a_relay_holds_show_in_the_ops_view_until_cleared() {
     let relay = RawRelay::attach(&s.channel, "held", 1, 1).await.unwrap();
     let held = pb::BarrierInfo {
         scope: pb::BarrierScope::Node as i32,
-        node_rank: 1,
+        node_rank: Some(1),
         seq: 4,
         names: vec![pb::BarrierName {
             name: "eval.rs:12".into(),
             ranks: vec![2, 0],
         }],
         missing: vec![pb::RankLocation {
-            rank: 3,
-            node_rank: 1,
+            rank: Some(3),
+            node_rank: Some(1),
             host: "host-n1".into(),
         }],
         waiting_ms: 1500,
@@ -189,15 +192,15 @@ async fn waits_a_relay_holds_show_in_the_ops_view_until_cleared() {
     let b = &d.barriers[0];
     assert_eq!(
         (b.scope, b.node_rank, b.seq),
-        (pb::BarrierScope::Node as i32, 1, 4)
+        (pb::BarrierScope::Node as i32, Some(1), 4)
     );
     assert_eq!(
         b.names[0].ranks,
         [2],
         "rank 0 is not on node 1 and must be dropped"
     );
-    assert_eq!(b.missing[0].rank, 3);
-    assert_eq!(b.missing_detail[0].rank, 3);
+    assert_eq!(b.missing[0].rank, Some(3));
+    assert_eq!(b.missing_detail[0].rank, Some(3));
     assert!(
         b.missing_detail[0]
             .activity

@@ -87,7 +87,10 @@ async fn failures_restart_the_job_until_the_budget_is_spent() {
             assert_eq!(e.cause, Cause::Failed as i32);
             assert_eq!(e.rejoin, attempt < 2, "{e:?}");
             let f = e.failure.unwrap();
-            assert_eq!((f.rank, f.node_rank, f.exit_code), (1, 1, Some(7)));
+            assert_eq!(
+                (f.rank, f.node_rank, f.exit_code),
+                (Some(1), Some(1), Some(7))
+            );
             assert_eq!(f.error_message, "ValueError: boom");
             assert!(f.stderr_tail.ends_with("ValueError: boom"));
             assert_eq!(f.generation, generation);
@@ -193,7 +196,7 @@ async fn a_late_watcher_hears_the_end_at_once_and_strangers_are_refused() {
         .unwrap();
     let e = w.ended().await;
     assert!(e.rejoin);
-    assert_eq!(e.failure.unwrap().rank, 0);
+    assert_eq!(e.failure.unwrap().rank, Some(0));
 }
 
 #[tokio::test]
@@ -213,7 +216,7 @@ async fn a_dropped_watch_fails_the_generation_naming_the_node() {
     assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     assert!(!e.rejoin);
     let f = e.failure.unwrap();
-    assert_eq!((f.node_rank, f.node_id.as_str()), (1, "n1"));
+    assert_eq!((f.node_rank, f.node_id.as_str()), (Some(1), "n1"));
     assert!(
         f.reason.contains("node 1") && f.reason.contains("disconnected"),
         "{}",
@@ -264,7 +267,7 @@ async fn a_silent_node_is_declared_dead_after_the_heartbeat_timeout() {
         waited >= Duration::from_millis(500) && waited < Duration::from_secs(3),
         "{waited:?}"
     );
-    assert_eq!(f.node_rank, 1, "{f:?}");
+    assert_eq!(f.node_rank, Some(1), "{f:?}");
     assert!(f.reason.contains("no heartbeat"), "{}", f.reason);
 }
 

@@ -395,7 +395,7 @@ impl<A, B> Barrier<A, B> {
     ) -> pb::BarrierInfo {
         pb::BarrierInfo {
             scope: self.key.scope.to_wire(),
-            node_rank: self.key.node_rank,
+            node_rank: (self.key.scope == Scope::Node).then_some(self.key.node_rank),
             seq: self.key.seq,
             names: self.groups(),
             missing: self.missing(locate),
@@ -520,13 +520,13 @@ pub fn left_error(
         kind: ErrKind::RankLeft as i32,
         message: format!(
             "rank {} (node {}, host {}) has left job '{job}' generation {generation} before reaching {}; the barrier can never complete",
-            loc.rank,
-            loc.node_rank,
+            loc.rank(),
+            loc.node_rank(),
             loc.host,
             key.describe()
         ),
-        rank: loc.rank,
-        node_rank: loc.node_rank,
+        rank: loc.rank(),
+        node_rank: loc.node_rank(),
         host: loc.host,
         missing: vec![],
     }

@@ -63,8 +63,8 @@ impl Failure {
     /// The failure as the job record and the ops view carry it.
     pub fn to_info(&self, generation: u64) -> pb::FailureInfo {
         pb::FailureInfo {
-            rank: self.rank,
-            node_rank: self.node_rank,
+            rank: Some(self.rank),
+            node_rank: Some(self.node_rank),
             host: self.host.clone(),
             reason: self.reason.clone(),
             generation,

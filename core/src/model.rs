@@ -216,7 +216,7 @@ pub fn list_ranks(ranks: &[muster_proto::v1::RankLocation]) -> String {
         if i > 0 {
             s.push_str(", ");
         }
-        let _ = write!(s, "{} (node {}, host {})", r.rank, r.node_rank, r.host);
+        let _ = write!(s, "{} (node {}, host {})", r.rank(), r.node_rank(), r.host);
     }
     s
 }

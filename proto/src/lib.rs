@@ -1,7 +1,8 @@
 //! muster's wire API: the `muster.v1` messages and services, generated from `proto/` at build
 //! time. Clients and servers sit behind the `client` and `server` features so that the worker
 //! SDK never compiles server code. Keep this crate slim: no logic beyond what prost generates,
-//! except [`security`], what both clients (SDK and agent) must present identically.
+//! except [`security`], what both clients (SDK and agent) must present identically, and
+//! [`json`] (feature `json`), the one JSON rendering of wire messages operators read.
 
 /// The `muster.v1` package: messages, `*_client` and `*_server` modules.
 #[allow(missing_docs, clippy::all, clippy::pedantic, rust_2018_idioms)]
@@ -10,6 +11,9 @@ pub mod v1 {
 }
 
 pub mod security;
+
+#[cfg(feature = "json")]
+pub mod json;
 
 /// The encoded `FileDescriptorSet` of `muster.v1`, for gRPC server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] =

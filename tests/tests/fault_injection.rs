@@ -536,10 +536,10 @@ async fn describe(replica: usize, addr: &str, job: &str) -> Result<Observation, 
         done: summary.done,
         restart_count: summary.restart_count.max(answer.restart_count),
         max_restarts: summary.max_restarts,
-        ranks: answer.ranks.iter().map(|r| r.rank).collect(),
+        ranks: answer.ranks.iter().map(pb::RankInfo::rank).collect(),
         failure: answer
             .failure
-            .map(|f| format!("rank {} node {}: {}", f.rank, f.node_rank, f.reason)),
+            .map(|f| format!("rank {} node {}: {}", f.rank(), f.node_rank(), f.reason)),
     })
 }
 

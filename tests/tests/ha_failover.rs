@@ -453,7 +453,7 @@ async fn check_intact(
     let mut nodes: Vec<(u32, u32, u32)> = described
         .nodes
         .iter()
-        .map(|n| (n.node_rank, n.rank_offset, n.local_world_size))
+        .map(|n| (n.node_rank(), n.rank_offset, n.local_world_size))
         .collect();
     nodes.sort_unstable();
     let expected: Vec<(u32, u32, u32)> = job
@@ -462,7 +462,7 @@ async fn check_intact(
         .map(|a| (a.node_rank, a.rank_offset, a.local_world_size))
         .collect();
     assert_eq!(nodes, expected, "the nodes' places changed");
-    let mut ranks: Vec<u32> = described.ranks.iter().map(|r| r.rank).collect();
+    let mut ranks: Vec<u32> = described.ranks.iter().map(pb::RankInfo::rank).collect();
     ranks.sort_unstable();
     assert_eq!(
         ranks,
@@ -474,19 +474,26 @@ async fn check_intact(
         let node = job
             .answers
             .iter()
-            .find(|a| (a.rank_offset..a.rank_offset + a.local_world_size).contains(&r.rank))
+            .find(|a| (a.rank_offset..a.rank_offset + a.local_world_size).contains(&r.rank()))
             .unwrap();
-        assert_eq!(r.node_rank, node.node_rank, "rank {} moved: {r:?}", r.rank);
+        assert_eq!(
+            r.node_rank(),
+            node.node_rank,
+            "rank {} moved: {r:?}",
+            r.rank()
+        );
         assert_eq!(
             r.state,
             pb::RankState::Running as i32,
             "rank {} is not running: {r:?}",
-            r.rank
+            r.rank()
         );
         assert_eq!(
-            r.global_seq, barriers,
+            r.global_seq,
+            barriers,
             "rank {} entered {} global barriers at the coordinator, not {barriers}",
-            r.rank, r.global_seq
+            r.rank(),
+            r.global_seq
         );
     }
     // Key-value data: every rank's key holds the last seq it set.

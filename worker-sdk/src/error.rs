@@ -243,8 +243,8 @@ impl fmt::Display for RankLocation {
 impl From<pb::RankLocation> for RankLocation {
     fn from(location: pb::RankLocation) -> Self {
         Self {
-            rank: location.rank,
-            node_rank: location.node_rank,
+            rank: location.rank(),
+            node_rank: location.node_rank(),
             host: location.host,
         }
     }
@@ -413,8 +413,8 @@ mod tests {
 
     fn location(rank: u32) -> pb::RankLocation {
         pb::RankLocation {
-            rank,
-            node_rank: rank / 2,
+            rank: Some(rank),
+            node_rank: Some(rank / 2),
             host: format!("host-{}", rank / 2),
         }
     }

@@ -20,6 +20,8 @@ pub enum Request {
     Status(StatusArgs),
     /// `cancel`.
     Cancel(CancelArgs),
+    /// `describe` (describe.rs).
+    Describe(crate::describe::DescribeArgs),
 }
 
 /// `muster-agent serve`.

@@ -24,7 +24,10 @@ pub(super) fn report_root_cause(job: &str, f: &pb::FailureInfo) {
     let message = if f.error_message.is_empty() {
         format!(
             "rank {} (node {}, host {}) {}",
-            f.rank, f.node_rank, f.host, f.reason
+            f.rank(),
+            f.node_rank(),
+            f.host,
+            f.reason
         )
     } else {
         f.error_message.clone()
@@ -60,7 +63,10 @@ fn root_cause(job: &str, f: &pb::FailureInfo) -> String {
     let mut text = if f.node_id.is_empty() {
         format!(
             "muster-agent: job {job} failed: rank {} (node {}, host {}) {}\n",
-            f.rank, f.node_rank, f.host, f.reason
+            f.rank(),
+            f.node_rank(),
+            f.host,
+            f.reason
         )
     } else {
         format!("muster-agent: job {job} failed: {}\n", f.reason)
@@ -69,7 +75,7 @@ fn root_cause(job: &str, f: &pb::FailureInfo) -> String {
         let _ = writeln!(text, "muster-agent: error: {}", f.error_message.trim_end());
     }
     if !f.error_traceback.is_empty() {
-        let _ = writeln!(text, "muster-agent: traceback of rank {}:", f.rank);
+        let _ = writeln!(text, "muster-agent: traceback of rank {}:", f.rank());
         for line in f.error_traceback.lines() {
             let _ = writeln!(text, "    {line}");
         }
@@ -79,10 +85,14 @@ fn root_cause(job: &str, f: &pb::FailureInfo) -> String {
             let _ = writeln!(
                 text,
                 "muster-agent: rank {} wrote nothing to stderr",
-                f.rank
+                f.rank()
             );
         } else {
-            let _ = writeln!(text, "muster-agent: last stderr lines of rank {}:", f.rank);
+            let _ = writeln!(
+                text,
+                "muster-agent: last stderr lines of rank {}:",
+                f.rank()
+            );
             for line in f.stderr_tail.lines() {
                 let _ = writeln!(text, "    {line}");
             }
@@ -113,7 +123,11 @@ pub(super) fn rejoin_message(job: &str, v: &pb::GenerationEnded) -> String {
     let what = if f.node_id.is_empty() {
         format!(
             "rank {} (node {}, host {}) of generation {} {}",
-            f.rank, f.node_rank, f.host, f.generation, f.reason
+            f.rank(),
+            f.node_rank(),
+            f.host,
+            f.generation,
+            f.reason
         )
     } else {
         f.reason.clone()
@@ -131,7 +145,11 @@ pub(super) fn rejoin_message(job: &str, v: &pb::GenerationEnded) -> String {
         }
     }
     if f.node_id.is_empty() && !f.stderr_tail.is_empty() {
-        let _ = writeln!(text, "muster-agent: last stderr lines of rank {}:", f.rank);
+        let _ = writeln!(
+            text,
+            "muster-agent: last stderr lines of rank {}:",
+            f.rank()
+        );
         for line in f.stderr_tail.lines() {
             let _ = writeln!(text, "    {line}");
         }
@@ -147,8 +165,8 @@ mod tests {
     #[test]
     fn summaries() {
         let info = |tail: &str, err: &str| pb::FailureInfo {
-            rank: 5,
-            node_rank: 1,
+            rank: Some(5),
+            node_rank: Some(1),
             host: "h1".into(),
             reason: "exited with status 3".into(),
             stderr_tail: tail.into(),
@@ -191,8 +209,8 @@ mod tests {
             }
         };
         let failed = pb::FailureInfo {
-            rank: 3,
-            node_rank: 1,
+            rank: Some(3),
+            node_rank: Some(1),
             host: "h1".into(),
             reason: "exited with status 3".into(),
             generation: 2,

@@ -319,8 +319,8 @@ impl<'a> Supervisor<'a> {
             None => (String::new(), String::new()),
         };
         pb::FailureInfo {
-            rank: exit.rank,
-            node_rank: self.node.node_rank,
+            rank: Some(exit.rank),
+            node_rank: Some(self.node.node_rank),
             host: self.node.host.clone(),
             reason: exit.reason(),
             generation: self.node.generation,

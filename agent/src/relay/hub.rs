@@ -510,7 +510,7 @@ impl Hub {
                 let waited = now.saturating_duration_since(first);
                 (waited >= older_than).then(|| pb::BarrierInfo {
                     // A global barrier is reported as this node's part of it.
-                    node_rank: self.node_rank,
+                    node_rank: Some(self.node_rank),
                     ..b.info(waited, |r| self.location(r))
                 })
             })
@@ -679,8 +679,8 @@ impl Hub {
     /// Where (global) rank `rank` of this node runs.
     fn location(&self, rank: u32) -> pb::RankLocation {
         pb::RankLocation {
-            rank,
-            node_rank: self.node_rank,
+            rank: Some(rank),
+            node_rank: Some(self.node_rank),
             host: self.slots[(rank - self.offset) as usize].host.clone(),
         }
     }

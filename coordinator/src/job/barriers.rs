@@ -329,7 +329,7 @@ impl Job {
         };
         let local = node.rank_offset..node.rank_offset + node.local_world_size;
         for b in &mut barriers {
-            b.node_rank = node_rank;
+            b.node_rank = Some(node_rank);
             for n in &mut b.names {
                 n.ranks.retain(|r| local.contains(r));
             }

@@ -54,7 +54,7 @@ impl Job {
         let loc = g.location(rank);
         let failure = Failure {
             rank,
-            node_rank: loc.node_rank,
+            node_rank: loc.node_rank(),
             host: loc.host,
             reason,
             precise,

@@ -128,8 +128,8 @@ impl Gen {
             slot.host.clone()
         };
         pb::RankLocation {
-            rank,
-            node_rank: slot.node_rank,
+            rank: Some(rank),
+            node_rank: Some(slot.node_rank),
             host,
         }
     }

@@ -198,7 +198,7 @@ impl Job {
             g.ranks[r].state = RankState::Failed;
             Failure {
                 rank: r as u32,
-                node_rank: loc.node_rank,
+                node_rank: loc.node_rank(),
                 host: loc.host,
                 reason: format!(
                     "its session did not re-attach within {:.1}s after the coordinator failover (process gone or cannot reach the new leader)",

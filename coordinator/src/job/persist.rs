@@ -126,8 +126,8 @@ impl Gen {
             }
         }
         let failure = r.failure.as_ref().map(|f| Failure {
-            rank: f.rank,
-            node_rank: f.node_rank,
+            rank: f.rank(),
+            node_rank: f.node_rank(),
             host: f.host.clone(),
             reason: f.reason.clone(),
             precise: true,

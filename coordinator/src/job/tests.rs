@@ -174,7 +174,7 @@ async fn a_job_restored_finished_expects_no_reattach() {
     let half = Job::restore(&job.record(&job.lock()), 0, &ctx()).unwrap();
     half.check_reattached(Duration::from_secs(10));
     let f = half.describe().failure.unwrap();
-    assert_eq!(f.node_rank, 1, "{f:?}");
+    assert_eq!(f.node_rank, Some(1), "{f:?}");
     assert!(f.reason.contains("did not re-attach"), "{f:?}");
 
     job.node_finished(1, 1).await;

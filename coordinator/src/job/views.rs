@@ -120,7 +120,7 @@ impl Job {
                     .iter()
                     .map(|j| pb::NodeInfo {
                         node_id: j.req.node_id.clone(),
-                        node_rank: j.req.requested.unwrap_or(u32::MAX),
+                        node_rank: j.req.requested,
                         host: j.req.host.clone(),
                         local_world_size: j.req.local_world_size,
                         rank_offset: 0,
@@ -152,7 +152,7 @@ impl Job {
                         };
                         pb::NodeInfo {
                             node_id: n.node_id.clone(),
-                            node_rank: i as u32,
+                            node_rank: Some(i as u32),
                             host: n.host.clone(),
                             local_world_size: n.local_world_size,
                             rank_offset: n.rank_offset,
@@ -195,15 +195,15 @@ impl Job {
                             state = pb::RankState::Waiting;
                         }
                         pb::RankInfo {
-                            rank: r,
-                            node_rank: s.node_rank,
+                            rank: Some(r),
+                            node_rank: Some(s.node_rank),
                             host: g.location(r).host,
                             pid: s.pid,
                             state: state as i32,
                             last_seen_ms_ago: ms_since(now, s.last_seen),
                             global_seq: s.place.seq[0],
                             node_seq: s.place.seq[1],
-                            local_rank: r - node.rank_offset,
+                            local_rank: Some(r - node.rank_offset),
                             restart_count: restarts,
                             last_barrier: s
                                 .last_scope
@@ -248,8 +248,8 @@ impl Job {
                         .missing
                         .iter()
                         .filter_map(|m| {
-                            let s = g.ranks.get(m.rank as usize)?;
-                            let info = &resp.ranks[m.rank as usize];
+                            let s = g.ranks.get(m.rank() as usize)?;
+                            let info = &resp.ranks[m.rank() as usize];
                             Some(pb::MissingRank {
                                 rank: m.rank,
                                 node_rank: m.node_rank,

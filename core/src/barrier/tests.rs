@@ -8,8 +8,8 @@ const RANKS: Range<u32> = 4..7;
 
 fn locate(rank: u32) -> pb::RankLocation {
     pb::RankLocation {
-        rank,
-        node_rank: 1,
+        rank: Some(rank),
+        node_rank: Some(1),
         host: "host-b".into(),
     }
 }
@@ -25,7 +25,7 @@ fn describe(error: Option<&pb::BarrierError>) -> String {
     let missing = if e.missing.is_empty() {
         String::new()
     } else {
-        let ranks: Vec<String> = e.missing.iter().map(|m| m.rank.to_string()).collect();
+        let ranks: Vec<String> = e.missing.iter().map(|m| m.rank().to_string()).collect();
         format!(" [missing {}]", ranks.join(","))
     };
     format!("{kind}{missing}: {}", e.message)
@@ -358,7 +358,11 @@ fn groups_arrive_together_and_withdraw_by_their_data() {
     assert_eq!(out.iter().map(Arrival::rank).collect::<Vec<_>>(), [3, 4, 5]);
     // Unlike the relay, the coordinator keeps a withdrawn group's name.
     assert_eq!(b.names().len(), 2);
-    let missing: Vec<u32> = b.missing(locate).iter().map(|m| m.rank).collect();
+    let missing: Vec<u32> = b
+        .missing(locate)
+        .iter()
+        .map(pb::RankLocation::rank)
+        .collect();
     assert_eq!(missing, [1, 2, 3, 4, 5]);
     let info = b.info(Duration::from_millis(20), locate);
     assert_eq!((info.seq, info.waiting_ms, info.missing.len()), (1, 20, 5));
@@ -463,7 +467,11 @@ fn missing_ranks_of_a_large_world_are_listed_in_order() {
     for r in (0..100_000).rev().filter(|r| r % 1000 != 7) {
         b.arrive(r, "g".into(), now, ());
     }
-    let missing: Vec<u32> = b.missing(locate).iter().map(|m| m.rank).collect();
+    let missing: Vec<u32> = b
+        .missing(locate)
+        .iter()
+        .map(pb::RankLocation::rank)
+        .collect();
     assert_eq!(missing.len(), 100);
     assert!(missing.windows(2).all(|w| w[0] < w[1]) && missing[0] == 7);
 }

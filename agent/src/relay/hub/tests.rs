@@ -57,7 +57,7 @@ fn describe(error: Option<&pb::BarrierError>) -> String {
     let missing = if e.missing.is_empty() {
         String::new()
     } else {
-        let ranks: Vec<String> = e.missing.iter().map(|m| m.rank.to_string()).collect();
+        let ranks: Vec<String> = e.missing.iter().map(|m| m.rank().to_string()).collect();
         format!(" [missing {}]", ranks.join(","))
     };
     format!("{kind}{missing}: {}", e.message)
@@ -652,12 +652,15 @@ fn held_waits_are_reported_once_old_enough_and_sent_ones_are_not() {
     let b = &report[0];
     assert_eq!(
         (b.scope, b.node_rank, b.seq),
-        (pb::BarrierScope::Node as i32, 1, 1)
+        (pb::BarrierScope::Node as i32, Some(1), 1)
     );
     assert_eq!(b.names[0].name, "train.rs:9");
     assert_eq!(b.names[0].ranks, [OFFSET, OFFSET + 1]);
     assert_eq!(
-        b.missing.iter().map(|m| m.rank).collect::<Vec<_>>(),
+        b.missing
+            .iter()
+            .map(pb::RankLocation::rank)
+            .collect::<Vec<_>>(),
         [OFFSET + 2]
     );
     assert_eq!(b.waiting_ms, 1500);

@@ -1,0 +1,681 @@
+//! `muster-agent describe JOB`: the hang view in the terminal. One `Ops.DescribeJob` call,
+//! printed for a person in a hurry: the job's state first, then each pending barrier with who
+//! arrived, who is missing and what each missing rank is doing instead (activity, pid, node,
+//! host, for how long), then the nodes and ranks as compact tables and the last failure.
+//! `--watch [SECONDS]` redraws it in place, as `watch(1)` does, until the job is over or
+//! Ctrl-C. The rendering ([`render`]) is a pure function of the reply, so that it is tested
+//! without a coordinator.
+
+use crate::daemon::{connect, describe as describe_job};
+use crate::security::SecurityArgs;
+use clap::Args;
+use muster_proto::v1 as pb;
+use std::fmt::Write as _;
+use std::time::Duration;
+
+/// `muster-agent describe`.
+#[derive(Debug, Clone, Args)]
+pub struct DescribeArgs {
+    /// The coordinator's HOST:PORT, or its replicas' as a comma-separated list.
+    #[arg(long, value_name = "HOST:PORT[,HOST:PORT...]")]
+    pub coordinator: String,
+    /// The job to describe.
+    pub job_id: String,
+    /// Redraw every SECONDS (default 2) until the job is over or Ctrl-C. Give the job first
+    /// (`describe JOB --watch`) or the interval with `=` (`--watch=5 JOB`).
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        num_args = 0..=1,
+        default_missing_value = "2",
+        value_parser = watch_interval
+    )]
+    pub watch: Option<Duration>,
+    /// Print the DescribeJob reply as JSON instead, one line per refresh, in proto3's JSON
+    /// mapping as grpcurl prints it (zero values left out; ranks always shown).
+    #[arg(long)]
+    pub json: bool,
+    /// TLS and the cluster token.
+    #[command(flatten)]
+    pub security: SecurityArgs,
+}
+
+/// `--watch`'s value: seconds, at least 0.1 (a tighter loop only loads the coordinator).
+fn watch_interval(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s
+        .parse()
+        .map_err(|_| format!("'{s}' is not a number of seconds (as 2 or 0.5)"))?;
+    if !secs.is_finite() || !(0.1..=86_400.0).contains(&secs) {
+        return Err(format!("'{s}' is out of range: 0.1 to 86400 seconds"));
+    }
+    Ok(Duration::from_secs_f64(secs))
+}
+
+/// What `watch(1)` sends before each frame: cursor home, clear the screen.
+pub const CLEAR: &str = "\x1b[H\x1b[2J";
+
+/// Runs `describe`; returns the exit status (0 shown; with `--watch`, 0 when the job finished
+/// or on Ctrl-C, 1 when it ended failed or cancelled), or a one-line error.
+pub async fn run(args: DescribeArgs) -> Result<u8, String> {
+    let coordinators = connect(&args.coordinator, &args.security).await?;
+    let fetch = || async {
+        describe_job(&coordinators, &args.job_id, None)
+            .await
+            .map_err(|s| match s.code() {
+                tonic::Code::NotFound => format!(
+                    "job '{}' is not known to the coordinator at {}: {}",
+                    args.job_id,
+                    coordinators.current(),
+                    s.message()
+                ),
+                _ => format!(
+                    "cannot describe job '{}': {}",
+                    args.job_id,
+                    crate::security::explain(&s)
+                ),
+            })
+    };
+    let show = |d: &pb::DescribeJobResponse| -> Result<String, String> {
+        Ok(if args.json {
+            format!("{}\n", json(d)?)
+        } else {
+            render(d)
+        })
+    };
+    let Some(every) = args.watch else {
+        print!("{}", show(&fetch().await?)?);
+        return Ok(0);
+    };
+    // Registered now, before the first frame: a Ctrl-C right after it is not lost.
+    let mut ctrl_c = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())
+        .map_err(|e| format!("cannot watch for Ctrl-C: {e}"))?;
+    loop {
+        // A call may wait out a coordinator failover: Ctrl-C must not wait for it.
+        let d = tokio::select! {
+            d = fetch() => d?,
+            _ = ctrl_c.recv() => return Ok(0),
+        };
+        if args.json {
+            print!("{}", show(&d)?);
+        } else {
+            print!(
+                "{CLEAR}Every {:.1}s: muster-agent describe {}    {}\n\n{}",
+                every.as_secs_f64(),
+                args.job_id,
+                clock(),
+                render(&d)
+            );
+        }
+        // Each frame whole, even into a pipe.
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+        let summary = d.summary.unwrap_or_default();
+        if summary.state == pb::RoundState::Finished as i32 {
+            return Ok(0);
+        }
+        if summary.done {
+            return Ok(1);
+        }
+        tokio::select! {
+            () = tokio::time::sleep(every) => {}
+            _ = ctrl_c.recv() => return Ok(0),
+        }
+    }
+}
+
+/// `d` in proto3's JSON mapping, on one line, read through `muster.v1`'s descriptor set (the
+/// one gRPC reflection serves), so that it is what grpcurl would print for the same reply.
+pub fn json(d: &pb::DescribeJobResponse) -> Result<String, String> {
+    muster_proto::json::grpcurl("muster.v1.DescribeJobResponse", d)
+}
+
+/// The time of day (UTC) for the watch header, as `watch(1)` shows one.
+fn clock() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let day = secs % 86_400;
+    format!(
+        "{:02}:{:02}:{:02} UTC",
+        day / 3600,
+        (day / 60) % 60,
+        day % 60
+    )
+}
+
+/// An optional rank for people: the number, or `?` when the coordinator did not say (a joiner
+/// that asked for no node rank).
+pub fn or_none(rank: Option<u32>) -> String {
+    rank.map_or_else(|| "?".to_owned(), |r| r.to_string())
+}
+
+/// A wire enum's name without its prefix, in lower case (`RANK_STATE_WAITING` -> `waiting`).
+fn enum_word(name: &str, prefix: &str) -> String {
+    name.trim_start_matches(prefix).to_lowercase()
+}
+
+/// Milliseconds as a person reads them: `850 ms`, `12.3 s`, `4 min 05 s`, `2 h 03 min`.
+pub fn ago(ms: u64) -> String {
+    match ms {
+        0..1_000 => format!("{ms} ms"),
+        1_000..60_000 => format!("{:.1} s", ms as f64 / 1000.0),
+        60_000..3_600_000 => format!("{} min {:02} s", ms / 60_000, (ms / 1000) % 60),
+        _ => format!("{} h {:02} min", ms / 3_600_000, (ms / 60_000) % 60),
+    }
+}
+
+/// Ranks as short ranges: `0-3,5,7-8`.
+pub fn ranges(ranks: &[u32]) -> String {
+    let mut sorted = ranks.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut out: Vec<String> = vec![];
+    let mut i = 0;
+    while i < sorted.len() {
+        let start = sorted[i];
+        let mut end = start;
+        while i + 1 < sorted.len() && sorted[i + 1] == end + 1 {
+            i += 1;
+            end = sorted[i];
+        }
+        out.push(if start == end {
+            start.to_string()
+        } else {
+            format!("{start}-{end}")
+        });
+        i += 1;
+    }
+    out.join(",")
+}
+
+/// Rows as columns padded to their widest cell, indented by two spaces; the last column is
+/// not padded (it holds free text).
+fn table(header: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: &mut dyn Iterator<Item = &str>| {
+        let mut s = String::new();
+        for (i, cell) in cells.enumerate() {
+            if i + 1 == widths.len() {
+                let _ = write!(s, "  {cell}");
+            } else {
+                let _ = write!(s, "  {cell:<w$}", w = widths[i]);
+            }
+        }
+        s.trim_end().to_owned() + "\n"
+    };
+    let mut out = line(&mut header.iter().copied());
+    for row in rows {
+        out.push_str(&line(&mut row.iter().map(String::as_str)));
+    }
+    out
+}
+
+/// At most this many rank rows; beyond it only the ranks that are not simply running are
+/// listed (a thousand healthy rows would hide the one that matters).
+const RANK_ROWS: usize = 64;
+
+/// The whole view of one DescribeJob reply, ending with a newline.
+pub fn render(d: &pb::DescribeJobResponse) -> String {
+    let s = d.summary.clone().unwrap_or_default();
+    let mut out = String::new();
+    let state = enum_word(
+        pb::RoundState::try_from(s.state)
+            .unwrap_or_default()
+            .as_str_name(),
+        "ROUND_STATE_",
+    );
+    let _ = write!(
+        out,
+        "job {}: {state}{}, generation {}, {} nodes, {} ranks, restarts {}/{}",
+        s.job_id,
+        if s.done { " (over)" } else { "" },
+        s.generation,
+        s.num_nodes,
+        s.world_size,
+        s.restart_count,
+        s.max_restarts
+    );
+    if s.state == pb::RoundState::Open as i32 {
+        let _ = write!(out, ", {} nodes waiting to start", s.nodes_waiting);
+    }
+    out.push('\n');
+
+    let rank_info = |r: u32| d.ranks.iter().find(|i| i.rank() == r);
+    let node_info = |n: u32| d.nodes.iter().find(|i| i.node_rank == Some(n));
+    if !d.barriers.is_empty() {
+        out.push('\n');
+    }
+    for b in &d.barriers {
+        let node_scope = b.scope == pb::BarrierScope::Node as i32;
+        let names: Vec<&str> = b.names.iter().map(|n| n.name.as_str()).collect();
+        let arrived: Vec<u32> = b.names.iter().flat_map(|n| n.ranks.clone()).collect();
+        let total = arrived.len() + b.missing.len();
+        let what = match (node_scope, b.node_rank) {
+            (true, n) => format!("node {} barrier", or_none(n)),
+            // A global barrier as one node's relay holds it: that node's part only.
+            (false, Some(n)) => format!("global barrier (node {n}'s part)"),
+            (false, None) => "global barrier".to_owned(),
+        };
+        let _ = writeln!(
+            out,
+            "WAITING {what} #{} '{}' for {}: {} of {total} arrived ({}), {} missing",
+            b.seq,
+            names.join("' / '"),
+            ago(b.waiting_ms),
+            arrived.len(),
+            if arrived.is_empty() {
+                "none".to_owned()
+            } else {
+                format!("ranks {}", ranges(&arrived))
+            },
+            b.missing.len()
+        );
+        if b.names.len() > 1 {
+            let _ = write!(out, "  DIVERGENCE: ranks entered under different names:");
+            for n in &b.names {
+                let _ = write!(out, " '{}' by ranks {};", n.name, ranges(&n.ranks));
+            }
+            out.pop();
+            out.push('\n');
+        }
+        let detail: Vec<&pb::MissingRank> = b.missing_detail.iter().collect();
+        for m in &b.missing {
+            let r = m.rank();
+            let found = detail.iter().find(|x| x.rank == m.rank);
+            let info = rank_info(r);
+            let node = m.node_rank.and_then(node_info);
+            let pid = info
+                .map(|i| i.pid)
+                .filter(|p| *p > 0)
+                .map_or_else(|| "no pid yet".to_owned(), |p| format!("pid {p}"));
+            let mut place = format!("node {}", or_none(m.node_rank));
+            if let Some(n) = node {
+                let _ = write!(place, " ({})", n.node_id);
+            }
+            let _ = write!(place, ", host {}", m.host);
+            let activity = found
+                .map(|x| x.activity.clone())
+                .or_else(|| info.map(|i| i.activity.clone()))
+                .filter(|a| !a.is_empty())
+                .unwrap_or_else(|| "unknown".to_owned());
+            let _ = writeln!(out, "  missing rank {r} on {place}, {pid}: {activity}");
+        }
+    }
+
+    if !d.nodes.is_empty() {
+        out.push('\n');
+        let rows: Vec<Vec<String>> = d
+            .nodes
+            .iter()
+            .map(|n| {
+                let ranks = if n.local_world_size == 0 {
+                    "-".to_owned()
+                } else if s.state == pb::RoundState::Open as i32 {
+                    format!("{} to come", n.local_world_size)
+                } else {
+                    let last = n.rank_offset + n.local_world_size - 1;
+                    if last == n.rank_offset {
+                        last.to_string()
+                    } else {
+                        format!("{}-{last}", n.rank_offset)
+                    }
+                };
+                let mut host = n.host.clone();
+                if !n.hostname.is_empty() && n.hostname != n.host {
+                    host = format!("{host} ({})", n.hostname);
+                }
+                let mut labels: Vec<String> =
+                    n.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+                labels.sort();
+                vec![
+                    or_none(n.node_rank),
+                    enum_word(
+                        pb::NodeState::try_from(n.state)
+                            .unwrap_or_default()
+                            .as_str_name(),
+                        "NODE_STATE_",
+                    ),
+                    ranks,
+                    n.last_seen_ms_ago.map_or_else(|| "-".to_owned(), ago),
+                    host,
+                    format!("{} {}", n.node_id, labels.join(","))
+                        .trim_end()
+                        .to_owned(),
+                ]
+            })
+            .collect();
+        out.push_str(&table(
+            &["NODE", "STATE", "RANKS", "SEEN", "HOST", "ID"],
+            &rows,
+        ));
+    }
+
+    if !d.ranks.is_empty() {
+        out.push('\n');
+        let plain = |r: &&pb::RankInfo| r.state == pb::RankState::Running as i32;
+        let shown: Vec<&pb::RankInfo> = if d.ranks.len() <= RANK_ROWS {
+            d.ranks.iter().collect()
+        } else {
+            d.ranks
+                .iter()
+                .filter(|r| !plain(r))
+                .take(RANK_ROWS)
+                .collect()
+        };
+        let rows: Vec<Vec<String>> = shown
+            .iter()
+            .map(|r| {
+                vec![
+                    or_none(r.rank),
+                    or_none(r.node_rank),
+                    or_none(r.local_rank),
+                    if r.pid > 0 {
+                        r.pid.to_string()
+                    } else {
+                        "-".to_owned()
+                    },
+                    enum_word(
+                        pb::RankState::try_from(r.state)
+                            .unwrap_or_default()
+                            .as_str_name(),
+                        "RANK_STATE_",
+                    ),
+                    ago(r.last_seen_ms_ago),
+                    r.activity.clone(),
+                ]
+            })
+            .collect();
+        out.push_str(&table(
+            &["RANK", "NODE", "LOCAL", "PID", "STATE", "SEEN", "ACTIVITY"],
+            &rows,
+        ));
+        if shown.len() < d.ranks.len() {
+            let _ = writeln!(
+                out,
+                "  ({} more ranks running, not shown)",
+                d.ranks.len() - shown.len()
+            );
+        }
+    }
+
+    if let Some(f) = &d.failure {
+        out.push('\n');
+        let mut line = format!("FAILED generation {}: ", f.generation);
+        if f.node_id.is_empty() {
+            let _ = write!(
+                line,
+                "rank {} (node {}, host {}) {}",
+                or_none(f.rank),
+                or_none(f.node_rank),
+                f.host,
+                f.reason
+            );
+        } else {
+            line.push_str(&f.reason);
+        }
+        // The agent's reason usually says it already ("exited with status 3"); the coordinator's
+        // own reasons (a lost session) do not.
+        if let Some(c) = f
+            .exit_code
+            .filter(|c| !f.reason.contains(&format!("status {c}")))
+        {
+            let _ = write!(line, "; exit code {c}");
+        }
+        if let Some(sig) = f
+            .signal
+            .filter(|s| !f.reason.contains(&format!("signal {s}")))
+        {
+            let _ = write!(line, "; signal {sig}");
+        }
+        let _ = writeln!(out, "{line}");
+        if !f.error_message.is_empty() {
+            let first = f.error_message.lines().next().unwrap_or_default();
+            let _ = writeln!(out, "  error: {first}");
+        }
+        if let Some(last) = f.stderr_tail.lines().rev().find(|l| !l.trim().is_empty()) {
+            let _ = writeln!(out, "  last stderr line: {}", last.trim_end());
+        }
+    }
+    let mut drained: Vec<_> = d.drained.iter().collect();
+    drained.sort();
+    for (node, why) in drained {
+        let _ = writeln!(out, "drained: node {node}: {why}");
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// A job of two nodes, two ranks each, rank 3 missing from global barrier #2 'step'.
+    fn stuck() -> pb::DescribeJobResponse {
+        let rank = |r: u32, state: pb::RankState, pid: u32, activity: &str| pb::RankInfo {
+            rank: Some(r),
+            node_rank: Some(r / 2),
+            local_rank: Some(r % 2),
+            host: format!("10.0.0.{}", r / 2 + 1),
+            pid,
+            state: state as i32,
+            last_seen_ms_ago: 150,
+            activity: activity.into(),
+            ..Default::default()
+        };
+        let waiting = "waiting at global barrier #2 'step' for 12300 ms";
+        let stuck = "running (last barrier: global #1 'init'; heard 150 ms ago)";
+        pb::DescribeJobResponse {
+            summary: Some(pb::JobSummary {
+                job_id: "train".into(),
+                generation: 2,
+                state: pb::RoundState::Running as i32,
+                num_nodes: 2,
+                world_size: 4,
+                restart_count: 1,
+                max_restarts: 3,
+                ..Default::default()
+            }),
+            nodes: (0..2)
+                .map(|n| pb::NodeInfo {
+                    node_id: format!("agent-{n}"),
+                    node_rank: Some(n),
+                    host: format!("10.0.0.{}", n + 1),
+                    local_world_size: 2,
+                    rank_offset: n * 2,
+                    state: pb::NodeState::Running as i32,
+                    last_seen_ms_ago: Some(40),
+                    ..Default::default()
+                })
+                .collect(),
+            ranks: vec![
+                rank(0, pb::RankState::Waiting, 100, waiting),
+                rank(1, pb::RankState::Waiting, 101, waiting),
+                rank(2, pb::RankState::Waiting, 200, waiting),
+                rank(3, pb::RankState::Running, 201, stuck),
+            ],
+            barriers: vec![pb::BarrierInfo {
+                scope: pb::BarrierScope::Global as i32,
+                node_rank: None,
+                seq: 2,
+                names: vec![pb::BarrierName {
+                    name: "step".into(),
+                    ranks: vec![0, 1, 2],
+                }],
+                missing: vec![pb::RankLocation {
+                    rank: Some(3),
+                    node_rank: Some(1),
+                    host: "10.0.0.2".into(),
+                }],
+                waiting_ms: 12_300,
+                missing_detail: vec![pb::MissingRank {
+                    rank: Some(3),
+                    node_rank: Some(1),
+                    host: "10.0.0.2".into(),
+                    activity: stuck.into(),
+                    ..Default::default()
+                }],
+            }],
+            failure: Some(pb::FailureInfo {
+                rank: Some(0),
+                node_rank: Some(0),
+                host: "10.0.0.1".into(),
+                reason: "exited with status 3".into(),
+                generation: 1,
+                exit_code: Some(3),
+                error_message: "ValueError: boom".into(),
+                ..Default::default()
+            }),
+            restart_count: 1,
+            ..Default::default()
+        }
+    }
+
+    /// The view leads with the state, then the barrier and its missing rank with its node,
+    /// host, pid and activity; then the tables; rank 0 and node 0 are printed as numbers.
+    #[test]
+    fn a_stuck_rank_is_named_with_what_it_does() {
+        let text = render(&stuck());
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines[0],
+            "job train: running, generation 2, 2 nodes, 4 ranks, restarts 1/3"
+        );
+        assert_eq!(
+            lines[2],
+            "WAITING global barrier #2 'step' for 12.3 s: 3 of 4 arrived (ranks 0-2), 1 missing"
+        );
+        assert_eq!(
+            lines[3],
+            "  missing rank 3 on node 1 (agent-1), host 10.0.0.2, pid 201: running (last barrier: global #1 'init'; heard 150 ms ago)"
+        );
+        assert_eq!(lines[5], "  NODE  STATE    RANKS  SEEN   HOST      ID");
+        assert_eq!(lines[6], "  0     running  0-1    40 ms  10.0.0.1  agent-0");
+        assert_eq!(
+            lines[9],
+            "  RANK  NODE  LOCAL  PID  STATE    SEEN    ACTIVITY"
+        );
+        assert!(
+            lines[10].starts_with("  0     0     0      100  waiting  150 ms  waiting at"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "FAILED generation 1: rank 0 (node 0, host 10.0.0.1) exited with status 3\n  error: ValueError: boom\n"
+            ),
+            "{text}"
+        );
+    }
+
+    /// Ranks that diverged on a barrier's name are called out; a rank without a session shows
+    /// no pid; a joiner without a node rank shows `?`.
+    #[test]
+    fn divergence_and_unknowns_are_spelled_out() {
+        let mut d = stuck();
+        let b = &mut d.barriers[0];
+        b.names = vec![
+            pb::BarrierName {
+                name: "step".into(),
+                ranks: vec![0, 1],
+            },
+            pb::BarrierName {
+                name: "eval".into(),
+                ranks: vec![2],
+            },
+        ];
+        d.ranks[3].pid = 0;
+        let text = render(&d);
+        assert!(text.contains("#2 'step' / 'eval' for"), "{text}");
+        assert!(
+            text.contains(
+                "  DIVERGENCE: ranks entered under different names: 'step' by ranks 0-1; 'eval' by ranks 2\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains("host 10.0.0.2, no pid yet: running"),
+            "{text}"
+        );
+        assert_eq!(or_none(None), "?");
+    }
+
+    #[test]
+    fn durations_and_ranges_read_at_a_glance() {
+        for (ms, text) in [
+            (0, "0 ms"),
+            (999, "999 ms"),
+            (1_000, "1.0 s"),
+            (59_949, "59.9 s"),
+            (65_000, "1 min 05 s"),
+            (3_600_000 + 180_000, "1 h 03 min"),
+        ] {
+            assert_eq!(ago(ms), text);
+        }
+        assert_eq!(ranges(&[5, 0, 1, 2, 7, 8, 3]), "0-3,5,7-8");
+        assert_eq!(ranges(&[]), "");
+        assert_eq!(ranges(&[4]), "4");
+    }
+
+    /// `--json` is proto3 JSON as grpcurl prints it: zero values are left out, but rank 0 and
+    /// node 0 are present fields and show; a global barrier has no node rank.
+    #[test]
+    fn json_shows_rank_zero_as_grpcurl_would() {
+        let text = json(&stuck()).unwrap();
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        let r0 = &v["ranks"][0];
+        assert_eq!(
+            (&r0["rank"], &r0["nodeRank"], &r0["localRank"]),
+            (&0.into(), &0.into(), &0.into()),
+            "{text}"
+        );
+        assert_eq!(v["nodes"][0]["nodeRank"], 0, "{text}");
+        assert_eq!(v["failure"]["rank"], 0, "{text}");
+        assert_eq!(v["barriers"][0]["missing"][0]["rank"], 3, "{text}");
+        assert!(v["barriers"][0].get("nodeRank").is_none(), "{text}");
+        // A zero that is not a rank is left out, as grpcurl does without -emit-defaults.
+        assert!(r0.get("globalSeq").is_none(), "{text}");
+        assert_eq!(v["summary"]["state"], "ROUND_STATE_RUNNING", "{text}");
+        assert!(!text.contains('\n'), "one line: {text}");
+    }
+
+    /// A wide job lists only its ranks that are not plainly running.
+    #[test]
+    fn a_wide_job_lists_the_ranks_that_matter() {
+        let mut d = stuck();
+        let template = d.ranks[3].clone();
+        d.ranks = (0..200)
+            .map(|r| pb::RankInfo {
+                rank: Some(r),
+                state: if r == 150 {
+                    pb::RankState::Failed as i32
+                } else {
+                    pb::RankState::Running as i32
+                },
+                ..template.clone()
+            })
+            .collect();
+        let text = render(&d);
+        assert!(
+            text.contains("  (199 more ranks running, not shown)"),
+            "{text}"
+        );
+        assert!(text.contains("\n  150 "), "{text}");
+    }
+
+    #[test]
+    fn watch_intervals_are_checked() {
+        assert_eq!(watch_interval("2"), Ok(Duration::from_secs(2)));
+        assert_eq!(watch_interval("0.5"), Ok(Duration::from_millis(500)));
+        assert_eq!(
+            watch_interval("job-1"),
+            Err("'job-1' is not a number of seconds (as 2 or 0.5)".to_owned())
+        );
+        assert_eq!(
+            watch_interval("0"),
+            Err("'0' is out of range: 0.1 to 86400 seconds".to_owned())
+        );
+    }
+}
