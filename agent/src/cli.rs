@@ -165,24 +165,7 @@ where
     }
 }
 
-/// Clap's message on one line, without the `error: ` label, the usage block and the help
-/// hint; the indented lines right under the first (a list of missing arguments, the possible
-/// values) are kept.
+/// Clap's message on one line (shared with the coordinator's command).
 pub(crate) fn first_line(message: &str) -> String {
-    let mut lines = message.lines();
-    let first = lines.next().unwrap_or_default();
-    let mut line = first
-        .strip_prefix("error: ")
-        .unwrap_or(first)
-        .trim()
-        .to_owned();
-    let more: Vec<&str> = lines
-        .take_while(|l| l.starts_with(char::is_whitespace) && !l.trim().is_empty())
-        .map(str::trim)
-        .collect();
-    if !more.is_empty() {
-        let separator = if line.ends_with(':') { ", " } else { " " };
-        line = format!("{line} {}", more.join(separator));
-    }
-    line
+    muster_core::error_chain::usage_line(message)
 }

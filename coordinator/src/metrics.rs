@@ -66,6 +66,7 @@ struct Metrics {
     barrier_wait: DurationHistogram,
     rendezvous: DurationHistogram,
     restarts: Counter,
+    cancelled: Counter,
     failures: Labeled<Counter>,
     rpc: Labeled<DurationHistogram>,
     store: Labeled<DurationHistogram>,
@@ -90,6 +91,14 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         "restarts",
         "Generations started again after a failed one (restarts spent from jobs' budgets)",
         restarts.clone(),
+    );
+    // A counter as well as the `muster_jobs{state="cancelled"}` gauge: cancelled jobs expire
+    // (`--finished-job-ttl-ms`), and a rate of cancels outlives them.
+    let cancelled = Counter::default();
+    registry.register(
+        "jobs_cancelled",
+        "Jobs an operator cancelled (Ops.CancelJob, muster-agent cancel), whatever phase they were in",
+        cancelled.clone(),
     );
     let failures = Labeled::new("cause", Cause::ALL.map(Cause::as_str), Counter::default);
     registry.register(
@@ -120,6 +129,7 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         barrier_wait,
         rendezvous,
         restarts,
+        cancelled,
         failures,
         rpc,
         store,
@@ -167,6 +177,11 @@ pub fn rendezvous_closed(open_for: Duration) {
 /// Hook: a job starts a generation again after a failed one.
 pub fn restarted() {
     METRICS.restarts.inc();
+}
+
+/// Hook: an operator cancelled a job that was not over yet.
+pub fn job_cancelled() {
+    METRICS.cancelled.inc();
 }
 
 /// Hook: a generation failed with `failure`.

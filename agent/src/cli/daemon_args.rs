@@ -197,7 +197,7 @@ pub struct CancelArgs {
     /// The job to cancel.
     pub job_id: String,
     /// Why (shown to the job's agents and workers).
-    #[arg(long, default_value = "cancelled by an operator")]
+    #[arg(long, default_value = "no reason given")]
     pub reason: String,
     /// TLS and the cluster token.
     #[command(flatten)]

@@ -41,6 +41,7 @@ use muster_core::barrier::{self, Place};
 use muster_core::error::Error;
 use muster_core::model::{JobId, Scope, barrier_error as simple_error, scope_name};
 use muster_proto::v1 as pb;
+use ending::*;
 use nodes::*;
 use pb::barrier_error::Kind as ErrKind;
 use persist::*;

@@ -183,6 +183,10 @@ impl Job {
                     }
                 }
                 let restarts = st.restarts;
+                let cancelled = match &st.done {
+                    Some(Done::Cancelled(why)) => Some(cancelled_text(why)),
+                    _ => None,
+                };
                 resp.ranks = g
                     .ranks
                     .iter()
@@ -208,7 +212,18 @@ impl Job {
                             last_barrier: s
                                 .last_scope
                                 .map_or_else(String::new, |i| s.names[i].clone()),
-                            activity: g.activity(r, now, held.get(&r)),
+                            activity: match &cancelled {
+                                // Its workers were stopped by the cancel, not by a failure.
+                                Some(why)
+                                    if matches!(
+                                        s.state,
+                                        RankState::Pending | RankState::Running
+                                    ) =>
+                                {
+                                    format!("stopped: the job was {why}")
+                                }
+                                _ => g.activity(r, now, held.get(&r)),
+                            },
                         }
                     })
                     .collect();
@@ -282,6 +297,11 @@ impl Job {
             restart_count: st.restarts,
             max_restarts: st.config.max_restarts,
             done: st.done.is_some(),
+            reason: match &st.done {
+                Some(Done::Cancelled(why)) => cancelled_text(why),
+                Some(Done::Failed(why) | Done::Finished(why)) => why.clone(),
+                None => String::new(),
+            },
             ..Default::default()
         };
         match &st.phase {

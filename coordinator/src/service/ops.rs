@@ -6,6 +6,25 @@ use super::*;
 /// The longest `DescribeJob` long poll (`wait_ms`).
 const DESCRIBE_WAIT_MAX: Duration = Duration::from_secs(60);
 
+/// The daemon agent that runs a node: the agent whose id is the node id (daemon agents join
+/// under their agent id), else, for an agent that joined under another id, the only agent of
+/// the job at the node's address. Agents sharing an address (several on one machine, or behind
+/// one NAT) are told apart by id alone: guessing by address would show another node's labels.
+fn machine_of<'a>(
+    machines: &'a [pb::MachineInfo],
+    node_id: &str,
+    host: &str,
+) -> Option<&'a pb::MachineInfo> {
+    if let Some(m) = machines.iter().find(|m| m.agent_id == node_id) {
+        return Some(m);
+    }
+    let mut at_host = machines.iter().filter(|m| m.address == host);
+    match (at_host.next(), at_host.next()) {
+        (Some(m), None) => Some(m),
+        _ => None,
+    }
+}
+
 /// `muster.v1.Ops`.
 #[derive(Clone)]
 pub struct OpsService(pub Arc<Coordinator>);
@@ -49,11 +68,7 @@ impl pb::ops_server::Ops for OpsService {
         // Daemon agents' machines: their labels and host names.
         let machines = self.0.pool.machines(&r.job_id);
         for node in &mut resp.nodes {
-            if let Some(m) = machines
-                .iter()
-                .find(|m| m.agent_id == node.node_id)
-                .or_else(|| machines.iter().find(|m| m.address == node.host))
-            {
+            if let Some(m) = machine_of(&machines, &node.node_id, &node.host) {
                 node.labels = m.labels.clone();
                 node.hostname = m.hostname.clone();
             }
