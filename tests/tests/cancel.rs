@@ -122,7 +122,10 @@ fn check_cancelled(addr: &str, job: &str, logs: &dyn Fn() -> String) {
     assert!(d.failure.is_none(), "{:?}\n{}", d.failure, logs());
     for r in &d.ranks {
         assert_ne!(r.state, pb::RankState::Failed as i32, "{r:?}");
-        assert!(r.activity.contains(SAID), "{r:?}");
+        // A worker whose wait ended with the cancel may leave its session cleanly first.
+        if r.state != pb::RankState::Left as i32 {
+            assert!(r.activity.contains(SAID), "{r:?}");
+        }
     }
     let later = rt.block_on(describe(
         addr,
