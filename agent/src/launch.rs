@@ -353,9 +353,16 @@ async fn run_at(
             },
             spec.lease,
         );
-        let end = Supervisor::new(&spec, coordinators.clone(), node, watch, stops, previous.take())
-            .run()
-            .await;
+        let end = Supervisor::new(
+            &spec,
+            coordinators.clone(),
+            node,
+            watch,
+            stops,
+            previous.take(),
+        )
+        .run()
+        .await;
         drop(relay);
         drop(store);
         match end {

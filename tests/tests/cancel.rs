@@ -241,7 +241,8 @@ fn a_cancelled_launch_ends_cancelled_with_its_reason_and_its_agents_exit_3() {
     // This coordinator ran one job: exact values.
     let text = scrape(&metrics);
     assert!(
-        text.lines().any(|l| l == "muster_jobs{state=\"cancelled\"} 1"),
+        text.lines()
+            .any(|l| l == "muster_jobs{state=\"cancelled\"} 1"),
         "{text}"
     );
     assert!(

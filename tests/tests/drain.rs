@@ -86,14 +86,12 @@ async fn a_drained_agent_exits_0_and_the_others_continue_as_a_smaller_generation
         // restart number (issue 19).
         a.wait_for_lines(Stream::Stderr, 1, SLOW, |l| {
             l.contains("generation 2 running 1 worker on node")
-                && l.contains("ms after generation 1 of job 'drain-e2e' was superseded by generation 2")
+                && l.contains(
+                    "ms after generation 1 of job 'drain-e2e' was superseded by generation 2",
+                )
                 && l.contains("kernel upgrade")
         });
-        assert!(
-            !a.output().contains("after the failure"),
-            "{}",
-            a.output()
-        );
+        assert!(!a.output().contains("after the failure"), "{}", a.output());
     }
     let d = ops
         .describe_job(pb::DescribeJobRequest {

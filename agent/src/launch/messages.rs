@@ -18,7 +18,10 @@ pub(super) fn previous_end(v: &pb::GenerationEnded, at: std::time::Instant) -> P
             .lines()
             .next()
             .filter(|l| !l.is_empty())
-            .map_or_else(|| format!("generation {} ended", v.generation), str::to_owned)
+            .map_or_else(
+                || format!("generation {} ended", v.generation),
+                str::to_owned,
+            )
     };
     PreviousEnd { at, failed, what }
 }

@@ -36,12 +36,12 @@ pub use nodes::Drained;
 pub use persist::{RECORDS_PREFIX, record_key};
 
 use crate::store::Store;
+use ending::*;
 use generation::*;
 use muster_core::barrier::{self, Place};
 use muster_core::error::Error;
 use muster_core::model::{JobId, Scope, barrier_error as simple_error, scope_name};
 use muster_proto::v1 as pb;
-use ending::*;
 use nodes::*;
 use pb::barrier_error::Kind as ErrKind;
 use persist::*;
