@@ -130,3 +130,37 @@ impl pb::ops_server::Ops for OpsService {
         Ok(Response::new(drained.into()))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn machine(id: &str, address: &str) -> pb::MachineInfo {
+        pb::MachineInfo {
+            agent_id: id.into(),
+            address: address.into(),
+            ..Default::default()
+        }
+    }
+
+    /// A node's machine is found by its id; by address only when no other agent of the job
+    /// shares that address (two agents on one machine once both showed the first one's labels).
+    #[test]
+    fn a_node_is_matched_to_its_machine_by_agent_id() {
+        let shared = [machine("b", "10.0.0.1"), machine("c", "10.0.0.1")];
+        let alone = [machine("b", "10.0.0.1"), machine("d", "10.0.0.2")];
+        for (machines, node_id, host, expected) in [
+            (&shared[..], "c", "10.0.0.1", Some("c")),
+            (&shared[..], "b", "10.0.0.1", Some("b")),
+            (&shared[..], "old-style-id", "10.0.0.1", None),
+            (&alone[..], "old-style-id", "10.0.0.2", Some("d")),
+            (&alone[..], "old-style-id", "10.0.0.9", None),
+        ] {
+            assert_eq!(
+                machine_of(machines, node_id, host).map(|m| m.agent_id.as_str()),
+                expected,
+                "{node_id} at {host}"
+            );
+        }
+    }
+}
