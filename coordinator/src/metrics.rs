@@ -230,7 +230,14 @@ pub struct StateSnapshot {
 fn state_registry(snapshot: &StateSnapshot) -> Registry {
     const JOB_STATES: [&str; 5] = ["open", "running", "failed", "finished", "cancelled"];
     const NODE_STATES: [&str; 5] = ["joining", "running", "failed", "finished", "cancelled"];
-    const RANK_STATES: [&str; 5] = ["pending", "running", "waiting", "failed", "left"];
+    const RANK_STATES: [&str; 6] = [
+        "pending",
+        "running",
+        "waiting",
+        "failed",
+        "left",
+        "cancelled",
+    ];
     let gauges = |states: &[&'static str]| {
         Labeled::new("state", states.iter().copied(), Gauge::<i64>::default)
     };
@@ -268,6 +275,7 @@ fn state_registry(snapshot: &StateSnapshot) -> Registry {
             Ok(pb::RankState::Waiting) => "waiting",
             Ok(pb::RankState::Failed) => "failed",
             Ok(pb::RankState::Left) => "left",
+            Ok(pb::RankState::Cancelled) => "cancelled",
             _ => continue,
         };
         add(&ranks, state, 1);

@@ -121,11 +121,14 @@ fn check_cancelled(addr: &str, job: &str, logs: &dyn Fn() -> String) {
     assert_eq!(s.reason, SAID, "{s:?}");
     assert!(d.failure.is_none(), "{:?}\n{}", d.failure, logs());
     for r in &d.ranks {
-        assert_ne!(r.state, pb::RankState::Failed as i32, "{r:?}");
         // A worker whose wait ended with the cancel may leave its session cleanly first.
         if r.state != pb::RankState::Left as i32 {
+            assert_eq!(r.state, pb::RankState::Cancelled as i32, "{r:?}");
             assert!(r.activity.contains(SAID), "{r:?}");
         }
+    }
+    for n in &d.nodes {
+        assert_eq!(n.state, pb::NodeState::Cancelled as i32, "{n:?}");
     }
     let later = rt.block_on(describe(
         addr,
@@ -256,6 +259,16 @@ fn a_cancelled_launch_ends_cancelled_with_its_reason_and_its_agents_exit_3() {
     assert!(
         text.lines()
             .any(|l| l == "muster_generation_failures_total{cause=\"node_lost\"} 0"),
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l == "muster_ranks{state=\"failed\"} 0"),
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l == "muster_nodes{state=\"cancelled\"} 2"),
         "{text}"
     );
 }

@@ -154,12 +154,14 @@ async fn a_final_state_never_changes() {
         assert_ne!(r.state, pb::RankState::Failed as i32, "{r:?}");
         // Node 0 said its workers exited 0 (a late event above); node 1's were stopped.
         if r.node_rank == 1 {
+            assert_eq!(r.state, pb::RankState::Cancelled as i32, "{r:?}");
             assert_eq!(
                 r.activity, "stopped: the job was cancelled by an operator: operator",
                 "{r:?}"
             );
         }
     }
+    assert_eq!(view.nodes[1].state, pb::NodeState::Cancelled as i32);
     let e = tonic::Status::from(cancelled.join(req("n0")).unwrap_err());
     assert_eq!(e.code(), tonic::Code::FailedPrecondition);
     assert_eq!(

@@ -130,6 +130,10 @@ impl Job {
                     .collect();
             }
             Phase::Running(g) => {
+                let cancelled = match &st.done {
+                    Some(Done::Cancelled(why)) => Some(cancelled_text(why)),
+                    _ => None,
+                };
                 resp.nodes = g
                     .nodes
                     .iter()
@@ -143,6 +147,8 @@ impl Job {
                             pb::NodeState::Drained
                         } else if n.finished {
                             pb::NodeState::Finished
+                        } else if cancelled.is_some() {
+                            pb::NodeState::Cancelled
                         } else if failed {
                             pb::NodeState::Failed
                         } else if n.watch.is_some() {
@@ -183,10 +189,6 @@ impl Job {
                     }
                 }
                 let restarts = st.restarts;
-                let cancelled = match &st.done {
-                    Some(Done::Cancelled(why)) => Some(cancelled_text(why)),
-                    _ => None,
-                };
                 resp.ranks = g
                     .ranks
                     .iter()
@@ -197,6 +199,11 @@ impl Job {
                         let mut state = rank_state(s);
                         if state == pb::RankState::Running && held.contains_key(&r) {
                             state = pb::RankState::Waiting;
+                        }
+                        let stopped = cancelled.is_some()
+                            && matches!(s.state, RankState::Pending | RankState::Running);
+                        if stopped {
+                            state = pb::RankState::Cancelled;
                         }
                         pb::RankInfo {
                             rank: r,
@@ -214,14 +221,7 @@ impl Job {
                                 .map_or_else(String::new, |i| s.names[i].clone()),
                             activity: match &cancelled {
                                 // Its workers were stopped by the cancel, not by a failure.
-                                Some(why)
-                                    if matches!(
-                                        s.state,
-                                        RankState::Pending | RankState::Running
-                                    ) =>
-                                {
-                                    format!("stopped: the job was {why}")
-                                }
+                                Some(why) if stopped => format!("stopped: the job was {why}"),
                                 _ => g.activity(r, now, held.get(&r)),
                             },
                         }
