@@ -40,7 +40,8 @@ pub struct Cli {
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Join a job's rendezvous and run this node's workers until they finish.
+    /// Join a job's rendezvous and run this node's workers until they finish (exit 0), fail
+    /// with no restart left (1) or are cancelled by an operator (3).
     Launch(LaunchArgs),
     /// Run as this machine's daemon agent: register with the coordinator and run the jobs it
     /// places here.
@@ -49,7 +50,8 @@ pub enum Command {
     Submit(SubmitArgs),
     /// Show the coordinator's jobs and agents, or one job.
     Status(StatusArgs),
-    /// Cancel a job: its workers are stopped on every node.
+    /// Cancel a job: its workers are stopped on every node, and it ends cancelled with the
+    /// reason; its agents (and `submit --wait`) exit 3.
     Cancel(CancelArgs),
 }
 

@@ -376,7 +376,8 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
     let mut int = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
     let path = std::env::var_os("PATH");
     let shutdown = CancellationToken::new();
-    let mut jobs: HashMap<String, (CancellationToken, tokio::task::JoinHandle<()>)> =
+    // Each job's stop token, its launch task, and its grace period.
+    let mut jobs: HashMap<String, (CancellationToken, tokio::task::JoinHandle<()>, Duration)> =
         HashMap::new();
     let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(String, Result<Outcome, String>)>();
     // Updates not yet delivered (the stream may be down when a job ends).
@@ -466,6 +467,7 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
                             eprintln!("muster-agent: starting job {job_id}: {} {}", spec.program, spec.args.join(" "));
                             match launch_spec(&args, &agent_id, &spec, path.as_deref()) {
                                 Ok(launch_spec) => {
+                                    let grace = launch_spec.grace_period;
                                     let token = shutdown.child_token();
                                     let stops = Stops::token(token.clone());
                                     let tx = done_tx.clone();
@@ -477,7 +479,7 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
                                             .map_err(|e| e.to_string());
                                         let _ = tx.send((id, result));
                                     });
-                                    jobs.insert(job_id, (token, handle));
+                                    jobs.insert(job_id, (token, handle, grace));
                                 }
                                 Err(e) => {
                                     eprintln!("muster-agent: job {job_id} cannot start here: {e}");
@@ -486,7 +488,7 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
                             }
                         }
                         Some(pb::agent_command::Kind::Stop(s)) => {
-                            if let Some((token, _)) = jobs.get(&s.job_id) {
+                            if let Some((token, _, grace)) = jobs.get(&s.job_id) {
                                 // The cancel reaches the launch through its own watch (or its
                                 // join's refusal) with the operator's reason, and ends it as
                                 // cancelled; stopping it here at once would race that and end
@@ -494,7 +496,7 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
                                 // that has not heard the cancel once its workers could have
                                 // been stopped.
                                 let token = token.clone();
-                                let after = Duration::from_millis(args.grace_period_ms) + STOP_BACKSTOP;
+                                let after = *grace + STOP_BACKSTOP;
                                 // Task "stop-backstop", one per stop order: sleeps, then
                                 // cancels the job's token (a no-op once the launch ended).
                                 tokio::spawn(async move {
@@ -536,7 +538,7 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
     // Shutdown: stop every job's workers gracefully and wait for them (bounded).
     shutdown.cancel();
     let wait = Duration::from_millis(args.grace_period_ms) + Duration::from_secs(3);
-    for (job_id, (_, handle)) in jobs {
+    for (job_id, (_, handle, _)) in jobs {
         if tokio::time::timeout(wait, handle).await.is_err() {
             eprintln!(
                 "muster-agent: job {job_id} did not stop within {} ms",

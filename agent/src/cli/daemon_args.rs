@@ -129,7 +129,8 @@ pub struct SubmitArgs {
     /// `launch --no-agent-store`).
     #[arg(long, alias = "no_agent_store")]
     pub no_agent_store: bool,
-    /// Wait until the job ends and exit 0 only if it finished.
+    /// Wait until the job ends: exit 0 if it finished, 3 if an operator cancelled it, 1 if it
+    /// failed. Only states are shown: the workers' output is on each agent's stdout and stderr.
     #[arg(long)]
     pub wait: bool,
     /// TLS and the cluster token.
