@@ -40,7 +40,8 @@ pub struct Cli {
 #[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Join a job's rendezvous and run this node's workers until they finish.
+    /// Join a job's rendezvous and run this node's workers until they finish (exit 0), fail
+    /// with no restart left (1) or are cancelled by an operator (3).
     Launch(LaunchArgs),
     /// Run as this machine's daemon agent: register with the coordinator and run the jobs it
     /// places here.
@@ -49,7 +50,8 @@ pub enum Command {
     Submit(SubmitArgs),
     /// Show the coordinator's jobs and agents, or one job.
     Status(StatusArgs),
-    /// Cancel a job: its workers are stopped on every node.
+    /// Cancel a job: its workers are stopped on every node, and it ends cancelled with the
+    /// reason; its agents (and `submit --wait`) exit 3.
     Cancel(CancelArgs),
     /// Write a CA, server and client certificates and a cluster token, for trying TLS.
     #[command(long_about = crate::certs::LONG_ABOUT)]
@@ -181,24 +183,7 @@ where
     }
 }
 
-/// Clap's message on one line, without the `error: ` label, the usage block and the help
-/// hint; the indented lines right under the first (a list of missing arguments, the possible
-/// values) are kept.
+/// Clap's message on one line (shared with the coordinator's command).
 pub(crate) fn first_line(message: &str) -> String {
-    let mut lines = message.lines();
-    let first = lines.next().unwrap_or_default();
-    let mut line = first
-        .strip_prefix("error: ")
-        .unwrap_or(first)
-        .trim()
-        .to_owned();
-    let more: Vec<&str> = lines
-        .take_while(|l| l.starts_with(char::is_whitespace) && !l.trim().is_empty())
-        .map(str::trim)
-        .collect();
-    if !more.is_empty() {
-        let separator = if line.ends_with(':') { ", " } else { " " };
-        line = format!("{line} {}", more.join(separator));
-    }
-    line
+    muster_core::error_chain::usage_line(message)
 }

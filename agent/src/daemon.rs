@@ -55,6 +55,10 @@ pub(crate) async fn connect(list: &str, security: &SecurityArgs) -> Result<Coord
     Ok(coordinators)
 }
 
+/// After the grace period, how long a job the coordinator ordered stopped may take to end on
+/// its own (through its watch) before the agent stops it itself.
+const STOP_BACKSTOP: Duration = Duration::from_secs(3);
+
 /// How long an operator command or a registration tries to reach any replica.
 const CONNECT_WINDOW: Duration = Duration::from_secs(2);
 
@@ -85,6 +89,8 @@ pub async fn submit(args: SubmitArgs) -> Result<u8, String> {
     if !args.wait {
         return Ok(0);
     }
+    // Only states come back here: the workers' lines never pass through the coordinator.
+    println!("{OUTPUT_NOTE}");
     let mut last = String::new();
     let mut seen: Option<pb::JobSummary> = None;
     loop {
@@ -106,15 +112,22 @@ pub async fn submit(args: SubmitArgs) -> Result<u8, String> {
         }
         let summary = d.summary.unwrap_or_default();
         let state = pb::RoundState::try_from(summary.state).unwrap_or_default();
-        if state == pb::RoundState::Finished {
-            return Ok(0);
-        }
         if summary.done {
-            return Ok(1);
+            return Ok(match state {
+                pb::RoundState::Finished => 0,
+                pb::RoundState::Cancelled => {
+                    println!("job {}: {}", summary.job_id, summary.reason);
+                    launch::CANCELLED_EXIT
+                }
+                _ => 1,
+            });
         }
         seen = Some(summary);
     }
 }
+
+/// What `submit --wait` says about the workers' output, which it does not show.
+const OUTPUT_NOTE: &str = "worker output is not shown here: each agent prints its workers' lines, prefixed [rank R], on its own stdout and stderr (its terminal, or its service's log: journalctl -u muster-agent, kubectl logs)";
 
 /// How long one long poll of `submit --wait` may wait for a change of the job.
 const FOLLOW_WAIT: Duration = Duration::from_secs(5);
@@ -172,8 +185,21 @@ fn status_line(d: &pb::DescribeJobResponse) -> String {
             f.host,
             f.reason
         ));
+    } else if s.done && !s.reason.is_empty() {
+        // Why it is over (the failure above says it better when there is one).
+        line.push_str(&format!("; {}", s.reason));
     }
     line
+}
+
+/// How `status` names a node: by its node rank, or as not ranked yet (a joiner of an open
+/// round that asked for no rank). Takes the wire value either as sent today (`u32::MAX` for
+/// none) or as an optional rank (field presence), so that both read the same.
+fn node_label(node_rank: impl Into<Option<u32>>) -> String {
+    match node_rank.into() {
+        Some(r) if r != u32::MAX => format!("node {r}"),
+        _ => "node (not yet ranked)".to_owned(),
+    }
 }
 
 /// `muster-agent status`.
@@ -185,13 +211,16 @@ pub async fn status(args: StatusArgs) -> Result<u8, String> {
             .map_err(|s| crate::security::explain(&s))?;
         println!("{}", status_line(&d));
         for n in &d.nodes {
+            let place = if n.state == pb::NodeState::Joining as i32 {
+                format!("{} workers, joining the open round", n.local_world_size)
+            } else {
+                format!("{} workers from rank {}", n.local_world_size, n.rank_offset)
+            };
             println!(
-                "  node {} {} ({}): {} workers from rank {}",
-                crate::describe::or_none(n.node_rank),
+                "  {} {} ({}): {place}",
+                node_label(n.node_rank),
                 n.node_id,
-                n.host,
-                n.local_world_size,
-                n.rank_offset
+                n.host
             );
         }
         return Ok(0);
@@ -265,6 +294,7 @@ pub async fn cancel(args: CancelArgs) -> Result<u8, String> {
 /// command line's validation, then the job's own environment for the workers.
 fn launch_spec(
     args: &ServeArgs,
+    agent_id: &str,
     spec: &pb::JobSpec,
     path: Option<&std::ffi::OsStr>,
 ) -> Result<LaunchSpec, String> {
@@ -275,6 +305,7 @@ fn launch_spec(
     let mut env: Vec<(String, String)> = spec.env.clone().into_iter().collect();
     env.sort();
     launch.program.env = env;
+    launch.node_id = Some(agent_id.to_owned());
     Ok(launch)
 }
 
@@ -349,7 +380,8 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
     let mut int = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
     let path = std::env::var_os("PATH");
     let shutdown = CancellationToken::new();
-    let mut jobs: HashMap<String, (CancellationToken, tokio::task::JoinHandle<()>)> =
+    // Each job's stop token, its launch task, and its grace period.
+    let mut jobs: HashMap<String, (CancellationToken, tokio::task::JoinHandle<()>, Duration)> =
         HashMap::new();
     let (done_tx, mut done_rx) = mpsc::unbounded_channel::<(String, Result<Outcome, String>)>();
     // Updates not yet delivered (the stream may be down when a job ends).
@@ -437,8 +469,9 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
                                 continue;
                             }
                             eprintln!("muster-agent: starting job {job_id}: {} {}", spec.program, spec.args.join(" "));
-                            match launch_spec(&args, &spec, path.as_deref()) {
+                            match launch_spec(&args, &agent_id, &spec, path.as_deref()) {
                                 Ok(launch_spec) => {
+                                    let grace = launch_spec.grace_period;
                                     let token = shutdown.child_token();
                                     let stops = Stops::token(token.clone());
                                     let tx = done_tx.clone();
@@ -450,7 +483,7 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
                                             .map_err(|e| e.to_string());
                                         let _ = tx.send((id, result));
                                     });
-                                    jobs.insert(job_id, (token, handle));
+                                    jobs.insert(job_id, (token, handle, grace));
                                 }
                                 Err(e) => {
                                     eprintln!("muster-agent: job {job_id} cannot start here: {e}");
@@ -459,9 +492,21 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
                             }
                         }
                         Some(pb::agent_command::Kind::Stop(s)) => {
-                            if let Some((token, _)) = jobs.get(&s.job_id) {
-                                eprintln!("muster-agent: stopping job {}: {}", s.job_id, s.reason);
-                                token.cancel();
+                            if let Some((token, _, grace)) = jobs.get(&s.job_id) {
+                                // The cancel reaches the launch through its own watch (or its
+                                // join's refusal) with the operator's reason, and ends it as
+                                // cancelled; stopping it here at once would race that and end
+                                // it as if by SIGTERM. The token is the backstop for a launch
+                                // that has not heard the cancel once its workers could have
+                                // been stopped.
+                                let token = token.clone();
+                                let after = *grace + STOP_BACKSTOP;
+                                // Task "stop-backstop", one per stop order: sleeps, then
+                                // cancels the job's token (a no-op once the launch ended).
+                                tokio::spawn(async move {
+                                    tokio::time::sleep(after).await;
+                                    token.cancel();
+                                });
                             }
                         }
                         Some(pb::agent_command::Kind::Heartbeat(_)) | None => {}
@@ -497,7 +542,7 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
     // Shutdown: stop every job's workers gracefully and wait for them (bounded).
     shutdown.cancel();
     let wait = Duration::from_millis(args.grace_period_ms) + Duration::from_secs(3);
-    for (job_id, (_, handle)) in jobs {
+    for (job_id, (_, handle, _)) in jobs {
         if tokio::time::timeout(wait, handle).await.is_err() {
             eprintln!(
                 "muster-agent: job {job_id} did not stop within {} ms",

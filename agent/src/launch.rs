@@ -40,9 +40,9 @@ mod place;
 mod supervisor;
 
 use join::join;
-use messages::{rejoin_message, report_root_cause, state_lost_line};
+use messages::{previous_end, rejoin_message, report_root_cause, state_lost_line};
 use place::place_coordinator;
-use supervisor::{End, Supervisor};
+use supervisor::{End, PreviousEnd, Supervisor};
 
 /// How long the agent keeps trying to reach a coordinator that is not up yet.
 pub const CONNECT_WINDOW: Duration = Duration::from_secs(10);
@@ -53,6 +53,11 @@ pub const REPORT_TIMEOUT: Duration = Duration::from_secs(1);
 /// After a failure, how long the workers get to end on their own before SIGTERM (capped by
 /// the grace period).
 pub const FAILURE_SETTLE: Duration = Duration::from_millis(500);
+
+/// The exit status of an agent (and of `muster-agent submit --wait`) whose job an operator
+/// cancelled: not 0 (the job did not finish), not 1 (nothing failed), so that a script or a
+/// scheduler can tell a cancel from a failure. 2 is taken by usage errors.
+pub const CANCELLED_EXIT: u8 = 3;
 
 /// How a launch ended; [`Outcome::exit_code`] is the agent's exit status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -71,12 +76,13 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// 0, 1, or 128 + the signal number (130 for SIGINT, 143 for SIGTERM). A cancelled job
-    /// exits 1 too: it did not finish.
+    /// 0, 1, [`CANCELLED_EXIT`] (3), or 128 + the signal number (130 for SIGINT, 143 for
+    /// SIGTERM).
     pub fn exit_code(self) -> u8 {
         match self {
             Self::Succeeded | Self::Drained => 0,
-            Self::Failed | Self::Cancelled => 1,
+            Self::Failed => 1,
+            Self::Cancelled => CANCELLED_EXIT,
             Self::Interrupted(sig) => u8::try_from(128 + sig as i32).unwrap_or(1),
         }
     }
@@ -245,14 +251,17 @@ async fn run_at(
         (None, true) => "127.0.0.1".to_owned(),
         (None, false) => advertise_default(&reached).await,
     };
-    let node_id = format!("{}-{}", sanitize(&hostname()), std::process::id());
+    let node_id = spec
+        .node_id
+        .clone()
+        .unwrap_or_else(|| format!("{}-{}", sanitize(&hostname()), std::process::id()));
     // Before the first private folder: the guardian removes them if this process is killed.
     crate::guard::start_now();
     let scratch = Scratch::new(&job);
     // The last failure the coordinator (or this node) reported: the root cause to print if the
     // job ends without a restart.
     let mut last_failure: Option<pb::FailureInfo> = None;
-    let mut failed_at: Option<Instant> = None;
+    let mut previous: Option<PreviousEnd> = None;
     // The generation this node last ran: a coordinator that lost the job's state answers the
     // next join with a new job's first generation instead of a later one.
     let mut last_generation: Option<u64> = None;
@@ -269,6 +278,18 @@ async fn run_at(
                     status.message()
                 );
                 return Ok(Outcome::Drained);
+            }
+            Waited::Done(Err(LaunchError::Join { status, .. }))
+                if status
+                    .metadata()
+                    .contains_key(muster_core::error::CANCELLED_METADATA) =>
+            {
+                // Cancelled while this node waited in an open round, or between generations.
+                eprintln!(
+                    "muster-agent: job {job}: {}; exiting with status {CANCELLED_EXIT}",
+                    status.message()
+                );
+                return Ok(Outcome::Cancelled);
             }
             Waited::Done(Err(LaunchError::Join { status, .. }))
                 if last_failure.is_some() && status.code() == tonic::Code::FailedPrecondition =>
@@ -332,9 +353,16 @@ async fn run_at(
             },
             spec.lease,
         );
-        let end = Supervisor::new(&spec, coordinators.clone(), node, watch, stops, failed_at)
-            .run()
-            .await;
+        let end = Supervisor::new(
+            &spec,
+            coordinators.clone(),
+            node,
+            watch,
+            stops,
+            previous.take(),
+        )
+        .run()
+        .await;
         drop(relay);
         drop(store);
         match end {
@@ -403,11 +431,14 @@ async fn run_at(
                         metrics::restarted();
                     }
                     eprint!("{}", rejoin_message(&job, &v));
-                    failed_at = Some(at);
+                    previous = Some(previous_end(&v, at));
                     continue;
                 }
                 if cause == pb::generation_ended::Cause::Cancelled {
-                    eprintln!("muster-agent: job {job}: {}; workers stopped", v.message);
+                    eprintln!(
+                        "muster-agent: job {job}: {}; workers stopped, exiting with status {CANCELLED_EXIT}",
+                        v.message
+                    );
                     return Ok(Outcome::Cancelled);
                 }
                 if cause == pb::generation_ended::Cause::Drained {
@@ -695,6 +726,7 @@ mod tests {
     fn exit_codes() {
         assert_eq!(Outcome::Succeeded.exit_code(), 0);
         assert_eq!(Outcome::Failed.exit_code(), 1);
+        assert_eq!(Outcome::Cancelled.exit_code(), 3);
         assert_eq!(Outcome::Interrupted(Signal::SIGINT).exit_code(), 130);
         assert_eq!(Outcome::Interrupted(Signal::SIGTERM).exit_code(), 143);
     }

@@ -106,6 +106,10 @@ pub struct LaunchSpec {
     pub security: Security,
     /// The worker program, resolved on `PATH`.
     pub program: Program,
+    /// The node id the launch joins under; `None`: `<hostname>-<pid>`. A daemon agent joins
+    /// under its agent id, so the coordinator matches each node to its registered machine
+    /// (labels, host name) even when agents share an address.
+    pub node_id: Option<String>,
 }
 
 impl LaunchSpec {

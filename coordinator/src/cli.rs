@@ -195,10 +195,26 @@ fn load(args: &Args) -> Result<Config, String> {
     Ok(config)
 }
 
-/// Runs the command with `args` (the program name first) and returns its exit status. Usage
-/// errors, `--help` and `--version` exit the process, as clap does.
+/// Runs the command with `args` (the program name first) and returns its exit status: a bad
+/// flag is one line and 64, like every bad setting (`--help` and `--version` print and exit
+/// 0).
 pub fn main(args: impl IntoIterator<Item = OsString>) -> u8 {
-    let args = Args::parse_from(args);
+    let args = match Args::try_parse_from(args) {
+        Ok(args) => args,
+        Err(e) => {
+            use clap::error::ErrorKind;
+            if matches!(e.kind(), ErrorKind::DisplayHelp | ErrorKind::DisplayVersion) {
+                // Nothing useful to do when stdout is gone.
+                let _ = e.print();
+                return 0;
+            }
+            eprintln!(
+                "muster-coordinator: {}",
+                muster_core::error_chain::usage_line(&e.to_string())
+            );
+            return EX_USAGE;
+        }
+    };
     let filter = args
         .log
         .clone()

@@ -66,6 +66,7 @@ struct Metrics {
     barrier_wait: DurationHistogram,
     rendezvous: DurationHistogram,
     restarts: Counter,
+    cancelled: Counter,
     failures: Labeled<Counter>,
     rpc: Labeled<DurationHistogram>,
     store: Labeled<DurationHistogram>,
@@ -90,6 +91,14 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         "restarts",
         "Generations started again after a failed one (restarts spent from jobs' budgets)",
         restarts.clone(),
+    );
+    // A counter as well as the `muster_jobs{state="cancelled"}` gauge: cancelled jobs expire
+    // (`--finished-job-ttl-ms`), and a rate of cancels outlives them.
+    let cancelled = Counter::default();
+    registry.register(
+        "jobs_cancelled",
+        "Jobs an operator cancelled (Ops.CancelJob, muster-agent cancel), whatever phase they were in",
+        cancelled.clone(),
     );
     let failures = Labeled::new("cause", Cause::ALL.map(Cause::as_str), Counter::default);
     registry.register(
@@ -120,6 +129,7 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         barrier_wait,
         rendezvous,
         restarts,
+        cancelled,
         failures,
         rpc,
         store,
@@ -169,6 +179,11 @@ pub fn restarted() {
     METRICS.restarts.inc();
 }
 
+/// Hook: an operator cancelled a job that was not over yet.
+pub fn job_cancelled() {
+    METRICS.cancelled.inc();
+}
+
 /// Hook: a generation failed with `failure`.
 pub fn generation_failed(failure: &muster_core::failure::Failure) {
     let cause = if !failure.node_id.is_empty() {
@@ -215,7 +230,14 @@ pub struct StateSnapshot {
 fn state_registry(snapshot: &StateSnapshot) -> Registry {
     const JOB_STATES: [&str; 5] = ["open", "running", "failed", "finished", "cancelled"];
     const NODE_STATES: [&str; 5] = ["joining", "running", "failed", "finished", "cancelled"];
-    const RANK_STATES: [&str; 5] = ["pending", "running", "waiting", "failed", "left"];
+    const RANK_STATES: [&str; 6] = [
+        "pending",
+        "running",
+        "waiting",
+        "failed",
+        "left",
+        "cancelled",
+    ];
     let gauges = |states: &[&'static str]| {
         Labeled::new("state", states.iter().copied(), Gauge::<i64>::default)
     };
@@ -253,6 +275,7 @@ fn state_registry(snapshot: &StateSnapshot) -> Registry {
             Ok(pb::RankState::Waiting) => "waiting",
             Ok(pb::RankState::Failed) => "failed",
             Ok(pb::RankState::Left) => "left",
+            Ok(pb::RankState::Cancelled) => "cancelled",
             _ => continue,
         };
         add(&ranks, state, 1);

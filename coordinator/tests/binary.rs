@@ -1,5 +1,5 @@
-//! The `muster-coordinator` binary: bad configuration exits 64 with one line; SIGTERM stops it
-//! cleanly.
+//! The `muster-coordinator` binary: bad configuration and bad flags exit 64 with one line;
+//! SIGTERM stops it cleanly.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use std::io::{BufRead, BufReader};
@@ -78,12 +78,22 @@ fn bad_configuration_is_one_line_and_exit_64() {
         &[],
         "web_addr",
     );
-    let out = Command::new(BIN)
-        .args(["--listen", "not-an-address"])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(2), "clap usage errors exit 2");
+    // Bad flags too, as the README promises (issue 19): one line naming the flag, not clap's
+    // three-line usage block and status 2.
+    check_rejected(&["--listen", "not-an-address"], &[], "--listen");
+    check_rejected(&["--bogus"], &[], "unexpected argument '--bogus'");
+    check_rejected(&["--store", "redis"], &[], "--store");
+    check_rejected(&["--max-jobs", "lots"], &[], "--max-jobs");
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+#[test]
+fn help_and_version_still_exit_0() {
+    for flag in ["--help", "--version"] {
+        let out = Command::new(BIN).arg(flag).output().unwrap();
+        assert_eq!(out.status.code(), Some(0), "{flag}: {out:?}");
+        assert!(!out.stdout.is_empty(), "{flag}: {out:?}");
+    }
 }
 
 #[test]

@@ -11,6 +11,10 @@ use tonic::Status;
 /// tell a drain (stop for good) from a job that is over.
 pub const DRAINED_METADATA: &str = "muster-drained";
 
+/// The metadata key set on a join refused (or ended) because an operator cancelled the job,
+/// so that an agent can tell a cancel (stop, exit with the cancelled status) from a failure.
+pub const CANCELLED_METADATA: &str = "muster-cancelled";
+
 /// Why a job refused or could not complete a call. Each variant carries the whole message the
 /// caller reads.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -28,6 +32,10 @@ pub enum Error {
     /// The node was drained from the job by an operator and may not join it again.
     #[error("{0}")]
     Drained(String),
+    /// An operator cancelled the job: a join is refused, or a joiner of the open round is
+    /// sent away. The message carries the operator's reason.
+    #[error("{0}")]
+    Cancelled(String),
     /// The place asked for is taken: a node already joined, a rank already registered, a
     /// relay already attached, a job already created.
     #[error("{0}")]
@@ -60,6 +68,7 @@ impl Error {
             | Self::WrongGeneration(m)
             | Self::FailedPrecondition(m)
             | Self::Drained(m)
+            | Self::Cancelled(m)
             | Self::AlreadyExists(m)
             | Self::WrongNode(m)
             | Self::NotFound(m)
@@ -99,6 +108,14 @@ impl From<Error> for Status {
                 );
                 status
             }
+            Error::Cancelled(m) => {
+                let mut status = Status::failed_precondition(m);
+                status.metadata_mut().insert(
+                    CANCELLED_METADATA,
+                    tonic::metadata::MetadataValue::from_static("1"),
+                );
+                status
+            }
             Error::AlreadyExists(m) => Status::already_exists(m),
             Error::WrongNode(m) => Status::permission_denied(m),
             Error::NotFound(m) => Status::not_found(m),
@@ -126,6 +143,7 @@ mod tests {
                 Code::FailedPrecondition,
             ),
             (Error::Drained("d".into()), Code::FailedPrecondition),
+            (Error::Cancelled("l".into()), Code::FailedPrecondition),
             (Error::AlreadyExists("e".into()), Code::AlreadyExists),
             (Error::WrongNode("f".into()), Code::PermissionDenied),
             (Error::NotFound("g".into()), Code::NotFound),
@@ -144,6 +162,10 @@ mod tests {
             assert_eq!(
                 status.metadata().contains_key(DRAINED_METADATA),
                 message == "d"
+            );
+            assert_eq!(
+                status.metadata().contains_key(CANCELLED_METADATA),
+                message == "l"
             );
         }
     }

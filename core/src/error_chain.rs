@@ -1,5 +1,6 @@
 //! An error and its sources on one line, for messages and logs: tonic's transport errors say
-//! little alone ("transport error"), the cause is several sources down.
+//! little alone ("transport error"), the cause is several sources down. Also a command-line
+//! parser's usage error on one line, which both commands (agent and coordinator) print.
 
 /// `e` and its sources, `: `-separated, skipping a source whose text the line already ends
 /// with (many errors repeat their source in their own message).
@@ -14,6 +15,29 @@ pub fn chain(e: &dyn std::error::Error) -> String {
         source = s.source();
     }
     text
+}
+
+/// Clap's message on one line, without the `error: ` label, the usage block and the help
+/// hint; the indented lines right under the first (a list of missing arguments, the possible
+/// values) are kept. Both commands print a bad flag this way (`muster-agent` exits 2,
+/// `muster-coordinator` 64).
+pub fn usage_line(message: &str) -> String {
+    let mut lines = message.lines();
+    let first = lines.next().unwrap_or_default();
+    let mut line = first
+        .strip_prefix("error: ")
+        .unwrap_or(first)
+        .trim()
+        .to_owned();
+    let more: Vec<&str> = lines
+        .take_while(|l| l.starts_with(char::is_whitespace) && !l.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    if !more.is_empty() {
+        let separator = if line.ends_with(':') { ", " } else { " " };
+        line = format!("{line} {}", more.join(separator));
+    }
+    line
 }
 
 #[cfg(test)]

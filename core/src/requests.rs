@@ -400,7 +400,7 @@ impl TryFrom<&pb::CancelJobRequest> for Cancel {
 
     fn try_from(r: &pb::CancelJobRequest) -> Result<Self, Invalid> {
         Ok(Self {
-            reason: reason_or(&r.reason, "cancelled by an operator")?,
+            reason: reason_or(&r.reason, "no reason given")?,
         })
     }
 }

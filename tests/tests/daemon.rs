@@ -152,7 +152,7 @@ fn cancel_stops_the_workers_on_every_node() {
     assert!(out.status.success(), "{}", text(&out));
     for agent in [&a, &b] {
         agent.wait_for_lines(Stream::Stderr, 1, SLOW, |l| {
-            l.contains("job long") && l.contains("was cancelled")
+            l.contains("job long") && l.contains("cancelled by an operator")
         });
     }
     assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());

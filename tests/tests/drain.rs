@@ -82,6 +82,16 @@ async fn a_drained_agent_exits_0_and_the_others_continue_as_a_smaller_generation
         a.wait_for_lines(Stream::Stdout, 1, SLOW, |l| {
             l.contains("ready gen=2 nodes=2 restart=0")
         });
+        // How long the membership change took, named as one: not "after the failure", and no
+        // restart number (issue 19).
+        a.wait_for_lines(Stream::Stderr, 1, SLOW, |l| {
+            l.contains("generation 2 running 1 worker on node")
+                && l.contains(
+                    "ms after generation 1 of job 'drain-e2e' was superseded by generation 2",
+                )
+                && l.contains("kernel upgrade")
+        });
+        assert!(!a.output().contains("after the failure"), "{}", a.output());
     }
     let d = ops
         .describe_job(pb::DescribeJobRequest {
@@ -112,6 +122,7 @@ async fn a_drained_agent_exits_0_and_the_others_continue_as_a_smaller_generation
     .unwrap();
     for a in agents {
         let run = a.finish(SLOW);
-        assert_eq!(run.code(), Some(1), "{}", run.dump());
+        // A cancelled job's agents exit 3 (cancel.rs tests that in full).
+        assert_eq!(run.code(), Some(3), "{}", run.dump());
     }
 }

@@ -131,7 +131,8 @@ pub struct SubmitArgs {
     /// `launch --no-agent-store`).
     #[arg(long, alias = "no_agent_store")]
     pub no_agent_store: bool,
-    /// Wait until the job ends and exit 0 only if it finished.
+    /// Wait until the job ends: exit 0 if it finished, 3 if an operator cancelled it, 1 if it
+    /// failed. Only states are shown: the workers' output is on each agent's stdout and stderr.
     #[arg(long)]
     pub wait: bool,
     /// TLS and the cluster token.
@@ -199,7 +200,7 @@ pub struct CancelArgs {
     /// The job to cancel.
     pub job_id: String,
     /// Why (shown to the job's agents and workers).
-    #[arg(long, default_value = "cancelled by an operator")]
+    #[arg(long, default_value = "no reason given")]
     pub reason: String,
     /// TLS and the cluster token.
     #[command(flatten)]

@@ -240,6 +240,7 @@ impl LaunchArgs {
             virtual_local_rank: self.torchrun.virtual_local_rank,
             security,
             program,
+            node_id: None,
         };
         Ok((spec, warnings))
     }

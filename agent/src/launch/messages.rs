@@ -2,8 +2,29 @@
 //! copied to the agent's own error file), the line of a restart, the line of a coordinator
 //! that lost the job.
 
+use super::supervisor::PreviousEnd;
 use muster_proto::v1 as pb;
 use std::fmt::Write as _;
+
+/// How a generation that this node rejoins after ended (seen here at `at`), for the line that
+/// says how long until the next one ran: a failure is a restart; anything else (a node joined,
+/// or one was drained) is a membership change, named with the coordinator's reason.
+pub(super) fn previous_end(v: &pb::GenerationEnded, at: std::time::Instant) -> PreviousEnd {
+    let failed = v.cause == pb::generation_ended::Cause::Failed as i32;
+    let what = if failed {
+        format!("generation {} failed", v.generation)
+    } else {
+        v.message
+            .lines()
+            .next()
+            .filter(|l| !l.is_empty())
+            .map_or_else(
+                || format!("generation {} ended", v.generation),
+                str::to_owned,
+            )
+    };
+    PreviousEnd { at, failed, what }
+}
 
 /// The one line an agent prints when the coordinator lost the state of a job whose
 /// `generation` ran on this node (see `docs/contract.md`, "A coordinator that lost the job").
@@ -192,6 +213,38 @@ mod tests {
         assert_eq!(
             root_cause("j", &lost),
             "muster-agent: job j failed: node 1 (host h1, agent n1) was lost: its agent disconnected\n"
+        );
+    }
+
+    #[test]
+    fn a_previous_end_says_what_ended() {
+        let at = std::time::Instant::now();
+        let ended = |cause: pb::generation_ended::Cause, message: &str| pb::GenerationEnded {
+            generation: 4,
+            cause: cause as i32,
+            rejoin: true,
+            message: message.into(),
+            ..Default::default()
+        };
+        use pb::generation_ended::Cause;
+        let failed = previous_end(&ended(Cause::Failed, "rank 1 exited"), at);
+        assert!(failed.failed);
+        assert_eq!(failed.what, "generation 4 failed");
+        let drained = previous_end(
+            &ended(
+                Cause::Superseded,
+                "generation 4 of job 'j' was superseded by generation 5: node 'n1' was drained\nmore",
+            ),
+            at,
+        );
+        assert!(!drained.failed);
+        assert_eq!(
+            drained.what,
+            "generation 4 of job 'j' was superseded by generation 5: node 'n1' was drained"
+        );
+        assert_eq!(
+            previous_end(&ended(Cause::Superseded, ""), at).what,
+            "generation 4 ended"
         );
     }
 

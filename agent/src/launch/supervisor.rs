@@ -46,6 +46,16 @@ impl Stop {
 
 type ExitFuture = Pin<Box<dyn Future<Output = Exit> + Send>>;
 
+/// How the generation before this one ended, as this node saw it.
+pub(super) struct PreviousEnd {
+    /// When this node first saw it end.
+    pub(super) at: Instant,
+    /// Whether it failed (a restart), rather than ended for a membership change.
+    pub(super) failed: bool,
+    /// What ended, for the log line: "generation 1 failed (...)", "generation 1 ended: ...".
+    pub(super) what: String,
+}
+
 /// How one generation ended for this node.
 pub(super) enum End {
     /// Every worker exited 0.
@@ -96,8 +106,9 @@ pub(super) struct Supervisor<'a> {
     /// The coordinator (address, answer) that no longer knows the job.
     state_lost: Option<(String, String)>,
     report: Option<JoinHandle<()>>,
-    /// When the previous generation failed (to report how long the restart took).
-    failed_at: Option<Instant>,
+    /// How the previous generation ended here, if this one replaces it (to report how long
+    /// the restart or membership change took).
+    previous: Option<PreviousEnd>,
     /// This generation's workers in `muster_agent_workers{state}`.
     states: WorkerStates,
 }
@@ -109,7 +120,7 @@ impl<'a> Supervisor<'a> {
         node: NodeAssignment,
         watch: Watch,
         stops: &'a mut Stops,
-        failed_at: Option<Instant>,
+        previous: Option<PreviousEnd>,
     ) -> Self {
         Self {
             spec,
@@ -128,7 +139,7 @@ impl<'a> Supervisor<'a> {
             lease_lost: None,
             state_lost: None,
             report: None,
-            failed_at,
+            previous,
             states: WorkerStates::starting(spec.nproc_per_node),
         }
     }
@@ -136,17 +147,24 @@ impl<'a> Supervisor<'a> {
     pub(super) async fn run(mut self) -> End {
         self.spawn_all();
         let spawned = self.workers.len();
-        if let Some(at) = self.failed_at
+        if let Some(previous) = &self.previous
             && self.spawn_error.is_none()
         {
+            let generation = if previous.failed {
+                format!(
+                    "generation {} (restart {})",
+                    self.node.generation, self.node.restart_count
+                )
+            } else {
+                format!("generation {}", self.node.generation)
+            };
             eprintln!(
-                "muster-agent: job {}: generation {} (restart {}) running {} on node {}, {:.0} ms after the failure",
+                "muster-agent: job {}: {generation} running {} on node {}, {:.0} ms after {}",
                 self.spec.job_id,
-                self.node.generation,
-                self.node.restart_count,
                 workers(spawned),
                 self.node.node_rank,
-                at.elapsed().as_secs_f64() * 1000.0
+                previous.at.elapsed().as_secs_f64() * 1000.0,
+                previous.what
             );
         }
         while !self.exits.is_empty() {

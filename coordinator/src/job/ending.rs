@@ -4,6 +4,17 @@
 
 use super::*;
 
+/// How a cancel reads wherever it is shown (the agents' logs, `GenerationEnded`, the job's
+/// summary): one wording, so that an operator can grep for it.
+pub(super) fn cancelled_text(why: &str) -> String {
+    format!("cancelled by an operator: {why}")
+}
+
+/// What a join, a joiner of the open round or a wait of a cancelled job is answered.
+pub(super) fn cancelled_refusal(job: &JobId, why: &str) -> String {
+    format!("job '{job}' was {}", cancelled_text(why))
+}
+
 impl Job {
     /// Marks `rank` failed and fails its generation (if it is the first failure): every
     /// pending barrier of the generation gets an error naming the rank, and every node's agent
@@ -164,11 +175,13 @@ impl Job {
         st.done = Some(Done::Cancelled(why.to_owned()));
         let (generation, restarts, max_restarts) =
             (st.generation, st.restarts, st.config.max_restarts);
-        let message = format!("job '{}' was cancelled: {why}", self.id);
+        tracing::warn!(job = %self.id, generation, "job {}", cancelled_text(why));
+        crate::metrics::job_cancelled();
+        let message = cancelled_refusal(&self.id, why);
         match &mut st.phase {
             Phase::Open(round) => {
                 for j in round.joiners.drain(..) {
-                    let _ = j.reply.send(Err(Error::Aborted(message.clone())));
+                    let _ = j.reply.send(Err(Error::Cancelled(message.clone())));
                 }
             }
             Phase::Running(g) => {
@@ -182,7 +195,8 @@ impl Job {
                         cause: pb::generation_ended::Cause::Cancelled as i32,
                         rejoin: false,
                         failure: None,
-                        message,
+                        // What the agents print: the reason, not the job id they know.
+                        message: cancelled_text(why),
                         restart_count: restarts,
                         max_restarts,
                     },

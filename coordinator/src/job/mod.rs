@@ -36,6 +36,7 @@ pub use nodes::Drained;
 pub use persist::{RECORDS_PREFIX, record_key};
 
 use crate::store::Store;
+use ending::*;
 use generation::*;
 use muster_core::barrier::{self, Place};
 use muster_core::error::Error;

@@ -33,6 +33,9 @@ impl Job {
         if self.retired() {
             return;
         }
+        // The agents of a cancelled job stop and go away: that is the cancel working, not
+        // their ranks failing (the view keeps saying why they stopped).
+        let cancelled = matches!(st.done, Some(Done::Cancelled(_)));
         let Ok(g) = self.running(&mut st, generation) else {
             return;
         };
@@ -45,7 +48,7 @@ impl Job {
         }
         // Dropping the outbox ends the stream's answers.
         node.watch = None;
-        if node.finished {
+        if node.finished || cancelled {
             return;
         }
         let range = node.rank_offset..node.rank_offset + node.local_world_size;

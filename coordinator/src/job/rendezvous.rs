@@ -40,10 +40,7 @@ impl Job {
                 )));
             }
             Some(Done::Cancelled(why)) => {
-                return Err(Error::FailedPrecondition(format!(
-                    "job '{}' was cancelled: {why}",
-                    self.id
-                )));
+                return Err(Error::Cancelled(cancelled_refusal(&self.id, why)));
             }
             Some(Done::Finished(why)) => {
                 return Err(Error::FailedPrecondition(format!(

@@ -144,6 +144,34 @@ async fn a_final_state_never_changes() {
     assert_eq!(before.0, pb::RoundState::Cancelled as i32, "{before:?}");
     every_late_event(&cancelled).await;
     assert_eq!(outcome(&cancelled), before);
+    // The reason shows everywhere, and the agents' disconnects failed nothing.
+    let view = cancelled.describe();
+    let summary = view.summary.unwrap();
+    assert_eq!(summary.reason, "cancelled by an operator: operator");
+    assert!(summary.done);
+    assert!(view.failure.is_none(), "{:?}", view.failure);
+    for r in &view.ranks {
+        assert_ne!(r.state, pb::RankState::Failed as i32, "{r:?}");
+        // Node 0 said its workers exited 0 (a late event above); node 1's were stopped.
+        if r.node_rank == 1 {
+            assert_eq!(r.state, pb::RankState::Cancelled as i32, "{r:?}");
+            assert_eq!(
+                r.activity, "stopped: the job was cancelled by an operator: operator",
+                "{r:?}"
+            );
+        }
+    }
+    assert_eq!(view.nodes[1].state, pb::NodeState::Cancelled as i32);
+    let e = tonic::Status::from(cancelled.join(req("n0")).unwrap_err());
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition);
+    assert_eq!(
+        e.message(),
+        "job 'j' was cancelled by an operator: operator"
+    );
+    assert!(
+        e.metadata()
+            .contains_key(muster_core::error::CANCELLED_METADATA)
+    );
 
     // Failed with no restarts left.
     let failed = formed(2, 0).await;

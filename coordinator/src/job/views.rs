@@ -130,6 +130,10 @@ impl Job {
                     .collect();
             }
             Phase::Running(g) => {
+                let cancelled = match &st.done {
+                    Some(Done::Cancelled(why)) => Some(cancelled_text(why)),
+                    _ => None,
+                };
                 resp.nodes = g
                     .nodes
                     .iter()
@@ -143,6 +147,8 @@ impl Job {
                             pb::NodeState::Drained
                         } else if n.finished {
                             pb::NodeState::Finished
+                        } else if cancelled.is_some() {
+                            pb::NodeState::Cancelled
                         } else if failed {
                             pb::NodeState::Failed
                         } else if n.watch.is_some() {
@@ -194,6 +200,11 @@ impl Job {
                         if state == pb::RankState::Running && held.contains_key(&r) {
                             state = pb::RankState::Waiting;
                         }
+                        let stopped = cancelled.is_some()
+                            && matches!(s.state, RankState::Pending | RankState::Running);
+                        if stopped {
+                            state = pb::RankState::Cancelled;
+                        }
                         pb::RankInfo {
                             rank: Some(r),
                             node_rank: Some(s.node_rank),
@@ -208,7 +219,11 @@ impl Job {
                             last_barrier: s
                                 .last_scope
                                 .map_or_else(String::new, |i| s.names[i].clone()),
-                            activity: g.activity(r, now, held.get(&r)),
+                            activity: match &cancelled {
+                                // Its workers were stopped by the cancel, not by a failure.
+                                Some(why) if stopped => format!("stopped: the job was {why}"),
+                                _ => g.activity(r, now, held.get(&r)),
+                            },
                         }
                     })
                     .collect();
@@ -282,6 +297,11 @@ impl Job {
             restart_count: st.restarts,
             max_restarts: st.config.max_restarts,
             done: st.done.is_some(),
+            reason: match &st.done {
+                Some(Done::Cancelled(why)) => cancelled_text(why),
+                Some(Done::Failed(why) | Done::Finished(why)) => why.clone(),
+                None => String::new(),
+            },
             ..Default::default()
         };
         match &st.phase {

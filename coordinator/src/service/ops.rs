@@ -6,6 +6,25 @@ use super::*;
 /// The longest `DescribeJob` long poll (`wait_ms`).
 const DESCRIBE_WAIT_MAX: Duration = Duration::from_secs(60);
 
+/// The daemon agent that runs a node: the agent whose id is the node id (daemon agents join
+/// under their agent id), else, for an agent that joined under another id, the only agent of
+/// the job at the node's address. Agents sharing an address (several on one machine, or behind
+/// one NAT) are told apart by id alone: guessing by address would show another node's labels.
+fn machine_of<'a>(
+    machines: &'a [pb::MachineInfo],
+    node_id: &str,
+    host: &str,
+) -> Option<&'a pb::MachineInfo> {
+    if let Some(m) = machines.iter().find(|m| m.agent_id == node_id) {
+        return Some(m);
+    }
+    let mut at_host = machines.iter().filter(|m| m.address == host);
+    match (at_host.next(), at_host.next()) {
+        (Some(m), None) => Some(m),
+        _ => None,
+    }
+}
+
 /// `muster.v1.Ops`.
 #[derive(Clone)]
 pub struct OpsService(pub Arc<Coordinator>);
@@ -49,11 +68,7 @@ impl pb::ops_server::Ops for OpsService {
         // Daemon agents' machines: their labels and host names.
         let machines = self.0.pool.machines(&r.job_id);
         for node in &mut resp.nodes {
-            if let Some(m) = machines
-                .iter()
-                .find(|m| m.agent_id == node.node_id)
-                .or_else(|| machines.iter().find(|m| m.address == node.host))
-            {
+            if let Some(m) = machine_of(&machines, &node.node_id, &node.host) {
                 node.labels = m.labels.clone();
                 node.hostname = m.hostname.clone();
             }
@@ -113,5 +128,39 @@ impl pb::ops_server::Ops for OpsService {
         let drained = job.drain(&node, &reason)?;
         self.0.pool.drained(&job_id, &drained.node_id);
         Ok(Response::new(drained.into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn machine(id: &str, address: &str) -> pb::MachineInfo {
+        pb::MachineInfo {
+            agent_id: id.into(),
+            address: address.into(),
+            ..Default::default()
+        }
+    }
+
+    /// A node's machine is found by its id; by address only when no other agent of the job
+    /// shares that address (two agents on one machine once both showed the first one's labels).
+    #[test]
+    fn a_node_is_matched_to_its_machine_by_agent_id() {
+        let shared = [machine("b", "10.0.0.1"), machine("c", "10.0.0.1")];
+        let alone = [machine("b", "10.0.0.1"), machine("d", "10.0.0.2")];
+        for (machines, node_id, host, expected) in [
+            (&shared[..], "c", "10.0.0.1", Some("c")),
+            (&shared[..], "b", "10.0.0.1", Some("b")),
+            (&shared[..], "old-style-id", "10.0.0.1", None),
+            (&alone[..], "old-style-id", "10.0.0.2", Some("d")),
+            (&alone[..], "old-style-id", "10.0.0.9", None),
+        ] {
+            assert_eq!(
+                machine_of(machines, node_id, host).map(|m| m.agent_id.as_str()),
+                expected,
+                "{node_id} at {host}"
+            );
+        }
     }
 }
