@@ -234,6 +234,14 @@ async fn run_at(
     let coordinators = Coordinators::from_list(&coordinator, spec.failover_timeout)
         .with_security(spec.security.client().clone());
     let job = spec.job_id.clone();
+    if embedded && !spec.quiet {
+        // The embedded coordinator's port is picked at random: say where it is, so an operator
+        // can ask it who is waiting where.
+        eprintln!(
+            "muster-agent: job {job}: coordinator at {coordinator} \
+             (`muster-agent describe --coordinator {coordinator} {job}` shows who waits where)"
+        );
+    }
     let reached = match waiting(coordinators.connect(CONNECT_WINDOW), stops, || {
         // `-q`: no notice (an empty one is not printed).
         if spec.quiet {

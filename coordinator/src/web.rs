@@ -72,6 +72,13 @@ impl View {
                 f.stderr_tail.clear();
                 f.error_traceback.clear();
             }
+            if let Some(s) = &mut d.summary
+                && let Some(at) = s.reason.find(muster_core::failure::LAST_STDERR)
+            {
+                s.reason.truncate(at);
+                s.reason
+                    .push_str(" (the worker's stderr is not shown here)");
+            }
             jobs.push(to_json("muster.v1.DescribeJobResponse", &d));
         }
         let agents = ops

@@ -40,6 +40,10 @@ pub struct FailureDetail {
     pub stderr_tail: String,
 }
 
+/// Where [`Failure::describe`]'s account turns to the worker's stderr, which runs to the end
+/// of the line it is part of: a view that must not show stderr cuts there.
+pub const LAST_STDERR: &str = "; last stderr: ";
+
 impl Failure {
     /// The one-line account every waiter and the job's final state carry: rank, node, host,
     /// reason, then the error message and the end of stderr when the agent reported them.
@@ -55,7 +59,7 @@ impl Failure {
         if !d.stderr_tail.is_empty() {
             let n = d.stderr_tail.chars().count();
             let tail: String = d.stderr_tail.chars().skip(n.saturating_sub(2048)).collect();
-            let _ = write!(text, "; last stderr: {}", tail.trim_end());
+            let _ = write!(text, "{LAST_STDERR}{}", tail.trim_end());
         }
         text
     }

@@ -402,3 +402,58 @@ fn describe_errors_are_one_line() {
         run.dump()
     );
 }
+
+/// A local job (the agent's embedded coordinator, on a port picked at random) prints the
+/// `describe` command for itself when it starts; run as printed, it finds the missing rank.
+#[test]
+fn a_local_job_prints_the_describe_line_that_finds_its_hang() {
+    let Some(script) = stuck_script() else {
+        return;
+    };
+    let job = "local-hang";
+    let agent = Agent::start(&[
+        "launch",
+        "--job-id",
+        job,
+        "--nproc-per-node",
+        "2",
+        "--grace-period-ms",
+        "500",
+        "--",
+        "sh",
+        "-c",
+        &script,
+    ]);
+    let deadline = Instant::now() + SLOW;
+    let command = loop {
+        let found = agent.lines(Stream::Stderr).into_iter().find_map(|l| {
+            let at = l.find("`muster-agent describe ")?;
+            let rest = &l[at + 1..];
+            Some(rest[..rest.find('`')?].to_owned())
+        });
+        if let Some(c) = found {
+            break c;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no describe line\n{}",
+            agent.output()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let words: Vec<&str> = command.split_whitespace().collect();
+    assert_eq!(
+        words[..3],
+        ["muster-agent", "describe", "--coordinator"],
+        "{command}"
+    );
+    assert!(words[3].starts_with("127.0.0.1:"), "{command}");
+    assert_eq!(words[4..], [job], "{command}");
+    let view = describe_until_waiting(&words[2..]);
+    assert!(
+        view.lines()
+            .any(|l| l.starts_with("  missing rank 1 on node 0 (")),
+        "{view}"
+    );
+    drop(agent);
+}

@@ -153,7 +153,7 @@ async fn a_final_state_never_changes() {
     for r in &view.ranks {
         assert_ne!(r.state, pb::RankState::Failed as i32, "{r:?}");
         // Node 0 said its workers exited 0 (a late event above); node 1's were stopped.
-        if r.node_rank == 1 {
+        if r.node_rank == Some(1) {
             assert_eq!(r.state, pb::RankState::Cancelled as i32, "{r:?}");
             assert_eq!(
                 r.activity, "stopped: the job was cancelled by an operator: operator",
