@@ -440,6 +440,27 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
             let _ = writeln!(out, "  last stderr line: {}", last.trim_end());
         }
     }
+    // What made the restarts: the earlier generations' failures (the current one's is above).
+    let current = d.failure.as_ref().map(|f| f.generation);
+    let earlier: Vec<_> = d
+        .recent_failures
+        .iter()
+        .filter(|f| Some(f.generation) != current)
+        .collect();
+    if !earlier.is_empty() {
+        out.push('\n');
+        for f in earlier {
+            let _ = writeln!(
+                out,
+                "earlier: generation {} failed: rank {} (node {}, host {}) {}",
+                f.generation,
+                or_none(f.rank),
+                or_none(f.node_rank),
+                f.host,
+                f.reason
+            );
+        }
+    }
     let mut drained: Vec<_> = d.drained.iter().collect();
     drained.sort();
     for (node, why) in drained {
@@ -568,6 +589,30 @@ mod tests {
             ),
             "{text}"
         );
+    }
+
+    /// The earlier generations' failures (what made the restarts) follow the current one's.
+    #[test]
+    fn earlier_failures_are_listed_after_the_current_one() {
+        let mut d = stuck();
+        let current = d.failure.clone().unwrap();
+        let earlier = pb::FailureInfo {
+            generation: 0,
+            rank: Some(2),
+            node_rank: Some(1),
+            host: "10.0.0.2".into(),
+            reason: "killed by signal 9 (SIGKILL)".into(),
+            ..Default::default()
+        };
+        d.recent_failures = vec![current, earlier];
+        let text = render(&d);
+        assert!(
+            text.ends_with(
+                "earlier: generation 0 failed: rank 2 (node 1, host 10.0.0.2) killed by signal 9 (SIGKILL)\n"
+            ),
+            "{text}"
+        );
+        assert_eq!(text.matches("generation 1").count(), 1, "{text}");
     }
 
     /// Ranks that diverged on a barrier's name are called out; a rank without a session shows

@@ -68,7 +68,7 @@ impl View {
                 continue;
             };
             let mut d = d.into_inner();
-            if let Some(f) = &mut d.failure {
+            for f in d.failure.iter_mut().chain(d.recent_failures.iter_mut()) {
                 f.stderr_tail.clear();
                 f.error_traceback.clear();
             }

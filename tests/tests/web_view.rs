@@ -313,6 +313,11 @@ async fn the_json_view_names_the_stuck_barrier_the_missing_rank_and_the_failure(
         "{f:#}"
     );
     assert_eq!(f["stderr_tail"], "", "{f:#}");
+    // What made the restart, too: both generations' failures, newest first, without stderr.
+    let past = failed["recent_failures"].as_array().unwrap();
+    let generations: Vec<_> = past.iter().map(|f| f["generation"].clone()).collect();
+    assert_eq!(generations, [2, 1], "{failed:#}");
+    assert!(past.iter().all(|f| f["stderr_tail"] == ""), "{failed:#}");
     assert!(!v.to_string().contains("loss diverged"), "{v:#}");
 
     // No credential and no unique id anywhere, in the JSON or the page.
@@ -464,6 +469,13 @@ async fn headless_chromium_renders_the_job_its_stuck_barrier_and_the_missing_ran
         dom.contains(&format!("data-failed-job=\"{FAILED}\"")),
         "{dom}"
     );
+    // Both failed generations: the restart's cause as well as the final failure.
+    for generation in [1, 2] {
+        assert!(
+            dom.contains(&format!("data-failed-generation=\"{generation}\"")),
+            "{dom}"
+        );
+    }
     assert!(dom.contains(&format!("data-agent=\"{POOLED}\"")), "{dom}");
     assert_no_secrets(&scene, "the rendered page", &dom);
 

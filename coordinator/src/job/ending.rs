@@ -106,6 +106,7 @@ impl Job {
         crate::metrics::generation_failed(&f);
         let err = f.to_error(&id, generation);
         let info = f.to_info(generation);
+        let ended_failure = info.clone();
         g.failure = Some(f);
         g.fail_all_barriers(&err);
         g.relays_failed(&err);
@@ -132,6 +133,8 @@ impl Job {
             },
             &HashMap::new(),
         );
+        st.recent_failures.push_front(ended_failure);
+        st.recent_failures.truncate(super::RECENT_FAILURES);
         self.persist(st);
         self.notify();
     }

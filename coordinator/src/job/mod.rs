@@ -95,7 +95,12 @@ struct JobState {
     next_watch: u64,
     /// Nodes an operator drained (node id to reason): their joins are refused (persisted).
     drained: HashMap<String, String>,
+    /// The failures of the job's generations, newest first, at most [`RECENT_FAILURES`].
+    recent_failures: std::collections::VecDeque<pb::FailureInfo>,
 }
+
+/// How many generations' failures a job keeps for its view.
+const RECENT_FAILURES: usize = 8;
 
 /// A job: its lock-protected state plus a change signal for waiters of published values.
 pub struct Job {
@@ -165,6 +170,7 @@ impl Job {
             done: None,
             next_watch: 1,
             drained: HashMap::new(),
+            recent_failures: Default::default(),
             phase: Phase::Open(OpenRound {
                 seq: 0,
                 joiners: vec![],

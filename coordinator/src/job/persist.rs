@@ -212,6 +212,7 @@ impl Job {
             done,
             next_watch: 1,
             drained: record.drained.clone(),
+            recent_failures: Default::default(),
         };
         Ok(Self::with_state(id, state, kv_bytes, ctx))
     }

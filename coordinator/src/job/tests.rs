@@ -254,3 +254,30 @@ async fn a_known_node_joining_again_is_a_restart_within_the_budget() {
         (pb::RoundState::Failed as i32, 1, true)
     );
 }
+
+/// DescribeJob keeps what made each restart: every generation's failure, newest first, not
+/// only the current one's.
+#[tokio::test]
+async fn describe_lists_the_failures_of_earlier_generations_newest_first() {
+    let job = formed(1, 2).await;
+    let exited = |code| {
+        Some(FailureDetail {
+            exit_code: Some(code),
+            ..FailureDetail::default()
+        })
+    };
+    job.fail_rank(1, 0, "exited with status 3".into(), exited(3));
+    let (_, _, answer) = job.join(req("n0")).unwrap();
+    assert_eq!(answer.await.unwrap().unwrap().generation, 2);
+    job.fail_rank(2, 0, "exited with status 4".into(), exited(4));
+    let d = job.describe();
+    let seen: Vec<(u64, Option<i32>)> = d
+        .recent_failures
+        .iter()
+        .map(|f| (f.generation, f.exit_code))
+        .collect();
+    assert_eq!(seen, [(2, Some(4)), (1, Some(3))], "{d:?}");
+    // A late report for a generation that already failed adds nothing.
+    job.fail_rank(1, 0, "exited with status 9".into(), exited(9));
+    assert_eq!(job.describe().recent_failures.len(), 2);
+}

@@ -110,6 +110,7 @@ impl Job {
             config: Some(config),
             restart_count: st.restarts,
             drained: st.drained.clone(),
+            recent_failures: st.recent_failures.iter().cloned().collect(),
             ..Default::default()
         };
         let now = Instant::now();
