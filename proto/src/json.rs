@@ -45,6 +45,7 @@ pub fn page(full_name: &str, message: &impl prost::Message) -> Result<serde_json
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::v1 as pb;
 
