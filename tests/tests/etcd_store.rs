@@ -346,6 +346,7 @@ async fn coordinator_state_survives_its_restart_on_etcd() {
             job_id: "persist".into(),
             key: "count".into(),
             delta: 5,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -453,6 +454,7 @@ async fn coordinator_state_survives_its_restart_on_etcd() {
             job_id: "persist".into(),
             key: "count".into(),
             delta: 1,
+            ..Default::default()
         })
         .await
         .unwrap()
