@@ -1,11 +1,13 @@
-"""torch's own TCPStore client against muster's agent store (agent/tests/tcpstore.rs): one
-mode per check, each printing what it saw so that the Rust test asserts on it.
+"""torch's own TCPStore client against muster's agent store (agent/tests/tcpstore.rs, and
+tests/tests/agent_store_ha.rs for `in-flight`): one mode per check, each printing what it saw
+so that the Rust test asserts on it.
 
 Usage: tcpstore_client.py PORT MODE [ARGS...]
 """
 
 import datetime
 import sys
+import threading
 import time
 
 import torch.distributed as dist
@@ -65,6 +67,38 @@ def every_operation(s: dist.TCPStore) -> None:
     print("every operation ok")
 
 
+def in_flight(port: int, counter: str, cas: str, log: str, queue: str) -> None:
+    """One mutation that is not idempotent per connection (so per lane at the agent), all sent
+    at once while the test holds the coordinator leader frozen and then kills it: each must
+    complete on the next leader, applied once. Prints "calling OP" just before each call and
+    "OP RESULT" after it."""
+    calls = {
+        "add": lambda s: s.add(counter, 7),
+        "compare_set": lambda s: s.compare_set(cas, "v1", "v2").decode(),
+        "append": lambda s: s.append(log, "x"),
+        "queue_push": lambda s: s.queue_push(queue, "item"),
+    }
+    # Past the failover: torch's own timeout would end a call first.
+    stores = {op: connect(port, timeout_s=180.0) for op in calls}
+    failed = []
+
+    def run(op: str) -> None:
+        print(f"calling {op}", flush=True)
+        try:
+            result = calls[op](stores[op])
+            print(f"{op} {'done' if result is None else result}", flush=True)
+        except Exception as e:  # noqa: BLE001 - reported to the test, which fails on it
+            failed.append(f"{op}: {e!r}")
+
+    threads = [threading.Thread(target=run, args=(op,)) for op in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failed:
+        sys.exit("in-flight calls failed: " + "; ".join(failed))
+
+
 def main() -> None:
     port = int(sys.argv[1])
     mode = sys.argv[2]
@@ -110,6 +144,8 @@ def main() -> None:
         print("value", connect(port).get(args[0]).decode())
     elif mode == "pop":
         print("popped", connect(port).queue_pop(args[0]).decode())
+    elif mode == "in-flight":
+        in_flight(port, *args)
     elif mode == "push":
         connect(port).queue_push(args[0], args[1])
         print("pushed")

@@ -12,11 +12,14 @@
 //!   the coordinator's key-value store, and on each host only the agent listens on its
 //!   `MASTER_PORT`, on loopback.
 //!
-//! The script's steps add nothing but 0 to a counter (a read, which the SDK retries across a
-//! failover): an add of another amount in flight at the instant of the leader's death may or
-//! may not have been applied, the coordinator keeps no request ids to tell, so the SDK does not
-//! retry it (it could count twice) and torch's client sees its connection close.
-//! `an_add_of_0_in_flight_at_the_leaders_death_is_retried` pins the read down at the SDK.
+//! Every step of the script adds 1 to a counter besides reading one with an add of 0, and
+//! checks at the end that both are exact: an add in flight at the instant of the leader's death
+//! may or may not have been applied, so the agent sends every mutation on its connection's lane
+//! (`muster::client::KvLane`), which the coordinator applies at most once per sequence, and a
+//! retry of an applied call gets its first answer. Three tests pin the retries down with a call
+//! sent to a leader that is frozen (SIGSTOP) and then SIGKILLed: an add of 0 through the SDK
+//! (retried as a read), an add and a compare-and-set on SDK lanes, and torch's own client's add,
+//! compare_set, append and queue_push through the agent store, each exactly once.
 //!
 //! Each test skips, printing why, without the peers' PyTorch, etcd, or (for the hosts) root.
 //! They run one at a time (a lock in this file): each runs 4 torch processes, and the failover
@@ -178,8 +181,8 @@ fn outputs(agents: &[Agent]) -> String {
 }
 
 /// Every agent exited 0, every rank started once (one `initialising` line, restart count 0)
-/// and printed its final line with the same step count, an exact counter and parameters in
-/// sync. Returns the step count.
+/// and printed its final line with the same step count, exact counters (of starts and of
+/// steps) and parameters in sync. Returns the step count.
 fn check_finished(runs: &[Finished], context: &str) -> u32 {
     let dump = || {
         runs.iter()
@@ -209,7 +212,8 @@ fn check_finished(runs: &[Finished], context: &str) -> u32 {
             .unwrap_or_else(|| panic!("rank {rank} ended without its result\n{}", dump()));
         let expected = format!(
             "ddp_store_failover rank={rank} world={WORLD} steps={n} started={WORLD} \
-             restart_count=0 params_in_sync=True"
+             stepped={} restart_count=0 params_in_sync=True",
+            WORLD * n
         );
         assert_eq!(last, expected, "{}", dump());
         assert_eq!(*steps.get_or_insert(n), n, "{}", dump());
@@ -379,18 +383,10 @@ fn a_leader_killed_while_the_job_trains() {
     );
 }
 
-/// The SDK client under the agent store: an `add` of 0 (torch's read of a counter) sent to a
-/// leader that is frozen (SIGSTOP, so the request sits unread in its socket) and then
-/// SIGKILLed is retried on the new leader and completes with the counter's value, where a
-/// non-idempotent add's outcome would be unknown. The job is formed by a real agent whose
-/// worker only sleeps.
-#[test]
-fn an_add_of_0_in_flight_at_the_leaders_death_is_retried() {
-    let _serial = serial();
-    let Some((mut ha, leader)) = Ha::start() else {
-        return;
-    };
-    let job = "agent-store-ha-add0";
+/// A job at the replicas of `ha`, formed by a real agent whose one worker prints its
+/// `MASTER_PORT` (the agent store's) and sleeps, and the job's store through the SDK once the
+/// job exists. Returns the agent, the store and the port.
+fn sleeping_job(ha: &Ha, job: &str) -> (Agent, Kv, u16) {
     let addrs = ha.replicas.addrs();
     let agent = Agent::start_with_env(
         &[
@@ -402,52 +398,168 @@ fn an_add_of_0_in_flight_at_the_leaders_death_is_retried() {
             "--nproc-per-node",
             "1",
             "--",
-            "sleep",
-            "300",
+            "sh",
+            "-c",
+            "echo \"store port $MASTER_PORT\"; exec sleep 300",
         ],
         &[("NO_COLOR", "1")],
     );
+    let line = agent.wait_for_lines(Stream::Stdout, 1, PYTHON_LIMIT, |l| {
+        l.contains("store port ")
+    });
+    let port = line[0]
+        .rsplit_once("store port ")
+        .and_then(|(_, p)| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("a malformed port line: {}", line[0]));
     let kv = Kv::new(
         ha.runtime
             .block_on(Coordinator::connect(&addrs))
             .expect("a client of the replicas"),
         job,
     );
-    // The job exists once the agent has joined: until then its keys are NOT_FOUND.
-    let deadline = Instant::now() + PYTHON_LIMIT;
-    let counted = loop {
-        match ha.runtime.block_on(kv.add("counter", 5)) {
-            Ok(n) => break n,
-            Err(e) => assert!(
-                Instant::now() < deadline,
-                "the job never formed: {e}\n{}",
-                agent.output()
-            ),
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert_eq!(counted, 5);
+    (agent, kv, port)
+}
+
+/// Runs `calls` (spawned on the test's runtime) while replica `leader` is frozen: they must
+/// still be pending half a second later (their requests sit unread in the frozen leader's
+/// socket), then the leader is SIGKILLed and they must complete on the new leader. Returns
+/// what they returned.
+fn in_flight_at_the_leaders_death<T: Send + 'static>(
+    ha: &mut Ha,
+    leader: usize,
+    calls: impl Future<Output = T> + Send + 'static,
+) -> T {
     ha.replicas.stop(leader);
-    let read = {
-        let kv = kv.clone();
-        ha.runtime.spawn(async move { kv.add("counter", 0).await })
-    };
-    // Long enough for the request to reach the frozen leader's socket; the result must be the
-    // same if it had not (a refused or unconnected call is retried in any case).
+    let pending = ha.runtime.spawn(calls);
+    // Long enough for the requests to reach the frozen leader's socket; the result must be
+    // the same if they had not (a refused or unconnected call is retried in any case).
     std::thread::sleep(Duration::from_millis(500));
-    assert!(!read.is_finished(), "a frozen leader answered");
+    assert!(!pending.is_finished(), "a frozen leader answered");
     ha.kill_leader(leader, || {});
-    let value = ha
-        .runtime
-        .block_on(async { tokio::time::timeout(TAKEOVER, read).await })
-        .expect("the add of 0 completes after the failover")
-        .expect("the task ran");
+    ha.runtime
+        .block_on(async { tokio::time::timeout(TAKEOVER, pending).await })
+        .expect("the calls complete after the failover")
+        .expect("the task ran")
+}
+
+/// The SDK client under the agent store: an `add` of 0 (torch's read of a counter) sent to a
+/// leader that is frozen (SIGSTOP, so the request sits unread in its socket) and then
+/// SIGKILLed is retried on the new leader and completes with the counter's value. The job is
+/// formed by a real agent whose worker only sleeps.
+#[test]
+fn an_add_of_0_in_flight_at_the_leaders_death_is_retried() {
+    let _serial = serial();
+    let Some((mut ha, leader)) = Ha::start() else {
+        return;
+    };
+    let (_agent, kv, _) = sleeping_job(&ha, "agent-store-ha-add0");
+    assert_eq!(ha.runtime.block_on(kv.add("counter", 5)).ok(), Some(5));
+    let value = in_flight_at_the_leaders_death(&mut ha, leader, {
+        let kv = kv.clone();
+        async move { kv.add("counter", 0).await }
+    });
     assert_eq!(
         value.map_err(|e| e.to_string()),
         Ok(5),
         "{}",
         ha.replicas.logs()
     );
+}
+
+/// An add of 7 and a compare-and-set, each on an SDK lane (`KvLane`), in flight at a frozen
+/// leader's death: both are retried on the new leader with their sequences, and each is applied
+/// exactly once (the counter ends at 12, not 19; the swap answers swapped, where a second
+/// application would have found "v2" and answered not swapped).
+#[test]
+fn lane_calls_in_flight_at_the_leaders_death_apply_once() {
+    let _serial = serial();
+    let Some((mut ha, leader)) = Ha::start() else {
+        return;
+    };
+    let (_agent, kv, _) = sleeping_job(&ha, "agent-store-ha-lanes");
+    ha.runtime.block_on(async {
+        assert_eq!(kv.add("counter", 5).await.ok(), Some(5));
+        kv.set("cas", "v1").await.expect("a set");
+    });
+    let (added, swapped) = in_flight_at_the_leaders_death(&mut ha, leader, {
+        let (mut adds, mut swaps) = (kv.lane(), kv.lane());
+        async move {
+            tokio::join!(
+                async move { adds.add("counter", 7).await },
+                async move { swaps.compare_and_set("cas", Some(b"v1"), "v2").await }
+            )
+        }
+    });
+    let logs = ha.replicas.logs();
+    assert_eq!(added.map_err(|e| e.to_string()), Ok(12), "{logs}");
+    let swapped = swapped.unwrap_or_else(|e| panic!("the swap failed: {e}\n{logs}"));
+    assert!(swapped.swapped, "{swapped:?}\n{logs}");
+    assert_eq!(swapped.current.as_deref(), Some(&b"v2"[..]));
+    ha.runtime.block_on(async {
+        assert_eq!(kv.get("counter").await.ok().flatten(), Some(b"12".to_vec()));
+        assert_eq!(kv.get("cas").await.ok().flatten(), Some(b"v2".to_vec()));
+    });
+}
+
+/// torch's own `TCPStore` client (`tests/python/tcpstore_client.py in-flight`) sends an add of
+/// 7, a compare_set, an append and a queue_push through the agent store, each on a connection
+/// of its own, while the leader is frozen; the leader is then SIGKILLed. Every call completes
+/// on the new leader, applied once: the counter ends at 12, the swapped value is "v2", the log
+/// "ax" (an append retried after its swap was applied would make it "axx") and the queue holds
+/// one item.
+#[test]
+fn torchs_mutations_in_flight_at_the_leaders_death_apply_once() {
+    let Some(python) = peers_python(&["torch"]) else {
+        return;
+    };
+    let _serial = serial();
+    let Some((mut ha, leader)) = Ha::start() else {
+        return;
+    };
+    let (_agent, kv, port) = sleeping_job(&ha, "agent-store-ha-torch");
+    // torch's keys, as the agent store maps them (generation 1).
+    let key = |k: &str| format!("torch/g1/{k}");
+    ha.runtime.block_on(async {
+        assert_eq!(kv.add(&key("counter"), 5).await.ok(), Some(5));
+        kv.set(&key("cas"), "v1").await.expect("a set");
+        kv.set(&key("log"), "a").await.expect("a set");
+    });
+    ha.replicas.stop(leader);
+    let mut cmd = std::process::Command::new(&python);
+    cmd.arg(workspace_root().join("tests/python/tcpstore_client.py"))
+        .args([&port.to_string(), "in-flight", "counter", "cas", "log", "q"]);
+    let client = Agent::spawn(cmd, "tcpstore_client.py in-flight");
+    // Each call is sent just after its line; the leader stays frozen until they all are.
+    client.wait_for_lines(Stream::Stdout, 4, PYTHON_LIMIT, |l| l.starts_with("calling "));
+    std::thread::sleep(Duration::from_millis(500));
+    let mut client = client;
+    assert!(!client.exited(), "a frozen leader answered\n{}", client.output());
+    ha.kill_leader(leader, || {});
+    let done = client.finish(PYTHON_LIMIT);
+    let logs = ha.replicas.logs();
+    assert_eq!(done.code(), Some(0), "{}\n{logs}", done.dump());
+    let mut printed: Vec<&str> = done
+        .stdout
+        .iter()
+        .map(String::as_str)
+        .filter(|l| !l.starts_with("calling "))
+        .collect();
+    printed.sort();
+    assert_eq!(
+        printed,
+        ["add 12", "append done", "compare_set v2", "queue_push done"],
+        "{}\n{logs}",
+        done.dump()
+    );
+    let stored = ha.runtime.block_on(async {
+        let mut stored = Vec::new();
+        for k in [key("counter"), key("cas"), key("log"), "torch/q1/q/tail".into()] {
+            let v = kv.get(&k).await.expect("a read").unwrap_or_default();
+            stored.push(String::from_utf8_lossy(&v).into_owned());
+        }
+        stored
+    });
+    assert_eq!(stored, ["12", "v2", "ax", "1"], "{logs}");
 }
 
 /// Two agents on two network-namespace hosts, a coordinator on a third (TLS and tokens): each
