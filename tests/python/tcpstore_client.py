@@ -6,6 +6,7 @@ Usage: tcpstore_client.py PORT MODE [ARGS...]
 """
 
 import datetime
+import os
 import sys
 import threading
 import time
@@ -67,11 +68,13 @@ def every_operation(s: dist.TCPStore) -> None:
     print("every operation ok")
 
 
-def in_flight(port: int, counter: str, cas: str, log: str, queue: str) -> None:
+def in_flight(port: int, go: str, counter: str, cas: str, log: str, queue: str) -> None:
     """One mutation that is not idempotent per connection (so per lane at the agent), all sent
     at once while the test holds the coordinator leader frozen and then kills it: each must
-    complete on the next leader, applied once. Prints "calling OP" just before each call and
-    "OP RESULT" after it."""
+    complete on the next leader, applied once. Prints "connected" once every connection is
+    made, then waits for the file `go` (the test freezes the leader first: a frozen leader loses
+    its lease within the TTL, so the calls must go out at once), and prints "calling OP" just
+    before each call and "OP RESULT" after it."""
     calls = {
         "add": lambda s: s.add(counter, 7),
         "compare_set": lambda s: s.compare_set(cas, "v1", "v2").decode(),
@@ -81,14 +84,26 @@ def in_flight(port: int, counter: str, cas: str, log: str, queue: str) -> None:
     # Past the failover: torch's own timeout would end a call first.
     stores = {op: connect(port, timeout_s=180.0) for op in calls}
     failed = []
+    printing = threading.Lock()
+
+    def say(line: str) -> None:
+        with printing:
+            print(line, flush=True)
 
     def run(op: str) -> None:
-        print(f"calling {op}", flush=True)
+        say(f"calling {op}")
         try:
             result = calls[op](stores[op])
-            print(f"{op} {'done' if result is None else result}", flush=True)
+            say(f"{op} {'done' if result is None else result}")
         except Exception as e:  # noqa: BLE001 - reported to the test, which fails on it
             failed.append(f"{op}: {e!r}")
+
+    say("connected")
+    deadline = time.monotonic() + 300
+    while not os.path.exists(go):
+        if time.monotonic() > deadline:
+            sys.exit(f"{go} never appeared")
+        time.sleep(0.01)
 
     threads = [threading.Thread(target=run, args=(op,)) for op in calls]
     for t in threads:

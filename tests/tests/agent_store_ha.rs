@@ -31,9 +31,11 @@ use muster_tests::etcd::Etcd;
 use muster_tests::replicas::Replicas;
 use muster_tests::sockets::{Listener, Ready, held_by, listeners_of, ready};
 use muster_tests::{Agent, Finished, Stream, peers_python, workspace_root};
-use std::net::{IpAddr, Ipv4Addr};
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, Shutdown, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The election lease TTL (etcd's smallest practical TTL is 2 s).
@@ -501,6 +503,136 @@ fn lane_calls_in_flight_at_the_leaders_death_apply_once() {
     });
 }
 
+/// A TCP proxy to one coordinator that, while armed, passes requests on and swallows what comes
+/// back, until [`AnswerEater::cut`] closes every connection: a call that the coordinator applied
+/// and whose answer was lost, as when a leader dies between its write and its answer (the one
+/// failure a frozen leader cannot show: it applies nothing).
+struct AnswerEater {
+    addr: std::net::SocketAddr,
+    armed: Arc<AtomicBool>,
+    live: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl AnswerEater {
+    fn start(upstream: &str) -> Self {
+        let upstream: std::net::SocketAddr = upstream.parse().expect("a replica's address");
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a proxy port");
+        let addr = listener.local_addr().expect("its address");
+        let armed = Arc::new(AtomicBool::new(false));
+        let live: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let (eating, held) = (Arc::clone(&armed), Arc::clone(&live));
+        // Policy: runs until the test process ends; a failed connection just ends.
+        std::thread::spawn(move || {
+            for down in listener.incoming().flatten() {
+                let Ok(up) = TcpStream::connect(upstream) else {
+                    continue;
+                };
+                let (Ok(down2), Ok(up2)) = (down.try_clone(), up.try_clone()) else {
+                    continue;
+                };
+                for s in [&down, &up] {
+                    if let Ok(s) = s.try_clone() {
+                        held.lock().expect("the connections").push(s);
+                    }
+                }
+                std::thread::spawn(move || {
+                    let (mut from, mut to) = (down2, up2);
+                    let _ = std::io::copy(&mut from, &mut to);
+                    let _ = to.shutdown(Shutdown::Both);
+                });
+                let eating = Arc::clone(&eating);
+                std::thread::spawn(move || {
+                    let (mut from, mut to) = (up, down);
+                    let mut buf = [0u8; 16 << 10];
+                    while let Ok(n @ 1..) = from.read(&mut buf) {
+                        if !eating.load(Ordering::SeqCst) && to.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = to.shutdown(Shutdown::Both);
+                });
+            }
+        });
+        Self { addr, armed, live }
+    }
+
+    fn arm(&self) {
+        self.armed.store(true, Ordering::SeqCst);
+    }
+
+    /// Disarms and closes every connection made so far: the client sees its call fail with
+    /// its answer unknown.
+    fn cut(&self) {
+        self.armed.store(false, Ordering::SeqCst);
+        for s in self.live.lock().expect("the connections").drain(..) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// An add and a compare-and-set on SDK lanes, each applied by the leader with its answer lost
+/// on the way back (an [`AnswerEater`] between the client and the leader; the test reads the
+/// applied value directly while the call still waits), then the connection cut: the client
+/// retries with the same sequence, and the coordinator answers from the lane's record instead
+/// of applying again. The counter ends at 12 (an add applied twice would make it 19) and the
+/// swap answers swapped (applied twice, it would find "v2" and answer not swapped).
+#[test]
+fn a_lane_call_applied_with_its_answer_lost_is_answered_once() {
+    let _serial = serial();
+    let Some((ha, leader)) = Ha::start() else {
+        return;
+    };
+    let (_agent, kv, _) = sleeping_job(&ha, "agent-store-ha-lost-answer");
+    ha.runtime.block_on(async {
+        assert_eq!(kv.add("counter", 5).await.ok(), Some(5));
+        kv.set("cas", "v1").await.expect("a set");
+    });
+    let eater = AnswerEater::start(ha.replicas.addr(leader));
+    let proxied = Kv::new(
+        ha.runtime
+            .block_on(Coordinator::connect(&eater.addr.to_string()))
+            .expect("a client through the proxy"),
+        "agent-store-ha-lost-answer",
+    );
+    // One call first, so that the connection is up before answers are swallowed.
+    assert_eq!(ha.runtime.block_on(proxied.get("cas")).ok().flatten(), Some(b"v1".to_vec()));
+    let applied = |key: &str, value: &[u8]| {
+        let deadline = Instant::now() + TAKEOVER;
+        while ha.runtime.block_on(kv.get(key)).ok().flatten().as_deref() != Some(value) {
+            assert!(Instant::now() < deadline, "'{key}' never became {value:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let mut lane = proxied.lane();
+    eater.arm();
+    let add = ha.runtime.spawn(async move {
+        let added = lane.add("counter", 7).await;
+        (added, lane)
+    });
+    applied("counter", b"12");
+    assert!(!add.is_finished(), "the add's answer came through");
+    eater.cut();
+    let (added, mut lane) = ha.runtime.block_on(add).expect("the task ran");
+    assert_eq!(added.map_err(|e| e.to_string()), Ok(12), "{}", ha.replicas.logs());
+    eater.arm();
+    let swap = ha
+        .runtime
+        .spawn(async move { lane.compare_and_set("cas", Some(b"v1"), "v2").await });
+    applied("cas", b"v2");
+    assert!(!swap.is_finished(), "the swap's answer came through");
+    eater.cut();
+    let swapped = ha
+        .runtime
+        .block_on(swap)
+        .expect("the task ran")
+        .unwrap_or_else(|e| panic!("the swap failed: {e}\n{}", ha.replicas.logs()));
+    assert!(swapped.swapped, "{swapped:?}");
+    ha.runtime.block_on(async {
+        assert_eq!(kv.get("counter").await.ok().flatten(), Some(b"12".to_vec()));
+        assert_eq!(kv.get("cas").await.ok().flatten(), Some(b"v2".to_vec()));
+    });
+}
+
 /// torch's own `TCPStore` client (`tests/python/tcpstore_client.py in-flight`) sends an add of
 /// 7, a compare_set, an append and a queue_push through the agent store, each on a connection
 /// of its own, while the leader is frozen; the leader is then SIGKILLed. Every call completes
@@ -524,11 +656,20 @@ fn torchs_mutations_in_flight_at_the_leaders_death_apply_once() {
         kv.set(&key("cas"), "v1").await.expect("a set");
         kv.set(&key("log"), "a").await.expect("a set");
     });
-    ha.replicas.stop(leader);
+    let steer = Steer::new("torch-in-flight");
+    let go = steer.0.join("go");
     let mut cmd = std::process::Command::new(&python);
     cmd.arg(workspace_root().join("tests/python/tcpstore_client.py"))
-        .args([&port.to_string(), "in-flight", "counter", "cas", "log", "q"]);
+        .arg(port.to_string())
+        .arg("in-flight")
+        .arg(&go)
+        .args(["counter", "cas", "log", "q"]);
     let client = Agent::spawn(cmd, "tcpstore_client.py in-flight");
+    client.wait_for_lines(Stream::Stdout, 1, PYTHON_LIMIT, |l| l == "connected");
+    // The calls go out at once after the freeze: a frozen leader's lease runs out within the
+    // TTL, and a call sent after that would go to the next leader, not be in flight.
+    ha.replicas.stop(leader);
+    std::fs::write(&go, b"go").expect("the go file");
     // Each call is sent just after its line; the leader stays frozen until they all are.
     client.wait_for_lines(Stream::Stdout, 4, PYTHON_LIMIT, |l| l.starts_with("calling "));
     std::thread::sleep(Duration::from_millis(500));
@@ -542,7 +683,7 @@ fn torchs_mutations_in_flight_at_the_leaders_death_apply_once() {
         .stdout
         .iter()
         .map(String::as_str)
-        .filter(|l| !l.starts_with("calling "))
+        .filter(|l| !l.starts_with("calling ") && *l != "connected")
         .collect();
     printed.sort();
     assert_eq!(
