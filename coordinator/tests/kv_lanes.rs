@@ -163,7 +163,10 @@ async fn stale_and_reused_sequences_are_refused_and_change_nothing() {
     );
     let e = cas(ch, "a", 1, "k", None, b"x").await.unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
-    assert!(e.message().starts_with("compare_and_set: sequence 1"), "{e}");
+    assert!(
+        e.message().starts_with("compare_and_set: sequence 1"),
+        "{e}"
+    );
     // The sequence of the last call, sent with another call: not that call's retry.
     for (what, result) in [
         ("another delta", add(ch, "a", 5, "n", 2).await.map(|_| ())),
@@ -176,9 +179,8 @@ async fn stale_and_reused_sequences_are_refused_and_change_nothing() {
         let e = result.unwrap_err();
         assert_eq!(e.code(), Code::FailedPrecondition, "{what}: {e:?}");
         assert!(
-            e.message().contains(
-                "sequence 5 of lane 'a' in job 'lanes' was already used by another call"
-            ),
+            e.message()
+                .contains("sequence 5 of lane 'a' in job 'lanes' was already used by another call"),
             "{what}: {e}"
         );
     }
@@ -224,7 +226,11 @@ async fn bad_lanes_are_refused_and_change_nothing() {
     let ch = &s.channel;
     let long = "z".repeat(65);
     for (lane, seq, expected) in [
-        ("a/b", 1, "client_id \"a/b\" must be 1 to 64 characters of [0-9A-Za-z_-]"),
+        (
+            "a/b",
+            1,
+            "client_id \"a/b\" must be 1 to 64 characters of [0-9A-Za-z_-]",
+        ),
         (&long, 1, "must be 1 to 64 characters"),
         ("a", 0, "client_id 'a' needs a sequence of 1 or more"),
         ("", 3, "sequence 3 without a client_id"),

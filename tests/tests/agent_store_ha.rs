@@ -486,10 +486,9 @@ fn lane_calls_in_flight_at_the_leaders_death_apply_once() {
     let (added, swapped) = in_flight_at_the_leaders_death(&mut ha, leader, {
         let (mut adds, mut swaps) = (kv.lane(), kv.lane());
         async move {
-            tokio::join!(
-                async move { adds.add("counter", 7).await },
-                async move { swaps.compare_and_set("cas", Some(b"v1"), "v2").await }
-            )
+            tokio::join!(async move { adds.add("counter", 7).await }, async move {
+                swaps.compare_and_set("cas", Some(b"v1"), "v2").await
+            })
         }
     });
     let logs = ha.replicas.logs();
@@ -595,7 +594,10 @@ fn a_lane_call_applied_with_its_answer_lost_is_answered_once() {
         "agent-store-ha-lost-answer",
     );
     // One call first, so that the connection is up before answers are swallowed.
-    assert_eq!(ha.runtime.block_on(proxied.get("cas")).ok().flatten(), Some(b"v1".to_vec()));
+    assert_eq!(
+        ha.runtime.block_on(proxied.get("cas")).ok().flatten(),
+        Some(b"v1".to_vec())
+    );
     let applied = |key: &str, value: &[u8]| {
         let deadline = Instant::now() + TAKEOVER;
         while ha.runtime.block_on(kv.get(key)).ok().flatten().as_deref() != Some(value) {
@@ -613,7 +615,12 @@ fn a_lane_call_applied_with_its_answer_lost_is_answered_once() {
     assert!(!add.is_finished(), "the add's answer came through");
     eater.cut();
     let (added, mut lane) = ha.runtime.block_on(add).expect("the task ran");
-    assert_eq!(added.map_err(|e| e.to_string()), Ok(12), "{}", ha.replicas.logs());
+    assert_eq!(
+        added.map_err(|e| e.to_string()),
+        Ok(12),
+        "{}",
+        ha.replicas.logs()
+    );
     eater.arm();
     let swap = ha
         .runtime
@@ -671,10 +678,16 @@ fn torchs_mutations_in_flight_at_the_leaders_death_apply_once() {
     ha.replicas.stop(leader);
     std::fs::write(&go, b"go").expect("the go file");
     // Each call is sent just after its line; the leader stays frozen until they all are.
-    client.wait_for_lines(Stream::Stdout, 4, PYTHON_LIMIT, |l| l.starts_with("calling "));
+    client.wait_for_lines(Stream::Stdout, 4, PYTHON_LIMIT, |l| {
+        l.starts_with("calling ")
+    });
     std::thread::sleep(Duration::from_millis(500));
     let mut client = client;
-    assert!(!client.exited(), "a frozen leader answered\n{}", client.output());
+    assert!(
+        !client.exited(),
+        "a frozen leader answered\n{}",
+        client.output()
+    );
     ha.kill_leader(leader, || {});
     let done = client.finish(PYTHON_LIMIT);
     let logs = ha.replicas.logs();
@@ -694,7 +707,12 @@ fn torchs_mutations_in_flight_at_the_leaders_death_apply_once() {
     );
     let stored = ha.runtime.block_on(async {
         let mut stored = Vec::new();
-        for k in [key("counter"), key("cas"), key("log"), "torch/q1/q/tail".into()] {
+        for k in [
+            key("counter"),
+            key("cas"),
+            key("log"),
+            "torch/q1/q/tail".into(),
+        ] {
             let v = kv.get(&k).await.expect("a read").unwrap_or_default();
             stored.push(String::from_utf8_lossy(&v).into_owned());
         }

@@ -96,9 +96,7 @@ impl Backend {
         desired: Vec<u8>,
     ) -> Result<Vec<u8>, Error> {
         let want = (!expected.is_empty()).then_some(expected.as_slice());
-        let outcome = lane
-            .compare_and_set(&self.full(key), want, desired)
-            .await?;
+        let outcome = lane.compare_and_set(&self.full(key), want, desired).await?;
         Ok(outcome.current.unwrap_or(expected))
     }
 
@@ -226,11 +224,7 @@ impl Backend {
     /// claimed by moving the head with a compare-and-set, once the tail shows it exists, so
     /// two ranks never pop the same item; the compare-and-set is on the lane, so a claim
     /// applied before a failover is not taken again (which would skip an item).
-    pub async fn queue_pop(
-        &self,
-        lane: &mut KvLane,
-        name: &str,
-    ) -> Result<Option<Vec<u8>>, Error> {
+    pub async fn queue_pop(&self, lane: &mut KvLane, name: &str) -> Result<Option<Vec<u8>>, Error> {
         let head_key = self.queue(name, "head");
         loop {
             let (head, raw) = self.counter(&head_key).await?;

@@ -4,11 +4,11 @@
 //! what a blocking `queue_pop` sends first) keeps reading the connection while it waits, so torch's `CANCEL_WAIT` (sent
 //! when the client's timeout runs out) is answered at once.
 
+use muster::client::KvLane;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpListener, TcpStream},
 };
-use muster::client::KvLane;
 use tokio_util::sync::CancellationToken;
 
 use super::{

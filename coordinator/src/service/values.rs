@@ -203,7 +203,12 @@ impl ValuesService {
         digest: &[u8],
         what: &str,
     ) -> Result<LaneState, Status> {
-        let Some(bytes) = self.0.store.get(&lane_key(&job.id, &lane.client_id)).await? else {
+        let Some(bytes) = self
+            .0
+            .store
+            .get(&lane_key(&job.id, &lane.client_id))
+            .await?
+        else {
             return Ok(LaneState::Fresh { record_bytes: 0 });
         };
         let corrupt = |why: String| {
@@ -212,7 +217,8 @@ impl ValuesService {
                 lane.client_id, job.id
             ))
         };
-        let record = pb::KvLaneRecord::decode(bytes.as_slice()).map_err(|e| corrupt(e.to_string()))?;
+        let record =
+            pb::KvLaneRecord::decode(bytes.as_slice()).map_err(|e| corrupt(e.to_string()))?;
         if record.sequence > lane.sequence {
             return Err(Status::failed_precondition(format!(
                 "{what}: sequence {} of lane '{}' in job '{}' is stale: the lane already applied sequence {} (a lane numbers its calls upwards and sends each after the one before it answered)",
@@ -239,17 +245,14 @@ impl ValuesService {
     /// Writes `value` at `full` (user key `key`, holding `old` before) and `lane`'s record of
     /// the call (`digest`, `answer`) in one store transaction, under the byte caps. Caller
     /// holds the job's kv lock.
-    #[allow(clippy::too_many_arguments)]
     async fn write_on_lane(
         &self,
         job: &Job,
         total: &mut usize,
         (full, key): (&str, &str),
-        old: Option<&[u8]>,
-        value: Vec<u8>,
+        (old, value): (Option<&[u8]>, Vec<u8>),
         (lane, record_bytes): (&Lane, usize),
-        digest: Vec<u8>,
-        answer: pb::kv_lane_record::Answer,
+        (digest, answer): (Vec<u8>, pb::kv_lane_record::Answer),
     ) -> Result<(), Status> {
         let record = pb::KvLaneRecord {
             sequence: lane.sequence,
@@ -263,8 +266,15 @@ impl ValuesService {
             (full.to_owned(), value),
             (lane_key(&job.id, &lane.client_id), record),
         ];
-        self.account(job, total, key, old_len, new_len, self.0.store.put_all(entries))
-            .await
+        self.account(
+            job,
+            total,
+            key,
+            old_len,
+            new_len,
+            self.0.store.put_all(entries),
+        )
+        .await
     }
 
     async fn publish(
@@ -469,11 +479,9 @@ impl pb::key_value_server::KeyValue for ValuesService {
                     &job,
                     &mut total,
                     (&full, &key),
-                    old.as_deref(),
-                    text,
+                    (old.as_deref(), text),
                     (lane, record_bytes),
-                    digest,
-                    pb::kv_lane_record::Answer::Added(value),
+                    (digest, pb::kv_lane_record::Answer::Added(value)),
                 )
                 .await?;
             }
@@ -537,11 +545,9 @@ impl pb::key_value_server::KeyValue for ValuesService {
                     &job,
                     &mut total,
                     (&full, &key),
-                    current.as_deref(),
-                    r.desired.clone(),
+                    (current.as_deref(), r.desired.clone()),
                     (lane, record_bytes),
-                    digest,
-                    pb::kv_lane_record::Answer::Swapped(true),
+                    (digest, pb::kv_lane_record::Answer::Swapped(true)),
                 )
                 .await?;
             }

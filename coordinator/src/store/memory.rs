@@ -98,9 +98,12 @@ mod tests {
         assert_eq!(l[0].0, "a/1");
         assert!(s.delete("b").await.unwrap());
         assert!(!s.delete("b").await.unwrap());
-        s.put_all(vec![("a/3".into(), b"p".to_vec()), ("c".into(), b"q".to_vec())])
-            .await
-            .unwrap();
+        s.put_all(vec![
+            ("a/3".into(), b"p".to_vec()),
+            ("c".into(), b"q".to_vec()),
+        ])
+        .await
+        .unwrap();
         assert_eq!(s.get("a/3").await.unwrap(), Some(b"p".to_vec()));
         assert_eq!(s.get("c").await.unwrap(), Some(b"q".to_vec()));
         // A refused put_all writes nothing.

@@ -126,12 +126,7 @@ impl Kv {
 
     /// [`Kv::add`], on `lane` (its client id and this call's sequence) if given, which makes
     /// any add safe to retry.
-    async fn add_on(
-        &self,
-        lane: Option<(&str, u64)>,
-        key: &str,
-        delta: i64,
-    ) -> Result<i64, Error> {
+    async fn add_on(&self, lane: Option<(&str, u64)>, key: &str, delta: i64) -> Result<i64, Error> {
         let (client_id, sequence) = lane.unwrap_or_default();
         let request = pb::AddRequest {
             job_id: self.job_id.clone(),
