@@ -88,6 +88,7 @@ async fn kv_has_tcpstore_semantics() {
                         job_id: "kv".into(),
                         key: "n".into(),
                         delta: 2,
+                        ..Default::default()
                     })
                     .await
                     .unwrap()
@@ -102,6 +103,7 @@ async fn kv_has_tcpstore_semantics() {
             job_id: "kv".into(),
             key: "n".into(),
             delta: -1,
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -112,6 +114,7 @@ async fn kv_has_tcpstore_semantics() {
             job_id: "kv".into(),
             key: "a/1".into(),
             delta: 1,
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -122,6 +125,7 @@ async fn kv_has_tcpstore_semantics() {
         key: "c".into(),
         expected: expected.map(<[u8]>::to_vec),
         desired: desired.to_vec(),
+        ..Default::default()
     };
     let r = kv(ch)
         .compare_and_set(cas(None, b"v1"))

@@ -14,14 +14,15 @@ The test steers it with files in DIR:
 Each rank adds 1 to a counter once the process group is up. Every step is then a DDP step plus
 store traffic through torch's default store: a key set by each rank and read (blocking) by the
 next one, possibly on another node; the counter read with add(key, 0), as torch's store-based
-barrier polls one; and a delete of an old key. At the end each rank checks that the counter
-counted every add exactly once (an add applied twice by a retry would show here) and that the
-parameters agree on every rank, and prints one line that the test checks.
+barrier polls one; an add of 1 to a second counter, of steps; and a delete of an old key. At
+the end each rank checks that both counters counted every add exactly once (an add applied
+twice by a retry after a coordinator failover would show here) and that the parameters agree on
+every rank, and prints one line that the test checks.
 
 Lines printed: "initialising rank=R" before init_process_group; "ready rank=R pid=P
 master=ADDR:PORT agent_store=V" once the process group is up; "step rank=R n=N" after each
-step; "ddp_store_failover rank=R world=W steps=S started=N restart_count=C params_in_sync=B"
-at the end.
+step; "ddp_store_failover rank=R world=W steps=S started=N stepped=T restart_count=C
+params_in_sync=B" at the end.
 """
 
 import os
@@ -82,6 +83,7 @@ while True:
     if steps >= 2:
         # Read by the previous rank before it joined the all_reduce of step steps - 1.
         store.delete_key(f"step/{steps - 2}/{rank}")
+    store.add("stepped", 1)
     steps += 1
     print(f"step rank={rank} n={steps}", flush=True)
 
@@ -92,16 +94,20 @@ while True:
 
 dist.barrier()
 started = store.add("started", 0)
+# Every rank took as many steps (they agree to stop in an all_reduce), each adding 1.
+stepped = store.add("stepped", 0)
 params = torch.cat([p.detach().flatten() for p in model.parameters()])
 gathered = [torch.zeros_like(params) for _ in range(world)]
 dist.all_gather(gathered, params)
 in_sync = all(torch.equal(gathered[0], p) for p in gathered)
 print(
     f"ddp_store_failover rank={rank} world={world} steps={steps} started={started}"
-    f" restart_count={os.environ['TORCHELASTIC_RESTART_COUNT']} params_in_sync={in_sync}",
+    f" stepped={stepped} restart_count={os.environ['TORCHELASTIC_RESTART_COUNT']} params_in_sync={in_sync}",
     flush=True,
 )
 dist.barrier()
 dist.destroy_process_group()
 if started != world:
     sys.exit(f"ddp_store_failover.py: the counter says {started}, not {world}")
+if stepped != world * steps:
+    sys.exit(f"ddp_store_failover.py: the step counter says {stepped}, not {world * steps}")

@@ -1,11 +1,14 @@
-"""torch's own TCPStore client against muster's agent store (agent/tests/tcpstore.rs): one
-mode per check, each printing what it saw so that the Rust test asserts on it.
+"""torch's own TCPStore client against muster's agent store (agent/tests/tcpstore.rs, and
+tests/tests/agent_store_ha.rs for `in-flight`): one mode per check, each printing what it saw
+so that the Rust test asserts on it.
 
 Usage: tcpstore_client.py PORT MODE [ARGS...]
 """
 
 import datetime
+import os
 import sys
+import threading
 import time
 
 import torch.distributed as dist
@@ -65,6 +68,52 @@ def every_operation(s: dist.TCPStore) -> None:
     print("every operation ok")
 
 
+def in_flight(port: int, go: str, counter: str, cas: str, log: str, queue: str) -> None:
+    """One mutation that is not idempotent per connection (so per lane at the agent), all sent
+    at once while the test holds the coordinator leader frozen and then kills it: each must
+    complete on the next leader, applied once. Prints "connected" once every connection is
+    made, then waits for the file `go` (the test freezes the leader first: a frozen leader loses
+    its lease within the TTL, so the calls must go out at once), and prints "calling OP" just
+    before each call and "OP RESULT" after it."""
+    calls = {
+        "add": lambda s: s.add(counter, 7),
+        "compare_set": lambda s: s.compare_set(cas, "v1", "v2").decode(),
+        "append": lambda s: s.append(log, "x"),
+        "queue_push": lambda s: s.queue_push(queue, "item"),
+    }
+    # Past the failover: torch's own timeout would end a call first.
+    stores = {op: connect(port, timeout_s=180.0) for op in calls}
+    failed = []
+    printing = threading.Lock()
+
+    def say(line: str) -> None:
+        with printing:
+            print(line, flush=True)
+
+    def run(op: str) -> None:
+        say(f"calling {op}")
+        try:
+            result = calls[op](stores[op])
+            say(f"{op} {'done' if result is None else result}")
+        except Exception as e:  # noqa: BLE001 - reported to the test, which fails on it
+            failed.append(f"{op}: {e!r}")
+
+    say("connected")
+    deadline = time.monotonic() + 300
+    while not os.path.exists(go):
+        if time.monotonic() > deadline:
+            sys.exit(f"{go} never appeared")
+        time.sleep(0.01)
+
+    threads = [threading.Thread(target=run, args=(op,)) for op in calls]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failed:
+        sys.exit("in-flight calls failed: " + "; ".join(failed))
+
+
 def main() -> None:
     port = int(sys.argv[1])
     mode = sys.argv[2]
@@ -110,6 +159,8 @@ def main() -> None:
         print("value", connect(port).get(args[0]).decode())
     elif mode == "pop":
         print("popped", connect(port).queue_pop(args[0]).decode())
+    elif mode == "in-flight":
+        in_flight(port, *args)
     elif mode == "push":
         connect(port).queue_push(args[0], args[1])
         print("pushed")

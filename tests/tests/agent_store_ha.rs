@@ -12,11 +12,14 @@
 //!   the coordinator's key-value store, and on each host only the agent listens on its
 //!   `MASTER_PORT`, on loopback.
 //!
-//! The script's steps add nothing but 0 to a counter (a read, which the SDK retries across a
-//! failover): an add of another amount in flight at the instant of the leader's death may or
-//! may not have been applied, the coordinator keeps no request ids to tell, so the SDK does not
-//! retry it (it could count twice) and torch's client sees its connection close.
-//! `an_add_of_0_in_flight_at_the_leaders_death_is_retried` pins the read down at the SDK.
+//! Every step of the script adds 1 to a counter besides reading one with an add of 0, and
+//! checks at the end that both are exact: an add in flight at the instant of the leader's death
+//! may or may not have been applied, so the agent sends every mutation on its connection's lane
+//! (`muster::client::KvLane`), which the coordinator applies at most once per sequence, and a
+//! retry of an applied call gets its first answer. Three tests pin the retries down with a call
+//! sent to a leader that is frozen (SIGSTOP) and then SIGKILLed: an add of 0 through the SDK
+//! (retried as a read), an add and a compare-and-set on SDK lanes, and torch's own client's add,
+//! compare_set, append and queue_push through the agent store, each exactly once.
 //!
 //! Each test skips, printing why, without the peers' PyTorch, etcd, or (for the hosts) root.
 //! They run one at a time (a lock in this file): each runs 4 torch processes, and the failover
@@ -28,9 +31,11 @@ use muster_tests::etcd::Etcd;
 use muster_tests::replicas::Replicas;
 use muster_tests::sockets::{Listener, Ready, held_by, listeners_of, ready};
 use muster_tests::{Agent, Finished, Stream, peers_python, workspace_root};
-use std::net::{IpAddr, Ipv4Addr};
+use std::io::{Read, Write};
+use std::net::{IpAddr, Ipv4Addr, Shutdown, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The election lease TTL (etcd's smallest practical TTL is 2 s).
@@ -178,8 +183,8 @@ fn outputs(agents: &[Agent]) -> String {
 }
 
 /// Every agent exited 0, every rank started once (one `initialising` line, restart count 0)
-/// and printed its final line with the same step count, an exact counter and parameters in
-/// sync. Returns the step count.
+/// and printed its final line with the same step count, exact counters (of starts and of
+/// steps) and parameters in sync. Returns the step count.
 fn check_finished(runs: &[Finished], context: &str) -> u32 {
     let dump = || {
         runs.iter()
@@ -209,7 +214,8 @@ fn check_finished(runs: &[Finished], context: &str) -> u32 {
             .unwrap_or_else(|| panic!("rank {rank} ended without its result\n{}", dump()));
         let expected = format!(
             "ddp_store_failover rank={rank} world={WORLD} steps={n} started={WORLD} \
-             restart_count=0 params_in_sync=True"
+             stepped={} restart_count=0 params_in_sync=True",
+            WORLD * n
         );
         assert_eq!(last, expected, "{}", dump());
         assert_eq!(*steps.get_or_insert(n), n, "{}", dump());
@@ -379,18 +385,10 @@ fn a_leader_killed_while_the_job_trains() {
     );
 }
 
-/// The SDK client under the agent store: an `add` of 0 (torch's read of a counter) sent to a
-/// leader that is frozen (SIGSTOP, so the request sits unread in its socket) and then
-/// SIGKILLed is retried on the new leader and completes with the counter's value, where a
-/// non-idempotent add's outcome would be unknown. The job is formed by a real agent whose
-/// worker only sleeps.
-#[test]
-fn an_add_of_0_in_flight_at_the_leaders_death_is_retried() {
-    let _serial = serial();
-    let Some((mut ha, leader)) = Ha::start() else {
-        return;
-    };
-    let job = "agent-store-ha-add0";
+/// A job at the replicas of `ha`, formed by a real agent whose one worker prints its
+/// `MASTER_PORT` (the agent store's) and sleeps, and the job's store through the SDK once the
+/// job exists. Returns the agent, the store and the port.
+fn sleeping_job(ha: &Ha, job: &str) -> (Agent, Kv, u16) {
     let addrs = ha.replicas.addrs();
     let agent = Agent::start_with_env(
         &[
@@ -402,52 +400,332 @@ fn an_add_of_0_in_flight_at_the_leaders_death_is_retried() {
             "--nproc-per-node",
             "1",
             "--",
-            "sleep",
-            "300",
+            "sh",
+            "-c",
+            "echo \"store port $MASTER_PORT\"; exec sleep 300",
         ],
         &[("NO_COLOR", "1")],
     );
+    let line = agent.wait_for_lines(Stream::Stdout, 1, PYTHON_LIMIT, |l| {
+        l.contains("store port ")
+    });
+    let port = line[0]
+        .rsplit_once("store port ")
+        .and_then(|(_, p)| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("a malformed port line: {}", line[0]));
     let kv = Kv::new(
         ha.runtime
             .block_on(Coordinator::connect(&addrs))
             .expect("a client of the replicas"),
         job,
     );
-    // The job exists once the agent has joined: until then its keys are NOT_FOUND.
-    let deadline = Instant::now() + PYTHON_LIMIT;
-    let counted = loop {
-        match ha.runtime.block_on(kv.add("counter", 5)) {
-            Ok(n) => break n,
-            Err(e) => assert!(
-                Instant::now() < deadline,
-                "the job never formed: {e}\n{}",
-                agent.output()
-            ),
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    assert_eq!(counted, 5);
+    (agent, kv, port)
+}
+
+/// Runs `calls` (spawned on the test's runtime) while the leader is frozen: they must still be
+/// pending half a second later (their requests sit unread in the frozen leader's socket), then
+/// the leader is SIGKILLed and they must complete on the new leader. Returns what they
+/// returned.
+fn in_flight_at_the_leaders_death<T: std::fmt::Debug + Send + 'static>(
+    ha: &mut Ha,
+    calls: impl Future<Output = T> + Send + 'static,
+) -> T {
+    // Asked again now: on a loaded machine a lease can lapse and move the lead after start.
+    let leader = ha.runtime.block_on(ha.replicas.wait_leader(TAKEOVER, &[]));
     ha.replicas.stop(leader);
-    let read = {
-        let kv = kv.clone();
-        ha.runtime.spawn(async move { kv.add("counter", 0).await })
-    };
-    // Long enough for the request to reach the frozen leader's socket; the result must be the
-    // same if it had not (a refused or unconnected call is retried in any case).
+    let pending = ha.runtime.spawn(calls);
+    // Long enough for the requests to reach the frozen leader's socket; the result must be
+    // the same if they had not (a refused or unconnected call is retried in any case).
     std::thread::sleep(Duration::from_millis(500));
-    assert!(!read.is_finished(), "a frozen leader answered");
+    if pending.is_finished() {
+        let early = ha.runtime.block_on(pending);
+        panic!(
+            "the calls ended while leader {leader} was frozen: {early:?}\n{}",
+            ha.replicas.logs()
+        );
+    }
     ha.kill_leader(leader, || {});
-    let value = ha
-        .runtime
-        .block_on(async { tokio::time::timeout(TAKEOVER, read).await })
-        .expect("the add of 0 completes after the failover")
-        .expect("the task ran");
+    ha.runtime
+        .block_on(async { tokio::time::timeout(TAKEOVER, pending).await })
+        .expect("the calls complete after the failover")
+        .expect("the task ran")
+}
+
+/// The SDK client under the agent store: an `add` of 0 (torch's read of a counter) sent to a
+/// leader that is frozen (SIGSTOP, so the request sits unread in its socket) and then
+/// SIGKILLed is retried on the new leader and completes with the counter's value. The job is
+/// formed by a real agent whose worker only sleeps.
+#[test]
+fn an_add_of_0_in_flight_at_the_leaders_death_is_retried() {
+    let _serial = serial();
+    let Some((mut ha, _)) = Ha::start() else {
+        return;
+    };
+    let (_agent, kv, _) = sleeping_job(&ha, "agent-store-ha-add0");
+    assert_eq!(ha.runtime.block_on(kv.add("counter", 5)).ok(), Some(5));
+    let value = in_flight_at_the_leaders_death(&mut ha, {
+        let kv = kv.clone();
+        async move { kv.add("counter", 0).await }
+    });
     assert_eq!(
         value.map_err(|e| e.to_string()),
         Ok(5),
         "{}",
         ha.replicas.logs()
     );
+}
+
+/// An add of 7 and a compare-and-set, each on an SDK lane (`KvLane`), in flight at a frozen
+/// leader's death: both are retried on the new leader with their sequences, and each is applied
+/// exactly once (the counter ends at 12, not 19; the swap answers swapped, where a second
+/// application would have found "v2" and answered not swapped).
+#[test]
+fn lane_calls_in_flight_at_the_leaders_death_apply_once() {
+    let _serial = serial();
+    let Some((mut ha, _)) = Ha::start() else {
+        return;
+    };
+    let (_agent, kv, _) = sleeping_job(&ha, "agent-store-ha-lanes");
+    ha.runtime.block_on(async {
+        assert_eq!(kv.add("counter", 5).await.ok(), Some(5));
+        kv.set("cas", "v1").await.expect("a set");
+    });
+    let (added, swapped) = in_flight_at_the_leaders_death(&mut ha, {
+        let (mut adds, mut swaps) = (kv.lane(), kv.lane());
+        async move {
+            tokio::join!(async move { adds.add("counter", 7).await }, async move {
+                swaps.compare_and_set("cas", Some(b"v1"), "v2").await
+            })
+        }
+    });
+    let logs = ha.replicas.logs();
+    assert_eq!(added.map_err(|e| e.to_string()), Ok(12), "{logs}");
+    let swapped = swapped.unwrap_or_else(|e| panic!("the swap failed: {e}\n{logs}"));
+    assert!(swapped.swapped, "{swapped:?}\n{logs}");
+    assert_eq!(swapped.current.as_deref(), Some(&b"v2"[..]));
+    ha.runtime.block_on(async {
+        assert_eq!(kv.get("counter").await.ok().flatten(), Some(b"12".to_vec()));
+        assert_eq!(kv.get("cas").await.ok().flatten(), Some(b"v2".to_vec()));
+    });
+}
+
+/// A TCP proxy to one coordinator that, while armed, passes requests on and swallows what comes
+/// back, until [`AnswerEater::cut`] closes every connection: a call that the coordinator applied
+/// and whose answer was lost, as when a leader dies between its write and its answer (the one
+/// failure a frozen leader cannot show: it applies nothing).
+struct AnswerEater {
+    addr: std::net::SocketAddr,
+    armed: Arc<AtomicBool>,
+    live: Arc<Mutex<Vec<TcpStream>>>,
+}
+
+impl AnswerEater {
+    fn start(upstream: &str) -> Self {
+        let upstream: std::net::SocketAddr = upstream.parse().expect("a replica's address");
+        let listener = TcpListener::bind("127.0.0.1:0").expect("a proxy port");
+        let addr = listener.local_addr().expect("its address");
+        let armed = Arc::new(AtomicBool::new(false));
+        let live: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
+        let (eating, held) = (Arc::clone(&armed), Arc::clone(&live));
+        // Policy: runs until the test process ends; a failed connection just ends.
+        std::thread::spawn(move || {
+            for down in listener.incoming().flatten() {
+                let Ok(up) = TcpStream::connect(upstream) else {
+                    continue;
+                };
+                let (Ok(down2), Ok(up2)) = (down.try_clone(), up.try_clone()) else {
+                    continue;
+                };
+                for s in [&down, &up] {
+                    if let Ok(s) = s.try_clone() {
+                        held.lock().expect("the connections").push(s);
+                    }
+                }
+                std::thread::spawn(move || {
+                    let (mut from, mut to) = (down2, up2);
+                    let _ = std::io::copy(&mut from, &mut to);
+                    let _ = to.shutdown(Shutdown::Both);
+                });
+                let eating = Arc::clone(&eating);
+                std::thread::spawn(move || {
+                    let (mut from, mut to) = (up, down);
+                    let mut buf = [0u8; 16 << 10];
+                    while let Ok(n @ 1..) = from.read(&mut buf) {
+                        if !eating.load(Ordering::SeqCst) && to.write_all(&buf[..n]).is_err() {
+                            break;
+                        }
+                    }
+                    let _ = to.shutdown(Shutdown::Both);
+                });
+            }
+        });
+        Self { addr, armed, live }
+    }
+
+    fn arm(&self) {
+        self.armed.store(true, Ordering::SeqCst);
+    }
+
+    /// Disarms and closes every connection made so far: the client sees its call fail with
+    /// its answer unknown.
+    fn cut(&self) {
+        self.armed.store(false, Ordering::SeqCst);
+        for s in self.live.lock().expect("the connections").drain(..) {
+            let _ = s.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// An add and a compare-and-set on SDK lanes, each applied by the leader with its answer lost
+/// on the way back (an [`AnswerEater`] between the client and the leader; the test reads the
+/// applied value directly while the call still waits), then the connection cut: the client
+/// retries with the same sequence, and the coordinator answers from the lane's record instead
+/// of applying again. The counter ends at 12 (an add applied twice would make it 19) and the
+/// swap answers swapped (applied twice, it would find "v2" and answer not swapped).
+#[test]
+fn a_lane_call_applied_with_its_answer_lost_is_answered_once() {
+    let _serial = serial();
+    let Some((ha, leader)) = Ha::start() else {
+        return;
+    };
+    let (_agent, kv, _) = sleeping_job(&ha, "agent-store-ha-lost-answer");
+    ha.runtime.block_on(async {
+        assert_eq!(kv.add("counter", 5).await.ok(), Some(5));
+        kv.set("cas", "v1").await.expect("a set");
+    });
+    let eater = AnswerEater::start(ha.replicas.addr(leader));
+    let proxied = Kv::new(
+        ha.runtime
+            .block_on(Coordinator::connect(&eater.addr.to_string()))
+            .expect("a client through the proxy"),
+        "agent-store-ha-lost-answer",
+    );
+    // One call first, so that the connection is up before answers are swallowed.
+    assert_eq!(
+        ha.runtime.block_on(proxied.get("cas")).ok().flatten(),
+        Some(b"v1".to_vec())
+    );
+    let applied = |key: &str, value: &[u8]| {
+        let deadline = Instant::now() + TAKEOVER;
+        while ha.runtime.block_on(kv.get(key)).ok().flatten().as_deref() != Some(value) {
+            assert!(Instant::now() < deadline, "'{key}' never became {value:?}");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let mut lane = proxied.lane();
+    eater.arm();
+    let add = ha.runtime.spawn(async move {
+        let added = lane.add("counter", 7).await;
+        (added, lane)
+    });
+    applied("counter", b"12");
+    assert!(!add.is_finished(), "the add's answer came through");
+    eater.cut();
+    let (added, mut lane) = ha.runtime.block_on(add).expect("the task ran");
+    assert_eq!(
+        added.map_err(|e| e.to_string()),
+        Ok(12),
+        "{}",
+        ha.replicas.logs()
+    );
+    eater.arm();
+    let swap = ha
+        .runtime
+        .spawn(async move { lane.compare_and_set("cas", Some(b"v1"), "v2").await });
+    applied("cas", b"v2");
+    assert!(!swap.is_finished(), "the swap's answer came through");
+    eater.cut();
+    let swapped = ha
+        .runtime
+        .block_on(swap)
+        .expect("the task ran")
+        .unwrap_or_else(|e| panic!("the swap failed: {e}\n{}", ha.replicas.logs()));
+    assert!(swapped.swapped, "{swapped:?}");
+    ha.runtime.block_on(async {
+        assert_eq!(kv.get("counter").await.ok().flatten(), Some(b"12".to_vec()));
+        assert_eq!(kv.get("cas").await.ok().flatten(), Some(b"v2".to_vec()));
+    });
+}
+
+/// torch's own `TCPStore` client (`tests/python/tcpstore_client.py in-flight`) sends an add of
+/// 7, a compare_set, an append and a queue_push through the agent store, each on a connection
+/// of its own, while the leader is frozen; the leader is then SIGKILLed. Every call completes
+/// on the new leader, applied once: the counter ends at 12, the swapped value is "v2", the log
+/// "ax" (an append retried after its swap was applied would make it "axx") and the queue holds
+/// one item.
+#[test]
+fn torchs_mutations_in_flight_at_the_leaders_death_apply_once() {
+    let Some(python) = peers_python(&["torch"]) else {
+        return;
+    };
+    let _serial = serial();
+    let Some((mut ha, leader)) = Ha::start() else {
+        return;
+    };
+    let (_agent, kv, port) = sleeping_job(&ha, "agent-store-ha-torch");
+    // torch's keys, as the agent store maps them (generation 1).
+    let key = |k: &str| format!("torch/g1/{k}");
+    ha.runtime.block_on(async {
+        assert_eq!(kv.add(&key("counter"), 5).await.ok(), Some(5));
+        kv.set(&key("cas"), "v1").await.expect("a set");
+        kv.set(&key("log"), "a").await.expect("a set");
+    });
+    let steer = Steer::new("torch-in-flight");
+    let go = steer.0.join("go");
+    let mut cmd = std::process::Command::new(&python);
+    cmd.arg(workspace_root().join("tests/python/tcpstore_client.py"))
+        .arg(port.to_string())
+        .arg("in-flight")
+        .arg(&go)
+        .args(["counter", "cas", "log", "q"]);
+    let client = Agent::spawn(cmd, "tcpstore_client.py in-flight");
+    client.wait_for_lines(Stream::Stdout, 1, PYTHON_LIMIT, |l| l == "connected");
+    // The calls go out at once after the freeze: a frozen leader's lease runs out within the
+    // TTL, and a call sent after that would go to the next leader, not be in flight.
+    ha.replicas.stop(leader);
+    std::fs::write(&go, b"go").expect("the go file");
+    // Each call is sent just after its line; the leader stays frozen until they all are.
+    client.wait_for_lines(Stream::Stdout, 4, PYTHON_LIMIT, |l| {
+        l.starts_with("calling ")
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let mut client = client;
+    assert!(
+        !client.exited(),
+        "a frozen leader answered\n{}",
+        client.output()
+    );
+    ha.kill_leader(leader, || {});
+    let done = client.finish(PYTHON_LIMIT);
+    let logs = ha.replicas.logs();
+    assert_eq!(done.code(), Some(0), "{}\n{logs}", done.dump());
+    let mut printed: Vec<&str> = done
+        .stdout
+        .iter()
+        .map(String::as_str)
+        .filter(|l| !l.starts_with("calling ") && *l != "connected")
+        .collect();
+    printed.sort();
+    assert_eq!(
+        printed,
+        ["add 12", "append done", "compare_set v2", "queue_push done"],
+        "{}\n{logs}",
+        done.dump()
+    );
+    let stored = ha.runtime.block_on(async {
+        let mut stored = Vec::new();
+        for k in [
+            key("counter"),
+            key("cas"),
+            key("log"),
+            "torch/q1/q/tail".into(),
+        ] {
+            let v = kv.get(&k).await.expect("a read").unwrap_or_default();
+            stored.push(String::from_utf8_lossy(&v).into_owned());
+        }
+        stored
+    });
+    assert_eq!(stored, ["12", "v2", "ax", "1"], "{logs}");
 }
 
 /// Two agents on two network-namespace hosts, a coordinator on a third (TLS and tokens): each

@@ -83,6 +83,23 @@ async fn conformance(s: Arc<dyn Store>, other: Arc<dyn Store>) {
     // A deleted key can be created again.
     assert_eq!(s.create("jobs/j/kv/a", v("3")).await.unwrap(), None);
 
+    // put_all: every key or none (a key named twice is refused before anything is written).
+    let both = |x: &str| {
+        vec![
+            ("jobs/j/kv/n".to_owned(), v(x)),
+            ("jobs/j/applied/lane".to_owned(), v(x)),
+        ]
+    };
+    s.put_all(both("1")).await.unwrap();
+    let mut twice = both("2");
+    twice.push(("jobs/j/kv/n".to_owned(), v("3")));
+    assert!(s.put_all(twice).await.is_err());
+    assert!(s.put_all(Vec::new()).await.is_err());
+    for (key, _) in both("") {
+        assert_eq!(s.get(&key).await.unwrap(), Some(v("1")), "{key}");
+        assert!(s.delete(&key).await.unwrap());
+    }
+
     // Binary values: every byte, NULs and invalid UTF-8 included; non-ASCII keys.
     let binary: Vec<u8> = (0..=255u8).chain([0, 0, 0xff, 0xfe, 0xc0]).collect();
     s.put("jobs/j/kv/bïn", binary.clone()).await.unwrap();
@@ -346,6 +363,7 @@ async fn coordinator_state_survives_its_restart_on_etcd() {
             job_id: "persist".into(),
             key: "count".into(),
             delta: 5,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -453,6 +471,7 @@ async fn coordinator_state_survives_its_restart_on_etcd() {
             job_id: "persist".into(),
             key: "count".into(),
             delta: 1,
+            ..Default::default()
         })
         .await
         .unwrap()

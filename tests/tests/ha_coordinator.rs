@@ -443,6 +443,13 @@ async fn every_store_write_is_fenced_by_the_leader_key() {
     store.set_fence(Some(fence(token)));
     store.put("records/j", b"term-1".to_vec()).await.unwrap();
     assert_eq!(store.create("jobs/j/x", b"1".to_vec()).await.unwrap(), None);
+    let pair = |v: &[u8]| {
+        vec![
+            ("jobs/j/kv/n".to_owned(), v.to_vec()),
+            ("jobs/j/applied/lane".to_owned(), v.to_vec()),
+        ]
+    };
+    store.put_all(pair(b"1")).await.unwrap();
     // A new term (the key re-created): every kind of write of the old term is refused and
     // changes nothing.
     client.delete("/fence/election/leader", None).await.unwrap();
@@ -455,6 +462,8 @@ async fn every_store_write_is_fenced_by_the_leader_key() {
         store.create("jobs/j/y", b"1".to_vec()).await.err(),
         store.delete("jobs/j/x").await.err(),
         store.delete_prefix("jobs/").await.err(),
+        // A value and its lane record: neither is written.
+        store.put_all(pair(b"stale")).await.err(),
     ];
     for e in refused {
         let e = e.expect("a stale term's write is refused");
@@ -466,6 +475,9 @@ async fn every_store_write_is_fenced_by_the_leader_key() {
     );
     assert_eq!(store.get("jobs/j/x").await.unwrap(), Some(b"1".to_vec()));
     assert_eq!(store.get("jobs/j/y").await.unwrap(), None);
+    for (key, _) in pair(b"") {
+        assert_eq!(store.get(&key).await.unwrap(), Some(b"1".to_vec()), "{key}");
+    }
 }
 
 #[tokio::test]

@@ -2,10 +2,19 @@
 //! the coordinator: the key mapping shared with the Python SDK's `muster.torch.Store`, atomic
 //! operations on the coordinator's `Add` and `CompareAndSet`, blocking waits on its waiting
 //! `Get`, and the queues, which torch keeps apart from the keys.
+//!
+//! Failover: every call is retried on the next leader when its outcome is unknown. Reads,
+//! sets, deletes and an add of 0 are safe to apply twice; every other mutation (an add, a
+//! compare-and-set, each compare-and-set of an append or a queue pop, a push's claim of its
+//! index) goes through the connection's [`KvLane`], whose calls the coordinator applies at
+//! most once, so a retry of one that was applied gets its first answer.
 
 use std::time::Duration;
 
-use muster::{Error, client::Kv};
+use muster::{
+    Error,
+    client::{Kv, KvLane},
+};
 
 /// How long one waiting `Get` at the coordinator lasts before the agent asks again. torch's
 /// client does not send its timeout (it cancels with `CANCEL_WAIT`), so a wait is a series of
@@ -27,6 +36,12 @@ pub(crate) struct Backend {
 }
 
 impl Backend {
+    /// A lane for one connection's mutations (its requests are sequential, as a lane's
+    /// calls must be).
+    pub fn lane(&self) -> KvLane {
+        self.kv.lane()
+    }
+
     /// The store of `generation` in the job that `kv` is bound to.
     pub fn new(kv: Kv, generation: u64) -> Self {
         Self {
@@ -61,23 +76,27 @@ impl Backend {
         Ok(self.kv.get(&self.full(key)).await?.unwrap_or_default())
     }
 
-    pub async fn add(&self, key: &str, delta: i64) -> Result<i64, Error> {
-        self.kv.add(&self.full(key), delta).await
+    /// An add of 0 (torch's read of a counter, polled by its store-based barrier) is a plain
+    /// call, which is retried as a read and leaves the lane's record alone; any other goes
+    /// through the lane.
+    pub async fn add(&self, lane: &mut KvLane, key: &str, delta: i64) -> Result<i64, Error> {
+        if delta == 0 {
+            return self.kv.add(&self.full(key), 0).await;
+        }
+        lane.add(&self.full(key), delta).await
     }
 
     /// torch's semantics: an empty `expected` means "only if the key is unset"; the answer is
     /// the value after the call, or `expected` when the key is unset and stays unset.
     pub async fn compare_set(
         &self,
+        lane: &mut KvLane,
         key: &str,
         expected: Vec<u8>,
         desired: Vec<u8>,
     ) -> Result<Vec<u8>, Error> {
         let want = (!expected.is_empty()).then_some(expected.as_slice());
-        let outcome = self
-            .kv
-            .compare_and_set(&self.full(key), want, desired)
-            .await?;
+        let outcome = lane.compare_and_set(&self.full(key), want, desired).await?;
         Ok(outcome.current.unwrap_or(expected))
     }
 
@@ -134,15 +153,15 @@ impl Backend {
     }
 
     /// Appends with a compare-and-set loop at the coordinator, so concurrent appends from
-    /// several ranks are never lost.
-    pub async fn append(&self, key: &str, value: &[u8]) -> Result<(), Error> {
+    /// several ranks are never lost; each attempt is a call of the lane, so one whose swap
+    /// was applied before a failover is not appended again.
+    pub async fn append(&self, lane: &mut KvLane, key: &str, value: &[u8]) -> Result<(), Error> {
         let full = self.full(key);
         loop {
             let current = self.kv.get(&full).await?;
             let mut next = current.clone().unwrap_or_default();
             next.extend_from_slice(value);
-            if self
-                .kv
+            if lane
                 .compare_and_set(&full, current.as_deref(), next)
                 .await?
                 .swapped
@@ -181,9 +200,15 @@ impl Backend {
         Ok((head, tail))
     }
 
-    /// Pushes: the tail counter is claimed atomically (`Add`), then the item is written.
-    pub async fn queue_push(&self, name: &str, value: Vec<u8>) -> Result<(), Error> {
-        let index = self.kv.add(&self.queue(name, "tail"), 1).await? - 1;
+    /// Pushes: the tail counter is claimed atomically (`Add`, on the lane: claimed once across
+    /// a failover), then the item is written.
+    pub async fn queue_push(
+        &self,
+        lane: &mut KvLane,
+        name: &str,
+        value: Vec<u8>,
+    ) -> Result<(), Error> {
+        let index = lane.add(&self.queue(name, "tail"), 1).await? - 1;
         self.kv
             .set(&self.queue(name, &format!("item/{index}")), value)
             .await
@@ -197,8 +222,9 @@ impl Backend {
     /// Pops the oldest item, or `None` when the queue is empty: torch's server does not
     /// block a pop (its client blocks with a `WAIT` on the queue's name first). An item is
     /// claimed by moving the head with a compare-and-set, once the tail shows it exists, so
-    /// two ranks never pop the same item.
-    pub async fn queue_pop(&self, name: &str) -> Result<Option<Vec<u8>>, Error> {
+    /// two ranks never pop the same item; the compare-and-set is on the lane, so a claim
+    /// applied before a failover is not taken again (which would skip an item).
+    pub async fn queue_pop(&self, lane: &mut KvLane, name: &str) -> Result<Option<Vec<u8>>, Error> {
         let head_key = self.queue(name, "head");
         loop {
             let (head, raw) = self.counter(&head_key).await?;
@@ -206,8 +232,7 @@ impl Backend {
             if tail <= head {
                 return Ok(None);
             }
-            let claimed = self
-                .kv
+            let claimed = lane
                 .compare_and_set(&head_key, raw.as_deref(), (head + 1).to_string())
                 .await?
                 .swapped;

@@ -1,8 +1,10 @@
 //! The agent store's listener and one task per connection: reads requests with
-//! [`protocol::parse`], runs them on the [`Backend`] and writes the replies. A blocking `WAIT` (also
+//! [`protocol::parse`], runs them on the [`Backend`] (mutations on the connection's own
+//! [`KvLane`]: a connection's requests are sequential) and writes the replies. A blocking `WAIT` (also
 //! what a blocking `queue_pop` sends first) keeps reading the connection while it waits, so torch's `CANCEL_WAIT` (sent
 //! when the client's timeout runs out) is answered at once.
 
+use muster::client::KvLane;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpListener, TcpStream},
@@ -71,6 +73,8 @@ enum Blocked<T> {
 struct Connection {
     stream: TcpStream,
     backend: Backend,
+    /// The connection's lane for mutations that must be applied once across a failover.
+    lane: KvLane,
     buf: Vec<u8>,
     validated: bool,
 }
@@ -79,6 +83,7 @@ impl Connection {
     fn new(stream: TcpStream, backend: Backend) -> Self {
         Self {
             stream,
+            lane: backend.lane(),
             backend,
             buf: Vec::with_capacity(4096),
             validated: false,
@@ -133,6 +138,7 @@ impl Connection {
 
     async fn handle(&mut self, request: Request, out: &mut Vec<u8>) -> Result<(), ConnError> {
         let b = self.backend.clone();
+        let lane = &mut self.lane;
         match request {
             Request::Validate => self.validated = true,
             Request::Ping { nonce } => protocol::put_u32(out, nonce),
@@ -141,9 +147,9 @@ impl Connection {
                 key,
                 expected,
                 desired,
-            } => protocol::put_bytes(out, &b.compare_set(&key, expected, desired).await?),
+            } => protocol::put_bytes(out, &b.compare_set(lane, &key, expected, desired).await?),
             Request::Get { key } => protocol::put_bytes(out, &b.get(&key).await?),
-            Request::Add { key, delta } => protocol::put_i64(out, b.add(&key, delta).await?),
+            Request::Add { key, delta } => protocol::put_i64(out, b.add(lane, &key, delta).await?),
             Request::Check { keys } => out.push(if b.check(&keys).await? {
                 protocol::CHECK_READY
             } else {
@@ -157,7 +163,7 @@ impl Connection {
             Request::CancelWait => out.push(protocol::WAIT_CANCELED),
             Request::NumKeys => protocol::put_i64(out, b.num_keys().await?),
             Request::DeleteKey { key } => protocol::put_i64(out, i64::from(b.delete(&key).await?)),
-            Request::Append { key, value } => b.append(&key, &value).await?,
+            Request::Append { key, value } => b.append(lane, &key, &value).await?,
             Request::MultiGet { keys } => {
                 for key in keys {
                     protocol::put_bytes(out, &b.get(&key).await?);
@@ -168,9 +174,9 @@ impl Connection {
                     b.set(&key, value).await?;
                 }
             }
-            Request::QueuePush { key, value } => b.queue_push(&key, value).await?,
+            Request::QueuePush { key, value } => b.queue_push(lane, &key, value).await?,
             // A count of items (0: empty, the client raises `DistQueueEmptyError`), then the item.
-            Request::QueuePop { key } => match b.queue_pop(&key).await? {
+            Request::QueuePop { key } => match b.queue_pop(lane, &key).await? {
                 Some(value) => {
                     protocol::put_i64(out, 1);
                     protocol::put_bytes(out, &value);

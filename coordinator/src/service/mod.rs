@@ -147,13 +147,7 @@ impl Coordinator {
                 tracing::error!(key, "skipping a job record with an invalid job id");
                 continue;
             };
-            let kv_bytes: usize = self
-                .store
-                .list(&format!("jobs/{id}/kv/"))
-                .await?
-                .iter()
-                .map(|(k, v)| k.len().saturating_sub(format!("jobs/{id}/kv/").len()) + v.len())
-                .sum();
+            let kv_bytes = values::stored_kv_bytes(self.store.as_ref(), &id).await?;
             // Published values (unique ids, shared values) count towards max_total_bytes too.
             // (`jobs/<job>/gen/<values id>/<kind>/<name>`: the name as counted when published.)
             let gen_prefix = format!("jobs/{id}/gen/");

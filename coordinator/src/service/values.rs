@@ -1,10 +1,99 @@
 //! `muster.v1.KeyValue`, `muster.v1.UniqueIds` and `muster.v1.SharedValues`: a job's
 //! key-value data and its generations' published values, in the store under byte caps.
+//!
+//! Lanes: an `Add` or `CompareAndSet` that names a `client_id` and a `sequence` is applied at
+//! most once per (lane, sequence), so that a client may retry it when the outcome is unknown
+//! (the leader died with the call in flight). The lane's record (`pb::KvLaneRecord`, at
+//! `jobs/<job>/applied/<client_id>`: the last applied sequence, a digest of that call and its
+//! answer) is written in the same store transaction as the value ([`Store::put_all`]): a new
+//! leader finds either both or neither. Records count towards the job's byte caps like keys.
 
 use super::*;
+use prost::Message as _;
+use sha2::{Digest as _, Sha256};
 
 fn kv_key(job: &JobId, key: &str) -> String {
     format!("jobs/{job}/kv/{key}")
+}
+
+fn lane_key(job: &JobId, client_id: &str) -> String {
+    format!("jobs/{job}/applied/{client_id}")
+}
+
+/// The bytes job `id`'s key-value data holds in the store, as the byte caps count them (each
+/// key's name and value, each lane record's client id and record): what a new leader starts
+/// the job's count from.
+pub(super) async fn stored_kv_bytes(store: &dyn Store, id: &JobId) -> Result<usize, StoreError> {
+    let mut bytes = 0;
+    for prefix in [kv_key(id, ""), lane_key(id, "")] {
+        bytes += store
+            .list(&prefix)
+            .await?
+            .iter()
+            .map(|(k, v)| k.len().saturating_sub(prefix.len()) + v.len())
+            .sum::<usize>();
+    }
+    Ok(bytes)
+}
+
+/// Longest client id of a lane (a client's 128-bit random id in hex is 32).
+const MAX_CLIENT_ID: usize = 64;
+
+/// A lane call: the lane's client id and the call's number on it.
+struct Lane {
+    client_id: String,
+    sequence: u64,
+}
+
+impl Lane {
+    /// The lane a request names, checked; `None` for a call without one.
+    fn of(client_id: String, sequence: u64) -> Result<Option<Lane>, Status> {
+        if client_id.is_empty() {
+            if sequence != 0 {
+                return Err(Status::invalid_argument(format!(
+                    "sequence {sequence} without a client_id: a sequence numbers the calls of the lane a client_id names"
+                )));
+            }
+            return Ok(None);
+        }
+        if client_id.len() > MAX_CLIENT_ID
+            || !client_id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Err(Status::invalid_argument(format!(
+                "client_id {client_id:?} must be 1 to {MAX_CLIENT_ID} characters of [0-9A-Za-z_-]"
+            )));
+        }
+        if sequence == 0 {
+            return Err(Status::invalid_argument(format!(
+                "client_id '{client_id}' needs a sequence of 1 or more"
+            )));
+        }
+        Ok(Some(Lane {
+            client_id,
+            sequence,
+        }))
+    }
+}
+
+/// SHA-256 of a call's kind and operands, each length-prefixed so that no two calls share an
+/// encoding.
+fn digest(parts: &[&[u8]]) -> Vec<u8> {
+    let mut hash = Sha256::new();
+    for part in parts {
+        hash.update((part.len() as u64).to_le_bytes());
+        hash.update(part);
+    }
+    hash.finalize().to_vec()
+}
+
+/// Where a lane call stands, found under the job's kv lock.
+enum LaneState {
+    /// Applied before (this is a retry): its answer.
+    Applied(pb::kv_lane_record::Answer),
+    /// To apply; the lane's record now counts this many bytes (0: none yet).
+    Fresh { record_bytes: usize },
 }
 
 fn value_key(job: &JobId, values_id: &str, kind: &str, name: &str) -> String {
@@ -56,6 +145,30 @@ impl ValuesService {
         let old = self.0.store.get(key).await?;
         let old_len = old.as_ref().map_or(0, |v| user_key.len() + v.len());
         let new_len = value.as_ref().map_or(0, |v| user_key.len() + v.len());
+        let store = &self.0.store;
+        let written = async move {
+            match value {
+                Some(v) => store.put(key, v).await,
+                None => store.delete(key).await.map(|_| ()),
+            }
+        };
+        self.account(job, total, user_key, old_len, new_len, written)
+            .await?;
+        Ok(old)
+    }
+
+    /// Runs `written`, a store write that takes the job's data from `old_len` bytes to
+    /// `new_len` (as the caps count them), within the job's and the coordinator's byte caps;
+    /// refused before it runs when it would break one. Caller holds the job's kv lock.
+    async fn account(
+        &self,
+        job: &Job,
+        total: &mut usize,
+        user_key: &str,
+        old_len: usize,
+        new_len: usize,
+        written: impl Future<Output = Result<(), StoreError>>,
+    ) -> Result<(), Status> {
         let next = (*total + new_len).saturating_sub(old_len);
         if next > self.0.config.max_job_bytes && new_len > old_len {
             return Err(Status::resource_exhausted(format!(
@@ -69,11 +182,7 @@ impl ValuesService {
         self.0
             .stored
             .reserve(&job.id, grow, &format!("writing key '{user_key}'"))?;
-        let written = match value {
-            Some(v) => self.0.store.put(key, v).await,
-            None => self.0.store.delete(key).await.map(|_| ()),
-        };
-        if let Err(e) = written {
+        if let Err(e) = written.await {
             self.0.stored.release(&job.id, grow);
             return Err(e.into());
         }
@@ -82,7 +191,90 @@ impl ValuesService {
             .release(&job.id, old_len.saturating_sub(new_len));
         *total = next;
         job.notify();
-        Ok(old)
+        Ok(())
+    }
+
+    /// Where call `digest` (`what`, for messages) stands on `lane`. Caller holds the job's kv
+    /// lock, so no other call of the job is applied between this and the write.
+    async fn lane_state(
+        &self,
+        job: &Job,
+        lane: &Lane,
+        digest: &[u8],
+        what: &str,
+    ) -> Result<LaneState, Status> {
+        let Some(bytes) = self
+            .0
+            .store
+            .get(&lane_key(&job.id, &lane.client_id))
+            .await?
+        else {
+            return Ok(LaneState::Fresh { record_bytes: 0 });
+        };
+        let corrupt = |why: String| {
+            Status::internal(format!(
+                "the record of lane '{}' in job '{}' is corrupt: {why}",
+                lane.client_id, job.id
+            ))
+        };
+        let record =
+            pb::KvLaneRecord::decode(bytes.as_slice()).map_err(|e| corrupt(e.to_string()))?;
+        if record.sequence > lane.sequence {
+            return Err(Status::failed_precondition(format!(
+                "{what}: sequence {} of lane '{}' in job '{}' is stale: the lane already applied sequence {} (a lane numbers its calls upwards and sends each after the one before it answered)",
+                lane.sequence, lane.client_id, job.id, record.sequence
+            )));
+        }
+        if record.sequence < lane.sequence {
+            return Ok(LaneState::Fresh {
+                record_bytes: lane.client_id.len() + bytes.len(),
+            });
+        }
+        if record.digest != digest {
+            return Err(Status::failed_precondition(format!(
+                "{what}: sequence {} of lane '{}' in job '{}' was already used by another call (another kind, key or operands); a retry must resend the same call",
+                lane.sequence, lane.client_id, job.id
+            )));
+        }
+        record
+            .answer
+            .map(LaneState::Applied)
+            .ok_or_else(|| corrupt("it holds no answer".into()))
+    }
+
+    /// Writes `value` at `full` (user key `key`, holding `old` before) and `lane`'s record of
+    /// the call (`digest`, `answer`) in one store transaction, under the byte caps. Caller
+    /// holds the job's kv lock.
+    async fn write_on_lane(
+        &self,
+        job: &Job,
+        total: &mut usize,
+        (full, key): (&str, &str),
+        (old, value): (Option<&[u8]>, Vec<u8>),
+        (lane, record_bytes): (&Lane, usize),
+        (digest, answer): (Vec<u8>, pb::kv_lane_record::Answer),
+    ) -> Result<(), Status> {
+        let record = pb::KvLaneRecord {
+            sequence: lane.sequence,
+            digest,
+            answer: Some(answer),
+        }
+        .encode_to_vec();
+        let old_len = old.map_or(0, |v| key.len() + v.len()) + record_bytes;
+        let new_len = key.len() + value.len() + lane.client_id.len() + record.len();
+        let entries = vec![
+            (full.to_owned(), value),
+            (lane_key(&job.id, &lane.client_id), record),
+        ];
+        self.account(
+            job,
+            total,
+            key,
+            old_len,
+            new_len,
+            self.0.store.put_all(entries),
+        )
+        .await
     }
 
     async fn publish(
@@ -238,11 +430,29 @@ impl pb::key_value_server::KeyValue for ValuesService {
         let r = authorized(request)?;
         let job = self.0.job(&r.job_id)?;
         let key = model::kv_key(&r.key)?;
+        let lane = Lane::of(r.client_id, r.sequence)?;
         let full = kv_key(&job.id, &key);
+        let digest = digest(&[b"add", key.as_bytes(), &r.delta.to_le_bytes()]);
         let mut total = job.kv_bytes.lock().await;
-        let current = match self.0.store.get(&full).await? {
+        let mut record_bytes = 0;
+        if let Some(lane) = &lane {
+            match self.lane_state(&job, lane, &digest, "add").await? {
+                LaneState::Applied(pb::kv_lane_record::Answer::Added(value)) => {
+                    return Ok(Response::new(pb::AddResponse { value }));
+                }
+                LaneState::Applied(_) => {
+                    return Err(Status::internal(format!(
+                        "the record of lane '{}' in job '{}' answers another kind of call",
+                        lane.client_id, job.id
+                    )));
+                }
+                LaneState::Fresh { record_bytes: n } => record_bytes = n,
+            }
+        }
+        let old = self.0.store.get(&full).await?;
+        let current = match &old {
             None => 0i64,
-            Some(v) => std::str::from_utf8(&v)
+            Some(v) => std::str::from_utf8(v)
                 .ok()
                 .and_then(|s| s.parse::<i64>().ok())
                 .ok_or_else(|| {
@@ -258,14 +468,24 @@ impl pb::key_value_server::KeyValue for ValuesService {
                 r.delta
             ))
         })?;
-        self.write(
-            &job,
-            &mut total,
-            &full,
-            &key,
-            Some(value.to_string().into_bytes()),
-        )
-        .await?;
+        let text = value.to_string().into_bytes();
+        match &lane {
+            None => {
+                self.write(&job, &mut total, &full, &key, Some(text))
+                    .await?;
+            }
+            Some(lane) => {
+                self.write_on_lane(
+                    &job,
+                    &mut total,
+                    (&full, &key),
+                    (old.as_deref(), text),
+                    (lane, record_bytes),
+                    (digest, pb::kv_lane_record::Answer::Added(value)),
+                )
+                .await?;
+            }
+        }
         Ok(Response::new(pb::AddResponse { value }))
     }
 
@@ -277,8 +497,37 @@ impl pb::key_value_server::KeyValue for ValuesService {
         let job = self.0.job(&r.job_id)?;
         let key = model::kv_key(&r.key)?;
         self.check_value(&r.desired)?;
+        let lane = Lane::of(r.client_id, r.sequence)?;
         let full = kv_key(&job.id, &key);
+        let expected = match &r.expected {
+            Some(v) => [&[1u8][..], v].concat(),
+            None => vec![0],
+        };
+        let digest = digest(&[b"compare_and_set", key.as_bytes(), &expected, &r.desired]);
+        let swapped = || {
+            Ok(Response::new(pb::CompareAndSetResponse {
+                swapped: true,
+                current: Some(r.desired.clone()),
+            }))
+        };
         let mut total = job.kv_bytes.lock().await;
+        let mut record_bytes = 0;
+        if let Some(lane) = &lane {
+            match self
+                .lane_state(&job, lane, &digest, "compare_and_set")
+                .await?
+            {
+                // Only a swap is recorded, and what it left is the request's `desired`.
+                LaneState::Applied(pb::kv_lane_record::Answer::Swapped(true)) => return swapped(),
+                LaneState::Applied(_) => {
+                    return Err(Status::internal(format!(
+                        "the record of lane '{}' in job '{}' answers another kind of call",
+                        lane.client_id, job.id
+                    )));
+                }
+                LaneState::Fresh { record_bytes: n } => record_bytes = n,
+            }
+        }
         let current = self.0.store.get(&full).await?;
         if current != r.expected {
             return Ok(Response::new(pb::CompareAndSetResponse {
@@ -286,12 +535,24 @@ impl pb::key_value_server::KeyValue for ValuesService {
                 current,
             }));
         }
-        self.write(&job, &mut total, &full, &key, Some(r.desired.clone()))
-            .await?;
-        Ok(Response::new(pb::CompareAndSetResponse {
-            swapped: true,
-            current: Some(r.desired),
-        }))
+        match &lane {
+            None => {
+                self.write(&job, &mut total, &full, &key, Some(r.desired.clone()))
+                    .await?;
+            }
+            Some(lane) => {
+                self.write_on_lane(
+                    &job,
+                    &mut total,
+                    (&full, &key),
+                    (current.as_deref(), r.desired.clone()),
+                    (lane, record_bytes),
+                    (digest, pb::kv_lane_record::Answer::Swapped(true)),
+                )
+                .await?;
+            }
+        }
+        swapped()
     }
 
     async fn delete(&self, request: Request<pb::DeleteRequest>) -> Rpc<pb::DeleteResponse> {

@@ -1,6 +1,6 @@
 //! [`MemoryStore`]: the default store, a sorted map in the coordinator's memory.
 
-use super::{Store, StoreError};
+use super::{Store, StoreError, check_put_all};
 use async_trait::async_trait;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -14,7 +14,8 @@ pub struct MemoryStore {
 impl MemoryStore {
     fn map(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Vec<u8>>> {
         // A panic while holding this lock cannot leave the map half-written (every operation
-        // is a single map call), so a poisoned lock is still safe to use.
+        // is a single map call, or `put_all`'s inserts, which do not panic), so a poisoned
+        // lock is still safe to use.
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
@@ -27,6 +28,16 @@ impl Store for MemoryStore {
 
     async fn put(&self, key: &str, value: Vec<u8>) -> Result<(), StoreError> {
         self.map().insert(key.to_owned(), value);
+        Ok(())
+    }
+
+    /// Every key under one hold of the lock: no reader sees some of them written.
+    async fn put_all(&self, entries: Vec<(String, Vec<u8>)>) -> Result<(), StoreError> {
+        check_put_all(&entries)?;
+        let mut map = self.map();
+        for (key, value) in entries {
+            map.insert(key, value);
+        }
         Ok(())
     }
 
@@ -87,7 +98,22 @@ mod tests {
         assert_eq!(l[0].0, "a/1");
         assert!(s.delete("b").await.unwrap());
         assert!(!s.delete("b").await.unwrap());
-        assert_eq!(s.delete_prefix("a/").await.unwrap(), 2);
+        s.put_all(vec![
+            ("a/3".into(), b"p".to_vec()),
+            ("c".into(), b"q".to_vec()),
+        ])
+        .await
+        .unwrap();
+        assert_eq!(s.get("a/3").await.unwrap(), Some(b"p".to_vec()));
+        assert_eq!(s.get("c").await.unwrap(), Some(b"q".to_vec()));
+        // A refused put_all writes nothing.
+        let twice = vec![("d".into(), b"1".to_vec()), ("d".into(), b"2".to_vec())];
+        let e = s.put_all(twice).await.unwrap_err();
+        assert!(e.to_string().contains("'d' twice"), "{e}");
+        assert_eq!(s.get("d").await.unwrap(), None);
+        assert!(s.put_all(Vec::new()).await.is_err());
+        assert!(s.delete("c").await.unwrap());
+        assert_eq!(s.delete_prefix("a/").await.unwrap(), 3);
         assert!(s.list("").await.unwrap().is_empty());
     }
 }

@@ -1,5 +1,7 @@
 //! The job's key-value store (TCPStore parity) over the coordinator's `KeyValue` service: one
-//! typed method per RPC, each a call of [`Coordinator::unary`].
+//! typed method per RPC, each a call of [`Coordinator::unary`], and [`KvLane`], the
+//! sequential lane whose `add` and `compare_and_set` the coordinator applies at most once, so
+//! that they too are retried across a failover.
 
 use std::time::Duration;
 
@@ -24,7 +26,7 @@ pub struct CasOutcome {
 /// of 0 on any retryable failure; any other `add` and `compare_and_set`, which are not
 /// idempotent, only when the failure proves the request was not applied (a follower refused
 /// it, or no connection was made). Otherwise their error surfaces, and the counter or value may
-/// or may not have changed.
+/// or may not have changed: use a [`KvLane`] ([`Kv::lane`]) where that matters.
 #[derive(Debug, Clone)]
 pub struct Kv {
     coordinator: Coordinator,
@@ -37,6 +39,16 @@ impl Kv {
         Self {
             coordinator,
             job_id: job_id.into(),
+        }
+    }
+
+    /// A new lane for `add` and `compare_and_set` calls that are retried like reads: see
+    /// [`KvLane`].
+    pub fn lane(&self) -> KvLane {
+        KvLane {
+            kv: self.clone(),
+            client_id: format!("{:032x}", rand::random::<u128>()),
+            sequence: 0,
         }
     }
 
@@ -109,15 +121,24 @@ impl Kv {
     /// like a read: torch polls counters so (its store-based barrier), and applying it twice
     /// changes nothing.
     pub async fn add(&self, key: &str, delta: i64) -> Result<i64, Error> {
+        self.add_on(None, key, delta).await
+    }
+
+    /// [`Kv::add`], on `lane` (its client id and this call's sequence) if given, which makes
+    /// any add safe to retry.
+    async fn add_on(&self, lane: Option<(&str, u64)>, key: &str, delta: i64) -> Result<i64, Error> {
+        let (client_id, sequence) = lane.unwrap_or_default();
         let request = pb::AddRequest {
             job_id: self.job_id.clone(),
             key: key.to_owned(),
             delta,
+            client_id: client_id.to_owned(),
+            sequence,
         };
         let response = self
             .coordinator
             .unary(
-                delta == 0,
+                delta == 0 || lane.is_some(),
                 || request.clone(),
                 |channel, request| async move { KeyValueClient::new(channel).add(request).await },
             )
@@ -134,16 +155,31 @@ impl Kv {
         expected: Option<&[u8]>,
         desired: impl Into<Vec<u8>>,
     ) -> Result<CasOutcome, Error> {
+        self.compare_and_set_on(None, key, expected, desired.into())
+            .await
+    }
+
+    /// [`Kv::compare_and_set`], on `lane` if given, which makes it safe to retry.
+    async fn compare_and_set_on(
+        &self,
+        lane: Option<(&str, u64)>,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: Vec<u8>,
+    ) -> Result<CasOutcome, Error> {
+        let (client_id, sequence) = lane.unwrap_or_default();
         let request = pb::CompareAndSetRequest {
             job_id: self.job_id.clone(),
             key: key.to_owned(),
             expected: expected.map(<[u8]>::to_vec),
-            desired: desired.into(),
+            desired,
+            client_id: client_id.to_owned(),
+            sequence,
         };
         let response = self
             .coordinator
             .unary(
-                false,
+                lane.is_some(),
                 || request.clone(),
                 |channel, request| async move {
                     KeyValueClient::new(channel).compare_and_set(request).await
@@ -198,5 +234,64 @@ impl Kv {
             .into_iter()
             .map(|item| (item.key, item.value))
             .collect())
+    }
+}
+
+/// A lane of `add` and `compare_and_set` calls on the job's store that are retried across a
+/// coordinator failover like reads, and still applied exactly once: each call carries the
+/// lane's random 128-bit client id and its own sequence number (the same on every retry), and
+/// the coordinator applies each sequence of a lane at most once, answering a retry of an
+/// applied call with the first answer (`muster.v1.KvLaneRecord`).
+///
+/// A lane is sequential (its methods take `&mut self`): the coordinator keeps only the lane's
+/// last call, so calls that must run at the same time need lanes of their own. Dropping a
+/// call's future gives up its sequence; the next call takes the next one, and the dropped
+/// call, if it still arrives, is refused as stale once a later one was applied. The
+/// coordinator keeps one small record per lane used until the job is removed: make one lane
+/// per long-lived client (a connection), not one per call.
+#[derive(Debug)]
+pub struct KvLane {
+    kv: Kv,
+    client_id: String,
+    sequence: u64,
+}
+
+impl KvLane {
+    /// The lane's client id (32 hex digits), as the coordinator's errors name it.
+    pub fn client_id(&self) -> &str {
+        &self.client_id
+    }
+
+    fn next(&mut self) -> u64 {
+        self.sequence += 1;
+        self.sequence
+    }
+
+    /// [`Kv::add`], applied exactly once even when its outcome is unknown at first (the
+    /// leader died with it in flight) and it is retried on the next leader.
+    pub async fn add(&mut self, key: &str, delta: i64) -> Result<i64, Error> {
+        let sequence = self.next();
+        self.kv
+            .add_on(Some((&self.client_id, sequence)), key, delta)
+            .await
+    }
+
+    /// [`Kv::compare_and_set`], applied at most once and retried as [`KvLane::add`]: a retry
+    /// of a swap that was applied answers that it swapped.
+    pub async fn compare_and_set(
+        &mut self,
+        key: &str,
+        expected: Option<&[u8]>,
+        desired: impl Into<Vec<u8>>,
+    ) -> Result<CasOutcome, Error> {
+        let sequence = self.next();
+        self.kv
+            .compare_and_set_on(
+                Some((&self.client_id, sequence)),
+                key,
+                expected,
+                desired.into(),
+            )
+            .await
     }
 }

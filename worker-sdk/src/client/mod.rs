@@ -10,7 +10,7 @@ mod kv;
 mod session;
 mod values;
 
-pub use kv::{CasOutcome, Kv};
+pub use kv::{CasOutcome, Kv, KvLane};
 pub use session::{FailureWatch, Registration, Scope, Session, SessionConfig};
 pub(crate) use session::{barrier_error, consumes_seq};
 pub use values::{SharedValues, UniqueIds};
