@@ -36,8 +36,8 @@ struct Args {
     /// Rounds per comparison; medians are over rounds.
     #[arg(long, default_value_t = 5)]
     rounds: usize,
-    /// Process counts for `init_process_group` (empty: skip it).
-    #[arg(long, value_delimiter = ',', default_value = "8,32")]
+    /// Process counts for `init_process_group` (`--procs` with none: skip it).
+    #[arg(long, value_delimiter = ',', num_args = 0.., default_value = "8,32")]
     procs: Vec<u32>,
     /// Timed calls of each store operation per run.
     #[arg(long, default_value_t = 1000)]
