@@ -1,5 +1,6 @@
 //! Shared pieces of muster's benchmark programs: starting a coordinator process, reading its
-//! memory, running a launch and reading rank 0's barrier percentiles, percentiles.
+//! memory, running a launch and reading rank 0's barrier percentiles, percentiles, and what
+//! a run records about the machine (date, commit, CPU).
 
 use anyhow::{Context, bail};
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -413,4 +414,30 @@ pub fn floor_ms(python: &Path, worker: &Path, log: &Path, workers: u32) -> anyho
         .max()
         .context("no start line from a directly started worker")?;
     Ok(last.saturating_sub(t0) as f64 / 1e6)
+}
+
+/// The first line of a command's output, or `unknown` where it fails.
+pub fn command_line(program: &str, args: &[&str]) -> String {
+    Command::new(program)
+        .args(args)
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .and_then(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .map(str::to_owned)
+        })
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// The CPU's model name from /proc/cpuinfo.
+pub fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .map(|v| v.trim_start_matches([' ', '\t', ':']).trim().to_owned())
+        .unwrap_or_else(|| "unknown CPU model".into())
 }

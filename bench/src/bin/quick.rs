@@ -25,9 +25,9 @@
 use anyhow::Context;
 use clap::Parser;
 use muster_bench::{
-    GLOO_ALLREDUCE_SCRIPT, RESTART_WORKER, allreduce_p50_us, bin_dir, floor_ms, free_port,
-    load_average, muster_restart_round, peers_venv, quantile, rank0_latency, run_output,
-    torch_barrier_latency, torch_restart_round,
+    GLOO_ALLREDUCE_SCRIPT, RESTART_WORKER, allreduce_p50_us, bin_dir, command_line, cpu_model,
+    floor_ms, free_port, load_average, muster_restart_round, peers_venv, quantile, rank0_latency,
+    run_output, torch_barrier_latency, torch_restart_round,
 };
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -368,30 +368,4 @@ fn allreduce(
         g.push(allreduce_p50_us(&out, SIZE).context("no 64 MiB line in gloo's output")? / 1e3);
     }
     Ok((quantile(&mut m, 0.5), quantile(&mut g, 0.5)))
-}
-
-/// The first line of a command's output, or `unknown` where it fails.
-fn command_line(program: &str, args: &[&str]) -> String {
-    Command::new(program)
-        .args(args)
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .and_then(|o| {
-            String::from_utf8_lossy(&o.stdout)
-                .lines()
-                .next()
-                .map(str::to_owned)
-        })
-        .unwrap_or_else(|| "unknown".into())
-}
-
-/// The CPU's model name from /proc/cpuinfo.
-fn cpu_model() -> String {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("model name"))
-        .map(|v| v.trim_start_matches([' ', '\t', ':']).trim().to_owned())
-        .unwrap_or_else(|| "unknown CPU model".into())
 }
