@@ -24,8 +24,8 @@ use serde::{Serialize, de::DeserializeOwned};
 use crate::{
     Error, RankInfo,
     client::{
-        CasOutcome, ClientSecurity, Coordinator, Kv, Scope, Session, SessionConfig, SharedValues,
-        UniqueIds,
+        CasOutcome, ClientSecurity, Coordinator, Kv, KvLane, Scope, Session, SessionConfig,
+        SharedValues, UniqueIds,
     },
     relay::RelayConn,
 };
@@ -75,6 +75,10 @@ struct Remote {
     /// `MUSTER_AGENT_SOCKET`, and once finished.
     relay: Option<RelayConn>,
     kv: Kv,
+    /// The process's lane for key-value mutations that are not safe to repeat (a non-zero
+    /// add, a compare-and-set): retried across a leader failover and applied once. One lane
+    /// per process, so its calls take turns.
+    kv_lane: Mutex<KvLane>,
     unique_ids: UniqueIds,
     shared: SharedValues,
     /// `None` only while dropping. Declared last so the clients above drop first.
@@ -164,8 +168,10 @@ impl Accelerator {
             Some(path) => Some(RelayConn::connect(path, session.config())?),
             None => None,
         };
+        let kv = session.kv();
         let remote = Remote {
-            kv: session.kv(),
+            kv_lane: Mutex::new(kv.lane()),
+            kv,
             unique_ids: session.unique_ids(),
             shared: session.shared_values(),
             session: Some(session),
@@ -738,10 +744,19 @@ impl KvStore<'_> {
     }
 
     /// Adds `delta` to the counter at `key` (absent counts as 0) and returns the new value.
+    /// Applied exactly once, even when a coordinator leader dies with it in flight (the
+    /// process's [`KvLane`]).
     pub fn add(&self, key: &str, delta: i64) -> Result<i64, Error> {
         let mut store = match self.target() {
             Target::Local(store) => store,
-            Target::Remote(remote) => return remote.block_on(remote.kv.add(key, delta)),
+            // An add of 0 is a read, retried as one; any other goes through the lane.
+            Target::Remote(remote) if delta == 0 => {
+                return remote.block_on(remote.kv.add(key, delta));
+            }
+            Target::Remote(remote) => {
+                let mut lane = lock(&remote.kv_lane);
+                return remote.block_on(lane.add(key, delta));
+            }
         };
         let current = match store.kv.get(key) {
             None => 0,
@@ -766,7 +781,8 @@ impl KvStore<'_> {
     }
 
     /// Sets `key` to `desired` only if its value is `expected` (`None`: only if the key does
-    /// not exist), atomically.
+    /// not exist), atomically; applied at most once across a leader failover, as
+    /// [`KvStore::add`].
     pub fn compare_and_set(
         &self,
         key: &str,
@@ -785,7 +801,8 @@ impl KvStore<'_> {
                 })
             }
             Target::Remote(remote) => {
-                remote.block_on(remote.kv.compare_and_set(key, expected, desired))
+                let mut lane = lock(&remote.kv_lane);
+                remote.block_on(lane.compare_and_set(key, expected, desired))
             }
         }
     }
