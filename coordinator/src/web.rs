@@ -199,7 +199,7 @@ mod tests {
             v["error"]
                 .as_str()
                 .unwrap()
-                .contains("no descriptor for muster.v1.NoSuchMessage"),
+                .contains("descriptor set has no muster.v1.NoSuchMessage"),
             "{v}"
         );
     }

@@ -111,10 +111,13 @@ fn rdzv_flags(endpoint: &str) -> Vec<String> {
 }
 
 /// Runs the same `muster-agent launch` (with `extra` flags) on n0 and n1 (n1's workers
-/// sleeping `n1_sleep` seconds longer) and returns both runs.
+/// sleeping `n1_sleep` seconds longer) and returns both runs. With `--no-agent-store`: these
+/// tests hold the workers' environment to torchrun's, whose MASTER_ADDR:MASTER_PORT is node
+/// 0's shared store (the agent store gives each node its own loopback port instead; its
+/// multi-host test is `agent_store_ha.rs`).
 fn run_muster(net: &Net, n1_sleep: &str, extra: &[String]) -> [Finished; 2] {
     let endpoint = format!("{}:{PORT}", net.addr("n0"));
-    let mut args = vec!["launch".to_owned()];
+    let mut args = vec!["launch".to_owned(), "--no-agent-store".to_owned()];
     args.extend(rdzv_flags(&endpoint));
     args.extend_from_slice(extra);
     args.extend(["--", "sh", "-c", WORKER].map(str::to_owned));
