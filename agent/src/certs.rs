@@ -368,7 +368,7 @@ fn write_file(path: &Path, f: &Output) -> std::io::Result<()> {
 pub fn next_steps(dir: &Path, hosts: &[String]) -> String {
     let file = |name: &str| quoted(&dir.join(name));
     let first = hosts.first().map_or("localhost", String::as_str);
-    let coordinator = crate::net::host_port(first, crate::cli::DEFAULT_COORDINATOR_PORT);
+    let coordinator = crate::net::host_port(first, muster_proto::DEFAULT_COORDINATOR_PORT);
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -389,7 +389,7 @@ pub fn next_steps(dir: &Path, hosts: &[String]) -> String {
         file(SERVER_KEY),
         file(CA),
         file(TOKEN),
-        port = crate::cli::DEFAULT_COORDINATOR_PORT,
+        port = muster_proto::DEFAULT_COORDINATOR_PORT,
     );
     let _ = writeln!(
         s,

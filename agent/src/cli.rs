@@ -58,7 +58,7 @@ pub enum Command {
     Certs(crate::certs::CertsArgs),
     /// Show who a job waits for: each pending barrier's missing ranks and what they are
     /// doing, its nodes and ranks, its last failure (`--watch` to follow it).
-    Describe(crate::describe::DescribeArgs),
+    Describe(daemon_args::DescribeArgs),
 }
 
 /// What the command line asks for.

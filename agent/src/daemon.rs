@@ -19,7 +19,7 @@ pub use crate::cli::daemon_args::Request;
 use crate::cli::daemon_args::{CancelArgs, ServeArgs, StatusArgs, SubmitArgs, pairs};
 use crate::failover::{self, Coordinators};
 use crate::launch::{self, Outcome, Stops};
-use crate::security::SecurityArgs;
+use crate::operator::{CONNECT_WINDOW, connect, describe};
 use crate::spec::LaunchSpec;
 use muster_proto::v1 as pb;
 use muster_proto::v1::agents_client::AgentsClient;
@@ -41,26 +41,9 @@ pub async fn run(request: Request) -> Result<u8, String> {
     }
 }
 
-/// The replicas of a `--coordinator` value, one of them reached (tried in turn for a few
-/// seconds) with `security`; calls then follow the leader with [`failover::call`].
-pub(crate) async fn connect(list: &str, security: &SecurityArgs) -> Result<Coordinators, String> {
-    let list = crate::cli::coordinator_list(list).map_err(|e| e.to_string())?;
-    let security = security.resolve()?;
-    let coordinators = Coordinators::from_list(&list, failover::DEFAULT_BUDGET)
-        .with_security(security.client().clone());
-    coordinators
-        .connect(CONNECT_WINDOW)
-        .await
-        .map_err(|e| e.to_string())?;
-    Ok(coordinators)
-}
-
 /// After the grace period, how long a job the coordinator ordered stopped may take to end on
 /// its own (through its watch) before the agent stops it itself.
 const STOP_BACKSTOP: Duration = Duration::from_secs(3);
-
-/// How long an operator command or a registration tries to reach any replica.
-const CONNECT_WINDOW: Duration = Duration::from_secs(2);
 
 /// `muster-agent submit`: prints the job id and where it runs; with `--wait`, follows it to
 /// its end. Returns the exit status.
@@ -128,33 +111,6 @@ pub async fn submit(args: SubmitArgs) -> Result<u8, String> {
 
 /// What `submit --wait` says about the workers' output, which it does not show.
 const OUTPUT_NOTE: &str = "worker output is not shown here: each agent prints its workers' lines, prefixed [rank R], on its own stdout and stderr (its terminal, or its service's log: journalctl -u muster-agent, kubectl logs)";
-
-/// How long one long poll of `submit --wait` may wait for a change of the job.
-const FOLLOW_WAIT: Duration = Duration::from_secs(5);
-
-/// `Ops.DescribeJob` on the leader; with `unless`, a long poll that answers once the job's
-/// summary differs from it (or after [`FOLLOW_WAIT`]).
-pub(crate) async fn describe(
-    coordinators: &Coordinators,
-    job_id: &str,
-    unless: Option<pb::JobSummary>,
-) -> Result<pb::DescribeJobResponse, tonic::Status> {
-    let request = pb::DescribeJobRequest {
-        job_id: job_id.to_owned(),
-        wait_ms: if unless.is_some() {
-            FOLLOW_WAIT.as_millis() as u64
-        } else {
-            0
-        },
-        unless,
-    };
-    failover::call(coordinators, "Ops.DescribeJob", |ch| {
-        let request = request.clone();
-        async move { OpsClient::new(ch).describe_job(request).await }
-    })
-    .await
-    .map(tonic::Response::into_inner)
-}
 
 /// One line for a job: state, generation, nodes and restarts, and its failure if any.
 fn status_line(d: &pb::DescribeJobResponse) -> String {

@@ -6,50 +6,10 @@
 //! Ctrl-C. The rendering ([`render`]) is a pure function of the reply, so that it is tested
 //! without a coordinator.
 
-use crate::daemon::{connect, describe as describe_job};
-use crate::security::SecurityArgs;
-use clap::Args;
+use crate::cli::daemon_args::DescribeArgs;
+use crate::operator::{connect, describe as describe_job};
 use muster_proto::v1 as pb;
 use std::fmt::Write as _;
-use std::time::Duration;
-
-/// `muster-agent describe`.
-#[derive(Debug, Clone, Args)]
-pub struct DescribeArgs {
-    /// The coordinator's HOST:PORT, or its replicas' as a comma-separated list.
-    #[arg(long, value_name = "HOST:PORT[,HOST:PORT...]")]
-    pub coordinator: String,
-    /// The job to describe.
-    pub job_id: String,
-    /// Redraw every SECONDS (default 2) until the job is over or Ctrl-C. Give the job first
-    /// (`describe JOB --watch`) or the interval with `=` (`--watch=5 JOB`).
-    #[arg(
-        long,
-        value_name = "SECONDS",
-        num_args = 0..=1,
-        default_missing_value = "2",
-        value_parser = watch_interval
-    )]
-    pub watch: Option<Duration>,
-    /// Print the DescribeJob reply as JSON instead, one line per refresh, in proto3's JSON
-    /// mapping as grpcurl prints it (zero values left out; ranks always shown).
-    #[arg(long)]
-    pub json: bool,
-    /// TLS and the cluster token.
-    #[command(flatten)]
-    pub security: SecurityArgs,
-}
-
-/// `--watch`'s value: seconds, at least 0.1 (a tighter loop only loads the coordinator).
-fn watch_interval(s: &str) -> Result<Duration, String> {
-    let secs: f64 = s
-        .parse()
-        .map_err(|_| format!("'{s}' is not a number of seconds (as 2 or 0.5)"))?;
-    if !secs.is_finite() || !(0.1..=86_400.0).contains(&secs) {
-        return Err(format!("'{s}' is out of range: 0.1 to 86400 seconds"));
-    }
-    Ok(Duration::from_secs_f64(secs))
-}
 
 /// What `watch(1)` sends before each frame: cursor home, clear the screen.
 pub const CLEAR: &str = "\x1b[H\x1b[2J";
@@ -715,14 +675,20 @@ mod tests {
 
     #[test]
     fn watch_intervals_are_checked() {
-        assert_eq!(watch_interval("2"), Ok(Duration::from_secs(2)));
-        assert_eq!(watch_interval("0.5"), Ok(Duration::from_millis(500)));
         assert_eq!(
-            watch_interval("job-1"),
+            crate::cli::daemon_args::watch_interval("2"),
+            Ok(std::time::Duration::from_secs(2))
+        );
+        assert_eq!(
+            crate::cli::daemon_args::watch_interval("0.5"),
+            Ok(std::time::Duration::from_millis(500))
+        );
+        assert_eq!(
+            crate::cli::daemon_args::watch_interval("job-1"),
             Err("'job-1' is not a number of seconds (as 2 or 0.5)".to_owned())
         );
         assert_eq!(
-            watch_interval("0"),
+            crate::cli::daemon_args::watch_interval("0"),
             Err("'0' is out of range: 0.1 to 86400 seconds".to_owned())
         );
     }

@@ -34,6 +34,7 @@ pub mod guard;
 pub mod launch;
 pub mod metrics;
 pub mod net;
+pub mod operator;
 pub mod program;
 pub mod relay;
 pub mod security;

@@ -1,5 +1,5 @@
 //! The daemon-mode and operator subcommands' arguments (`serve`, `submit`, `status`,
-//! `cancel`), and how a job placed on a daemon agent becomes `launch` flags
+//! `cancel`, `describe`), and how a job placed on a daemon agent becomes `launch` flags
 //! ([`ServeArgs::launch_args`]), so that it is validated as a launch without an argv.
 
 use super::launch_args::{LaunchArgs, Nproc};
@@ -8,6 +8,7 @@ use clap::Args;
 use muster_proto::v1 as pb;
 use std::collections::HashMap;
 use std::ffi::OsString;
+use std::time::Duration;
 
 /// A daemon-mode or operator command.
 #[derive(Debug, Clone)]
@@ -21,7 +22,7 @@ pub enum Request {
     /// `cancel`.
     Cancel(CancelArgs),
     /// `describe` (describe.rs).
-    Describe(crate::describe::DescribeArgs),
+    Describe(DescribeArgs),
 }
 
 /// `muster-agent serve`.
@@ -422,4 +423,42 @@ mod tests {
         assert!(node_range("3:1").unwrap_err().contains("MIN <= MAX"));
         assert!(node_range("x").unwrap_err().contains("not a number"));
     }
+}
+
+/// `muster-agent describe`.
+#[derive(Debug, Clone, Args)]
+pub struct DescribeArgs {
+    /// The coordinator's HOST:PORT, or its replicas' as a comma-separated list.
+    #[arg(long, value_name = "HOST:PORT[,HOST:PORT...]")]
+    pub coordinator: String,
+    /// The job to describe.
+    pub job_id: String,
+    /// Redraw every SECONDS (default 2) until the job is over or Ctrl-C. Give the job first
+    /// (`describe JOB --watch`) or the interval with `=` (`--watch=5 JOB`).
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        num_args = 0..=1,
+        default_missing_value = "2",
+        value_parser = watch_interval
+    )]
+    pub watch: Option<Duration>,
+    /// Print the DescribeJob reply as JSON instead, one line per refresh, in proto3's JSON
+    /// mapping as grpcurl prints it (zero values left out; ranks always shown).
+    #[arg(long)]
+    pub json: bool,
+    /// TLS and the cluster token.
+    #[command(flatten)]
+    pub security: SecurityArgs,
+}
+
+/// `--watch`'s value: seconds, at least 0.1 (a tighter loop only loads the coordinator).
+pub(crate) fn watch_interval(s: &str) -> Result<Duration, String> {
+    let secs: f64 = s
+        .parse()
+        .map_err(|_| format!("'{s}' is not a number of seconds (as 2 or 0.5)"))?;
+    if !secs.is_finite() || !(0.1..=86_400.0).contains(&secs) {
+        return Err(format!("'{s}' is out of range: 0.1 to 86400 seconds"));
+    }
+    Ok(Duration::from_secs_f64(secs))
 }
