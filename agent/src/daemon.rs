@@ -115,22 +115,8 @@ const OUTPUT_NOTE: &str = "worker output is not shown here: each agent prints it
 /// One line for a job: state, generation, nodes and restarts, and its failure if any.
 fn status_line(d: &pb::DescribeJobResponse) -> String {
     let s = d.summary.clone().unwrap_or_default();
-    let state = pb::RoundState::try_from(s.state)
-        .unwrap_or_default()
-        .as_str_name()
-        .trim_start_matches("ROUND_STATE_")
-        .to_lowercase();
-    let mut line = format!(
-        "job {}: {state}{}, generation {}, {} nodes, {} workers, restarts {}/{}",
-        s.job_id,
-        if s.done { " (over)" } else { "" },
-        s.generation,
-        s.num_nodes,
-        s.world_size,
-        s.restart_count,
-        s.max_restarts
-    );
-    if state == "open" {
+    let mut line = crate::operator::job_headline(&s, "workers");
+    if s.state == pb::RoundState::Open as i32 {
         line.push_str(&format!(", {} nodes waiting", s.nodes_waiting));
     }
     if let Some(f) = &d.failure {

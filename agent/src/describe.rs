@@ -182,23 +182,7 @@ const RANK_ROWS: usize = 64;
 pub fn render(d: &pb::DescribeJobResponse) -> String {
     let s = d.summary.clone().unwrap_or_default();
     let mut out = String::new();
-    let state = enum_word(
-        pb::RoundState::try_from(s.state)
-            .unwrap_or_default()
-            .as_str_name(),
-        "ROUND_STATE_",
-    );
-    let _ = write!(
-        out,
-        "job {}: {state}{}, generation {}, {} nodes, {} ranks, restarts {}/{}",
-        s.job_id,
-        if s.done { " (over)" } else { "" },
-        s.generation,
-        s.num_nodes,
-        s.world_size,
-        s.restart_count,
-        s.max_restarts
-    );
+    out.push_str(&crate::operator::job_headline(&s, "ranks"));
     if s.state == pb::RoundState::Open as i32 {
         let _ = write!(out, ", {} nodes waiting to start", s.nodes_waiting);
     }

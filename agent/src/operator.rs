@@ -51,3 +51,23 @@ pub(crate) async fn describe(
     .await
     .map(tonic::Response::into_inner)
 }
+
+/// The first words operators read about a job, in `status` and `describe` alike: `job J:
+/// STATE[ (over)], generation G, N nodes, W <unit>, restarts R/M`.
+pub(crate) fn job_headline(s: &pb::JobSummary, unit: &str) -> String {
+    let state = pb::RoundState::try_from(s.state)
+        .unwrap_or_default()
+        .as_str_name()
+        .trim_start_matches("ROUND_STATE_")
+        .to_lowercase();
+    format!(
+        "job {}: {state}{}, generation {}, {} nodes, {} {unit}, restarts {}/{}",
+        s.job_id,
+        if s.done { " (over)" } else { "" },
+        s.generation,
+        s.num_nodes,
+        s.world_size,
+        s.restart_count,
+        s.max_restarts
+    )
+}
