@@ -373,7 +373,7 @@ async fn run(
                             Some(pb::node_event::Kind::Ended(ended)) => {
                                 let _ = tx.send(WatchEvent::Ended(ended));
                             }
-                            Some(pb::node_event::Kind::Heartbeat(_)) | None => {}
+                            Some(pb::node_event::Kind::Heartbeat(_) | pb::node_event::Kind::Replace(_)) | None => {}
                         }
                     }
                     Ok(None) if finishing => return,

@@ -77,6 +77,13 @@ pub async fn serve_with_store(
     let auth = config.auth.clone();
     let max = config.max_message_bytes;
     let max_streams = config.max_streams_per_connection;
+    // An unanswered HTTP/2 ping closes a connection, and a closed watch is a lost node at
+    // once: so a ping may go unanswered for as long as a silent node is waited for
+    // (heartbeat_timeout), or a stopped and resumed agent would be judged by the ping, not
+    // by the timeout its operator chose.
+    let ping_timeout = config
+        .heartbeat_timeout
+        .max(std::time::Duration::from_secs(5));
     let connection_limits = limits::ConnectionLimits {
         max: config.max_connections,
         per_peer: config.max_connections_per_peer,
@@ -250,7 +257,7 @@ pub async fn serve_with_store(
     let served = server
         .tcp_nodelay(true)
         .http2_keepalive_interval(Some(std::time::Duration::from_secs(10)))
-        .http2_keepalive_timeout(Some(std::time::Duration::from_secs(5)))
+        .http2_keepalive_timeout(Some(ping_timeout))
         // Resource limits, all explicit (ARCHITECTURE.md, "Resource limits"): streams per
         // connection (clients queue calls beyond it), the header list of one call, message
         // sizes per service below, and connections at the acceptor. No per-call timeout:

@@ -554,6 +554,7 @@ fn sigterm_drains_a_coordinator_with_a_waiting_client() {
                         last_call_ms: 0,
                         join_timeout_ms: 120_000,
                         max_restarts: None,
+                        recovery: 0,
                     }),
                     request_id: String::new(),
                 })

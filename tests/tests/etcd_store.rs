@@ -303,6 +303,7 @@ async fn form(ch: &Channel, job: &str, local: u32) -> u64 {
                 last_call_ms: 0,
                 join_timeout_ms: 60_000,
                 max_restarts: None,
+                recovery: 0,
             }),
             request_id: String::new(),
         })

@@ -86,6 +86,7 @@ fn join_req(job: &str, node: u32, request_id: &str) -> pb::JoinRequest {
             last_call_ms: 0,
             join_timeout_ms: 60_000,
             max_restarts: None,
+            recovery: 0,
         }),
         request_id: request_id.into(),
     }
@@ -127,6 +128,8 @@ impl Rank {
             resume: resume.is_some(),
             released_global: resume.unwrap_or(0),
             released_node: 0,
+            replacement: false,
+            epoch: 0,
         })))
         .await
         .unwrap();

@@ -75,6 +75,7 @@ async fn form(addr: &str, id: &str, nodes: u32, local: u32) -> Job {
                 last_call_ms: 0,
                 join_timeout_ms: 60_000,
                 max_restarts: None,
+                recovery: 0,
             }),
             request_id: format!("{id}-{n}-{}-{:?}", std::process::id(), Instant::now()),
         })

@@ -84,6 +84,7 @@ fn join(job: &str) -> pb::JoinRequest {
             last_call_ms: 0,
             join_timeout_ms: 10_000,
             max_restarts: None,
+            recovery: 0,
         }),
         request_id: String::new(),
     }

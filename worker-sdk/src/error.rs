@@ -348,11 +348,13 @@ impl Error {
             Ok(BarrierErrorKind::Cancelled) => Error::Cancelled {
                 message: error.message,
             },
-            Ok(BarrierErrorKind::Unspecified) => Error::Protocol(format!(
-                "the coordinator rejected {}: {}",
-                what(),
-                error.message
-            )),
+            Ok(BarrierErrorKind::Unspecified | BarrierErrorKind::MembershipChanged) => {
+                Error::Protocol(format!(
+                    "the coordinator rejected {}: {}",
+                    what(),
+                    error.message
+                ))
+            }
             Err(_) => Error::Protocol(format!(
                 "barrier error of unknown kind {} for {}: {}",
                 error.kind,

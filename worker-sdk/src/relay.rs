@@ -132,6 +132,8 @@ impl RelayConn {
                     resume: false,
                     released_global: 0,
                     released_node: 0,
+                    replacement: false,
+                    epoch: 0,
                 })),
             },
             &mut out,

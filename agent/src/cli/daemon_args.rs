@@ -175,6 +175,7 @@ impl SubmitArgs {
             node_selector: pairs("--selector", &self.selector)?,
             grace_period_ms: self.grace_period_ms,
             no_agent_store: self.no_agent_store,
+            recovery: pb::RecoveryMode::Restart as i32,
         })
     }
 }

@@ -44,6 +44,7 @@ pub(super) async fn join(
             last_call_ms: millis(spec.last_call),
             join_timeout_ms: millis(spec.join_timeout),
             max_restarts: Some(spec.max_restarts),
+            recovery: pb::RecoveryMode::Restart as i32,
         }),
         request_id: failover::request_id(),
     };

@@ -166,6 +166,7 @@ fn join_req(job: &str, node: u32, nodes: u32) -> pb::JoinRequest {
             last_call_ms: 0,
             join_timeout_ms: 60_000,
             max_restarts: None,
+            recovery: 0,
         }),
         request_id: format!("{job}-{node}-{}", std::process::id()),
     }
@@ -279,6 +280,8 @@ impl Rank {
             resume,
             released_global: self.released,
             released_node: 0,
+            replacement: false,
+            epoch: 0,
         };
         tx.send(pb::WorkerMessage {
             kind: Some(pb::worker_message::Kind::Register(register)),

@@ -40,6 +40,7 @@ fn join_req(job: &str, node: u32, local: u32, nodes: u32) -> pb::JoinRequest {
             last_call_ms: 0,
             join_timeout_ms: 600_000,
             max_restarts: None,
+            recovery: 0,
         }),
         request_id: String::new(),
     }

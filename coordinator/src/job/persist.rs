@@ -249,6 +249,8 @@ impl Job {
                     failure: g.failure.as_ref().map(|f| f.to_info(g.generation)),
                     sessions: rank_bits(&g.ranks, |slot| slot.had_session),
                     left: rank_bits(&g.ranks, |slot| slot.state == RankState::Left),
+                    epoch: 0,
+                    replacing: Vec::new(),
                 }),
                 g.ended.as_deref().cloned(),
             ),
@@ -269,6 +271,7 @@ impl Job {
             ended,
             drained: st.drained.clone(),
             finished,
+            recovery: pb::RecoveryMode::Restart as i32,
         }
     }
 

@@ -53,6 +53,7 @@ pub(super) fn join_answer(
         master_host: nodes.first().map(|n| n.host.clone()).unwrap_or_default(),
         restart_count,
         max_restarts,
+        recovery: pb::RecoveryMode::Restart as i32,
     }
 }
 

@@ -104,6 +104,7 @@ impl Job {
             last_call_ms: st.config.last_call.as_millis() as u64,
             join_timeout_ms: st.config.join_timeout.as_millis() as u64,
             max_restarts: Some(st.config.max_restarts),
+            recovery: pb::RecoveryMode::Restart as i32,
         };
         let mut resp = pb::DescribeJobResponse {
             summary: Some(self.summary_locked(&st)),

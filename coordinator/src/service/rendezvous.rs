@@ -29,6 +29,12 @@ impl Drop for JoinGuard {
 
 #[tonic::async_trait]
 impl pb::rendezvous_server::Rendezvous for RendezvousService {
+    async fn quorum(&self, _request: Request<pb::QuorumRequest>) -> Rpc<pb::QuorumResponse> {
+        Err(Status::unimplemented(
+            "Rendezvous.Quorum: in-place recovery is being built (issue 18)",
+        ))
+    }
+
     /// Cancel-safe: a dropped call withdraws its node from the open round.
     async fn join(&self, request: Request<pb::JoinRequest>) -> Rpc<pb::JoinResponse> {
         let Join {

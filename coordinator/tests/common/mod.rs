@@ -64,6 +64,7 @@ pub fn join_req(job: &str, node: &str, local: u32, min: u32, max: u32) -> pb::Jo
             last_call_ms: 200,
             join_timeout_ms: 60_000,
             max_restarts: None,
+            recovery: 0,
         }),
         request_id: String::new(),
     }

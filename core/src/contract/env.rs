@@ -27,6 +27,13 @@ pub const MUSTER_NODE_RANK: &str = "MUSTER_NODE_RANK";
 pub const MUSTER_NUM_NODES: &str = "MUSTER_NUM_NODES";
 /// Restarts so far (0 in the first generation).
 pub const MUSTER_RESTART_COUNT: &str = "MUSTER_RESTART_COUNT";
+/// What a worker's death does: `restart` (the generation ends and every worker restarts) or
+/// `in-place` (only the dead worker is respawned; the others agree on a new membership at a
+/// step boundary and heal it). Set by the agent from the job's recovery mode.
+pub const MUSTER_RECOVERY: &str = "MUSTER_RECOVERY";
+/// In-place recovery: the membership epoch a respawned worker replaces its rank in (unset, or
+/// 0, for a worker of the generation's first membership).
+pub const MUSTER_EPOCH: &str = "MUSTER_EPOCH";
 /// The host the worker's node advertised (named in other ranks' error messages).
 pub const MUSTER_HOST: &str = "MUSTER_HOST";
 /// The node relay's Unix socket, when the agent runs one: barriers go there instead of through

@@ -508,6 +508,8 @@ fn register_message(config: &SessionConfig, resume: Option<(u64, u64)>) -> pb::R
         resume: resume.is_some(),
         released_global,
         released_node,
+        replacement: false,
+        epoch: 0,
     }
 }
 
