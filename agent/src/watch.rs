@@ -278,25 +278,47 @@ async fn run(
                 })
                 .await;
         }
-        let open_by = Instant::now() + state.remaining();
-        let opened = tokio::time::timeout_at(
-            open_by,
-            client.watch(tokio_stream::wrappers::ReceiverStream::new(out_rx)),
-        )
-        .await;
+        // The call is kept across a stall of this process: dropping it would end a stream
+        // the coordinator may already hold, and a watch that ends while the node's ranks run
+        // is a lost node there.
+        let mut open_by = Instant::now() + state.remaining();
+        let open = client.watch(tokio_stream::wrappers::ReceiverStream::new(out_rx));
+        tokio::pin!(open);
+        let opened = loop {
+            match tokio::time::timeout_at(open_by, &mut open).await {
+                Ok(answer) => break Some(answer),
+                // A timeout that fired well after its deadline: this process did not run
+                // meanwhile (stopped while the stream was opening), which the lease does not
+                // count. The stop began before the deadline, by an unknown amount: give the
+                // coordinator a whole lease to answer before judging.
+                Err(_) => match state.woke(open_by) {
+                    Some(gap) => {
+                        state.last_heard = Instant::now();
+                        eprintln!(
+                            "muster-agent: job {}: this agent did not run for {:.1}s (it was stopped, e.g. by SIGSTOP, or its machine was suspended); not counted against its {:.1}s lease",
+                            attach.job_id,
+                            gap.as_secs_f64(),
+                            lease.as_secs_f64()
+                        );
+                        open_by = Instant::now() + state.remaining();
+                    }
+                    None => break None,
+                },
+            }
+        };
         let mut stream = match opened {
-            Ok(Ok(r)) => r.into_inner(),
-            Ok(Err(status)) if status.code() == Code::NotFound => {
+            Some(Ok(r)) => r.into_inner(),
+            Some(Err(status)) if status.code() == Code::NotFound => {
                 let _ = tx.send(state_lost(addr, &status));
                 return;
             }
-            Ok(Err(status)) if gone(&status) => {
+            Some(Err(status)) if gone(&status) => {
                 // The generation is over at the coordinator (it moved on while this node could
                 // not hear it): stop and join again; the join says whether the job goes on.
                 let _ = tx.send(WatchEvent::Ended(superseded(&attach, &status)));
                 return;
             }
-            Ok(Err(status)) => {
+            Some(Err(status)) => {
                 last_error = format!("{addr}: {}", crate::security::explain(&status));
                 if failover::retryable(&status) {
                     // A follower (it may name the leader), or a replica that is down. Before
@@ -311,23 +333,8 @@ async fn run(
                 pause(&mut state, &mut backoff).await;
                 continue;
             }
-            Err(_) => {
-                // A timeout that fired well after its deadline: this process did not run
-                // meanwhile (stopped while the stream was opening), which the lease does not
-                // count.
-                if let Some(gap) = state.woke(open_by) {
-                    // The stop began before the deadline, by an unknown amount: give the
-                    // coordinator a whole lease to say where the job stands before judging.
-                    state.last_heard = Instant::now();
-                    eprintln!(
-                        "muster-agent: job {}: this agent did not run for {:.1}s (it was stopped, e.g. by SIGSTOP, or its machine was suspended); not counted against its {:.1}s lease",
-                        attach.job_id,
-                        gap.as_secs_f64(),
-                        lease.as_secs_f64()
-                    );
-                } else {
-                    last_error = format!("{addr} did not open the watch stream in time");
-                }
+            None => {
+                last_error = format!("{addr} did not open the watch stream in time");
                 coordinators.failed(&addr, None);
                 continue;
             }
