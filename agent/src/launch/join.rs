@@ -2,7 +2,7 @@
 //! when the workers use rank 0's own TCPStore (`--no-agent-store`).
 
 use super::LaunchError;
-use crate::env::NodeAssignment;
+use crate::env::{NodeAssignment, Recovery};
 use crate::failover::{self, Coordinators};
 use crate::spec::LaunchSpec;
 use muster_proto::v1 as pb;
@@ -44,7 +44,7 @@ pub(super) async fn join(
             last_call_ms: millis(spec.last_call),
             join_timeout_ms: millis(spec.join_timeout),
             max_restarts: Some(spec.max_restarts),
-            recovery: pb::RecoveryMode::Restart as i32,
+            recovery: spec.recovery.to_wire(),
         }),
         request_id: failover::request_id(),
     };
@@ -116,6 +116,8 @@ pub(super) async fn join(
         world_size: answer.world_size,
         restart_count: answer.restart_count,
         max_restarts: answer.max_restarts,
+        recovery: Recovery::from_wire(answer.recovery),
+        epoch: 0,
         host: host.to_owned(),
         master_addr: spec.master_addr.clone().unwrap_or(answer.master_host),
         master_port,
