@@ -187,6 +187,13 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
     if s.state == pb::RoundState::Open as i32 {
         let _ = write!(out, ", {} nodes waiting to start", s.nodes_waiting);
     }
+    let in_place = d
+        .config
+        .as_ref()
+        .is_some_and(|c| c.recovery == pb::RecoveryMode::InPlace as i32);
+    if in_place {
+        out.push_str(", in-place recovery");
+    }
     if d.epoch > 0 {
         let _ = write!(out, ", membership epoch {}", d.epoch);
     }
@@ -468,6 +475,10 @@ mod tests {
     #[test]
     fn recoveries_are_listed_with_who_replaced_and_healed_whom() {
         let mut d = stuck();
+        d.config = Some(pb::RendezvousConfig {
+            recovery: pb::RecoveryMode::InPlace as i32,
+            ..Default::default()
+        });
         d.epoch = 3;
         d.ranks[1].state = pb::RankState::Replacing as i32;
         d.ranks[1].pid = 0;
@@ -505,7 +516,7 @@ mod tests {
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(
             lines[0],
-            "job train: running, generation 2, 2 nodes, 4 ranks, restarts 1/3, membership epoch 3"
+            "job train: running, generation 2, 2 nodes, 4 ranks, restarts 1/3, in-place recovery, membership epoch 3"
         );
         assert!(
             lines[11].starts_with("  1     0     1      -    replacing  150 ms"),
