@@ -349,6 +349,11 @@ impl<'a> Supervisor<'a> {
                 WorkerState::Stopped
             };
             self.states.moved(WorkerState::Running, state);
+            if !exit.success() && exit.signal() != Some(Signal::SIGKILL as i32) {
+                // It ended on its own before the kill: the coordinator gets the precise reason.
+                let info = self.failure_info(&exit);
+                self.reports.push(self.report_failure(&exit, &info));
+            }
             let at = self.dead.remove(&exit.rank).map_or(at, |d| d.at);
             if matches!(self.stop, Stop::No)
                 && self.interrupted.is_none()
@@ -383,7 +388,7 @@ impl<'a> Supervisor<'a> {
             // Reported, and nothing else: the coordinator replaces the rank (`replace`) or
             // ends the generation (`ended`, no restarts left).
             eprintln!(
-                "muster-agent: job {}: rank {} (local rank {}) {}; in-place recovery: the other {} keep running",
+                "muster-agent: job {}: rank {} (local rank {}) {}; in-place recovery: {} of this node still running",
                 self.spec.job_id,
                 exit.rank,
                 exit.local_rank,
