@@ -47,6 +47,8 @@ pub struct AccelerateConfig {
     /// `muster_agent_store` (muster's own key; `false` is `--no-agent-store`): whether the
     /// agent serves torch's store to the workers.
     pub muster_agent_store: Option<bool>,
+    /// `muster_recovery` (muster's own key, as `--recovery`): `restart` or `in-place`.
+    pub muster_recovery: Option<crate::env::Recovery>,
     /// `monitor_interval`, in seconds: checked, not used (muster learns of exits at once).
     pub monitor_interval: Option<f64>,
     /// `distributed_type`, upper case (`FSDP`, `DEEPSPEED`, `MULTI_GPU`, ...).
@@ -364,6 +366,12 @@ fn read_setting(config: &mut AccelerateConfig, key: &str, value: &Yaml) -> Resul
         "debug" => config.debug = v.boolean()?,
         "enable_cpu_affinity" => config.enable_cpu_affinity = v.boolean()?,
         "muster_agent_store" => config.muster_agent_store = v.boolean()?,
+        "muster_recovery" => {
+            config.muster_recovery = match v.string()? {
+                Some(s) => Some(crate::env::Recovery::parse(s).map_err(|why| v.invalid(&why))?),
+                None => None,
+            };
+        }
         "monitor_interval" => config.monitor_interval = v.seconds()?,
         "distributed_type" => {
             if let Some(t) = v.string()? {
@@ -610,6 +618,7 @@ mod tests {
                 add("affinity", c.enable_cpu_affinity.map(|v| v.to_string()));
                 add("restarts", c.max_restarts.map(|v| v.to_string()));
                 add("agent_store", c.muster_agent_store.map(|v| v.to_string()));
+                add("recovery", c.muster_recovery.map(|v| v.to_string()));
                 add("monitor", c.monitor_interval.map(|v| v.to_string()));
                 for w in &c.warnings {
                     parts.push(format!("warning: {w}"));
@@ -714,6 +723,24 @@ dynamo_config:
         assert!(
             got.as_ref()
                 .is_err_and(|e| e.to_string().contains("muster_agent_store")),
+            "{got:?}"
+        );
+    }
+
+    /// muster's own key for `--recovery`, with the flag's spellings.
+    #[test]
+    fn the_recovery_key() {
+        check("muster_recovery: in-place", "recovery=in-place");
+        check("muster_recovery: restart", "recovery=restart");
+        check("muster_recovery: ~", "");
+        check(
+            "muster_recovery: inplace",
+            "error: muster_recovery: 'inplace' is not a recovery mode: expected restart or in-place",
+        );
+        let got = parse("muster_recovery: 2").map(|c| c.muster_recovery);
+        assert!(
+            got.as_ref()
+                .is_err_and(|e| e.to_string().starts_with("muster_recovery: ")),
             "{got:?}"
         );
     }

@@ -11,7 +11,7 @@ pub mod output;
 pub mod rdzv;
 pub mod slurm;
 #[cfg(test)]
-mod tests;
+pub(crate) mod tests;
 pub mod torchrun;
 pub mod validate;
 pub mod values;

@@ -1,7 +1,8 @@
 //! `muster-agent describe JOB`: the hang view in the terminal. One `Ops.DescribeJob` call,
 //! printed for a person in a hurry: the job's state first, then each pending barrier with who
 //! arrived, who is missing and what each missing rank is doing instead (activity, pid, node,
-//! host, for how long), then the nodes and ranks as compact tables and the last failure.
+//! host, for how long), then the nodes and ranks as compact tables, the in-place recoveries
+//! (who died, its replacement, who healed it, how long to the quorum) and the last failure.
 //! `--watch [SECONDS]` redraws it in place, as `watch(1)` does, until the job is over or
 //! Ctrl-C. The rendering ([`render`]) is a pure function of the reply, so that it is tested
 //! without a coordinator.
@@ -186,6 +187,16 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
     if s.state == pb::RoundState::Open as i32 {
         let _ = write!(out, ", {} nodes waiting to start", s.nodes_waiting);
     }
+    let in_place = d
+        .config
+        .as_ref()
+        .is_some_and(|c| c.recovery == pb::RecoveryMode::InPlace as i32);
+    if in_place {
+        out.push_str(", in-place recovery");
+    }
+    if d.epoch > 0 {
+        let _ = write!(out, ", membership epoch {}", d.epoch);
+    }
     out.push('\n');
 
     let rank_info = |r: u32| d.ranks.iter().find(|i| i.rank() == r);
@@ -349,6 +360,13 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
         }
     }
 
+    if !d.recoveries.is_empty() {
+        out.push('\n');
+        for r in &d.recoveries {
+            out.push_str(&recovery_line(r));
+        }
+    }
+
     if let Some(f) = &d.failure {
         out.push('\n');
         let mut line = format!("FAILED generation {}: ", f.generation);
@@ -416,10 +434,104 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
     out
 }
 
+/// One in-place recovery, ending with a newline: `RECOVERED epoch E: rank R (node N, host H)
+/// REASON; replaced by pid P, healed from rank S, quorum Q in T` (or where it stands while
+/// it is open).
+fn recovery_line(r: &pb::RecoveryInfo) -> String {
+    let closed = r.quorum_epoch > 0;
+    let mut line = format!(
+        "{} epoch {}: rank {} (node {}, host {}) {}",
+        if closed { "RECOVERED" } else { "RECOVERING" },
+        r.epoch,
+        or_none(r.rank),
+        or_none(r.node_rank),
+        r.host,
+        r.reason
+    );
+    if r.replacement_pid > 0 {
+        let _ = write!(line, "; replaced by pid {}", r.replacement_pid);
+    } else {
+        line.push_str("; waiting for its replacement");
+    }
+    if closed {
+        if let Some(source) = r.healed_from {
+            let _ = write!(line, ", healed from rank {source}");
+        }
+        let _ = write!(line, ", quorum {} in {}", r.quorum_epoch, ago(r.quorum_ms));
+    } else if r.replacement_pid > 0 {
+        line.push_str(", waiting for the quorum");
+    }
+    line.push('\n');
+    line
+}
+
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    /// In place: the epoch in the headline, the replaced rank's state in the table, and one
+    /// line per recovery, closed or still open.
+    #[test]
+    fn recoveries_are_listed_with_who_replaced_and_healed_whom() {
+        let mut d = stuck();
+        d.config = Some(pb::RendezvousConfig {
+            recovery: pb::RecoveryMode::InPlace as i32,
+            ..Default::default()
+        });
+        d.epoch = 3;
+        d.ranks[1].state = pb::RankState::Replacing as i32;
+        d.ranks[1].pid = 0;
+        d.recoveries = vec![
+            pb::RecoveryInfo {
+                epoch: 1,
+                rank: Some(2),
+                node_rank: Some(1),
+                host: "10.0.0.2".into(),
+                reason: "exited with status 3".into(),
+                replacement_pid: 4242,
+                quorum_epoch: 2,
+                healed_from: Some(0),
+                quorum_ms: 1_250,
+            },
+            pb::RecoveryInfo {
+                epoch: 3,
+                rank: Some(1),
+                node_rank: Some(0),
+                host: "10.0.0.1".into(),
+                reason: "killed by signal 9 (SIGKILL)".into(),
+                ..Default::default()
+            },
+            pb::RecoveryInfo {
+                epoch: 4,
+                rank: Some(0),
+                node_rank: Some(0),
+                host: "10.0.0.1".into(),
+                reason: "stopped answering".into(),
+                replacement_pid: 77,
+                ..Default::default()
+            },
+        ];
+        let text = render(&d);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines[0],
+            "job train: running, generation 2, 2 nodes, 4 ranks, restarts 1/3, in-place recovery, membership epoch 3"
+        );
+        assert!(
+            lines[11].starts_with("  1     0     1      -    replacing  150 ms"),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                "\nRECOVERED epoch 1: rank 2 (node 1, host 10.0.0.2) exited with status 3; replaced by pid 4242, healed from rank 0, quorum 2 in 1.2 s\n\
+                 RECOVERING epoch 3: rank 1 (node 0, host 10.0.0.1) killed by signal 9 (SIGKILL); waiting for its replacement\n\
+                 RECOVERING epoch 4: rank 0 (node 0, host 10.0.0.1) stopped answering; replaced by pid 77, waiting for the quorum\n\n\
+                 FAILED generation 1"
+            ),
+            "{text}"
+        );
+    }
 
     /// A job of two nodes, two ranks each, rank 3 missing from global barrier #2 'step'.
     fn stuck() -> pb::DescribeJobResponse {

@@ -10,6 +10,61 @@ use muster_core::contract::env as var;
 /// The variable torchrun sets to 1 when several workers share a node (see [`worker_env`]).
 pub use muster_core::contract::env::OMP_NUM_THREADS;
 
+/// What a worker's death does to the job (`launch --recovery`, the config file's
+/// `muster_recovery`, `submit --recovery`): the workers learn it as `MUSTER_RECOVERY`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Recovery {
+    /// The generation ends, every worker is stopped and the job restarts (torchrun's model).
+    #[default]
+    Restart,
+    /// Only the dead worker is respawned; the others keep running and heal it.
+    InPlace,
+}
+
+impl Recovery {
+    /// The contract's spelling (`MUSTER_RECOVERY`, the flag's and the config file's value).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Restart => "restart",
+            Self::InPlace => "in-place",
+        }
+    }
+
+    /// Reads the contract's spelling; the error lists the ones accepted.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "restart" => Ok(Self::Restart),
+            "in-place" => Ok(Self::InPlace),
+            other => Err(format!(
+                "'{other}' is not a recovery mode: expected restart or in-place"
+            )),
+        }
+    }
+
+    /// The wire value (`RendezvousConfig.recovery`, `JobSpec.recovery`).
+    pub fn to_wire(self) -> i32 {
+        match self {
+            Self::Restart => muster_proto::v1::RecoveryMode::Restart as i32,
+            Self::InPlace => muster_proto::v1::RecoveryMode::InPlace as i32,
+        }
+    }
+
+    /// The mode an answer names (`JoinResponse.recovery`): unspecified (a coordinator that
+    /// predates in-place recovery) and unknown values are today's behaviour, a restart.
+    pub fn from_wire(value: i32) -> Self {
+        match muster_proto::v1::RecoveryMode::try_from(value) {
+            Ok(muster_proto::v1::RecoveryMode::InPlace) => Self::InPlace,
+            _ => Self::Restart,
+        }
+    }
+}
+
+impl std::fmt::Display for Recovery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// What the agent knows about its node once the rendezvous round has closed: the inputs of
 /// every worker's environment.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,6 +92,11 @@ pub struct NodeAssignment {
     pub restart_count: u32,
     /// `--max-restarts`.
     pub max_restarts: u32,
+    /// The job's recovery mode, as the coordinator answered the join (`MUSTER_RECOVERY`).
+    pub recovery: Recovery,
+    /// In-place recovery: the membership epoch a respawned worker replaces its rank in
+    /// (`MUSTER_EPOCH`); 0 for the generation's first workers, which do not get the variable.
+    pub epoch: u64,
     /// The host this node advertised.
     pub host: String,
     /// Node rank 0's host; with the agent store, 127.0.0.1 (this node's agent serves it).
@@ -170,7 +230,11 @@ pub fn worker_env(
             var::MUSTER_FAILOVER_TIMEOUT_MS,
             node.failover_timeout.as_millis().to_string(),
         ),
+        (var::MUSTER_RECOVERY, node.recovery.as_str().to_owned()),
     ];
+    if node.epoch > 0 {
+        env.push((var::MUSTER_EPOCH, node.epoch.to_string()));
+    }
     if let Some(socket) = &node.agent_socket {
         env.push((var::MUSTER_AGENT_SOCKET, socket.clone()));
     }
@@ -294,6 +358,8 @@ mod tests {
             world_size: 6,
             restart_count: 2,
             max_restarts: 0,
+            recovery: Recovery::Restart,
+            epoch: 0,
             host: "node-b".into(),
             master_addr: "node-a".into(),
             master_port: 29500,
@@ -326,13 +392,60 @@ mod tests {
             "MUSTER_COORDINATOR=10.0.0.1:29470,10.0.0.2:29470 MUSTER_JOB_ID=job7 MUSTER_GENERATION=3
              MUSTER_RANK=5 MUSTER_LOCAL_RANK=1 MUSTER_WORLD_SIZE=6 MUSTER_LOCAL_WORLD_SIZE=2
              MUSTER_NODE_RANK=1 MUSTER_NUM_NODES=2 MUSTER_RESTART_COUNT=2 MUSTER_HOST=node-b
-             MUSTER_FAILOVER_TIMEOUT_MS=2500
+             MUSTER_FAILOVER_TIMEOUT_MS=2500 MUSTER_RECOVERY=restart
              MUSTER_AGENT_SOCKET=/tmp/muster-1-2/relay.sock
              RANK=5 LOCAL_RANK=1 WORLD_SIZE=6 LOCAL_WORLD_SIZE=2 GROUP_RANK=1 GROUP_WORLD_SIZE=2
              ROLE_RANK=5 ROLE_NAME=default ROLE_WORLD_SIZE=6 MASTER_ADDR=node-a MASTER_PORT=29500
              TORCHELASTIC_RESTART_COUNT=2 TORCHELASTIC_MAX_RESTARTS=0 TORCHELASTIC_RUN_ID=job7
              TORCHELASTIC_USE_AGENT_STORE=False TORCH_NCCL_ASYNC_ERROR_HANDLING=1 OMP_NUM_THREADS=1",
         );
+    }
+
+    /// The recovery mode reaches every worker; only a respawned one (in place) gets its
+    /// epoch, with the restart count of its respawn in both spellings.
+    #[test]
+    fn recovery_mode_and_epoch() {
+        let get = |node: &NodeAssignment| {
+            let env = worker_env(node, 1, &WorkerOptions::default(), |_| false);
+            let find = |k: &str| env.iter().find(|(n, _)| *n == k).map(|(_, v)| v.clone());
+            [
+                find("MUSTER_RECOVERY"),
+                find("MUSTER_EPOCH"),
+                find("MUSTER_RESTART_COUNT"),
+                find("TORCHELASTIC_RESTART_COUNT"),
+            ]
+        };
+        let some = |v: &str| Some(v.to_owned());
+        assert_eq!(get(&node()), [some("restart"), None, some("2"), some("2")]);
+        let first = NodeAssignment {
+            recovery: Recovery::InPlace,
+            ..node()
+        };
+        assert_eq!(get(&first), [some("in-place"), None, some("2"), some("2")]);
+        let respawned = NodeAssignment {
+            epoch: 4,
+            restart_count: 3,
+            ..first
+        };
+        assert_eq!(
+            get(&respawned),
+            [some("in-place"), some("4"), some("3"), some("3")]
+        );
+    }
+
+    #[test]
+    fn recovery_spellings() {
+        for mode in [Recovery::Restart, Recovery::InPlace] {
+            assert_eq!(Recovery::parse(mode.as_str()), Ok(mode));
+            assert_eq!(Recovery::from_wire(mode.to_wire()), mode);
+        }
+        assert_eq!(
+            Recovery::parse("inplace"),
+            Err("'inplace' is not a recovery mode: expected restart or in-place".to_owned())
+        );
+        // A coordinator that predates in-place recovery answers 0: a restart.
+        assert_eq!(Recovery::from_wire(0), Recovery::Restart);
+        assert_eq!(Recovery::from_wire(99), Recovery::Restart);
     }
 
     /// With the agent store, torch's `env://` must see exactly Python's `str(True)`.
@@ -366,6 +479,8 @@ mod tests {
             world_size: 1,
             restart_count: 0,
             max_restarts: 0,
+            recovery: Recovery::Restart,
+            epoch: 0,
             host: "127.0.0.1".into(),
             master_addr: "127.0.0.1".into(),
             master_port: 1234,
@@ -375,7 +490,7 @@ mod tests {
         let common = "MUSTER_COORDINATOR=127.0.0.1:40000 MUSTER_JOB_ID=j MUSTER_GENERATION=1
              MUSTER_RANK=0 MUSTER_LOCAL_RANK=0 MUSTER_WORLD_SIZE=1 MUSTER_LOCAL_WORLD_SIZE=1
              MUSTER_NODE_RANK=0 MUSTER_NUM_NODES=1 MUSTER_RESTART_COUNT=0 MUSTER_HOST=127.0.0.1
-             MUSTER_FAILOVER_TIMEOUT_MS=30000
+             MUSTER_FAILOVER_TIMEOUT_MS=30000 MUSTER_RECOVERY=restart
              RANK=0 LOCAL_RANK=0 WORLD_SIZE=1 LOCAL_WORLD_SIZE=1 GROUP_RANK=0 GROUP_WORLD_SIZE=1
              ROLE_RANK=0 ROLE_NAME=default ROLE_WORLD_SIZE=1 MASTER_ADDR=127.0.0.1
              MASTER_PORT=1234 TORCHELASTIC_RESTART_COUNT=0 TORCHELASTIC_MAX_RESTARTS=0

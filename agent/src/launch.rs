@@ -16,6 +16,10 @@
 //! grace period, then SIGKILL to the groups still alive. After a failure, the others first get
 //! [`FAILURE_SETTLE`] to end on their own: they learn of the failure from the coordinator and
 //! can say why they stop before the agent signals them.
+//!
+//! With `--recovery in-place` (as the coordinator's join answer confirms), a worker's failure
+//! does not end the generation here: the coordinator has the node respawn that worker alone
+//! (`launch/supervisor.rs`), or ends the generation as above when no restart is left.
 
 use crate::env::NodeAssignment;
 use crate::failover::{self, Coordinators};

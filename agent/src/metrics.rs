@@ -163,7 +163,7 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
     let restarts = Counter::default();
     registry.register(
         "restarts",
-        "Generations this agent started again after a failed one",
+        "Generations this agent started again after a failed one, and workers it respawned in place (--recovery in-place)",
         restarts.clone(),
     );
     let failures = Labeled::new(
@@ -241,7 +241,8 @@ impl Drop for WorkerStates {
     }
 }
 
-/// Hook: a generation of this node failed and the job starts a new one.
+/// Hook: a generation of this node failed and the job starts a new one, or (in place) a
+/// worker of this node was respawned.
 pub fn restarted() {
     METRICS.restarts.inc();
 }

@@ -868,8 +868,11 @@ fn handle(
             conn.send(&st.wires.frame);
             *peer = Peer::Left;
         }
-        (Peer::Rank(_), Some(Kind::Register(_))) => {
-            return Err("sent `register` twice to the agent".into());
+        (Peer::Rank(local), Some(Kind::Register(reg))) => {
+            // In place, a replacement may send its quorum's seqs in a second `register`.
+            st.hub.reregister(local, &reg)?;
+            encode_frame(&st.hub.registered(), &mut st.wires.frame);
+            conn.send(&st.wires.frame);
         }
         (Peer::Rank(_), None) => return Err("sent an empty message to the agent".into()),
         (Peer::Left, _) => {}

@@ -2,7 +2,7 @@
 //! ([`crate::cli`]) and a job placed on a daemon agent ([`crate::daemon`]) both end here, through
 //! the same validation, and [`crate::launch`] runs nothing else.
 
-use crate::env::WorkerOptions;
+use crate::env::{Recovery, WorkerOptions};
 use crate::gpu::GpuPlan;
 use crate::program::Program;
 use crate::security::Security;
@@ -55,6 +55,8 @@ pub struct LaunchSpec {
     pub grace_period: Duration,
     /// `--max-restarts`: restarts of the whole job after a failure.
     pub max_restarts: u32,
+    /// `--recovery`: what a worker's death does (the job's first joiner fixes it).
+    pub recovery: Recovery,
     /// How long the rendezvous waits for MIN nodes; `None`: the coordinator's default.
     pub join_timeout: Option<Duration>,
     /// How long a round with MIN nodes stays open for more; `None`: the coordinator's default.

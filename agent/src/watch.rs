@@ -17,6 +17,9 @@
 //! existed there. The task then reports [`WatchEvent::StateLost`] and the agent stops its
 //! workers for good; joining again would rerun them as a new job behind the user's back.
 //!
+//! In-place recovery: the coordinator's `replace` (a rank of this node died and restarts are
+//! left) is passed on as [`WatchEvent::Replace`]; the supervisor respawns that rank alone.
+//!
 //! The lease counts the time this process runs: a heartbeat tick that comes much later than
 //! its interval means the process did not run meanwhile (SIGSTOP, a suspended machine), and
 //! the coordinator's silence during that gap says nothing about the coordinator. The gap is
@@ -52,6 +55,9 @@ const FINISH_TIMEOUT: Duration = Duration::from_secs(2);
 pub enum WatchEvent {
     /// The generation ended (sent again when the coordinator learns a more precise reason).
     Ended(pb::GenerationEnded),
+    /// In-place recovery: respawn one of this node's ranks (sent again after a coordinator
+    /// failover; the supervisor ignores a repeat).
+    Replace(pb::RankReplace),
     /// The coordinator has not been heard for the lease; the reason says what was tried.
     Lost(String),
     /// The coordinator at `coordinator` no longer knows the job (NOT_FOUND): it lost the job's
@@ -140,6 +146,24 @@ impl Watch {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+impl Watch {
+    /// A watch with no coordinator behind it: the test sends its events.
+    pub(crate) fn scripted() -> (Self, mpsc::UnboundedSender<WatchEvent>) {
+        let (tx, events) = mpsc::unbounded_channel();
+        let (finish, _) = oneshot::channel();
+        let (_, reattaching) = watch::channel(false);
+        let watch = Self {
+            events,
+            finish: Some(finish),
+            reattaching,
+            budget: Duration::ZERO,
+            task: tokio::spawn(std::future::pending()),
+        };
+        (watch, tx)
     }
 }
 
@@ -380,7 +404,10 @@ async fn run(
                             Some(pb::node_event::Kind::Ended(ended)) => {
                                 let _ = tx.send(WatchEvent::Ended(ended));
                             }
-                            Some(pb::node_event::Kind::Heartbeat(_) | pb::node_event::Kind::Replace(_)) | None => {}
+                            Some(pb::node_event::Kind::Replace(replace)) => {
+                                let _ = tx.send(WatchEvent::Replace(replace));
+                            }
+                            Some(pb::node_event::Kind::Heartbeat(_)) | None => {}
                         }
                     }
                     Ok(None) if finishing => return,

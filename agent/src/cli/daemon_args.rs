@@ -3,6 +3,7 @@
 //! ([`ServeArgs::launch_args`]), so that it is validated as a launch without an argv.
 
 use super::launch_args::{LaunchArgs, Nproc};
+use crate::env::Recovery;
 use crate::security::SecurityArgs;
 use clap::Args;
 use muster_proto::v1 as pb;
@@ -81,6 +82,18 @@ impl ServeArgs {
         ));
         args.nproc_per_node = Some(Nproc::Count(job.nproc_per_node));
         args.max_restarts = Some(job.max_restarts);
+        // Unspecified: what a bare launch does (a restart).
+        args.recovery = match pb::RecoveryMode::try_from(job.recovery) {
+            Ok(pb::RecoveryMode::Unspecified) => args.recovery,
+            Ok(pb::RecoveryMode::Restart) => Some(Recovery::Restart),
+            Ok(pb::RecoveryMode::InPlace) => Some(Recovery::InPlace),
+            Err(_) => {
+                return Err(format!(
+                    "job '{}' asks for recovery mode {}, which this agent does not know",
+                    job.job_id, job.recovery
+                ));
+            }
+        };
         // 0: the job leaves it to the agents.
         args.grace_period_ms = Some(if job.grace_period_ms > 0 {
             job.grace_period_ms
@@ -119,6 +132,10 @@ pub struct SubmitArgs {
     /// Restarts allowed after a failure.
     #[arg(long, value_name = "N", default_value_t = 0)]
     pub max_restarts: u32,
+    /// What a worker's death does: restart (the default: the job restarts) or in-place (only
+    /// the dead worker is respawned), as `launch --recovery`.
+    #[arg(long, value_enum, value_name = "MODE")]
+    pub recovery: Option<Recovery>,
     /// Extra environment for the workers, `NAME=VALUE` (repeatable).
     #[arg(long = "env", value_name = "NAME=VALUE")]
     pub env: Vec<String>,
@@ -175,7 +192,7 @@ impl SubmitArgs {
             node_selector: pairs("--selector", &self.selector)?,
             grace_period_ms: self.grace_period_ms,
             no_agent_store: self.no_agent_store,
-            recovery: pb::RecoveryMode::Restart as i32,
+            recovery: self.recovery.unwrap_or_default().to_wire(),
         })
     }
 }
@@ -362,6 +379,59 @@ mod tests {
             panic!("not launch")
         };
         assert_eq!(launched.agent_store, spec.agent_store);
+    }
+
+    /// `submit --recovery` reaches the daemon agent's spec; without it, a restart, as a bare
+    /// launch; a mode the agent does not know is refused naming the job.
+    #[test]
+    fn a_submitted_job_recovers_as_it_asks() {
+        let submit = |extra: &[&str]| {
+            let args = [
+                &["submit", "--coordinator=10.0.0.1:29470", "--job-id=j3"][..],
+                extra,
+                &["--nproc-per-node=2", "--", "sh"][..],
+            ]
+            .concat();
+            let Request::Submit(submit) = request(&args) else {
+                panic!("not submit")
+            };
+            submit.job_spec().unwrap()
+        };
+        let agent = serve(&["--coordinator=10.0.0.1:29470"]);
+        let spec_of = |job: &pb::JobSpec| {
+            agent
+                .launch_args(job)
+                .map(|a| a.validate_in(&machine(None)).unwrap().0.recovery)
+        };
+        let job = submit(&["--recovery=in-place"]);
+        assert_eq!(job.recovery, pb::RecoveryMode::InPlace as i32);
+        assert_eq!(spec_of(&job), Ok(Recovery::InPlace));
+        let job = submit(&[]);
+        assert_eq!(job.recovery, pb::RecoveryMode::Restart as i32);
+        assert_eq!(spec_of(&job), Ok(Recovery::Restart));
+        let unspecified = pb::JobSpec {
+            recovery: pb::RecoveryMode::Unspecified as i32,
+            ..job.clone()
+        };
+        assert_eq!(spec_of(&unspecified), Ok(Recovery::Restart));
+        let unknown = pb::JobSpec { recovery: 9, ..job };
+        assert_eq!(
+            spec_of(&unknown),
+            Err("job 'j3' asks for recovery mode 9, which this agent does not know".to_owned())
+        );
+        let argv = std::iter::once("muster-agent").chain([
+            "submit",
+            "--coordinator=10.0.0.1:29470",
+            "--nproc-per-node=2",
+            "--recovery=sometimes",
+            "--",
+            "sh",
+        ]);
+        let err = parse_in(argv, &machine(None)).unwrap_err().to_string();
+        assert!(
+            err.contains("sometimes") && !err.contains('\n'),
+            "one line naming the value: {err}"
+        );
     }
 
     /// A placed job the launch would refuse is refused with the launch's message.

@@ -3,6 +3,7 @@
 
 use super::{accelerate_flags, output, rdzv, torchrun};
 use crate::accelerate_config;
+use crate::env::Recovery;
 use crate::gpu::GpuMapping;
 use crate::security::SecurityArgs;
 use clap::{Args, FromArgMatches};
@@ -83,6 +84,14 @@ pub struct LaunchArgs {
         env = "PET_MAX_RESTARTS"
     )]
     pub max_restarts: Option<u32>,
+
+    /// What a worker's death does: `restart` (every worker of the job is stopped and all
+    /// nodes rendezvous again, as under torchrun) or `in-place` (only the dead worker is
+    /// respawned, counted against --max-restarts; the others keep running and heal it at
+    /// their next step boundary). The workers get it as MUSTER_RECOVERY. Default: restart (or
+    /// muster_recovery in --config-file).
+    #[arg(long, value_enum, value_name = "MODE", alias = "recovery_mode")]
+    pub recovery: Option<Recovery>,
 
     /// How long workers get between SIGTERM and SIGKILL when they are stopped. Default:
     /// 5000 (or --shutdown-timeout, in seconds).
@@ -211,7 +220,8 @@ pub struct LaunchArgs {
 
     /// An Accelerate config file (the YAML or JSON `accelerate config` writes): its
     /// num_processes, num_machines, machine_rank, main_process_ip, main_process_port, gpu_ids,
-    /// mixed_precision, use_cpu, debug, enable_cpu_affinity and max_restarts are used, and its
+    /// mixed_precision, use_cpu, debug, enable_cpu_affinity, max_restarts (and muster's own
+    /// muster_agent_store and muster_recovery) are used, and its
     /// distributed_type and fsdp_config, deepspeed_config, megatron_lm_config, dynamo_config,
     /// fp8_config and parallelism_config as the flags of the same names; flags override it;
     /// what muster cannot honour is named in a warning.

@@ -12,7 +12,7 @@ use std::time::Duration;
 ///
 /// Its OMP_NUM_THREADS is set, so that several workers bring no warning (the one given
 /// without it is tested in `cli::torchrun`).
-pub(super) fn machine(gpus: Option<u32>) -> Context<'static> {
+pub(crate) fn machine(gpus: Option<u32>) -> Context<'static> {
     Context {
         path_var: Some(OsStr::new("/usr/bin:/bin")),
         gpus: Discovery {
@@ -65,6 +65,9 @@ pub(super) fn summary(s: &LaunchSpec, warnings: &[String]) -> String {
     }
     if s.max_restarts > 0 {
         add(format!("restarts={}", s.max_restarts));
+    }
+    if s.recovery != crate::env::Recovery::Restart {
+        add(format!("recovery={}", s.recovery));
     }
     if let Some(d) = s.join_timeout {
         add(format!("join={}ms", d.as_millis()));
@@ -315,6 +318,55 @@ fn supervision_and_rendezvous_flags() {
     ] {
         check(&format!("{args} -- sh"), Ok(&one_node(1, rest)));
     }
+}
+
+/// `--recovery` (and its config-file key): restart unless asked; the flag beats the file; a
+/// value that is neither mode is one line naming it.
+#[test]
+fn the_recovery_mode() {
+    for (args, rest) in [
+        ("", ""),
+        ("--recovery restart", ""),
+        (
+            "--recovery in-place --max-restarts 2",
+            " restarts=2 recovery=in-place",
+        ),
+        ("--recovery=in-place", " recovery=in-place"),
+        ("--recovery_mode in-place", " recovery=in-place"),
+    ] {
+        check(&format!("{args} -- sh"), Ok(&one_node(1, rest)));
+    }
+    let err = |args: &str| {
+        let argv = ["muster-agent", "launch"]
+            .into_iter()
+            .chain(args.split_whitespace());
+        parse_in(argv, &machine(None))
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    };
+    let bad = err("--recovery inplace -- sh").expect_err("not a mode");
+    assert!(
+        bad.contains("'inplace'") && bad.contains("--recovery") && !bad.contains('\n'),
+        "{bad}"
+    );
+    let file = ConfigFile::new("recovery", "muster_recovery: in-place\n");
+    let p = file.path();
+    check(
+        &format!("--config-file {p} -- sh"),
+        Ok(&one_node(1, " recovery=in-place")),
+    );
+    check(
+        &format!("--config-file {p} --recovery restart -- sh"),
+        Ok(&one_node(1, "")),
+    );
+    let bad_file = ConfigFile::new("bad-recovery", "muster_recovery: sometimes\n");
+    let p = bad_file.path();
+    check(
+        &format!("--config-file {p} -- sh"),
+        Err(&format!(
+            "--config-file '{p}': muster_recovery: 'sometimes' is not a recovery mode: expected restart or in-place"
+        )),
+    );
 }
 
 #[test]

@@ -180,6 +180,7 @@ impl LaunchArgs {
         )?;
         let accelerate = self.accelerate_only() || acc.given;
         let max_restarts = self.max_restarts.or(config.max_restarts).unwrap_or(0);
+        let recovery = self.recovery.or(config.muster_recovery).unwrap_or_default();
         self.check_monitor_interval()?;
 
         // The rendezvous, the main machine, and where the job is coordinated.
@@ -215,6 +216,7 @@ impl LaunchArgs {
             advertise_addr: main.advertise_addr,
             grace_period,
             max_restarts,
+            recovery,
             join_timeout,
             last_call,
             lease: Duration::from_millis(self.lease_ms),

@@ -2,7 +2,7 @@
 //! when the workers use rank 0's own TCPStore (`--no-agent-store`).
 
 use super::LaunchError;
-use crate::env::NodeAssignment;
+use crate::env::{NodeAssignment, Recovery};
 use crate::failover::{self, Coordinators};
 use crate::spec::LaunchSpec;
 use muster_proto::v1 as pb;
@@ -44,7 +44,7 @@ pub(super) async fn join(
             last_call_ms: millis(spec.last_call),
             join_timeout_ms: millis(spec.join_timeout),
             max_restarts: Some(spec.max_restarts),
-            recovery: pb::RecoveryMode::Restart as i32,
+            recovery: spec.recovery.to_wire(),
         }),
         request_id: failover::request_id(),
     };
@@ -90,6 +90,15 @@ pub(super) async fn join(
             answer.local_world_size, spec.nproc_per_node
         ))));
     }
+    let recovery = Recovery::from_wire(answer.recovery);
+    if recovery != spec.recovery && !spec.quiet {
+        // Only a coordinator that predates in-place recovery answers so (it leaves the field
+        // unset); one that knows it refuses a join whose mode differs from the job's.
+        eprintln!(
+            "muster-agent: job {}: the coordinator runs this job with --recovery {recovery}, not {} (it does not support in-place recovery)",
+            spec.job_id, spec.recovery
+        );
+    }
     let master_port = match spec.master_port {
         // With the agent store each node serves its own loopback port, set once the store
         // has started ([`super::start_store`]): there is nothing to share.
@@ -116,6 +125,8 @@ pub(super) async fn join(
         world_size: answer.world_size,
         restart_count: answer.restart_count,
         max_restarts: answer.max_restarts,
+        recovery,
+        epoch: 0,
         host: host.to_owned(),
         master_addr: spec.master_addr.clone().unwrap_or(answer.master_host),
         master_port,

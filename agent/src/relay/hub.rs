@@ -24,6 +24,15 @@
 //!   the agent's exit report), or after [`DEATH_CONFIRM`] with an error naming the rank;
 //! - a rank that left makes every barrier it had not entered fail with RANK_LEFT;
 //! - the coordinator's `failed` event fails every pending and later barrier with its error;
+//! - in-place recovery ([`Recovery::InPlace`]): a local death does not fail the node for good.
+//!   The waits pending when it is confirmed (the coordinator's MEMBERSHIP_CHANGED, as a
+//!   `failed` event or as the answer to a global barrier, or [`DEATH_CONFIRM`] without word)
+//!   are withdrawn with KIND_MEMBERSHIP_CHANGED, node barriers included (a rank held at one
+//!   would miss the quorum the others call; the same for a death on another node), as are
+//!   later entries until the rank's
+//!   replacement registers (`Register.replacement`); the replacement takes the dead rank's
+//!   slot and continues the barrier sequences from the seqs its `resume` carries (or from 0
+//!   without it);
 //! - across a coordinator failover, the relay re-registers with [`Hub::released`] and
 //!   [`Hub::resend`]s the global barriers in flight, exactly as they were first sent; the local
 //!   ranks keep waiting and see nothing of it.
@@ -33,7 +42,7 @@
 //! worker's trace; nothing is carried (or allocated) when no local rank sent one and the agent
 //! does not export traces.
 
-use crate::env::NodeAssignment;
+use crate::env::{NodeAssignment, Recovery};
 use muster_core::barrier::{self, Key, Place, Table, Waiter, consumes_seq};
 use muster_core::model::{self, Scope, barrier_error as simple_error};
 use muster_proto::v1 as pb;
@@ -90,6 +99,8 @@ struct Slot {
     host: String,
     /// Where the rank is in each scope's barrier sequence.
     place: Place,
+    /// In place: the worker registered as a replacement (it may send its seqs again).
+    replacement: bool,
 }
 
 /// What the relay keeps per wait, beside the table's rank, name and arrival time.
@@ -144,6 +155,12 @@ pub struct Hub {
     /// A local rank died: when to fail everything with this error if the coordinator has not
     /// confirmed the death by then.
     dying: Option<(Instant, pb::BarrierError)>,
+    /// The job's recovery mode: in place, a local death withdraws waits instead of failing
+    /// the node for good, and the dead rank's replacement may register.
+    recovery: Recovery,
+    /// In place: the membership changed and a local rank awaits its replacement: entries are
+    /// answered at once with this error (the worker goes to its step boundary, `Quorum`).
+    withdrawn: Option<pb::BarrierError>,
     /// Set once the relay lost its coordinator stream: connections are refused with it.
     closed: Option<String>,
     /// Scratch list of local ranks to answer.
@@ -179,6 +196,23 @@ fn ceil_ms(d: Duration) -> u64 {
     u64::try_from(d.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
 }
 
+/// Whether `err` is in-place recovery's withdrawal (KIND_MEMBERSHIP_CHANGED).
+fn is_membership_change(err: &pb::BarrierError) -> bool {
+    err.kind == ErrKind::MembershipChanged as i32
+}
+
+/// `death` (a RANK_FAILED error naming a local rank) as in-place recovery's withdrawal.
+fn membership_changed(death: pb::BarrierError) -> pb::BarrierError {
+    pb::BarrierError {
+        kind: ErrKind::MembershipChanged as i32,
+        message: format!(
+            "{}; the rank is being replaced in place: go to the step boundary (quorum)",
+            death.message
+        ),
+        ..death
+    }
+}
+
 /// The key of the coordinator's global barrier `seq`.
 fn global(seq: u64) -> Key {
     Key::new(Scope::Global, 0, seq)
@@ -192,6 +226,7 @@ impl Hub {
             pid: 0,
             host: node.host.clone(),
             place: Place::default(),
+            replacement: false,
         };
         Self {
             job_id: node.job_id.clone(),
@@ -204,6 +239,8 @@ impl Hub {
             barriers: Table::default(),
             failed: None,
             dying: None,
+            recovery: node.recovery,
+            withdrawn: None,
             closed: None,
             to: Vec::with_capacity(node.local_world_size as usize),
             armed: None,
@@ -255,19 +292,69 @@ impl Hub {
                     self.offset as usize + self.slots.len()
                 )
             })?;
+        let in_place = self.recovery == Recovery::InPlace;
         let slot = &mut self.slots[local as usize];
-        if slot.state != RankState::Absent {
+        let replaces = in_place && reg.replacement && slot.state == RankState::Dead;
+        if slot.state != RankState::Absent && !replaces {
+            let why = if reg.replacement && slot.state == RankState::Live {
+                " and is still connected: a replacement registers once the rank's previous worker is gone"
+            } else if reg.replacement && !in_place {
+                ": the job does not recover in place"
+            } else {
+                ""
+            };
             return Err(format!(
-                "rank {} of job '{}' generation {} has already connected to this agent (pid {})",
+                "rank {} of job '{}' generation {} has already connected to this agent (pid {}){why}",
                 reg.rank, self.job_id, self.generation, slot.pid
             ));
         }
+        if replaces {
+            // The dead worker's place is forgotten: the replacement numbers its barriers from
+            // the seqs the quorum gave it (the membership's released ones).
+            slot.place = Place::default();
+            if reg.resume {
+                slot.place.resume(Scope::Global, reg.released_global);
+                slot.place.resume(Scope::Node, reg.released_node);
+            }
+        }
         slot.state = RankState::Live;
+        slot.replacement = replaces;
         slot.pid = reg.pid;
         if !reg.host.is_empty() && reg.host.len() <= MAX_HOST {
             slot.host.clone_from(&reg.host);
         }
+        if self.slots.iter().all(|s| s.state != RankState::Dead) {
+            // Every dead local rank is replaced: barriers can complete again.
+            self.withdrawn = None;
+        }
         Ok(local)
+    }
+
+    /// A second `register` on local rank `local`'s connection: allowed only in place, for a
+    /// worker that registered as a replacement and now sends the seqs the quorum gave it
+    /// (`resume`), while it waits for no barrier. Returns why it is refused otherwise.
+    pub fn reregister(&mut self, local: u32, reg: &pb::Register) -> Result<(), String> {
+        let rank = self.offset + local;
+        let slot = &mut self.slots[local as usize];
+        if self.recovery != Recovery::InPlace
+            || !slot.replacement
+            || !reg.replacement
+            || !reg.resume
+            || reg.rank != rank
+            || reg.generation != self.generation
+            || reg.job_id != self.job_id
+        {
+            return Err("sent `register` twice to the agent".into());
+        }
+        if slot.place.waiting.iter().any(|w| *w) {
+            return Err(format!(
+                "rank {rank} sent `register` again while it waits for a barrier"
+            ));
+        }
+        slot.place = Place::default();
+        slot.place.resume(Scope::Global, reg.released_global);
+        slot.place.resume(Scope::Node, reg.released_node);
+        Ok(())
     }
 
     /// A barrier entry from local rank `local` (registered) at time `now`.
@@ -313,7 +400,12 @@ impl Hub {
             return reject(sink, local, wire_scope, seq, why);
         }
         slot.place.seq[idx] = seq;
-        if let Some(err) = self.failed.clone().or_else(|| self.left_error(key)) {
+        if let Some(err) = self
+            .failed
+            .clone()
+            .or_else(|| self.withdrawn.clone())
+            .or_else(|| self.left_error(key))
+        {
             self.slots[local as usize].place.done[idx] = seq;
             sink.workers(&[local], &result(scope.to_wire(), seq, Some(err)));
             return;
@@ -391,6 +483,12 @@ impl Hub {
             host,
             missing: vec![],
         };
+        if self.recovery == Recovery::InPlace && self.withdrawn.is_some() {
+            // The membership already changed (another local death): this one withdraws
+            // nothing new, and entries are answered at once until both are replaced.
+            self.withdrawn = Some(membership_changed(err));
+            return;
+        }
         let deadline = now + DEATH_CONFIRM;
         self.dying = Some((deadline, err));
         if self.armed.is_none_or(|armed| deadline < armed) {
@@ -403,6 +501,13 @@ impl Hub {
     pub fn on_event(&mut self, event: pb::RelayEvent, sink: &mut impl Sink) {
         match event.kind {
             Some(pb::relay_event::Kind::Barrier(r)) => {
+                if self.recovery == Recovery::InPlace
+                    && let Some(err) = r.error.as_ref().filter(|e| is_membership_change(e))
+                {
+                    // The coordinator withdrew the generation's waits: the node's own end
+                    // with them, or a rank held here would miss the quorum the others call.
+                    self.withdraw(err.clone(), sink);
+                }
                 if consumes_seq(r.error.as_ref()) {
                     self.barriers.release(global(r.seq));
                 }
@@ -416,6 +521,11 @@ impl Hub {
                 };
                 self.deliver(bi, r.error.as_ref(), sink);
                 self.recycle(bi);
+            }
+            Some(pb::relay_event::Kind::Failed(err))
+                if self.recovery == Recovery::InPlace && is_membership_change(&err) =>
+            {
+                self.withdraw(err, sink);
             }
             Some(pb::relay_event::Kind::Failed(err)) => self.fail_all(err, sink),
             Some(pb::relay_event::Kind::Registered(_)) | None => {}
@@ -468,6 +578,11 @@ impl Hub {
                 DEATH_CONFIRM.as_secs_f64(),
                 err.message
             );
+            if self.recovery == Recovery::InPlace {
+                // The coordinator replaces the rank or fails the generation; either way the
+                // workers learn it at their step boundary (`Quorum`).
+                return self.withdraw(membership_changed(err), sink);
+            }
             return self.fail_all(err, sink);
         }
         let mut i = 0;
@@ -674,6 +789,20 @@ impl Hub {
             self.deliver(i, Some(&err), sink);
         }
         self.recycle_all();
+    }
+
+    /// In place: the membership changed. Every pending wait of the node is answered with
+    /// `err` (KIND_MEMBERSHIP_CHANGED), and so is every entry until the dead local ranks'
+    /// replacements register; nothing fails for good.
+    fn withdraw(&mut self, err: pb::BarrierError, sink: &mut impl Sink) {
+        self.dying = None;
+        for i in 0..self.barriers.len() {
+            self.deliver(i, Some(&err), sink);
+        }
+        self.recycle_all();
+        if self.slots.iter().any(|s| s.state == RankState::Dead) {
+            self.withdrawn = Some(err);
+        }
     }
 
     /// Where (global) rank `rank` of this node runs.

@@ -20,6 +20,8 @@ fn node() -> NodeAssignment {
         world_size: 7,
         restart_count: 0,
         max_restarts: 0,
+        recovery: crate::env::Recovery::Restart,
+        epoch: 0,
         host: "host-b".into(),
         master_addr: "host-a".into(),
         master_port: 1,
@@ -131,6 +133,9 @@ fn error(kind: ErrKind, message: &str) -> pb::BarrierError {
 /// - `failover`: the relay registers again after a failover (recorded with the `released`
 ///   seq it sends) and re-sends the barriers in flight
 /// - `reg R [job=J] [gen=G]`: a further registration (refusals are recorded)
+/// - in-place recovery: `changed` (the coordinator's MEMBERSHIP_CHANGED as a `failed`
+///   event), `result SEQ changed`, `replace R [resume=GLOBAL,NODE]` (a replacement's
+///   registration), `rereg R GLOBAL,NODE` (its second `register`, with the quorum's seqs)
 fn check(script: &str, expected: &str) {
     check_on(&node(), script, expected);
 }
@@ -191,6 +196,7 @@ fn check_on(node: &NodeAssignment, script: &str, expected: &str) {
                     "ok" => None,
                     "timeout" => Some(error(ErrKind::Timeout, "remote node 0 late")),
                     "failed" => Some(error(ErrKind::RankFailed, "rank 0 failed")),
+                    "changed" => Some(error(ErrKind::MembershipChanged, "rank 6 replaced")),
                     other => panic!("result {other}"),
                 };
                 let event = pb::RelayEvent {
@@ -213,6 +219,45 @@ fn check_on(node: &NodeAssignment, script: &str, expected: &str) {
                 hub.on_event(event, &mut rec);
             }
             "closed" => hub.coordinator_lost("no coordinator".into(), &mut rec),
+            "changed" => {
+                let event = pb::RelayEvent {
+                    kind: Some(pb::relay_event::Kind::Failed(error(
+                        ErrKind::MembershipChanged,
+                        "rank 6 replaced",
+                    ))),
+                };
+                hub.on_event(event, &mut rec);
+            }
+            "replace" | "rereg" => {
+                let seqs = words.get(2).map(|w| {
+                    let w = w.strip_prefix("resume=").unwrap_or(w);
+                    let (g, n) = w.split_once(',').unwrap_or_else(|| panic!("{line}"));
+                    (
+                        g.parse().unwrap_or_else(|_| panic!("{line}")),
+                        n.parse().unwrap_or_else(|_| panic!("{line}")),
+                    )
+                });
+                let reg = pb::Register {
+                    job_id: "j".into(),
+                    generation: 2,
+                    rank: num(1) as u32,
+                    pid: 200 + num(1) as u32,
+                    replacement: true,
+                    epoch: 1,
+                    resume: seqs.is_some(),
+                    released_global: seqs.map_or(0, |s| s.0),
+                    released_node: seqs.map_or(0, |s| s.1),
+                    ..Default::default()
+                };
+                let got = if words[0] == "replace" {
+                    hub.register(&reg).map(|_| ())
+                } else {
+                    hub.reregister(local(1), &reg)
+                };
+                if let Err(why) = got {
+                    rec.lines.push(format!("refused: {why}"));
+                }
+            }
             "failover" => {
                 rec.lines
                     .push(format!("re-register released={}", hub.released()));
@@ -664,4 +709,140 @@ fn held_waits_are_reported_once_old_enough_and_sent_ones_are_not() {
         [OFFSET + 2]
     );
     assert_eq!(b.waiting_ms, 1500);
+}
+
+/// A node of an in-place job.
+fn in_place() -> NodeAssignment {
+    NodeAssignment {
+        recovery: crate::env::Recovery::InPlace,
+        ..node()
+    }
+}
+
+/// In place, a local death is confirmed by the coordinator's MEMBERSHIP_CHANGED: the waits
+/// end with it, entries are answered at once until the replacement registers, and the
+/// replacement continues the sequences from the seqs it brings; nothing fails for good.
+#[test]
+fn in_place_a_local_death_withdraws_waits_until_the_replacement() {
+    let changed = "MEMBERSHIP_CHANGED: rank 6 replaced";
+    check_on(
+        &in_place(),
+        "enter 4 node 1 a
+         enter 5 node 1 a
+         enter 4 global 1 g
+         lost 6
+         enter 5 global 1 g
+         changed
+         enter 4 node 2 b
+         enter 5 node 2 b
+         replace 6 resume=1,2
+         enter 6 node 3 c
+         enter 4 node 3 c
+         enter 5 node 3 c
+         enter 4 global 2 g
+         enter 5 global 2 g
+         enter 6 global 2 g",
+        &format!(
+            "4,5 <- node #1 {changed}
+             4,5 <- global #1 {changed}
+             4 <- node #2 {changed}
+             5 <- node #2 {changed}
+             4,5,6 <- node #3 ok
+             => enter #2 [g: 4,5,6] timeout 0"
+        ),
+    );
+}
+
+/// In place, without the coordinator's word within DEATH_CONFIRM the node's waits are
+/// withdrawn (not failed for good); when the coordinator then fails the generation (no
+/// restarts left), everything fails as in restart mode.
+#[test]
+fn in_place_an_unconfirmed_death_withdraws_and_a_failure_still_fails() {
+    let withdrawn = "MEMBERSHIP_CHANGED: rank 6 (node 1, host host-b) of job 'j' generation 2 failed: gone; the rank is being replaced in place: go to the step boundary (quorum)";
+    let exited = "RANK_FAILED: rank 6 exited with status 3";
+    check_on(
+        &in_place(),
+        "enter 4 node 1 a
+         lost 6
+         +999
+         enter 5 node 1 a
+         +1
+         enter 4 node 2 a
+         dead
+         enter 5 node 2 a",
+        &format!(
+            "4,5 <- node #1 {withdrawn}
+             4 <- node #2 {withdrawn}
+             5 <- node #2 {exited}"
+        ),
+    );
+}
+
+/// In place, the coordinator's MEMBERSHIP_CHANGED answer to a global barrier also ends the
+/// node's other waits: with a local death, until the replacement registers; with a death
+/// elsewhere, once (a rank held at a node barrier would miss the quorum): later entries wait
+/// as usual.
+#[test]
+fn in_place_a_withdrawn_global_barrier_ends_the_nodes_other_waits() {
+    let changed = "MEMBERSHIP_CHANGED: rank 6 replaced";
+    check_on(
+        &in_place(),
+        "enter 4 global 1 g
+         enter 5 global 1 g
+         enter 6 global 1 g
+         enter 4 node 1 n
+         lost 6
+         result 1 changed
+         enter 5 node 1 n",
+        &format!(
+            "=> enter #1 [g: 4,5,6] timeout 0
+             4,5,6 <- global #1 {changed}
+             4 <- node #1 {changed}
+             5 <- node #1 {changed}"
+        ),
+    );
+    check_on(
+        &in_place(),
+        "enter 4 global 1 g
+         enter 5 global 1 g
+         enter 6 global 1 g
+         enter 4 node 1 n
+         result 1 changed
+         enter 4 node 2 n
+         enter 4 global 2 g",
+        &format!(
+            "=> enter #1 [g: 4,5,6] timeout 0
+             4,5,6 <- global #1 {changed}
+             4 <- node #1 {changed}"
+        ),
+    );
+}
+
+/// Who may register as a replacement: only in place, only for a dead rank; a second
+/// `register` carries the quorum's seqs, and only a replacement's is taken.
+#[test]
+fn replacement_registrations() {
+    let refused = "refused: rank 6 of job 'j' generation 2 has already connected to this agent";
+    check(
+        "lost 6
+         replace 6",
+        &format!("{refused} (pid 106): the job does not recover in place"),
+    );
+    check_on(
+        &in_place(),
+        "replace 6
+         lost 5
+         reg 5
+         replace 5
+         rereg 5 0,3
+         enter 5 node 4 a
+         enter 4 node 4 a
+         rereg 4 0,1",
+        &format!(
+            "{refused} (pid 106) and is still connected: a replacement registers once the rank's previous worker is gone
+             refused: rank 5 of job 'j' generation 2 has already connected to this agent (pid 105)
+             4 <- node #4 UNSPECIFIED: rank 4 sent node 1 barrier #4, but its last was #0: barrier calls must be numbered 1, 2, 3... per scope, one at a time
+             refused: sent `register` twice to the agent"
+        ),
+    );
 }
