@@ -201,3 +201,71 @@ fn a_membership_push_ends_a_blocked_collective_and_the_rebuilt_communicator_work
         }
     }
 }
+
+#[test]
+fn a_death_during_the_rebuild_ends_it_naming_the_rank() {
+    let world = 3;
+    let (_coordinator, infos) = start("recovery-rebuild", world);
+    let (watches_tx, watches_rx) = mpsc::channel::<FailureWatch>();
+    let ranks: Vec<_> = infos
+        .into_iter()
+        .map(|info| {
+            let watches_tx = watches_tx.clone();
+            thread::spawn(move || {
+                let rank = info.rank;
+                let accelerator = in_place(info);
+                let comm = Communicator::with_backend(&accelerator, BackendKind::Cpu).unwrap();
+                watches_tx.send(accelerator.failure_watch()).unwrap();
+                if rank == 0 {
+                    // Rank 0 dies before it publishes its epoch-1 address: ranks 1 and 2 wait
+                    // for its record until the coordinator reports the death.
+                    while !accelerator.membership().changed() {
+                        thread::sleep(Duration::from_millis(5));
+                    }
+                    return None;
+                }
+                let quorum = Quorum {
+                    epoch: 1,
+                    world_size: world,
+                    step: Some(4),
+                    heal: Vec::new(),
+                    released: (0, 0),
+                    members: Vec::new(),
+                };
+                let started = Instant::now();
+                let error = comm.reconfigure(&accelerator, &quorum).unwrap_err();
+                let took = started.elapsed();
+                // Unusable until a later quorum's rebuild succeeds.
+                let mut data = [1.0f32];
+                assert!(comm.all_reduce(&mut data, ReduceOp::Sum).is_err());
+                Some((error, took))
+            })
+        })
+        .collect();
+    drop(watches_tx);
+    let watches: Vec<FailureWatch> = watches_rx.iter().take(world as usize).collect();
+    thread::sleep(Duration::from_millis(300));
+    for watch in &watches {
+        watch.membership_changed(2, cause(0));
+    }
+    for (rank, handle) in ranks.into_iter().enumerate() {
+        let Some((error, took)) = handle.join().unwrap() else {
+            continue;
+        };
+        assert!(
+            matches!(
+                &error,
+                Error::MembershipChanged {
+                    epoch: 2,
+                    rank: 0,
+                    ..
+                }
+            ),
+            "rank {rank}: {error:?}"
+        );
+        assert!(
+            took < Duration::from_millis(1300),
+            "rank {rank} took {took:?}"
+        );
+    }
+}

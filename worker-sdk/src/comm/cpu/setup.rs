@@ -40,7 +40,33 @@ impl CpuBackend {
     /// `muster/comm/<generation>.<epoch>/<id>/<rank>` after an in-place recovery, its
     /// handshake carries the epoch (a connection of another epoch is refused), and its failure
     /// watcher fires for membership changes above `epoch`.
+    ///
+    /// A setup that fails because a rank died meanwhile (a refused or broken connection, a
+    /// record that never comes) returns the coordinator's report of that death instead
+    /// ([`Error::MembershipChanged`] in an in-place job, which the caller recovers from),
+    /// waiting up to [`NAME_THE_DEAD_GRACE`] for it.
     pub(crate) fn create(accelerator: &Accelerator, id: u64, epoch: u64) -> Result<Self, Error> {
+        let watch = accelerator.failure_watch_at(epoch);
+        Self::connect_mesh(accelerator, id, epoch, &watch).map_err(|error| {
+            match error {
+                // Already the report, or an error of this rank's own making.
+                Error::MembershipChanged { .. } | Error::RankFailed { .. } | Error::Config(_) => {
+                    error
+                }
+                error if accelerator.is_distributed() => {
+                    watch.wait_timeout(NAME_THE_DEAD_GRACE).unwrap_or(error)
+                }
+                error => error,
+            }
+        })
+    }
+
+    fn connect_mesh(
+        accelerator: &Accelerator,
+        id: u64,
+        epoch: u64,
+        watch: &FailureWatch,
+    ) -> Result<Self, Error> {
         let info = accelerator.info();
         let rank = info.rank as usize;
         let world = info.world_size as usize;
@@ -79,7 +105,7 @@ impl CpuBackend {
             return Ok(backend);
         }
         let prefix = comm_prefix(info.generation, epoch, id);
-        let watch = Some(accelerator.failure_watch_at(epoch));
+        let watch = Some(watch.clone());
 
         // Listen: TCP on the advertised IP (or everywhere: a host name, or an address that is
         // not this machine's, as behind NAT), and an abstract Unix socket.
@@ -134,9 +160,7 @@ impl CpuBackend {
 
         // Connect to every lower rank.
         for peer in 0..rank {
-            let record = accelerator
-                .kv()
-                .get_wait(&format!("{prefix}/{peer}"), SETUP_TIMEOUT)?;
+            let record = wait_for_record(accelerator, &format!("{prefix}/{peer}"), &watch)?;
             let record = String::from_utf8_lossy(&record).into_owned();
             let (parsed, port, name) = parse_record(&record);
             let Some(port) = port else {
@@ -427,5 +451,31 @@ mod tests {
         // What the accepting rank compares: an old epoch's hello is not the expected one.
         assert_ne!(old.encode(), now.encode());
         assert_eq!(Hello::from_of(&old.encode()), 2);
+    }
+}
+
+/// How long a failed setup waits for the coordinator to report the death that explains it.
+const NAME_THE_DEAD_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long one wait for a peer's record lasts before the failure watch is checked again.
+const RECORD_SLICE: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Waits for a peer's address record under `key` (up to [`SETUP_TIMEOUT`]) in slices, so that
+/// a peer that died before publishing it (its replacement publishes under the next epoch's
+/// key) ends the wait as soon as `watch` fires, rather than after the setup timeout.
+fn wait_for_record(
+    accelerator: &Accelerator,
+    key: &str,
+    watch: &Option<FailureWatch>,
+) -> Result<Vec<u8>, Error> {
+    let deadline = Instant::now() + SETUP_TIMEOUT;
+    loop {
+        if let Some(error) = watch.as_ref().and_then(FailureWatch::failed) {
+            return Err(error);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        match accelerator.kv().get_wait(key, left.min(RECORD_SLICE)) {
+            Err(error) if error.is_timeout() && !left.is_zero() => {}
+            other => return other,
+        }
     }
 }
