@@ -430,30 +430,6 @@ impl Hello {
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn keys_and_handshakes_carry_the_epoch() {
-        assert_eq!(comm_prefix(3, 0, 1), "muster/comm/3/1");
-        assert_eq!(comm_prefix(3, 2, 1), "muster/comm/3.2/1");
-        let now = Hello {
-            generation: 3,
-            epoch: 2,
-            id: 1,
-            job_hash: 7,
-            from: 2,
-            to: 0,
-        };
-        let old = Hello { epoch: 1, ..now };
-        assert_eq!(Hello::from_of(&now.encode()), 2);
-        // What the accepting rank compares: an old epoch's hello is not the expected one.
-        assert_ne!(old.encode(), now.encode());
-        assert_eq!(Hello::from_of(&old.encode()), 2);
-    }
-}
-
 /// How long a failed setup waits for the coordinator to report the death that explains it.
 const NAME_THE_DEAD_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
 /// How long one wait for a peer's record lasts before the failure watch is checked again.
@@ -477,5 +453,29 @@ fn wait_for_record(
             Err(error) if error.is_timeout() && !left.is_zero() => {}
             other => return other,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_and_handshakes_carry_the_epoch() {
+        assert_eq!(comm_prefix(3, 0, 1), "muster/comm/3/1");
+        assert_eq!(comm_prefix(3, 2, 1), "muster/comm/3.2/1");
+        let now = Hello {
+            generation: 3,
+            epoch: 2,
+            id: 1,
+            job_hash: 7,
+            from: 2,
+            to: 0,
+        };
+        let old = Hello { epoch: 1, ..now };
+        assert_eq!(Hello::from_of(&now.encode()), 2);
+        // What the accepting rank compares: an old epoch's hello is not the expected one.
+        assert_ne!(old.encode(), now.encode());
+        assert_eq!(Hello::from_of(&old.encode()), 2);
     }
 }
