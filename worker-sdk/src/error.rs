@@ -217,7 +217,7 @@ pub enum Error {
     /// membership changed under this call (a collective's peers, a barrier's ranks). The
     /// generation goes on: the caller discards its step and goes to its step boundary
     /// ([`crate::membership::Membership::quorum`]). Recoverable ([`Error::is_recoverable`]).
-    #[error("{}", about_rank(*.rank, *.node_rank, .host, &format!("died (membership epoch {})", .epoch), .reason))]
+    #[error("{}", about_rank(*.rank, *.node_rank, .host, &died_in(*.epoch), .reason))]
     MembershipChanged {
         /// The membership epoch the death opened (0 when the coordinator did not say, as in a
         /// withdrawn barrier).
@@ -276,6 +276,15 @@ fn about_rank(rank: u32, node_rank: u32, host: &str, verb: &str, message: &str) 
         message.to_owned()
     } else {
         format!("rank {rank} (node {node_rank}, host {host}) {verb}: {message}")
+    }
+}
+
+/// What a membership change says the rank did ("died", with the epoch it opened if known).
+fn died_in(epoch: u64) -> String {
+    if epoch == 0 {
+        "died".to_owned()
+    } else {
+        format!("died (membership epoch {epoch})")
     }
 }
 
@@ -502,7 +511,7 @@ mod tests {
         );
         check(
             BarrierErrorKind::MembershipChanged,
-            "rank 3 (node 1, host host-b) died (membership epoch 0): why",
+            "rank 3 (node 1, host host-b) died: why",
         );
         check(
             BarrierErrorKind::Unspecified,
