@@ -266,12 +266,16 @@ struct Trainer {
     progress: Progress,
     /// Samples of committed steps.
     trained: u64,
+    /// False in a replacement until it is healed: it has no committed state to report.
+    has_state: bool,
 }
 
 impl Trainer {
-    /// What the quorum compares: committed optimizer steps plus evaluations done.
-    fn committed(&self) -> u64 {
-        self.schedule.step + self.progress.evals_done
+    /// What the quorum compares: committed optimizer steps plus evaluations done (`None` in a
+    /// replacement not healed yet).
+    fn committed(&self) -> Option<u64> {
+        self.has_state
+            .then(|| self.schedule.step + self.progress.evals_done)
     }
 
     /// The registry a healthy rank sends and a healed rank loads.
@@ -356,10 +360,19 @@ fn run(args: &Args) -> Result<(), Error> {
         position,
         progress,
         trained: 0,
+        has_state: !accelerator.is_replacement(),
     };
     let started = Instant::now();
     if let Some((quorum, asked)) = first_quorum {
-        heal_after(&accelerator, &comm, &mut trainer, quorum, asked)?;
+        match heal_after(&accelerator, &comm, &mut trainer, quorum, asked) {
+            Ok(()) => {}
+            // Its source died while healing it: a new quorum names another.
+            Err(error) if error.is_recoverable(Recovery::InPlace) => {
+                report_interrupt(&accelerator, &error);
+                recover(&accelerator, &comm, &mut trainer)?;
+            }
+            Err(error) => return Err(error),
+        }
     }
     let samples = loop {
         let error = match train(args, &accelerator, &comm, &mut trainer, &mut checkpoints) {
@@ -411,7 +424,7 @@ fn recover(
 ) -> Result<(), Error> {
     loop {
         let asked = Instant::now();
-        let quorum = accelerator.membership().quorum(Some(trainer.committed()))?;
+        let quorum = accelerator.membership().quorum(trainer.committed())?;
         match heal_after(accelerator, comm, trainer, quorum, asked) {
             Ok(()) => return Ok(()),
             Err(error) if error.is_recoverable(Recovery::InPlace) => {
@@ -439,6 +452,7 @@ fn heal_after(
     comm.heal(&quorum, &mut trainer.heal_registry())?;
     let heal_ms = heal.elapsed().as_millis();
     trainer.grads.zero();
+    trainer.has_state = true;
     if accelerator.is_main_process() {
         let list = |ranks: Vec<u32>| {
             if ranks.is_empty() {
