@@ -199,7 +199,9 @@ impl RelayConn {
             rank: config.rank,
             stream,
             state: Mutex::new(State {
-                next_seq: resume.map_or([1, 1], |(global, node)| [global + 1, node + 1]),
+                next_seq: resume.map_or([1, 1], |(global, node)| {
+                    [global.saturating_add(1), node.saturating_add(1)]
+                }),
                 busy: [false; 2],
                 reading: false,
                 sleepers: 0,

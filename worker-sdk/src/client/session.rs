@@ -801,7 +801,7 @@ impl Session {
         for (scope, released) in [(Scope::Global, released.0), (Scope::Node, released.1)] {
             let slot = &mut state.scopes[scope.index()];
             if matches!(slot.pending, Pending::Idle) && slot.next_seq <= released {
-                slot.next_seq = released + 1;
+                slot.next_seq = released.saturating_add(1);
             }
         }
     }
