@@ -14,7 +14,11 @@ use std::{
     fmt,
     future::Future,
     panic::Location,
-    sync::{Mutex, MutexGuard, PoisonError},
+    path::PathBuf,
+    sync::{
+        Mutex, MutexGuard, OnceLock, PoisonError,
+        atomic::{AtomicBool, AtomicU64},
+    },
     time::Duration,
 };
 
@@ -24,9 +28,11 @@ use serde::{Serialize, de::DeserializeOwned};
 use crate::{
     Error, RankInfo,
     client::{
-        CasOutcome, ClientSecurity, Coordinator, Kv, KvLane, Scope, Session, SessionConfig,
-        SharedValues, UniqueIds,
+        CasOutcome, ClientSecurity, Coordinator, Kv, KvLane, QUORUM_POLL, Quorum, QuorumAsk, Scope,
+        Session, SessionConfig, SharedValues, UniqueIds,
     },
+    env::{Recovery, RecoveryEnv},
+    membership::Membership,
     relay::RelayConn,
 };
 
@@ -50,10 +56,26 @@ const DROP_LEAVE_GRACE: Duration = Duration::from_secs(2);
 /// `leave`, so the coordinator sees the rank fail at once.
 pub struct Accelerator {
     info: RankInfo,
+    /// The job's recovery mode and, for a replacement, the epoch it was spawned for.
+    recovery: RecoveryEnv,
+    /// Where this process stands in the job's membership (in-place recovery).
+    pub(crate) membership: MembershipState,
     backend: Backend,
     /// Per-name call counters for shared values, so that calls from one line in a loop get
     /// distinct names.
     share_calls: Mutex<HashMap<String, u64>>,
+}
+
+/// What [`Membership`] reads and updates: atomics only, so that its per-step check takes no
+/// lock.
+#[derive(Debug)]
+pub(crate) struct MembershipState {
+    /// The epoch of the last quorum this process took part in (a replacement: the epoch it
+    /// was spawned for, until its first quorum).
+    pub(crate) current: AtomicU64,
+    /// Set in a replacement until its first quorum: it has no state and no place in the
+    /// barrier sequences yet.
+    pub(crate) awaiting_first: AtomicBool,
 }
 
 enum Backend {
@@ -71,9 +93,13 @@ struct LocalStore {
 struct Remote {
     /// `None` once finished.
     session: Option<Session>,
-    /// The agent's relay, which carries every barrier when present. `None` without
-    /// `MUSTER_AGENT_SOCKET`, and once finished.
-    relay: Option<RelayConn>,
+    /// The agent's relay, which carries every barrier when present. Empty without
+    /// `MUSTER_AGENT_SOCKET`, once finished, and in a replacement until its first quorum
+    /// (`relay_pending`).
+    pub(crate) relay: OnceLock<RelayConn>,
+    /// A replacement's relay socket: it registers there after its first quorum, resuming the
+    /// node's barrier sequence from the quorum's released seqs.
+    pub(crate) relay_pending: Option<PathBuf>,
     kv: Kv,
     /// The process's lane for key-value mutations that are not safe to repeat (a non-zero
     /// add, a compare-and-set): retried across a leader failover and applied once. One lane
@@ -120,9 +146,30 @@ impl Accelerator {
     /// Like [`Accelerator::new`], with explicit TLS settings and credentials instead of the
     /// environment's (unused in single-process mode).
     pub fn with_security(info: RankInfo, security: ClientSecurity) -> Result<Self, Error> {
+        let recovery = if info.is_distributed() {
+            RecoveryEnv::from_env()?
+        } else {
+            RecoveryEnv::default()
+        };
+        Self::with_recovery(info, security, recovery)
+    }
+
+    /// Like [`Accelerator::with_security`], with the recovery settings given instead of read
+    /// from `MUSTER_RECOVERY` and `MUSTER_EPOCH` (tests run ranks as threads of one process).
+    /// A nonzero `recovery.epoch` registers this process as the replacement of its rank, which
+    /// the coordinator accepts only while that rank awaits one.
+    pub fn with_recovery(
+        info: RankInfo,
+        security: ClientSecurity,
+        recovery: RecoveryEnv,
+    ) -> Result<Self, Error> {
         info.validate()?;
         let Some(addr) = info.coordinator.clone() else {
-            return Ok(Self::with_backend(info, Backend::Local(Mutex::default())));
+            return Ok(Self::with_backend(
+                info,
+                RecoveryEnv::default(),
+                Backend::Local(Mutex::default()),
+            ));
         };
         if tokio::runtime::Handle::try_current().is_ok() {
             return Err(Error::Usage(
@@ -146,7 +193,7 @@ impl Accelerator {
         };
         let session = runtime.block_on(async {
             let coordinator = Coordinator::connect_with(&addr, security).await?;
-            Session::attach(&coordinator, config).await
+            Session::attach_replacement(&coordinator, config, recovery.epoch).await
         })?;
         let registration = *session.registration();
         let expected = (info.world_size, info.node_rank, info.num_nodes);
@@ -164,10 +211,17 @@ impl Accelerator {
             )));
         }
         // After the session: the coordinator accepts relayed entries only of registered ranks.
-        let relay = match &info.agent_socket {
-            Some(path) => Some(RelayConn::connect(path, session.config())?),
-            None => None,
-        };
+        // A replacement registers with the relay after its first quorum, which says where
+        // the node's barrier sequence is.
+        let relay = OnceLock::new();
+        let mut relay_pending = None;
+        match &info.agent_socket {
+            Some(path) if recovery.is_replacement() => relay_pending = Some(path.clone()),
+            Some(path) => {
+                let _ = relay.set(RelayConn::connect(path, session.config())?);
+            }
+            None => {}
+        }
         let kv = session.kv();
         let remote = Remote {
             kv_lane: Mutex::new(kv.lane()),
@@ -176,17 +230,57 @@ impl Accelerator {
             shared: session.shared_values(),
             session: Some(session),
             relay,
+            relay_pending,
             runtime: Some(runtime),
         };
-        Ok(Self::with_backend(info, Backend::Remote(Box::new(remote))))
+        Ok(Self::with_backend(
+            info,
+            recovery,
+            Backend::Remote(Box::new(remote)),
+        ))
     }
 
-    fn with_backend(info: RankInfo, backend: Backend) -> Self {
+    fn with_backend(info: RankInfo, recovery: RecoveryEnv, backend: Backend) -> Self {
         Self {
             info,
+            membership: MembershipState {
+                current: AtomicU64::new(recovery.epoch),
+                awaiting_first: AtomicBool::new(recovery.is_replacement()),
+            },
+            recovery,
             backend,
             share_calls: Mutex::default(),
         }
+    }
+
+    /// The job's recovery mode (`MUSTER_RECOVERY`): what a rank's death does.
+    pub fn recovery(&self) -> Recovery {
+        self.recovery.mode
+    }
+
+    /// The membership epoch this process was spawned for (`MUSTER_EPOCH`): 0 for a worker of
+    /// the generation's first membership, more for a replacement of a rank that died in
+    /// place.
+    pub fn spawn_epoch(&self) -> u64 {
+        self.recovery.epoch
+    }
+
+    /// Whether this process replaces a rank that died (a nonzero [`Accelerator::spawn_epoch`]):
+    /// it calls [`Membership::quorum`] with no step before anything else, and heals.
+    pub fn is_replacement(&self) -> bool {
+        self.recovery.is_replacement()
+    }
+
+    /// The membership epoch of the last quorum this process took part in (0 before any; a
+    /// replacement's spawn epoch before its first): the epoch new communicators are built for.
+    pub fn epoch(&self) -> u64 {
+        self.membership().epoch()
+    }
+
+    /// In-place recovery's step-boundary handle: [`Membership::changed`] (the per-step check,
+    /// atomic loads only) and [`Membership::quorum`].
+    pub fn membership(&self) -> Membership<'_> {
+        Membership::new(self)
     }
 
     /// Where this process sits in the job.
@@ -320,7 +414,7 @@ impl Accelerator {
     /// barriers go through the agent's relay, which this thread reads itself (without a relay
     /// they wait on the SDK's runtime, which cannot).
     pub fn barrier_interruptible_in_place(&self) -> bool {
-        matches!(&self.backend, Backend::Remote(remote) if remote.relay.is_some())
+        matches!(&self.backend, Backend::Remote(remote) if remote.relay.get().is_some())
     }
 
     /// [`Accelerator::barrier_named`] that calls `interrupted` every
@@ -335,7 +429,7 @@ impl Accelerator {
         interrupted: &mut dyn FnMut() -> bool,
     ) -> Result<(), Error> {
         match &self.backend {
-            Backend::Remote(remote) => match &remote.relay {
+            Backend::Remote(remote) => match remote.relay.get() {
                 Some(relay) => tracing::info_span!(
                     "muster.barrier",
                     otel.kind = "client",
@@ -355,7 +449,18 @@ impl Accelerator {
             Backend::Local(_) => Ok(()),
             Backend::Remote(remote) => {
                 let session = remote.session()?;
-                match &remote.relay {
+                if let Some(path) = &remote.relay_pending
+                    && remote.relay.get().is_none()
+                {
+                    return Err(Error::Usage(format!(
+                        "this process replaces rank {} and has no place in the barrier sequence \
+                         yet: call membership().quorum(None) before its first barrier (it then \
+                         registers with the agent relay at {})",
+                        self.info.rank,
+                        path.display()
+                    )));
+                }
+                match remote.relay.get() {
                     // The same `muster.barrier` span as a session barrier's; its trace
                     // context goes with the entry to the agent, which passes it on to the
                     // coordinator.
@@ -596,15 +701,89 @@ impl Accelerator {
     /// Fires when the coordinator reports that a rank of this generation failed, so that work
     /// outside barriers (a collective blocked on a dead peer) can abort and name it. Never
     /// fires in single-process mode.
+    ///
+    /// In an in-place job it also fires when the membership changes past this process's
+    /// current epoch ([`Accelerator::epoch`]): a rank died and is being replaced.
     pub fn failure_watch(&self) -> crate::client::FailureWatch {
-        match &self.backend {
+        self.failure_watch_at(self.epoch())
+    }
+
+    /// [`Accelerator::failure_watch`] for a communicator of membership `epoch`: fires for the
+    /// generation's failure and for membership changes above `epoch`.
+    pub fn failure_watch_at(&self, epoch: u64) -> crate::client::FailureWatch {
+        let watch = match &self.backend {
             Backend::Remote(remote) => remote
                 .session
                 .as_ref()
                 .map(Session::failure_watch)
                 .unwrap_or_default(),
             Backend::Local(_) => crate::client::FailureWatch::default(),
+        };
+        watch.at_epoch(epoch)
+    }
+
+    /// Calls `Rendezvous.Quorum` for [`Membership::quorum`]: sends this process's epoch,
+    /// `step` and released barrier seqs, waits for the quorum, and moves to its epoch. A
+    /// replacement's first quorum also moves its barrier sequences to the quorum's released
+    /// seqs (the session's, and the relay's, with which it registers now). In single-process
+    /// mode the quorum is this process alone.
+    pub(crate) fn take_quorum(&self, step: Option<u64>) -> Result<Quorum, Error> {
+        use std::sync::atomic::Ordering;
+        let state = &self.membership;
+        let epoch = state.current.load(Ordering::Acquire);
+        let remote = match &self.backend {
+            Backend::Local(_) => {
+                state.awaiting_first.store(false, Ordering::Release);
+                return Ok(Quorum {
+                    epoch,
+                    world_size: 1,
+                    step,
+                    heal: Vec::new(),
+                    released: (0, 0),
+                    members: Vec::new(),
+                });
+            }
+            Backend::Remote(remote) => remote,
+        };
+        let session = remote.session()?;
+        let released = match remote.relay.get() {
+            Some(relay) => relay.released(),
+            None => session.released(),
+        };
+        let ask = QuorumAsk {
+            epoch,
+            step,
+            released,
+        };
+        let quorum = remote.block_on(session.coordinator().quorum(
+            session.config(),
+            ask,
+            QUORUM_POLL,
+        ))?;
+        if quorum.world_size != self.info.world_size {
+            return Err(Error::Protocol(format!(
+                "the quorum of epoch {} has {} ranks, but this job has {} (in-place recovery \
+                 keeps the world size)",
+                quorum.epoch, quorum.world_size, self.info.world_size
+            )));
         }
+        if state.awaiting_first.load(Ordering::Acquire) {
+            session.continue_from(quorum.released);
+            if let Some(path) = &remote.relay_pending
+                && remote.relay.get().is_none()
+            {
+                let relay = RelayConn::connect_replacement(
+                    path,
+                    session.config(),
+                    quorum.released,
+                    self.recovery.epoch,
+                )?;
+                let _ = remote.relay.set(relay);
+            }
+            state.awaiting_first.store(false, Ordering::Release);
+        }
+        state.current.store(quorum.epoch, Ordering::Release);
+        Ok(quorum)
     }
 
     /// The job's key-value store, with blocking methods.
@@ -637,11 +816,11 @@ impl Drop for Accelerator {
         // the coordinator mark this rank failed at once. Skip the session's `leave` too when
         // the agent is gone: a rank whose agent died did not finish, and a clean `leave` would
         // tell the other ranks it had.
-        let agent_lost = remote.relay.as_ref().is_some_and(RelayConn::is_lost);
+        let agent_lost = remote.relay.get().is_some_and(RelayConn::is_lost);
         if !std::thread::panicking() {
             remote.leave_relay();
         }
-        remote.relay = None;
+        remote.relay.take();
         let session = remote.session.take().filter(|_| !agent_lost);
         let Some(runtime) = remote.runtime.take() else {
             return;

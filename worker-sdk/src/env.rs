@@ -199,6 +199,87 @@ impl RankInfo {
     }
 }
 
+/// What a worker's death does to the job (`MUSTER_RECOVERY`, set by `muster-agent` from the
+/// job's recovery mode).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Recovery {
+    /// The generation ends and every worker restarts, from its last checkpoint (torchrun's
+    /// model; the default, and what an unset variable means).
+    #[default]
+    Restart,
+    /// Only the dead worker is respawned; the survivors keep their processes, agree on a new
+    /// membership at a step boundary ([`crate::membership::Membership`]) and heal it.
+    InPlace,
+}
+
+impl Recovery {
+    /// How `MUSTER_RECOVERY` spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Recovery::Restart => "restart",
+            Recovery::InPlace => "in-place",
+        }
+    }
+}
+
+impl std::fmt::Display for Recovery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// A worker's recovery settings: the job's mode and, for a worker respawned in place, the
+/// membership epoch it replaces its rank in (`MUSTER_EPOCH`). Kept apart from [`RankInfo`]
+/// (whose fields are public and built by hand in many places): the [`crate::Accelerator`]
+/// reads both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct RecoveryEnv {
+    /// `MUSTER_RECOVERY`: `restart` (or unset) or `in-place`.
+    pub mode: Recovery,
+    /// `MUSTER_EPOCH`: 0 (or unset) for a worker of the generation's first membership; more
+    /// for a replacement, which registers as one and takes its state from a healthy rank.
+    pub epoch: u64,
+}
+
+impl RecoveryEnv {
+    /// Reads `MUSTER_RECOVERY` and `MUSTER_EPOCH` from the process environment.
+    pub fn from_env() -> Result<Self, Error> {
+        Self::from_lookup(|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))
+    }
+
+    /// Like [`RecoveryEnv::from_env`], reading variables through `lookup`. A mode other than
+    /// `restart` or `in-place`, an epoch that is not a number, or a nonzero epoch outside
+    /// in-place mode is [`Error::Config`] naming the variable and its value.
+    pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, Error> {
+        let mode = match lookup(var::MUSTER_RECOVERY).as_deref().map(str::trim) {
+            None | Some("restart") => Recovery::Restart,
+            Some("in-place") => Recovery::InPlace,
+            Some(other) => {
+                return Err(Error::Config(format!(
+                    "{}={other:?} is not a recovery mode (use restart or in-place)",
+                    var::MUSTER_RECOVERY
+                )));
+            }
+        };
+        let vars = Vars { lookup: &lookup };
+        let epoch: u64 = vars.optional_number(var::MUSTER_EPOCH)?.unwrap_or(0);
+        if epoch > 0 && mode != Recovery::InPlace {
+            return Err(Error::Config(format!(
+                "{}={epoch} names a replacement, which only exists with {}=in-place (it is {})",
+                var::MUSTER_EPOCH,
+                var::MUSTER_RECOVERY,
+                mode
+            )));
+        }
+        Ok(Self { mode, epoch })
+    }
+
+    /// Whether this process replaces a rank that died (it was spawned with a nonzero epoch).
+    pub fn is_replacement(&self) -> bool {
+        self.epoch > 0
+    }
+}
+
 /// How to connect to the coordinator as the process environment says: TLS settings from
 /// `MUSTER_TLS_*` and the credentials in `MUSTER_TOKEN` (see the [module docs](self)); with
 /// none of them set, plaintext without credentials. The files are read and checked now, so
@@ -412,6 +493,50 @@ fn local_hostname() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn recovery_settings_parse() {
+        let parse = |vars: &[(&str, &str)]| {
+            RecoveryEnv::from_lookup(|name| {
+                vars.iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| (*v).to_owned())
+            })
+        };
+        assert_eq!(parse(&[]).ok(), Some(RecoveryEnv::default()));
+        assert_eq!(
+            parse(&[("MUSTER_RECOVERY", "restart")]).ok(),
+            Some(RecoveryEnv {
+                mode: Recovery::Restart,
+                epoch: 0
+            })
+        );
+        let replacement = parse(&[("MUSTER_RECOVERY", "in-place"), ("MUSTER_EPOCH", "3")]);
+        assert_eq!(
+            replacement.as_ref().ok(),
+            Some(&RecoveryEnv {
+                mode: Recovery::InPlace,
+                epoch: 3
+            })
+        );
+        assert!(replacement.is_ok_and(|r| r.is_replacement()));
+        let error = |vars: &[(&str, &str)]| parse(vars).err().map(|e| e.to_string());
+        assert_eq!(
+            error(&[("MUSTER_RECOVERY", "inplace")]).as_deref(),
+            Some(
+                "bad muster environment: MUSTER_RECOVERY=\"inplace\" is not a recovery mode \
+                 (use restart or in-place)"
+            )
+        );
+        assert!(
+            error(&[("MUSTER_RECOVERY", "in-place"), ("MUSTER_EPOCH", "x")])
+                .is_some_and(|e| e.contains("MUSTER_EPOCH=\"x\""))
+        );
+        assert!(
+            error(&[("MUSTER_EPOCH", "2")])
+                .is_some_and(|e| e.contains("MUSTER_EPOCH=2") && e.contains("MUSTER_RECOVERY"))
+        );
+    }
 
     /// A complete, valid environment: rank 5 of 8, local rank 1 of 4, node 1 of 2.
     const VALID: &[(&str, &str)] = &[

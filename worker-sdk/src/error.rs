@@ -213,6 +213,25 @@ pub enum Error {
     #[error("bad checkpoint: {0}")]
     Checkpoint(String),
 
+    /// In-place recovery: a rank of the generation died and is being replaced, so the
+    /// membership changed under this call (a collective's peers, a barrier's ranks). The
+    /// generation goes on: the caller discards its step and goes to its step boundary
+    /// ([`crate::membership::Membership::quorum`]). Recoverable ([`Error::is_recoverable`]).
+    #[error("{}", about_rank(*.rank, *.node_rank, .host, &died_in(*.epoch), .reason))]
+    MembershipChanged {
+        /// The membership epoch the death opened (0 when the coordinator did not say, as in a
+        /// withdrawn barrier).
+        epoch: u64,
+        /// The global rank that died.
+        rank: u32,
+        /// Its node rank.
+        node_rank: u32,
+        /// The host it ran on.
+        host: String,
+        /// Why, as the coordinator saw it.
+        reason: String,
+    },
+
     /// The coordinator sent something the protocol does not allow (a unique id of the wrong
     /// size, an answer before registration, ...): a version mismatch or a bug.
     #[error("protocol error talking to the muster coordinator: {0}")]
@@ -257,6 +276,15 @@ fn about_rank(rank: u32, node_rank: u32, host: &str, verb: &str, message: &str) 
         message.to_owned()
     } else {
         format!("rank {rank} (node {node_rank}, host {host}) {verb}: {message}")
+    }
+}
+
+/// What a membership change says the rank did ("died", with the epoch it opened if known).
+fn died_in(epoch: u64) -> String {
+    if epoch == 0 {
+        "died".to_owned()
+    } else {
+        format!("died (membership epoch {epoch})")
     }
 }
 
@@ -348,13 +376,18 @@ impl Error {
             Ok(BarrierErrorKind::Cancelled) => Error::Cancelled {
                 message: error.message,
             },
-            Ok(BarrierErrorKind::Unspecified | BarrierErrorKind::MembershipChanged) => {
-                Error::Protocol(format!(
-                    "the coordinator rejected {}: {}",
-                    what(),
-                    error.message
-                ))
-            }
+            Ok(BarrierErrorKind::MembershipChanged) => Error::MembershipChanged {
+                epoch: 0,
+                rank: error.rank,
+                node_rank: error.node_rank,
+                host: error.host,
+                reason: error.message,
+            },
+            Ok(BarrierErrorKind::Unspecified) => Error::Protocol(format!(
+                "the coordinator rejected {}: {}",
+                what(),
+                error.message
+            )),
             Err(_) => Error::Protocol(format!(
                 "barrier error of unknown kind {} for {}: {}",
                 error.kind,
@@ -407,6 +440,31 @@ impl Error {
     pub fn is_timeout(&self) -> bool {
         matches!(self, Error::Timeout { .. })
     }
+
+    /// Whether a step that failed with this error can be discarded and redone after a new
+    /// quorum, without restarting the process: always for [`Error::MembershipChanged`], and
+    /// for [`Error::PeerLost`] when the job recovers in place (`recovery` is the job's mode,
+    /// [`crate::Accelerator::recovery`]). In restart mode nothing is: the generation is over
+    /// and the process should exit.
+    pub fn is_recoverable(&self, recovery: crate::env::Recovery) -> bool {
+        match self {
+            Error::MembershipChanged { .. } => true,
+            Error::PeerLost { .. } => recovery == crate::env::Recovery::InPlace,
+            _ => false,
+        }
+    }
+
+    /// The error a `membership_changed` push (or a withdrawn wait) stands for: `cause` names
+    /// the rank that died.
+    pub(crate) fn membership_changed(epoch: u64, cause: &pb::BarrierError) -> Self {
+        Error::MembershipChanged {
+            epoch,
+            rank: cause.rank,
+            node_rank: cause.node_rank,
+            host: cause.host.clone(),
+            reason: cause.message.clone(),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -452,10 +510,42 @@ mod tests {
             "rank 3 (node 1, host host-b) has already left the job: why",
         );
         check(
+            BarrierErrorKind::MembershipChanged,
+            "rank 3 (node 1, host host-b) died: why",
+        );
+        check(
             BarrierErrorKind::Unspecified,
             "protocol error talking to the muster coordinator: the coordinator rejected global \
              barrier 'a.rs:1' (seq 2): why",
         );
+    }
+
+    #[test]
+    fn recoverable_errors_depend_on_the_mode() {
+        use crate::env::Recovery;
+        let changed = Error::MembershipChanged {
+            epoch: 2,
+            rank: 1,
+            node_rank: 0,
+            host: "h".into(),
+            reason: "rank 1 (node 0, host h) of job 'j' generation 1 failed: killed".into(),
+        };
+        assert_eq!(
+            changed.to_string(),
+            "rank 1 (node 0, host h) of job 'j' generation 1 failed: killed"
+        );
+        let lost = Error::PeerLost {
+            rank: 1,
+            node_rank: 0,
+            host: "h".into(),
+            op: "all_reduce of 4 f32".into(),
+            reason: "it closed its connection".into(),
+        };
+        assert!(changed.is_recoverable(Recovery::InPlace));
+        assert!(changed.is_recoverable(Recovery::Restart));
+        assert!(lost.is_recoverable(Recovery::InPlace));
+        assert!(!lost.is_recoverable(Recovery::Restart));
+        assert!(!Error::Usage("x".into()).is_recoverable(Recovery::InPlace));
     }
 
     #[test]

@@ -30,6 +30,10 @@
 //!   with `tracing-opentelemetry`, barriers on a coordinator session and key-value,
 //!   unique-id and shared-value calls carry the W3C trace context to the coordinator, whose
 //!   spans join the worker's trace. Barriers sent to the agent's relay do not (yet).
+//! - [`membership`]: in-place recovery (`MUSTER_RECOVERY=in-place`): the per-step check
+//!   [`membership::Membership::changed`] (atomic loads, no coordinator call), the quorum call
+//!   after a rank died, and with [`comm::Communicator::reconfigure`] and
+//!   [`comm::Communicator::heal`] the rebuilt communicator and the healed replacement.
 //! - [`Error`] is the one error type; its messages name the rank, node, host or barrier at
 //!   fault.
 //!
@@ -52,13 +56,14 @@ pub mod env;
 pub mod error;
 pub mod error_file;
 mod failover;
+pub mod membership;
 pub mod relay;
 mod trace_context;
 pub mod train;
 
 pub use accelerator::{Accelerator, KvStore};
 pub use client::{CasOutcome, FailureWatch, Scope};
-pub use env::RankInfo;
+pub use env::{RankInfo, Recovery};
 pub use error::{Error, RankLocation};
 pub use error_file::{install_error_hook, record_error};
 pub use muster_proto::NCCL_UNIQUE_ID_BYTES;

@@ -109,6 +109,29 @@ impl RelayConn {
     /// answer within 10 s, or when it refuses the rank (the message says why: another job or
     /// generation, a rank of another node, a rank that already connected).
     pub fn connect(path: &Path, config: &SessionConfig) -> Result<Self, Error> {
+        Self::connect_as(path, config, None, 0)
+    }
+
+    /// [`RelayConn::connect`] for a worker respawned in place (in membership `replacement`,
+    /// its `MUSTER_EPOCH`) after its first quorum: it registers with `resume` and the released
+    /// barrier seqs (global, node) the quorum gave it, so that it continues the node's
+    /// sequence where its healthy source is, and its next barrier of each scope is the one
+    /// after them.
+    pub fn connect_replacement(
+        path: &Path,
+        config: &SessionConfig,
+        released: (u64, u64),
+        replacement: u64,
+    ) -> Result<Self, Error> {
+        Self::connect_as(path, config, Some(released), replacement)
+    }
+
+    fn connect_as(
+        path: &Path,
+        config: &SessionConfig,
+        resume: Option<(u64, u64)>,
+        replacement: u64,
+    ) -> Result<Self, Error> {
         // Absolute, so that errors can tell a socket path from a coordinator address.
         let addr = std::path::absolute(path)
             .unwrap_or_else(|_| path.to_path_buf())
@@ -128,12 +151,13 @@ impl RelayConn {
                     rank: config.rank,
                     pid: config.pid,
                     host: config.host.clone(),
-                    // The relay is local: a coordinator failover is the agent's to handle.
-                    resume: false,
-                    released_global: 0,
-                    released_node: 0,
-                    replacement: false,
-                    epoch: 0,
+                    // The relay is local: a coordinator failover is the agent's to handle. A
+                    // replacement resumes its rank's place in the node's barrier sequence.
+                    resume: resume.is_some(),
+                    released_global: resume.map_or(0, |r| r.0),
+                    released_node: resume.map_or(0, |r| r.1),
+                    replacement: replacement > 0,
+                    epoch: replacement,
                 })),
             },
             &mut out,
@@ -175,7 +199,9 @@ impl RelayConn {
             rank: config.rank,
             stream,
             state: Mutex::new(State {
-                next_seq: [1, 1],
+                next_seq: resume.map_or([1, 1], |(global, node)| {
+                    [global.saturating_add(1), node.saturating_add(1)]
+                }),
                 busy: [false; 2],
                 reading: false,
                 sleepers: 0,
@@ -284,6 +310,12 @@ impl RelayConn {
     /// The sequence number the next barrier of `scope` will use (for diagnostics and tests).
     pub fn next_seq(&self, scope: Scope) -> u64 {
         self.lock().next_seq[scope.index()]
+    }
+
+    /// The last barrier seq of each scope (global, node) this rank was released from.
+    pub fn released(&self) -> (u64, u64) {
+        let next = self.lock().next_seq;
+        (next[0] - 1, next[1] - 1)
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -661,6 +693,72 @@ mod tests {
         );
         drop(relay);
         agent.join().unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A replacement registers with `resume`, the quorum's released seqs and its epoch, and
+    /// its next barrier of each scope is the one after them.
+    #[test]
+    fn a_replacement_resumes_the_node_sequence() {
+        let dir = std::env::temp_dir().join(format!("muster-relay-repl-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("agent.sock");
+        let _ = std::fs::remove_file(&path);
+        let listener = std::os::unix::net::UnixListener::bind(&path).unwrap();
+        let agent = std::thread::spawn(move || {
+            let (stream, _) = listener.accept().unwrap();
+            let mut input = FrameReader::default();
+            let register: pb::WorkerMessage = input.read(&stream, None).unwrap();
+            let mut out = Vec::new();
+            let reply = |out: &mut Vec<u8>, kind| {
+                encode_frame(&pb::CoordinatorMessage { kind: Some(kind) }, out);
+                (&stream).write_all(out).unwrap();
+            };
+            reply(
+                &mut out,
+                coordinator_message::Kind::Registered(pb::Registered::default()),
+            );
+            let entry: pb::WorkerMessage = input.read(&stream, None).unwrap();
+            let Some(worker_message::Kind::Barrier(entry)) = entry.kind else {
+                panic!("expected a barrier entry, got {entry:?}");
+            };
+            reply(
+                &mut out,
+                coordinator_message::Kind::Barrier(pb::BarrierResult {
+                    scope: entry.scope,
+                    seq: entry.seq,
+                    error: None,
+                }),
+            );
+            (register, entry)
+        });
+        let config = SessionConfig {
+            job_id: "j".into(),
+            generation: 1,
+            rank: 3,
+            pid: 1,
+            host: "h".into(),
+        };
+        let relay = RelayConn::connect_replacement(&path, &config, (4, 2), 7).unwrap();
+        assert_eq!(relay.released(), (4, 2));
+        relay.barrier(Scope::Global, "after-heal", None).unwrap();
+        assert_eq!(relay.released(), (5, 2));
+        let (register, entry) = agent.join().unwrap();
+        let Some(worker_message::Kind::Register(register)) = register.kind else {
+            panic!("expected register first");
+        };
+        assert!(register.resume && register.replacement);
+        assert_eq!(
+            (
+                register.released_global,
+                register.released_node,
+                register.epoch,
+                register.rank
+            ),
+            (4, 2, 7, 3)
+        );
+        assert_eq!(entry.seq, 5);
+        drop(relay);
         let _ = std::fs::remove_dir_all(&dir);
     }
 

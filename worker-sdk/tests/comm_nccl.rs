@@ -2,7 +2,8 @@
 //! one rank against a reference, and a 2-rank job whose second rank dies before it joins NCCL,
 //! which must abort the first rank's NCCL communicator and name the dead rank instead of
 //! hanging. Without a CUDA device or libnccl every test prints `skipped: <reason>` and passes
-//! (CI machines have no GPU); the finer-grained GPU tests (a hung collective aborted by a
+//! (CI machines have no GPU). A one-rank communicator rebuilt for a new membership epoch (in-place
+//! recovery) reduces again. The finer-grained GPU tests (a hung collective aborted by a
 //! failure report, growing device buffers, bad arguments) are unit tests in `comm/nccl.rs`.
 #![allow(clippy::unwrap_used)]
 
@@ -164,4 +165,24 @@ fn a_rank_that_dies_before_joining_nccl_aborts_the_others() {
         other => panic!("expected rank 1 to be named, got {other:?}"),
     }
     assert!(error.to_string().contains("rank 1"), "{error}");
+}
+
+/// In-place recovery's rebuild: the old NCCL communicator is aborted and a new one joins under
+/// the epoch's unique id, and it reduces. One rank, so no coordinator quorum is needed.
+#[test]
+fn a_reconfigured_communicator_joins_under_the_new_epoch() {
+    let accelerator = Accelerator::new(single_process("nccl-reconfigure")).unwrap();
+    let Some(comm) = nccl_or_skip(&accelerator) else {
+        return;
+    };
+    check_identity(&comm, &[1.5f32, -2.0, 3.25]);
+    let quorum = accelerator.membership().quorum(Some(3)).unwrap();
+    let rebuilt = muster::membership::Quorum {
+        epoch: quorum.epoch + 1,
+        ..quorum
+    };
+    comm.reconfigure(&accelerator, &rebuilt).unwrap();
+    assert_eq!(comm.epoch(), rebuilt.epoch);
+    check_identity(&comm, &[1.5f32, -2.0, 3.25]);
+    check_identity(&comm, &[7i64, -9]);
 }

@@ -19,6 +19,20 @@
 //! `eval epoch=<e> mse=<m> n=<items>` per epoch, `resumed from <dir> at epoch=<e> batch=<b>
 //! step=<s>` after loading a checkpoint, and at the end `final steps=<s> checksum=<hex>
 //! samples_per_s=<x>`.
+//!
+//! In-place recovery: under `muster-agent launch --recovery in-place` (`MUSTER_RECOVERY`; no
+//! option of its own), a rank's death does not end the run. The training loop is re-entrant
+//! from the committed state (weights, optimizer, schedule, data position, evaluations done): a
+//! step whose loss or gradient all_reduce fails with a recoverable error is discarded
+//! (gradients and accumulators zeroed), the rank takes part in a quorum, rebuilds its
+//! communicator, heals or is healed, and redoes the step. A step is committed on a rank when
+//! its gradient all_reduce returned there (its last collective, so its result had every rank's
+//! gradient); the quorum adopts the highest committed step, so a step some rank applied is
+//! applied by all. A replacement starts with a quorum and is healed before its first step. The
+//! main process prints `recovered epoch=<E> step=<S> healed=<ranks> from=<sources>
+//! quorum_ms=<q> rebuild_ms=<r> heal_ms=<h>` after each recovery. Reductions run in rank
+//! order, so the final weights are bit-identical to a run without failures (a healed main
+//! process does not print the loss lines of the steps it received).
 
 mod model;
 
@@ -31,7 +45,7 @@ use std::{
 
 use model::{Params, Schedule, Sgd};
 use muster::{
-    Accelerator, Error,
+    Accelerator, Error, Recovery,
     checkpoint::{self, CheckpointState, Checkpoints, DataPosition, StateDict, Stateful, Tensor},
     comm::{Communicator, ReduceOp},
     data::{ShardOptions, ShardedSampler, gather_for_metrics},
@@ -221,17 +235,88 @@ fn registry<'a>(
     state
 }
 
+/// In-place recovery's extra state: the evaluations done, so that an evaluation interrupted by
+/// a death is redone by every rank, and one that some rank finished is skipped by all.
+struct Progress {
+    evals_done: u64,
+}
+
+impl Stateful for Progress {
+    fn save(&self) -> Result<StateDict, Error> {
+        StateDict::new().with_metadata(&BTreeMap::from([("evals_done", self.evals_done)]))
+    }
+
+    fn load(&mut self, state: StateDict) -> Result<(), Error> {
+        let saved: BTreeMap<String, u64> = state.metadata_as()?;
+        self.evals_done = saved
+            .get("evals_done")
+            .copied()
+            .ok_or_else(|| Error::Checkpoint("progress state has no 'evals_done'".to_owned()))?;
+        Ok(())
+    }
+}
+
+/// Everything a step starts from and commits.
+struct Trainer {
+    params: Params,
+    grads: Params,
+    sgd: Sgd,
+    schedule: Schedule,
+    position: DataPosition,
+    progress: Progress,
+    /// Samples of committed steps.
+    trained: u64,
+    /// False in a replacement until it is healed: it has no committed state to report.
+    has_state: bool,
+}
+
+impl Trainer {
+    /// What the quorum compares: committed optimizer steps plus evaluations done (`None` in a
+    /// replacement not healed yet).
+    fn committed(&self) -> Option<u64> {
+        self.has_state
+            .then(|| self.schedule.step + self.progress.evals_done)
+    }
+
+    /// The registry a healthy rank sends and a healed rank loads.
+    fn heal_registry(&mut self) -> CheckpointState<'_> {
+        let mut state = registry(
+            &mut self.params,
+            &mut self.sgd,
+            &mut self.schedule,
+            &mut self.position,
+        );
+        state.register_custom("progress", &mut self.progress);
+        state
+    }
+}
+
+/// How a pass of the training loop ended.
+enum Flow {
+    /// Every epoch trained and evaluated: the samples every rank trained on, summed.
+    Done(u64),
+    /// The membership changed at a step boundary: recover before going on.
+    Recover,
+}
+
 fn run(args: &Args) -> Result<(), Error> {
     let accelerator = Accelerator::from_env()?;
+    let in_place = accelerator.recovery() == Recovery::InPlace;
+    // A replacement has no place in the membership yet: quorum first, then its communicator.
+    let first_quorum = if accelerator.is_replacement() {
+        let started = Instant::now();
+        Some((accelerator.membership().quorum(None)?, started))
+    } else {
+        None
+    };
     let comm = Communicator::new(&accelerator)?;
     let main = accelerator.is_main_process();
     let options = ShardOptions::new(args.batch_size).split_batches(true);
-    let mut sampler = ShardedSampler::for_accelerator(args.samples, options, &accelerator)?
-        .with_shuffle(args.seed);
+    let sampler = ShardedSampler::for_accelerator(args.samples, options, &accelerator)?;
     let steps_per_epoch = (sampler.len() as u64).div_ceil(u64::from(args.grad_accum.max(1)));
 
     let mut params = Params::init(args.hidden, args.seed);
-    let mut grads = Params::zeros(args.hidden);
+    let grads = Params::zeros(args.hidden);
     let mut sgd = Sgd::new(args.hidden, 0.9);
     let mut schedule = Schedule {
         peak: args.lr,
@@ -240,14 +325,21 @@ fn run(args: &Args) -> Result<(), Error> {
         step: 0,
     };
     let mut position = DataPosition::default();
+    let mut progress = Progress { evals_done: 0 };
     let mut checkpoints = match &args.checkpoint_dir {
         Some(dir) => Some(Checkpoints::new(dir)?.with_total_limit(2)),
         None => None,
     };
-    if let Some(checkpoints) = &mut checkpoints {
+    // A replacement is healed from a live rank instead (no disk).
+    if let Some(checkpoints) = checkpoints
+        .as_mut()
+        .filter(|_| !accelerator.is_replacement())
+    {
         let mut state = registry(&mut params, &mut sgd, &mut schedule, &mut position);
         if let Some(dir) = checkpoints.load_latest(&accelerator, &mut state)? {
             drop(state);
+            // Every epoch before the one resumed in was evaluated before its checkpoint.
+            progress.evals_done = position.epoch;
             if main {
                 println!(
                     "resumed from {} at epoch={} batch={} step={}",
@@ -260,98 +352,261 @@ fn run(args: &Args) -> Result<(), Error> {
         }
     }
 
+    let mut trainer = Trainer {
+        params,
+        grads,
+        sgd,
+        schedule,
+        position,
+        progress,
+        trained: 0,
+        has_state: !accelerator.is_replacement(),
+    };
+    let started = Instant::now();
+    if let Some((quorum, asked)) = first_quorum {
+        match heal_after(&accelerator, &comm, &mut trainer, quorum, asked) {
+            Ok(()) => {}
+            // Its source died while healing it: a new quorum names another.
+            Err(error) if error.is_recoverable(Recovery::InPlace) => {
+                report_interrupt(&accelerator, &error);
+                recover(&accelerator, &comm, &mut trainer)?;
+            }
+            Err(error) => return Err(error),
+        }
+    }
+    let samples = loop {
+        let error = match train(args, &accelerator, &comm, &mut trainer, &mut checkpoints) {
+            Ok(Flow::Done(samples)) => break samples,
+            Ok(Flow::Recover) => None,
+            Err(error) if in_place && error.is_recoverable(Recovery::InPlace) => Some(error),
+            Err(error) => return Err(error),
+        };
+        if let Some(error) = &error {
+            report_interrupt(&accelerator, error);
+        }
+        recover(&accelerator, &comm, &mut trainer)?;
+    };
+    let elapsed = started.elapsed().max(Duration::from_micros(1));
+    if let Some(out) = &args.out {
+        checkpoint::save_model(
+            &accelerator,
+            out,
+            &to_state_dict(&trainer.params)?,
+            u64::MAX,
+        )?;
+    }
+    if main {
+        println!(
+            "final steps={} checksum={:016x} samples_per_s={:.0}",
+            trainer.schedule.step,
+            checksum(&trainer.params),
+            samples as f64 / elapsed.as_secs_f64()
+        );
+    }
+    accelerator.finish()
+}
+
+/// Says on stderr which error interrupted the step (every rank: the survivors' logs show
+/// who died).
+fn report_interrupt(accelerator: &Accelerator, error: &Error) {
+    eprintln!(
+        "rank {}: step interrupted, recovering in place: {error}",
+        accelerator.process_index()
+    );
+}
+
+/// Takes part in quorums until one ends with this rank's communicator rebuilt and every
+/// healed rank healed; a death during the recovery starts it again.
+fn recover(
+    accelerator: &Accelerator,
+    comm: &Communicator,
+    trainer: &mut Trainer,
+) -> Result<(), Error> {
+    loop {
+        let asked = Instant::now();
+        let quorum = accelerator.membership().quorum(trainer.committed())?;
+        match heal_after(accelerator, comm, trainer, quorum, asked) {
+            Ok(()) => return Ok(()),
+            Err(error) if error.is_recoverable(Recovery::InPlace) => {
+                report_interrupt(accelerator, &error);
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
+
+/// After `quorum` (asked for at `asked`): rebuilds the communicator, heals, and reports the
+/// times on the main process.
+fn heal_after(
+    accelerator: &Accelerator,
+    comm: &Communicator,
+    trainer: &mut Trainer,
+    quorum: muster::membership::Quorum,
+    asked: Instant,
+) -> Result<(), Error> {
+    let quorum_ms = asked.elapsed().as_millis();
+    let rebuild = Instant::now();
+    comm.reconfigure(accelerator, &quorum)?;
+    let rebuild_ms = rebuild.elapsed().as_millis();
+    let heal = Instant::now();
+    comm.heal(&quorum, &mut trainer.heal_registry())?;
+    let heal_ms = heal.elapsed().as_millis();
+    trainer.grads.zero();
+    trainer.has_state = true;
+    if accelerator.is_main_process() {
+        let list = |ranks: Vec<u32>| {
+            if ranks.is_empty() {
+                "none".to_owned()
+            } else {
+                ranks
+                    .iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            }
+        };
+        let mut sources: Vec<u32> = quorum.heal.iter().map(|h| h.source).collect();
+        sources.sort_unstable();
+        sources.dedup();
+        println!(
+            "recovered epoch={} step={} healed={} from={} quorum_ms={quorum_ms} \
+             rebuild_ms={rebuild_ms} heal_ms={heal_ms}",
+            quorum.epoch,
+            quorum.step.map_or("none".to_owned(), |s| s.to_string()),
+            list(quorum.heal.iter().map(|h| h.rank).collect()),
+            list(sources),
+        );
+    }
+    Ok(())
+}
+
+/// The training loop from the committed state in `trainer` to the end: every step not yet
+/// committed, the evaluations not yet done, and the final count of samples. In restart mode it runs once, exactly as a loop without recovery. In
+/// in-place mode an error leaves `trainer` at its last committed step (a step's changes are
+/// made only once its last collective returned), and [`Flow::Recover`] says the membership
+/// changed at a step boundary.
+fn train(
+    args: &Args,
+    accelerator: &Accelerator,
+    comm: &Communicator,
+    trainer: &mut Trainer,
+    checkpoints: &mut Option<Checkpoints>,
+) -> Result<Flow, Error> {
+    let main = accelerator.is_main_process();
+    let membership = accelerator.membership();
+    let options = ShardOptions::new(args.batch_size).split_batches(true);
+    let mut sampler = ShardedSampler::for_accelerator(args.samples, options, accelerator)?
+        .with_shuffle(args.seed);
     let sync = GradientSync::new()
         .bucket_bytes(args.bucket_bytes)
         .precision(args.precision);
     let mut accumulation = GradientAccumulation::new(args.grad_accum);
     let mut hidden = vec![0.0f32; args.hidden];
-    let started = Instant::now();
-    let mut trained = 0u64;
-    let (mut loss_sum, mut loss_items) = (0.0f64, 0usize);
-    for epoch in position.epoch..args.epochs {
+    let (mut loss_sum, mut loss_items, mut step_samples) = (0.0f64, 0usize, 0u64);
+    trainer.grads.zero();
+    // An epoch whose training was committed but whose evaluation was interrupted.
+    if trainer.progress.evals_done < trainer.position.epoch {
+        evaluate(
+            args,
+            accelerator,
+            comm,
+            &trainer.params,
+            trainer.position.epoch - 1,
+            &mut hidden,
+        )?;
+        trainer.progress.evals_done += 1;
+    }
+    let mut boundary = true;
+    for epoch in trainer.position.epoch..args.epochs {
         sampler.set_epoch(epoch);
-        let skip = if epoch == position.epoch {
-            position.step as usize
+        let skip = if epoch == trainer.position.epoch {
+            trainer.position.step as usize
         } else {
             0
         };
         let last = sampler.len().saturating_sub(1);
         for batch in sampler.iter().skip(skip) {
+            // The per-step check: atomic loads only, no coordinator call.
+            if boundary && membership.changed() {
+                return Ok(Flow::Recover);
+            }
+            boundary = false;
+            let (params, grads) = (&trainer.params, &mut trainer.grads);
             // The loss of each batch is averaged over its items and over the accumulated
             // batches, so the summed gradient is the mean over the global batch.
             let scale = accumulation.loss_scale() / batch.indices.len().max(1) as f32;
             for &i in &batch.indices {
                 let (x, y) = model::sample(args.seed, i as u64);
-                let squared = model::backward(&params, &mut grads, &x, y, scale, &mut hidden);
+                let squared = model::backward(params, grads, &x, y, scale, &mut hidden);
                 loss_sum += f64::from(squared);
                 loss_items += 1;
             }
-            trained += batch.indices.len() as u64;
+            step_samples += batch.indices.len() as u64;
             if !accumulation.accumulate(batch.step == last) {
                 continue;
             }
-            sync.average(&comm, &mut grads.buffers_mut())?;
-            // Averaged gradients are the same on every rank: the local norm is the global one.
-            clip_grad_norm(&mut grads.buffers_mut(), args.clip, Ok::<_, Error>)?;
-            let lr = schedule.lr();
-            sgd.step(&mut params, &mut grads, lr);
-            grads.zero();
-            schedule.step += 1;
+            boundary = true;
+            // The loss first and the gradients last: the gradient all_reduce returning is
+            // what commits the step on this rank.
             let mut loss = [loss_sum / loss_items.max(1) as f64];
             comm.all_reduce(&mut loss, ReduceOp::Avg)?;
-            (loss_sum, loss_items) = (0.0, 0);
+            sync.average(comm, &mut trainer.grads.buffers_mut())?;
+            // Averaged gradients are the same on every rank: the local norm is the global one.
+            clip_grad_norm(&mut trainer.grads.buffers_mut(), args.clip, Ok::<_, Error>)?;
+            let lr = trainer.schedule.lr();
+            trainer
+                .sgd
+                .step(&mut trainer.params, &mut trainer.grads, lr);
+            trainer.grads.zero();
+            trainer.schedule.step += 1;
+            trainer.trained += step_samples;
+            (loss_sum, loss_items, step_samples) = (0.0, 0, 0);
             if main && !args.quiet {
                 println!(
                     "epoch={epoch} step={} loss={:.6} lr={lr:.5}",
-                    schedule.step, loss[0]
+                    trainer.schedule.step, loss[0]
                 );
             }
-            position = DataPosition {
+            trainer.position = DataPosition {
                 epoch,
                 step: batch.step as u64 + 1,
             };
-            if position.step as usize == sampler.len() {
-                position = DataPosition {
+            if trainer.position.step as usize == sampler.len() {
+                trainer.position = DataPosition {
                     epoch: epoch + 1,
                     step: 0,
                 };
             }
-            if let Some(checkpoints) = &mut checkpoints
+            if let Some(checkpoints) = checkpoints
                 && args.checkpoint_every > 0
-                && schedule.step.is_multiple_of(args.checkpoint_every)
+                && trainer.schedule.step.is_multiple_of(args.checkpoint_every)
             {
-                let state = registry(&mut params, &mut sgd, &mut schedule, &mut position);
-                checkpoints.save(&accelerator, &state)?;
+                let state = registry(
+                    &mut trainer.params,
+                    &mut trainer.sgd,
+                    &mut trainer.schedule,
+                    &mut trainer.position,
+                );
+                checkpoints.save(accelerator, &state)?;
             }
-            if args.fail_at_step == Some(schedule.step)
+            if args.fail_at_step == Some(trainer.schedule.step)
                 && accelerator.restart_count() == 0
                 && accelerator.process_index() + 1 == accelerator.num_processes()
             {
                 eprintln!(
                     "rank {} aborting at step {} (--fail-at-step)",
                     accelerator.process_index(),
-                    schedule.step
+                    trainer.schedule.step
                 );
                 std::process::abort();
             }
         }
-        evaluate(args, &accelerator, &comm, &params, epoch, &mut hidden)?;
+        evaluate(args, accelerator, comm, &trainer.params, epoch, &mut hidden)?;
+        trainer.progress.evals_done = epoch + 1;
     }
-    let elapsed = started.elapsed().max(Duration::from_micros(1));
-    let mut samples = [trained as i64];
+    let mut samples = [trainer.trained as i64];
     comm.all_reduce(&mut samples, ReduceOp::Sum)?;
-    if let Some(out) = &args.out {
-        checkpoint::save_model(&accelerator, out, &to_state_dict(&params)?, u64::MAX)?;
-    }
-    if main {
-        println!(
-            "final steps={} checksum={:016x} samples_per_s={:.0}",
-            schedule.step,
-            checksum(&params),
-            samples[0] as f64 / elapsed.as_secs_f64()
-        );
-    }
-    accelerator.finish()
+    Ok(Flow::Done(samples[0] as u64))
 }
 
 /// Mean squared error over the evaluation set (items after the training set), through

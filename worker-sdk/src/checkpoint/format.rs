@@ -210,6 +210,42 @@ pub(super) fn write_safetensors(
     tensors: &[(&str, &Tensor)],
     metadata: BTreeMap<String, String>,
 ) -> Result<(), Error> {
+    let (header, order) = safetensors_layout(&path.display(), tensors, metadata)?;
+    write_file(path, |w| write_layout(w, &header, &order))
+}
+
+/// [`write_safetensors`] into memory: the same bytes, for state sent over the network
+/// (in-place recovery's healing). `what` names the state in errors.
+pub(super) fn encode_safetensors(
+    what: &dyn fmt::Display,
+    tensors: &[(&str, &Tensor)],
+    metadata: BTreeMap<String, String>,
+) -> Result<Vec<u8>, Error> {
+    let (header, order) = safetensors_layout(what, tensors, metadata)?;
+    let size = 8 + header.len() + order.iter().map(|t| t.nbytes()).sum::<usize>();
+    let mut out = Vec::with_capacity(size);
+    write_layout(&mut out, &header, &order).map_err(|source| Error::Io {
+        what: format!("encoding {what}"),
+        source,
+    })?;
+    Ok(out)
+}
+
+fn write_layout(w: &mut impl Write, header: &[u8], order: &[&Tensor]) -> io::Result<()> {
+    w.write_all(&(header.len() as u64).to_le_bytes())?;
+    w.write_all(header)?;
+    for tensor in order {
+        w.write_all(tensor.bytes())?;
+    }
+    Ok(())
+}
+
+/// The padded JSON header of a safetensors file of `tensors`, and the tensors in file order.
+fn safetensors_layout<'t>(
+    what: &dyn fmt::Display,
+    tensors: &[(&str, &'t Tensor)],
+    metadata: BTreeMap<String, String>,
+) -> Result<(Vec<u8>, Vec<&'t Tensor>), Error> {
     let mut order: Vec<&(&str, &Tensor)> = tensors.iter().collect();
     order.sort_by(|(a_name, a), (b_name, b)| {
         to_safetensors(b.dtype)
@@ -229,7 +265,7 @@ pub(super) fn write_safetensors(
             ((*name).to_owned(), info)
         })
         .collect();
-    let bad = |e: &dyn fmt::Display| Error::Checkpoint(format!("{}: {e}", path.display()));
+    let bad = |e: &dyn fmt::Display| Error::Checkpoint(format!("{what}: {e}"));
     let mut header = serde_json::Map::new();
     if !metadata.is_empty() {
         header.insert("__metadata__".to_owned(), serde_json::json!(metadata));
@@ -245,14 +281,7 @@ pub(super) fn write_safetensors(
         .map_err(|e| bad(&e))?;
     let mut header = serde_json::to_vec(&header).map_err(|e| bad(&e))?;
     header.resize(header.len().next_multiple_of(8), b' ');
-    write_file(path, |w| {
-        w.write_all(&(header.len() as u64).to_le_bytes())?;
-        w.write_all(&header)?;
-        for (_, tensor) in order {
-            w.write_all(tensor.bytes())?;
-        }
-        Ok(())
-    })
+    Ok((header, order.into_iter().map(|(_, t)| *t).collect()))
 }
 
 /// Tensors with their names, in order.
@@ -263,21 +292,26 @@ pub(super) fn read_safetensors(
     path: &Path,
 ) -> Result<(NamedTensors, HashMap<String, String>), Error> {
     let bytes = read_file(path)?;
+    decode_safetensors(&path.display(), &bytes)
+}
+
+/// Parses safetensors bytes (a file's, or state received over the network); `what` names
+/// them in errors.
+pub(super) fn decode_safetensors(
+    what: &dyn fmt::Display,
+    bytes: &[u8],
+) -> Result<(NamedTensors, HashMap<String, String>), Error> {
     let bad = |e: &dyn fmt::Display| {
-        Error::Checkpoint(format!(
-            "{}: not a valid safetensors file: {e}",
-            path.display()
-        ))
+        Error::Checkpoint(format!("{what}: not a valid safetensors file: {e}"))
     };
-    let (_, header) = SafeTensors::read_metadata(&bytes).map_err(|e| bad(&e))?;
-    let file = SafeTensors::deserialize(&bytes).map_err(|e| bad(&e))?;
+    let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| bad(&e))?;
+    let file = SafeTensors::deserialize(bytes).map_err(|e| bad(&e))?;
     let mut tensors = Vec::with_capacity(file.len());
     for name in header.offset_keys() {
         let view = file.tensor(&name).map_err(|e| bad(&e))?;
         let dtype = from_safetensors(view.dtype()).ok_or_else(|| {
             Error::Checkpoint(format!(
-                "{}: tensor '{name}' has type {}, which muster does not support",
-                path.display(),
+                "{what}: tensor '{name}' has type {}, which muster does not support",
                 view.dtype()
             ))
         })?;

@@ -41,7 +41,8 @@
 //! **Layout.** `tensor.rs` (tensors and state dicts), `stateful.rs` (the [`Stateful`] protocol),
 //! `format.rs` (shard plans and the safetensors and JSON files), `atomic.rs` (building a
 //! directory aside and renaming it into place), `weights.rs` (weights alone), `state.rs` (the
-//! whole training state and its manifest) and `naming.rs` (automatic naming and pruning); the
+//! whole training state and its manifest), `heal.rs` (the training state as one in-memory
+//! safetensors blob, which in-place recovery sends to a replacement) and `naming.rs` (automatic naming and pruning); the
 //! file names and format constants every part shares stay here.
 
 #[cfg(not(target_endian = "little"))]
@@ -70,6 +71,7 @@ const CHECKPOINT_PREFIX: &str = "checkpoint_";
 
 mod atomic;
 mod format;
+mod heal;
 mod naming;
 mod state;
 mod stateful;

@@ -36,7 +36,7 @@ pub(super) enum Kind {
 }
 
 impl Kind {
-    fn name(self) -> &'static str {
+    pub(super) fn name(self) -> &'static str {
         match self {
             Kind::Model => "model",
             Kind::Optimizer => "optimizer",
@@ -213,7 +213,7 @@ impl<'a> CheckpointState<'a> {
     }
 
     /// Refuses two objects of one kind under one name: loading could not tell them apart.
-    fn check_names(&self) -> Result<(), Error> {
+    pub(super) fn check_names(&self) -> Result<(), Error> {
         for (i, a) in self.entries.iter().enumerate() {
             if self.entries[..i]
                 .iter()

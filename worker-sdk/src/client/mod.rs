@@ -1,16 +1,19 @@
 //! The async core: a connection to the coordinator ([`Coordinator`], here), a worker's session
 //! (liveness and barriers: `session.rs`) and thin typed wrappers over the key-value
-//! (`kv.rs`), unique-id and shared-value (`values.rs`) services, all of whose calls go through
+//! (`kv.rs`), unique-id and shared-value (`values.rs`) services and in-place recovery's
+//! quorum call (`quorum.rs`), all of whose calls go through
 //! one helper ([`Coordinator::unary`]) that applies the failover policy and maps errors.
 //!
 //! The [`crate::Accelerator`] is built on this; benchmarks use it directly to run thousands of
 //! simulated ranks as tasks that share a few [`Coordinator`] connections.
 
 mod kv;
+mod quorum;
 mod session;
 mod values;
 
 pub use kv::{CasOutcome, Kv, KvLane};
+pub use quorum::{Heal, QUORUM_POLL, Quorum, QuorumAsk};
 pub use session::{FailureWatch, Registration, Scope, Session, SessionConfig};
 pub(crate) use session::{barrier_error, consumes_seq};
 pub use values::{SharedValues, UniqueIds};

@@ -7,7 +7,10 @@ use std::{
     error::Error as StdError,
     fmt,
     hash::{Hash, Hasher},
-    sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError},
+    sync::{
+        Arc, Condvar, Mutex, MutexGuard, PoisonError,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
@@ -497,7 +500,14 @@ fn heartbeat_interval(registered: &pb::Registered) -> Duration {
     }
 }
 
-fn register_message(config: &SessionConfig, resume: Option<(u64, u64)>) -> pb::Register {
+/// The `register` message of `config`: `resume` (the released seqs) when re-attaching after a
+/// failover; `replacement` (the epoch it was spawned for) for the first registration of a rank
+/// respawned in place (a re-attach never says it: the coordinator has accepted it by then).
+fn register_message(
+    config: &SessionConfig,
+    resume: Option<(u64, u64)>,
+    replacement: u64,
+) -> pb::Register {
     let (released_global, released_node) = resume.unwrap_or_default();
     pb::Register {
         job_id: config.job_id.clone(),
@@ -508,8 +518,8 @@ fn register_message(config: &SessionConfig, resume: Option<(u64, u64)>) -> pb::R
         resume: resume.is_some(),
         released_global,
         released_node,
-        replacement: false,
-        epoch: 0,
+        replacement: replacement > 0,
+        epoch: replacement,
     }
 }
 
@@ -522,9 +532,31 @@ impl Session {
     /// [`Error::Connection`] when no replica registers it within the failover budget
     /// (followers and unreachable replicas are retried as [`Coordinator`] describes).
     pub async fn attach(coordinator: &Coordinator, config: SessionConfig) -> Result<Self, Error> {
+        Self::attach_as(coordinator, config, 0).await
+    }
+
+    /// [`Session::attach`] for a worker respawned in place to replace its rank, which died in
+    /// membership `epoch` (`MUSTER_EPOCH`; 0 is an ordinary worker, as [`Session::attach`]).
+    /// The coordinator refuses it (FAILED_PRECONDITION) unless that rank awaits a replacement.
+    /// Its barrier sequence numbers start over: after its first quorum,
+    /// [`Session::continue_from`] moves them to where the other ranks are.
+    pub async fn attach_replacement(
+        coordinator: &Coordinator,
+        config: SessionConfig,
+        epoch: u64,
+    ) -> Result<Self, Error> {
+        Self::attach_as(coordinator, config, epoch).await
+    }
+
+    async fn attach_as(
+        coordinator: &Coordinator,
+        config: SessionConfig,
+        replacement: u64,
+    ) -> Result<Self, Error> {
         let mut retry: Option<Retry> = None;
         let (opened, outbound) = loop {
-            let failure = match open(coordinator, register_message(&config, None)).await {
+            let register = register_message(&config, None, replacement);
+            let failure = match open(coordinator, register).await {
                 Ok(opened) => break opened,
                 Err(failure) => failure,
             };
@@ -574,6 +606,12 @@ impl Session {
             task: Some(task),
             failures,
         })
+    }
+
+    /// The highest membership epoch pushed to this session, as the atomic the session task
+    /// stores it in: [`crate::membership::Membership::changed`] loads it directly.
+    pub(crate) fn pushed_epoch_atomic(&self) -> &AtomicU64 {
+        &self.failures.inner.pushed
     }
 
     /// Fires when the coordinator reports that this session's generation failed: what
@@ -748,6 +786,26 @@ impl Session {
         }
     }
 
+    /// The last barrier sequence number of each scope (global, node) this rank was released
+    /// from: what a quorum request carries, so that a replacement can continue from them.
+    pub fn released(&self) -> (u64, u64) {
+        self.shared.released()
+    }
+
+    /// Moves the barrier sequence numbers on so that the next barrier of each scope is the one
+    /// after `released` (global, node): what a replacement does after its first quorum, whose
+    /// answer carries the seqs its healthy source was released from. A scope with a barrier
+    /// in progress, or already past `released`, is left as it is.
+    pub fn continue_from(&self, released: (u64, u64)) {
+        let mut state = self.shared.lock();
+        for (scope, released) in [(Scope::Global, released.0), (Scope::Node, released.1)] {
+            let slot = &mut state.scopes[scope.index()];
+            if matches!(slot.pending, Pending::Idle) && slot.next_seq <= released {
+                slot.next_seq = released.saturating_add(1);
+            }
+        }
+    }
+
     /// The sequence number the next barrier of `scope` will use (for diagnostics and tests).
     pub fn next_seq(&self, scope: Scope) -> u64 {
         self.shared.lock().scopes[scope.index()].next_seq
@@ -849,12 +907,22 @@ impl Slot {
 }
 
 /// Whether a barrier result uses up its sequence number. A timeout does not (the same seq may
-/// be entered again), nor does a rejection of the entry itself (unspecified kind: a malformed
-/// or misnumbered entry the coordinator did not record); everything else does.
+/// be entered again), nor does a wait withdrawn because the membership changed (in-place
+/// recovery: every rank, the replacement included, enters that seq again after the quorum,
+/// whose released seqs are the last ones completed), nor a rejection of the entry itself
+/// (unspecified kind: a malformed or misnumbered entry the coordinator did not record);
+/// everything else does.
 pub(crate) fn consumes_seq(error: Option<&pb::BarrierError>) -> bool {
     match error.map(|e| BarrierErrorKind::try_from(e.kind)) {
         None => true,
-        Some(Ok(BarrierErrorKind::Timeout | BarrierErrorKind::Unspecified) | Err(_)) => false,
+        Some(
+            Ok(
+                BarrierErrorKind::Timeout
+                | BarrierErrorKind::Unspecified
+                | BarrierErrorKind::MembershipChanged,
+            )
+            | Err(_),
+        ) => false,
         Some(Ok(_)) => true,
     }
 }
@@ -946,6 +1014,11 @@ async fn pump(
                     tracing::debug!(rank, failed = error.rank, "the generation failed");
                     link.failures.fire(error);
                 }
+                Ok(Some(CoordinatorMessage { kind: Some(coordinator_message::Kind::MembershipChanged(change)) })) => {
+                    let cause = change.cause.unwrap_or_default();
+                    tracing::debug!(rank, epoch = change.epoch, died = cause.rank, "the membership changed");
+                    link.failures.membership_changed(change.epoch, cause);
+                }
                 Ok(Some(other)) => tracing::debug!(rank, ?other, "ignoring an unexpected session message"),
                 Ok(None) if link.ended_for_good() => {
                     return StreamEnd::Over(Arc::new(StreamEnded("the coordinator closed the session stream")));
@@ -998,7 +1071,11 @@ async fn reattach(
             });
         }
         let released = link.shared.released();
-        let failure = match open(coordinator, register_message(&link.config, Some(released))).await
+        let failure = match open(
+            coordinator,
+            register_message(&link.config, Some(released), 0),
+        )
+        .await
         {
             Ok((opened, outbound)) => {
                 link.shared.attach(outbound);
@@ -1051,52 +1128,245 @@ fn error_chain(error: &dyn StdError) -> String {
 }
 
 /// Whether the coordinator has reported this rank's generation failed (a peer crashed, was
-/// killed, lost its connection or stopped heartbeating). Clones share one state; waiting on it
-/// works from any thread, inside or outside an async runtime. One made with `default()` (a
-/// single process) never fires.
+/// killed, lost its connection or stopped heartbeating), or, in an in-place job, that the
+/// membership changed past this watch's epoch (a `membership_changed` push: a rank died and is
+/// being replaced). Clones share one state; waiting on it works from any thread, inside or
+/// outside an async runtime. One made with `default()` (a single process) never fires.
+///
+/// A watch has an epoch ([`FailureWatch::at_epoch`]): the membership a communicator was built
+/// for. It fires for a membership change only when the pushed epoch is above it, so that a
+/// communicator rebuilt for the new membership is not torn down by the push that led to it.
+/// In restart mode no membership change is ever pushed, and a watch only fires for the
+/// generation's failure, as before.
 #[derive(Debug, Clone, Default)]
 pub struct FailureWatch {
-    inner: Arc<(Mutex<Option<pb::BarrierError>>, Condvar)>,
+    inner: Arc<WatchInner>,
+    /// The membership epoch this watch belongs to: pushes at or below it do not fire it.
+    epoch: u64,
+}
+
+#[derive(Debug, Default)]
+struct WatchInner {
+    state: Mutex<WatchState>,
+    cvar: Condvar,
+    /// The highest membership epoch pushed so far: what [`crate::membership::Membership`]'s
+    /// fast path loads, without the lock.
+    pushed: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct WatchState {
+    /// The generation's failure (the first report wins).
+    failed: Option<pb::BarrierError>,
+    /// The latest membership change: its epoch and who died.
+    changed: Option<(u64, pb::BarrierError)>,
+}
+
+impl WatchState {
+    fn error(&self, floor: u64) -> Option<Error> {
+        if let Some(failed) = &self.failed {
+            return Some(failure_error(failed.clone()));
+        }
+        match &self.changed {
+            Some((epoch, cause)) if *epoch > floor => {
+                Some(Error::membership_changed(*epoch, cause))
+            }
+            _ => None,
+        }
+    }
 }
 
 impl FailureWatch {
     /// Records the generation's failure (the first one wins) and wakes every waiter.
     pub(crate) fn fire(&self, error: pb::BarrierError) {
-        let (state, cvar) = &*self.inner;
-        let mut state = state.lock().unwrap_or_else(PoisonError::into_inner);
-        if state.is_none() {
-            *state = Some(error);
+        let mut state = self.lock();
+        if state.failed.is_none() {
+            state.failed = Some(error);
         }
-        cvar.notify_all();
+        self.inner.cvar.notify_all();
     }
 
-    /// Whether the failure was reported, without building its error.
-    pub(crate) fn has_fired(&self) -> bool {
-        let (state, _) = &*self.inner;
-        state
+    /// Records a membership change to `epoch` (an older one than already known is ignored)
+    /// and wakes every waiter: watches of a lower epoch fire.
+    pub(crate) fn membership_changed(&self, epoch: u64, cause: pb::BarrierError) {
+        let mut state = self.lock();
+        if state
+            .changed
+            .as_ref()
+            .is_none_or(|(known, _)| epoch > *known)
+        {
+            state.changed = Some((epoch, cause));
+            self.inner.pushed.fetch_max(epoch, Ordering::AcqRel);
+        }
+        self.inner.cvar.notify_all();
+    }
+
+    /// This watch for a communicator of membership `epoch`: shares the state, fires for the
+    /// generation's failure and for membership changes above `epoch`.
+    pub fn at_epoch(&self, epoch: u64) -> FailureWatch {
+        FailureWatch {
+            inner: self.inner.clone(),
+            epoch,
+        }
+    }
+
+    /// The membership epoch this watch belongs to.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
+    }
+
+    /// The highest membership epoch pushed so far (0: none), read with one atomic load.
+    pub fn pushed_epoch(&self) -> u64 {
+        self.inner.pushed.load(Ordering::Acquire)
+    }
+
+    fn lock(&self) -> MutexGuard<'_, WatchState> {
+        self.inner
+            .state
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .is_some()
     }
 
-    /// The failure ([`Error::RankFailed`] naming the rank, its node and why), if it happened.
+    /// Whether the generation's failure was reported, without building its error (a
+    /// membership change does not count: the generation goes on).
+    pub(crate) fn has_fired(&self) -> bool {
+        self.lock().failed.is_some()
+    }
+
+    /// The failure ([`Error::RankFailed`] naming the rank, its node and why), or the
+    /// membership change past this watch's epoch ([`Error::MembershipChanged`] naming the
+    /// rank that died), if it happened.
     pub fn failed(&self) -> Option<Error> {
-        let (state, _) = &*self.inner;
-        let state = state.lock().unwrap_or_else(PoisonError::into_inner);
-        state.clone().map(failure_error)
+        self.lock().error(self.epoch)
     }
 
-    /// Blocks until the failure is reported or `timeout` passes; `None` on timeout.
+    /// Blocks until [`FailureWatch::failed`] has something or `timeout` passes; `None` on
+    /// timeout.
     pub fn wait_timeout(&self, timeout: Duration) -> Option<Error> {
-        let (state, cvar) = &*self.inner;
-        let state = state.lock().unwrap_or_else(PoisonError::into_inner);
-        let (state, _) = cvar
-            .wait_timeout_while(state, timeout, |s| s.is_none())
+        let state = self.lock();
+        let (state, _) = self
+            .inner
+            .cvar
+            .wait_timeout_while(state, timeout, |s| s.error(self.epoch).is_none())
             .unwrap_or_else(PoisonError::into_inner);
-        state.clone().map(failure_error)
+        state.error(self.epoch)
     }
 }
 
 fn failure_error(error: pb::BarrierError) -> Error {
     Error::from_barrier_error(error, || "the generation".to_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cause(rank: u32) -> pb::BarrierError {
+        pb::BarrierError {
+            kind: BarrierErrorKind::RankFailed as i32,
+            message: format!("rank {rank} (node 0, host h) of job 'j' generation 1 failed: killed"),
+            rank,
+            node_rank: 0,
+            host: "h".into(),
+            missing: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn only_a_replacements_first_registration_says_so() {
+        let config = SessionConfig {
+            job_id: "j".into(),
+            generation: 2,
+            rank: 3,
+            pid: 9,
+            host: "h".into(),
+        };
+        let first = register_message(&config, None, 4);
+        assert!(first.replacement && !first.resume);
+        assert_eq!((first.epoch, first.rank, first.generation), (4, 3, 2));
+        // Re-attaching after a failover: the coordinator has accepted the replacement.
+        let again = register_message(&config, Some((5, 1)), 0);
+        assert!(again.resume && !again.replacement);
+        assert_eq!(
+            (again.released_global, again.released_node, again.epoch),
+            (5, 1, 0)
+        );
+        let ordinary = register_message(&config, None, 0);
+        assert!(!ordinary.replacement && !ordinary.resume);
+    }
+
+    #[test]
+    fn a_withdrawn_wait_leaves_its_seq_to_be_entered_again() {
+        let kind = |kind: BarrierErrorKind| pb::BarrierError {
+            kind: kind as i32,
+            ..Default::default()
+        };
+        assert!(!consumes_seq(Some(&kind(
+            BarrierErrorKind::MembershipChanged
+        ))));
+        assert!(!consumes_seq(Some(&kind(BarrierErrorKind::Timeout))));
+        assert!(consumes_seq(Some(&kind(BarrierErrorKind::RankFailed))));
+        assert!(consumes_seq(None));
+    }
+
+    #[test]
+    fn a_watch_fires_for_membership_changes_above_its_epoch() {
+        let watch = FailureWatch::default();
+        let rebuilt = watch.at_epoch(1);
+        assert!(watch.failed().is_none());
+        assert_eq!(watch.pushed_epoch(), 0);
+        watch.membership_changed(1, cause(2));
+        assert_eq!(watch.pushed_epoch(), 1);
+        assert!(
+            matches!(
+                watch.failed(),
+                Some(Error::MembershipChanged {
+                    epoch: 1,
+                    rank: 2,
+                    ..
+                })
+            ),
+            "{:?}",
+            watch.failed()
+        );
+        assert!(
+            rebuilt.failed().is_none(),
+            "the epoch-1 watch ignores epoch 1"
+        );
+        assert!(rebuilt.wait_timeout(Duration::from_millis(10)).is_none());
+        // An older push is ignored; a newer one fires the rebuilt watch too.
+        watch.membership_changed(0, cause(3));
+        assert_eq!(watch.pushed_epoch(), 1);
+        let waiter = {
+            let rebuilt = rebuilt.clone();
+            std::thread::spawn(move || rebuilt.wait_timeout(Duration::from_secs(10)))
+        };
+        std::thread::sleep(Duration::from_millis(20));
+        let started = std::time::Instant::now();
+        watch.membership_changed(2, cause(1));
+        let woke = waiter.join().ok().flatten();
+        assert!(started.elapsed() < Duration::from_secs(1));
+        assert!(
+            matches!(
+                woke,
+                Some(Error::MembershipChanged {
+                    epoch: 2,
+                    rank: 1,
+                    ..
+                })
+            ),
+            "{woke:?}"
+        );
+        assert!(
+            !watch.has_fired(),
+            "a membership change is not the generation's failure"
+        );
+        // The generation's failure fires every watch, whatever its epoch.
+        watch.fire(cause(0));
+        assert!(watch.has_fired());
+        assert!(matches!(
+            rebuilt.at_epoch(9).failed(),
+            Some(Error::RankFailed { rank: 0, .. })
+        ));
+    }
 }

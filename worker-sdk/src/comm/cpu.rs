@@ -101,6 +101,15 @@
 //! the connections down, so blocked operations return at once with that rank's name. After such an
 //! error the communicator is unusable: every later call fails at once, repeating it.
 //!
+//! # In-place recovery
+//! A communicator is built for a membership epoch (0 until a rank dies in an in-place job).
+//! After a quorum, [`Communicator::reconfigure`](super::Communicator::reconfigure) drops this
+//! backend (closing its sockets, unmapping its shared memory) and builds a new one under the
+//! quorum's epoch: the key becomes `muster/comm/<generation>.<epoch>/<communicator>/<rank>`,
+//! the handshake carries the epoch (an old epoch's connection is refused) and the watcher fires
+//! for a `membership_changed` push of a higher epoch, so a collective blocked on a rank that
+//! died returns at once with [`Error::MembershipChanged`] naming it.
+//!
 //! # Files
 //! `cpu/setup.rs` makes the mesh and picks the transport, `cpu/conn.rs` holds the connections
 //! and their I/O, `cpu/wire.rs` the operation header, `cpu/engine.rs` runs one operation
@@ -211,7 +220,7 @@ type Sends = Vec<(Range<usize>, Option<usize>)>;
 /// them (else the data lands there as is).
 type Recvs = Vec<(Range<usize>, bool)>;
 
-fn next_communicator_id(job: &str, generation: u64, rank: u32) -> u64 {
+pub(crate) fn next_communicator_id(job: &str, generation: u64, rank: u32) -> u64 {
     let mut map = COMMUNICATORS.lock().unwrap_or_else(PoisonError::into_inner);
     let counter = map
         .get_or_insert_with(HashMap::new)

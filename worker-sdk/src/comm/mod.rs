@@ -6,10 +6,13 @@
 
 use std::{
     fmt,
-    sync::{Mutex, MutexGuard, PoisonError},
+    sync::{
+        Mutex, MutexGuard, PoisonError,
+        atomic::{AtomicU64, Ordering},
+    },
 };
 
-use crate::{Accelerator, Error};
+use crate::{Accelerator, Error, checkpoint::CheckpointState, membership::Quorum};
 
 pub(crate) mod cpu;
 pub(crate) mod reduce;
@@ -194,6 +197,11 @@ pub struct Communicator {
     rank: usize,
     world_size: usize,
     kind: BackendKind,
+    /// This communicator's number among the rank's communicators of its kind (the same on
+    /// every rank): a rebuilt backend keeps it.
+    id: u64,
+    /// The membership epoch the backend was built for (in-place recovery).
+    epoch: AtomicU64,
     backend: Mutex<Box<dyn Backend>>,
 }
 
@@ -203,6 +211,7 @@ impl fmt::Debug for Communicator {
             .field("rank", &self.rank)
             .field("world_size", &self.world_size)
             .field("backend", &self.kind)
+            .field("epoch", &self.epoch())
             .finish_non_exhaustive()
     }
 }
@@ -227,17 +236,140 @@ impl Communicator {
     }
 
     /// A communicator on the given backend; fails (naming why) when it is not usable.
+    ///
+    /// It is built for the accelerator's membership epoch ([`Accelerator::epoch`]): a
+    /// replacement (in-place recovery) must take part in a quorum first
+    /// ([`crate::membership::Membership::quorum`]), and creates its communicators in the same
+    /// order as the survivors created theirs.
     pub fn with_backend(accelerator: &Accelerator, kind: BackendKind) -> Result<Self, Error> {
-        let backend: Box<dyn Backend> = match kind {
-            BackendKind::Cpu => Box::new(cpu::CpuBackend::new(accelerator)?),
+        if accelerator
+            .membership
+            .awaiting_first
+            .load(Ordering::Acquire)
+        {
+            return Err(Error::Usage(format!(
+                "rank {} replaces a rank that died and has not taken part in a quorum yet: call \
+                 membership().quorum(None) before creating a communicator",
+                accelerator.process_index()
+            )));
+        }
+        let epoch = accelerator.epoch();
+        let (backend, id): (Box<dyn Backend>, u64) = match kind {
+            BackendKind::Cpu => {
+                let info = accelerator.info();
+                let id = cpu::next_communicator_id(&info.job_id, info.generation, info.rank);
+                (
+                    Box::new(cpu::CpuBackend::create(accelerator, id, epoch)?),
+                    id,
+                )
+            }
             BackendKind::Nccl => new_nccl(accelerator)?,
         };
         Ok(Self {
             rank: accelerator.process_index(),
             world_size: accelerator.num_processes(),
             kind: backend.kind(),
+            id,
+            epoch: AtomicU64::new(epoch),
             backend: Mutex::new(backend),
         })
+    }
+
+    /// The membership epoch this communicator is built for (0 until an in-place recovery).
+    pub fn epoch(&self) -> u64 {
+        self.epoch.load(Ordering::Acquire)
+    }
+
+    /// Rebuilds this communicator for `quorum`'s membership (in-place recovery), on every rank
+    /// after the same quorum: the old backend is dropped first (its sockets closed, its shared
+    /// memory unmapped; NCCL's communicator aborted), then a new one is built under the
+    /// quorum's epoch (the CPU backend publishes under `muster/comm/<generation>.<epoch>/...`
+    /// and refuses an old epoch's handshake; NCCL shares a new unique id for the epoch). A
+    /// quorum of the epoch it already has changes nothing. If building fails, every call
+    /// fails until a later reconfigure succeeds. Every rank must pass the same quorum (the
+    /// one [`Membership::quorum`](crate::membership::Membership::quorum) returned).
+    ///
+    /// The NCCL path compiles but is untested here (no GPU).
+    pub fn reconfigure(&self, accelerator: &Accelerator, quorum: &Quorum) -> Result<(), Error> {
+        if quorum.world_size as usize != self.world_size {
+            return Err(self.invalid(format!(
+                "reconfigure: the quorum of epoch {} has {} ranks, this communicator {}",
+                quorum.epoch, quorum.world_size, self.world_size
+            )));
+        }
+        if self.epoch() == quorum.epoch {
+            return Ok(());
+        }
+        let mut backend = self.backend.lock().unwrap_or_else(PoisonError::into_inner);
+        // Drop the old backend before the new one opens anything.
+        *backend = Box::new(Retired {
+            kind: self.kind,
+            why: format!(
+                "it is being rebuilt for membership epoch {} and the rebuild did not finish",
+                quorum.epoch
+            ),
+        });
+        let rebuilt: Box<dyn Backend> = match self.kind {
+            BackendKind::Cpu => {
+                Box::new(cpu::CpuBackend::create(accelerator, self.id, quorum.epoch)?)
+            }
+            BackendKind::Nccl => Box::new(ShapeChecked::new(
+                Box::new(nccl::connect_at(accelerator, self.id, quorum.epoch)?),
+                self.world_size,
+            )),
+        };
+        *backend = rebuilt;
+        self.epoch.store(quorum.epoch, Ordering::Release);
+        Ok(())
+    }
+
+    /// Heals the ranks `quorum` names (in-place recovery), after [`Communicator::reconfigure`]:
+    /// each healed rank receives the whole registered state of its source point to point (the
+    /// length, then the bytes: every object of `state` as the checkpoint module's
+    /// [`StateDict`](crate::checkpoint::StateDict)s, in one safetensors blob) and loads it; a
+    /// source sends its state to every rank it heals, in rank order; ranks not involved return
+    /// at once. Random generators are not sent (each rank keeps its own). Every rank of the
+    /// heal list must call it with the same registry layout (kinds and names).
+    pub fn heal(&self, quorum: &Quorum, state: &mut CheckpointState<'_>) -> Result<(), Error> {
+        if quorum.epoch != self.epoch() {
+            return Err(self.invalid(format!(
+                "heal: the communicator is at epoch {}, the quorum at {}: reconfigure first",
+                self.epoch(),
+                quorum.epoch
+            )));
+        }
+        let me = self.rank as u32;
+        if let Some(source) = quorum.source_of(me) {
+            let mut length = [0u8; 8];
+            self.recv(&mut length, source as usize)?;
+            let length = usize::try_from(u64::from_le_bytes(length)).map_err(|_| {
+                self.invalid(format!(
+                    "heal: rank {source} announced a state too large for this machine"
+                ))
+            })?;
+            // The length came from the network: refuse what cannot be allocated rather than
+            // abort the process.
+            let mut blob = Vec::new();
+            blob.try_reserve_exact(length).map_err(|_| {
+                self.invalid(format!(
+                    "heal: rank {source} announced {length} bytes of state, more than this \
+                     process can allocate"
+                ))
+            })?;
+            blob.resize(length, 0);
+            self.recv(&mut blob, source as usize)?;
+            return state.load_heal_bytes(&blob, source);
+        }
+        let healed = quorum.healed_by(me);
+        if healed.is_empty() {
+            return Ok(());
+        }
+        let blob = state.heal_bytes()?;
+        for rank in healed {
+            self.send(&(blob.len() as u64).to_le_bytes(), rank as usize)?;
+            self.send(&blob, rank as usize)?;
+        }
+        Ok(())
     }
 
     /// This process's rank in the group.
@@ -678,14 +810,70 @@ fn nccl_available() -> Result<(), String> {
 
 /// The NCCL backend of a new communicator: rank 0 makes the unique id and publishes it through
 /// the coordinator (generation-fenced), the others fetch it, and every rank joins.
-fn new_nccl(accelerator: &Accelerator) -> Result<Box<dyn Backend>, Error> {
-    Ok(Box::new(ShapeChecked::new(
-        Box::new(nccl::connect(accelerator)?),
-        accelerator.num_processes(),
-    )))
+fn new_nccl(accelerator: &Accelerator) -> Result<(Box<dyn Backend>, u64), Error> {
+    let (backend, index) = nccl::connect(accelerator)?;
+    Ok((
+        Box::new(ShapeChecked::new(
+            Box::new(backend),
+            accelerator.num_processes(),
+        )),
+        index,
+    ))
+}
+
+/// What a communicator holds between dropping its old backend and building the new one
+/// ([`Communicator::reconfigure`]): every call fails, saying why.
+struct Retired {
+    kind: BackendKind,
+    why: String,
+}
+
+impl Retired {
+    fn error(&self) -> Error {
+        Error::Backend {
+            backend: self.kind.name(),
+            message: format!("this communicator is unusable: {}", self.why),
+        }
+    }
+}
+
+impl Backend for Retired {
+    fn kind(&self) -> BackendKind {
+        self.kind
+    }
+    fn all_reduce(&mut self, _: &mut [u8], _: DType, _: ReduceOp) -> Result<(), Error> {
+        Err(self.error())
+    }
+    fn broadcast(&mut self, _: &mut [u8], _: usize) -> Result<(), Error> {
+        Err(self.error())
+    }
+    fn reduce(&mut self, _: &mut [u8], _: DType, _: ReduceOp, _: usize) -> Result<(), Error> {
+        Err(self.error())
+    }
+    fn all_gather(&mut self, _: &[u8], _: &mut [u8]) -> Result<(), Error> {
+        Err(self.error())
+    }
+    fn reduce_scatter(
+        &mut self,
+        _: &[u8],
+        _: &mut [u8],
+        _: DType,
+        _: ReduceOp,
+    ) -> Result<(), Error> {
+        Err(self.error())
+    }
+    fn send(&mut self, _: &[u8], _: usize) -> Result<(), Error> {
+        Err(self.error())
+    }
+    fn recv(&mut self, _: &mut [u8], _: usize) -> Result<(), Error> {
+        Err(self.error())
+    }
 }
 
 pub(crate) mod nccl;
+
+#[cfg(test)]
+mod recovery_tests;
 
 #[cfg(test)]
 mod tests {

@@ -175,12 +175,9 @@ pub(crate) fn new_unique_id() -> Result<[u8; NCCL_UNIQUE_ID_BYTES], Error> {
 ///
 /// Every rank must create its NCCL communicators in the same order: the n-th one of each rank
 /// shares the id published under `muster.comm.nccl.<n>` (counted per job, generation and rank,
-/// so that ranks run as threads of one process, as tests do, count independently).
-#[allow(
-    dead_code,
-    reason = "until comm/mod.rs's new_nccl calls it (issue 4); drop this then"
-)]
-pub(crate) fn connect(accelerator: &Accelerator) -> Result<NcclBackend, Error> {
+/// so that ranks run as threads of one process, as tests do, count independently). Returns the
+/// backend and its number `n`, which [`connect_at`] takes to rebuild it.
+pub(crate) fn connect(accelerator: &Accelerator) -> Result<(NcclBackend, u64), Error> {
     static CREATED: Mutex<BTreeMap<(String, u64, u32), u64>> = Mutex::new(BTreeMap::new());
     available().map_err(backend_error)?;
     let info = accelerator.info();
@@ -192,7 +189,25 @@ pub(crate) fn connect(accelerator: &Accelerator) -> Result<NcclBackend, Error> {
         *next += 1;
         *next - 1
     };
-    let name = format!("muster.comm.nccl.{index}");
+    Ok((connect_at(accelerator, index, accelerator.epoch())?, index))
+}
+
+/// Creates NCCL communicator number `index` for membership `epoch` (in-place recovery: the old
+/// communicator was aborted): the unique id is published under `muster.comm.nccl.<index>` for
+/// epoch 0 and `muster.comm.nccl.<index>.e<epoch>` after, so every membership gets a fresh id,
+/// and the backend aborts when the membership changes past `epoch`. Untested without a GPU.
+pub(crate) fn connect_at(
+    accelerator: &Accelerator,
+    index: u64,
+    epoch: u64,
+) -> Result<NcclBackend, Error> {
+    available().map_err(backend_error)?;
+    let info = accelerator.info();
+    let name = if epoch == 0 {
+        format!("muster.comm.nccl.{index}")
+    } else {
+        format!("muster.comm.nccl.{index}.e{epoch}")
+    };
     let id = if info.rank == 0 {
         let id = new_unique_id()?;
         accelerator.publish_nccl_unique_id(&name, &id)?;
@@ -200,7 +215,7 @@ pub(crate) fn connect(accelerator: &Accelerator) -> Result<NcclBackend, Error> {
     } else {
         accelerator.fetch_nccl_unique_id(&name)?
     };
-    NcclBackend::with_failure_watch(info, id, accelerator.failure_watch())
+    NcclBackend::with_failure_watch(info, id, accelerator.failure_watch_at(epoch))
 }
 
 fn backend_error(message: impl Into<String>) -> Error {

@@ -25,7 +25,7 @@ use super::{
         Conn, Peer, connect, parse_record, rand_u32, read_exact_blocking, watcher,
         write_all_blocking,
     },
-    fnv, next_communicator_id,
+    fnv,
     wire::Transport,
 };
 
@@ -33,7 +33,40 @@ impl CpuBackend {
     /// Creates this rank's end of a new communicator: listens, publishes its addresses,
     /// connects to every lower rank and accepts every higher one. Every rank must call it (the
     /// n-th communicator of each rank forms one communicator).
-    pub(crate) fn new(accelerator: &Accelerator) -> Result<Self, Error> {
+    ///
+    /// Creates communicator number `id` (every rank numbers its communicators alike: see
+    /// [`next_communicator_id`]) for membership `epoch`: its addresses are published under
+    /// `muster/comm/<generation>/<id>/<rank>` for epoch 0 and
+    /// `muster/comm/<generation>.<epoch>/<id>/<rank>` after an in-place recovery, its
+    /// handshake carries the epoch (a connection of another epoch is refused), and its failure
+    /// watcher fires for membership changes above `epoch`.
+    ///
+    /// A setup that fails because a rank died meanwhile (a refused or broken connection, a
+    /// record that never comes) returns the coordinator's report of that death instead
+    /// ([`Error::MembershipChanged`] in an in-place job, which the caller recovers from),
+    /// waiting up to [`NAME_THE_DEAD_GRACE`] for it.
+    pub(crate) fn create(accelerator: &Accelerator, id: u64, epoch: u64) -> Result<Self, Error> {
+        let watch = accelerator.failure_watch_at(epoch);
+        Self::connect_mesh(accelerator, id, epoch, &watch).map_err(|error| {
+            match error {
+                // Already the report, or an error of this rank's own making.
+                Error::MembershipChanged { .. } | Error::RankFailed { .. } | Error::Config(_) => {
+                    error
+                }
+                error if accelerator.is_distributed() => {
+                    watch.wait_timeout(NAME_THE_DEAD_GRACE).unwrap_or(error)
+                }
+                error => error,
+            }
+        })
+    }
+
+    fn connect_mesh(
+        accelerator: &Accelerator,
+        id: u64,
+        epoch: u64,
+        watch: &FailureWatch,
+    ) -> Result<Self, Error> {
         let info = accelerator.info();
         let rank = info.rank as usize;
         let world = info.world_size as usize;
@@ -71,9 +104,8 @@ impl CpuBackend {
         if world == 1 {
             return Ok(backend);
         }
-        let id = next_communicator_id(&info.job_id, info.generation, info.rank);
-        let prefix = format!("muster/comm/{}/{}", info.generation, id);
-        let watch = Some(accelerator.failure_watch());
+        let prefix = comm_prefix(info.generation, epoch, id);
+        let watch = Some(watch.clone());
 
         // Listen: TCP on the advertised IP (or everywhere: a host name, or an address that is
         // not this machine's, as behind NAT), and an abstract Unix socket.
@@ -87,9 +119,10 @@ impl CpuBackend {
             .map_err(|e| backend_error(format!("listener address: {e}")))?
             .port();
         let uds_name = format!(
-            "muster-comm-{:016x}-{}-{}-{}-{}-{:08x}",
+            "muster-comm-{:016x}-{}.{}-{}-{}-{}-{:08x}",
             job_hash,
             info.generation,
+            epoch,
             id,
             rank,
             std::process::id(),
@@ -113,22 +146,21 @@ impl CpuBackend {
         accelerator.kv().set(&format!("{prefix}/{rank}"), record)?;
 
         let handshake = |from: usize, to: usize| {
-            let mut b = [0u8; 40];
-            b[0..8].copy_from_slice(HANDSHAKE_MAGIC);
-            b[8..16].copy_from_slice(&info.generation.to_le_bytes());
-            b[16..24].copy_from_slice(&id.to_le_bytes());
-            b[24..32].copy_from_slice(&job_hash.to_le_bytes());
-            b[32..36].copy_from_slice(&(from as u32).to_le_bytes());
-            b[36..40].copy_from_slice(&(to as u32).to_le_bytes());
-            b
+            Hello {
+                generation: info.generation,
+                epoch,
+                id,
+                job_hash,
+                from: from as u32,
+                to: to as u32,
+            }
+            .encode()
         };
         let force_tcp = transport == Transport::Tcp;
 
         // Connect to every lower rank.
         for peer in 0..rank {
-            let record = accelerator
-                .kv()
-                .get_wait(&format!("{prefix}/{peer}"), SETUP_TIMEOUT)?;
+            let record = wait_for_record(accelerator, &format!("{prefix}/{peer}"), &watch)?;
             let record = String::from_utf8_lossy(&record).into_owned();
             let (parsed, port, name) = parse_record(&record);
             let Some(port) = port else {
@@ -153,7 +185,7 @@ impl CpuBackend {
             if hs.is_err() || u32::from_le_bytes(reply) != peer as u32 {
                 return Err(backend_error(format!(
                     "rank {peer} (host {host}) refused the connection of communicator {id} of \
-                     generation {} ({})",
+                     generation {} epoch {epoch} ({})",
                     info.generation,
                     hs.err()
                         .map_or("wrong answer".to_owned(), |e| e.to_string())
@@ -191,12 +223,11 @@ impl CpuBackend {
                 accepted.push(Conn::Unix(s));
             }
             for conn in accepted {
-                let mut hello = [0u8; 40];
+                let mut hello = [0u8; HELLO_BYTES];
                 let ok = conn.set_nonblocking(false).is_ok()
                     && conn.set_read_timeout(Some(HANDSHAKE_TIMEOUT)).is_ok()
                     && read_exact_blocking(&conn, &mut hello).is_ok();
-                let from =
-                    u32::from_le_bytes([hello[32], hello[33], hello[34], hello[35]]) as usize;
+                let from = Hello::from_of(&hello) as usize;
                 if !ok
                     || from <= rank
                     || from >= world
@@ -206,7 +237,9 @@ impl CpuBackend {
                     tracing::warn!(
                         rank,
                         communicator = id,
-                        "refused a connection with a wrong handshake"
+                        epoch,
+                        "refused a connection with a wrong handshake (another communicator, \
+                         generation or membership epoch)"
                     );
                     continue;
                 }
@@ -272,7 +305,7 @@ impl CpuBackend {
         // runs of one job id on one machine never meet).
         let tag = backend.peers[0]
             .cma
-            .map(|(pid0, _)| format!("{job_hash:016x}-{}-{id}-{pid0}", info.generation));
+            .map(|(pid0, _)| format!("{job_hash:016x}-{}.{epoch}-{id}-{pid0}", info.generation));
         backend.setup_shm(transport, one_node, tag, id)?;
         Ok(backend)
     }
@@ -347,5 +380,102 @@ impl CpuBackend {
             )));
         }
         Ok(one_node)
+    }
+}
+
+/// Where communicator `id` of `generation` publishes its ranks' addresses in membership
+/// `epoch`: today's key for epoch 0, `<generation>.<epoch>` after an in-place recovery, so that
+/// a rebuilt communicator never reaches an address of the old membership.
+pub(super) fn comm_prefix(generation: u64, epoch: u64, id: u64) -> String {
+    if epoch == 0 {
+        format!("muster/comm/{generation}/{id}")
+    } else {
+        format!("muster/comm/{generation}.{epoch}/{id}")
+    }
+}
+
+/// Bytes of a connection's first message.
+pub(super) const HELLO_BYTES: usize = 48;
+
+/// The first message on a new connection, from the connecting (higher) rank: which job,
+/// generation, membership epoch and communicator it means and who it is. The accepting rank
+/// refuses any difference, so a stray or stale connection (an old epoch's rank) is never
+/// mistaken for a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Hello {
+    pub(super) generation: u64,
+    pub(super) epoch: u64,
+    pub(super) id: u64,
+    pub(super) job_hash: u64,
+    pub(super) from: u32,
+    pub(super) to: u32,
+}
+
+impl Hello {
+    pub(super) fn encode(&self) -> [u8; HELLO_BYTES] {
+        let mut b = [0u8; HELLO_BYTES];
+        b[0..8].copy_from_slice(HANDSHAKE_MAGIC);
+        b[8..16].copy_from_slice(&self.generation.to_le_bytes());
+        b[16..24].copy_from_slice(&self.epoch.to_le_bytes());
+        b[24..32].copy_from_slice(&self.id.to_le_bytes());
+        b[32..40].copy_from_slice(&self.job_hash.to_le_bytes());
+        b[40..44].copy_from_slice(&self.from.to_le_bytes());
+        b[44..48].copy_from_slice(&self.to.to_le_bytes());
+        b
+    }
+
+    /// The sender's rank as a hello claims it (to look up what it should have said).
+    pub(super) fn from_of(hello: &[u8; HELLO_BYTES]) -> u32 {
+        u32::from_le_bytes([hello[40], hello[41], hello[42], hello[43]])
+    }
+}
+
+/// How long a failed setup waits for the coordinator to report the death that explains it.
+const NAME_THE_DEAD_GRACE: std::time::Duration = std::time::Duration::from_secs(2);
+/// How long one wait for a peer's record lasts before the failure watch is checked again.
+const RECORD_SLICE: std::time::Duration = std::time::Duration::from_millis(250);
+
+/// Waits for a peer's address record under `key` (up to [`SETUP_TIMEOUT`]) in slices, so that
+/// a peer that died before publishing it (its replacement publishes under the next epoch's
+/// key) ends the wait as soon as `watch` fires, rather than after the setup timeout.
+fn wait_for_record(
+    accelerator: &Accelerator,
+    key: &str,
+    watch: &Option<FailureWatch>,
+) -> Result<Vec<u8>, Error> {
+    let deadline = Instant::now() + SETUP_TIMEOUT;
+    loop {
+        if let Some(error) = watch.as_ref().and_then(FailureWatch::failed) {
+            return Err(error);
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        match accelerator.kv().get_wait(key, left.min(RECORD_SLICE)) {
+            Err(error) if error.is_timeout() && !left.is_zero() => {}
+            other => return other,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn keys_and_handshakes_carry_the_epoch() {
+        assert_eq!(comm_prefix(3, 0, 1), "muster/comm/3/1");
+        assert_eq!(comm_prefix(3, 2, 1), "muster/comm/3.2/1");
+        let now = Hello {
+            generation: 3,
+            epoch: 2,
+            id: 1,
+            job_hash: 7,
+            from: 2,
+            to: 0,
+        };
+        let old = Hello { epoch: 1, ..now };
+        assert_eq!(Hello::from_of(&now.encode()), 2);
+        // What the accepting rank compares: an old epoch's hello is not the expected one.
+        assert_ne!(old.encode(), now.encode());
+        assert_eq!(Hello::from_of(&old.encode()), 2);
     }
 }
