@@ -55,7 +55,7 @@ impl Job {
         let Some(rank) = range.clone().find(|r| {
             matches!(
                 g.ranks[*r as usize].state,
-                RankState::Pending | RankState::Running
+                RankState::Pending | RankState::Running | RankState::Replacing
             )
         }) else {
             // Its ranks all left: it may have been the last thing the job waited for.
@@ -70,7 +70,10 @@ impl Job {
         let host = node.host.clone();
         for r in range {
             let slot = &mut g.ranks[r as usize];
-            if matches!(slot.state, RankState::Pending | RankState::Running) {
+            if matches!(
+                slot.state,
+                RankState::Pending | RankState::Running | RankState::Replacing
+            ) {
                 slot.state = RankState::Failed;
                 slot.outbox = None;
             }
@@ -107,7 +110,7 @@ impl Job {
         let id = self.id.clone();
         let drained = st.drained.clone();
         let g = self.running(&mut st, generation)?;
-        let Some(node) = g.nodes.get_mut(node_rank as usize) else {
+        let Some(node) = g.nodes.get(node_rank as usize) else {
             return Err(Error::InvalidArgument(format!(
                 "node rank {node_rank} is outside job '{id}' generation {generation} ({} nodes)",
                 g.nodes.len()
@@ -128,7 +131,19 @@ impl Job {
                     ended, node_id, &drained,
                 ))),
             }));
+        } else {
+            // In-place recovery: a replacement order the agent may have missed (its watch
+            // was down, or a new leader took over) is sent again; the agent ignores one for a
+            // rank it already respawned in that epoch.
+            for r in node.rank_offset..node.rank_offset + node.local_world_size {
+                if let Some(replace) = &g.ranks[r as usize].replace {
+                    let _ = outbox.send(Ok(pb::NodeEvent {
+                        kind: Some(pb::node_event::Kind::Replace(replace.clone())),
+                    }));
+                }
+            }
         }
+        let node = &mut g.nodes[node_rank as usize];
         node.watch = Some((watch_id, outbox));
         node.last_seen = Some(Instant::now());
         if !std::mem::replace(&mut node.watched, true) {
