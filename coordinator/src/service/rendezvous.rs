@@ -49,16 +49,8 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
     /// called, answered DEADLINE_EXCEEDED after `wait_ms`. Cancel-safe: a dropped call (its
     /// client went away) withdraws itself from the table.
     async fn quorum(&self, request: Request<pb::QuorumRequest>) -> Rpc<pb::QuorumResponse> {
-        let principal = request.extensions().get::<auth::Principal>().cloned();
+        auth::authorize_job(&request, &request.get_ref().job_id)?;
         let ask = QuorumAsk::try_from(request.into_inner())?;
-        if let Some(auth::Principal::Job(own)) = &principal
-            && *own != ask.job_id.as_str()
-        {
-            return Err(Status::permission_denied(format!(
-                "the job token is for job '{own}', not job '{}'",
-                ask.job_id
-            )));
-        }
         let job = self.0.job(ask.job_id.as_str())?;
         let (token, rx) = job.quorum(&ask)?;
         let _guard = QuorumGuard {
@@ -85,6 +77,7 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
 
     /// Cancel-safe: a dropped call withdraws its node from the open round.
     async fn join(&self, request: Request<pb::JoinRequest>) -> Rpc<pb::JoinResponse> {
+        auth::cluster_only(&request, "muster.v1.Rendezvous.Join")?;
         let Join {
             job_id: id,
             node: req,
@@ -153,6 +146,7 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
     type WatchStream = WatchStream;
 
     async fn watch(&self, request: Request<Streaming<pb::NodeMessage>>) -> Rpc<WatchStream> {
+        auth::cluster_only(&request, "muster.v1.Rendezvous.Watch")?;
         let hb = self.0.config.heartbeat_timeout;
         let mut inbound = request.into_inner();
         let first = first_message(&mut inbound, hb, "node watch").await?;
@@ -228,6 +222,7 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
         &self,
         request: Request<pb::ReportFailureRequest>,
     ) -> Rpc<pb::ReportFailureResponse> {
+        auth::cluster_only(&request, "muster.v1.Rendezvous.ReportFailure")?;
         let r = request.into_inner();
         let job = self.0.job(&r.job_id)?;
         let report = FailureReport::try_from(r)?;
