@@ -543,6 +543,9 @@ impl Job {
         slot.state = RankState::Left;
         slot.outbox = None;
         g.left += 1;
+        if let Some(why) = g.left_quorum_error(&id) {
+            g.end_quorums(|| Error::FailedPrecondition(why.clone()));
+        }
         for key in g.barriers.keys() {
             if let Some(err) = g.left_error(&key, &id) {
                 let b = g.barriers.remove(&key).expect("key listed above");

@@ -239,6 +239,18 @@ impl Gen {
         }
     }
 
+    /// Why no quorum can form any more, if a rank has left the job cleanly (it never calls).
+    pub(super) fn left_quorum_error(&self, job: &JobId) -> Option<String> {
+        if self.left == 0 {
+            return None;
+        }
+        let r = self.ranks.iter().position(|s| s.state == RankState::Left)?;
+        Some(format!(
+            "rank {r} of job '{job}' generation {} has left the job cleanly: it takes part in no quorum any more, so none can form",
+            self.generation
+        ))
+    }
+
     /// The ops view's recoveries: newest first, at most [`RECOVERIES_SHOWN`].
     pub(super) fn recoveries_view(&self) -> Vec<pb::RecoveryInfo> {
         self.recoveries
@@ -345,6 +357,9 @@ impl Job {
         }
         if let Some(ended) = &g.ended {
             return Err(Error::FailedPrecondition(ended.message.clone()));
+        }
+        if let Some(why) = g.left_quorum_error(&id) {
+            return Err(Error::FailedPrecondition(why));
         }
         let rank = ask.rank;
         let Some(slot) = g.ranks.get(rank as usize) else {

@@ -659,6 +659,16 @@ async fn quorum_calls_are_refused_naming_the_problem() {
     job.quorum_withdraw(1, 0, token);
     let (_, mut only) = job.quorum(&ask(1, 0, Some(1))).unwrap();
     assert!(only.try_recv().is_err());
+    // A rank that leaves cleanly ends the parked calls: no quorum can form without it.
+    job.leave(1, 0);
+    let (code, msg) = code_and_message(only.try_recv().unwrap().unwrap_err());
+    assert_eq!(code, tonic::Code::FailedPrecondition);
+    assert!(
+        msg.contains("rank 0 of job 'j' generation 1 has left"),
+        "{msg}"
+    );
+    let (code, _) = code_and_message(job.quorum(&ask(1, 0, Some(1))).unwrap_err());
+    assert_eq!(code, tonic::Code::FailedPrecondition);
     // A job that restarts has no quorum.
     let restart = formed(1, 1).await;
     let (c, msg) = code_and_message(restart.quorum(&ask(0, 0, None)).unwrap_err());
@@ -695,4 +705,46 @@ async fn a_new_leader_keeps_the_epoch_and_sends_the_replacement_order_again() {
         restored.describe().ranks[1].state,
         pb::RankState::Running as i32
     );
+}
+
+#[tokio::test]
+async fn the_stored_record_carries_the_mode_the_epoch_and_the_replacing_ranks() {
+    use prost::Message as _;
+    let store: Arc<dyn Store> = Arc::new(crate::MemoryStore::default());
+    let ctx = JobContext {
+        store: Some(Arc::clone(&store)),
+        ..ctx()
+    };
+    let config = RoundConfig {
+        recovery: Recovery::InPlace,
+        ..config(2, 2)
+    };
+    let job = Job::new(JobId::parse("j").unwrap(), config, &ctx);
+    let answers = [
+        job.join(req("n0")).unwrap().2,
+        job.join(req("n1")).unwrap().2,
+    ];
+    for a in answers {
+        a.await.unwrap().unwrap();
+    }
+    let (tx, _rx) = mpsc::unbounded_channel();
+    job.register(1, 0, 1, String::new(), tx, None, None)
+        .unwrap();
+    job.fail_rank(1, 0, "exited with status 1".into(), exited(1));
+    job.persisted().await;
+    let bytes = store.get(&record_key(&job.id)).await.unwrap().unwrap();
+    let record = pb::JobRecord::decode(bytes.as_slice()).unwrap();
+    assert_eq!(record.recovery, pb::RecoveryMode::InPlace as i32);
+    assert_eq!(record.restarts, 1);
+    let running = record.running.as_ref().unwrap();
+    assert_eq!(
+        (running.epoch, running.replacing.as_slice()),
+        (1, &[0b01u8][..])
+    );
+    job.retire("test over");
+    let restored = Job::restore(&record, 0, &ctx).unwrap();
+    let d = restored.describe();
+    assert_eq!((d.epoch, d.restart_count), (1, 1));
+    assert_eq!(d.ranks[0].state, pb::RankState::Replacing as i32);
+    restored.retire("test over");
 }
