@@ -133,6 +133,7 @@ impl pb::ops_server::Ops for OpsService {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     fn machine(id: &str, address: &str) -> pb::MachineInfo {
