@@ -24,7 +24,9 @@ impl Job {
     /// worker was released from per scope (global, node) when it re-attaches after a failover:
     /// those barriers count as complete here, releasing any peer still waiting at them.
     /// `replacement` (in-place recovery) carries the epoch a replacement was spawned for: it
-    /// is accepted only for a REPLACING rank, and a REPLACING rank takes nothing else.
+    /// is accepted only for a REPLACING rank (or, with `resume`, for the pending rank of a
+    /// generation a new leader restored: the replacement re-attaching), and a REPLACING rank
+    /// takes nothing else.
     #[allow(clippy::too_many_arguments)]
     pub fn register(
         &self,
@@ -82,6 +84,10 @@ impl Job {
                     "rank {rank} of job '{id}' generation {generation} is being replaced in place (membership epoch {}); only its replacement (register with replacement and MUSTER_EPOCH) may register: this worker is stale",
                     g.epoch
                 )));
+            }
+            (RankState::Pending, Some(_)) if resume.is_some() && g.recovered => {
+                // A replacement re-attaching after a failover (the new leader restored its
+                // rank as pending, its replacement already registered): a re-attach.
             }
             (state, Some(_)) => {
                 return Err(Error::FailedPrecondition(format!(

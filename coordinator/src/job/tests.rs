@@ -696,10 +696,36 @@ async fn a_new_leader_keeps_the_epoch_and_sends_the_replacement_order_again() {
         vec![(Some(1), 1)]
     );
     assert!(replaces(&mut watch_of(&restored, 0)).is_empty());
-    // The replacement registers with the new leader.
+    // A stale worker re-attaching is refused; the replacement registers with the new leader.
     let (tx, _rx) = mpsc::unbounded_channel();
+    let stale = restored.register(1, 1, 8, String::new(), tx.clone(), Some([0, 0]), None);
+    assert!(code_and_message(stale.unwrap_err()).1.contains("stale"));
     restored
         .register(1, 1, 9, String::new(), tx, None, Some(1))
+        .unwrap();
+    // After another failover the replacement (its rank no longer REPLACING in the record)
+    // re-attaches with resume, still saying it is a replacement.
+    let record = restored.record(&restored.lock());
+    assert!(
+        record
+            .running
+            .as_ref()
+            .unwrap()
+            .replacing
+            .iter()
+            .all(|b| *b == 0)
+    );
+    let again = Job::restore(&record, 0, &ctx()).unwrap();
+    assert_eq!(again.describe().epoch, 1);
+    let (tx, _rx) = mpsc::unbounded_channel();
+    let fresh = again.register(1, 1, 9, String::new(), tx.clone(), None, Some(1));
+    assert!(
+        code_and_message(fresh.unwrap_err())
+            .1
+            .contains("is not awaiting a replacement")
+    );
+    again
+        .register(1, 1, 9, String::new(), tx, Some([0, 0]), Some(1))
         .unwrap();
     assert_eq!(
         restored.describe().ranks[1].state,
