@@ -327,3 +327,82 @@ async fn without_budget_the_generation_fails_and_parked_quorum_calls_hear_why() 
     assert_eq!(failed.rank, 2);
     assert_eq!(describe(ch, job).await.recoveries.len(), 0);
 }
+
+#[tokio::test]
+async fn relays_hear_the_membership_change_and_enter_the_same_barrier_after_the_quorum() {
+    let s = start_default().await;
+    let ch = &s.channel;
+    let job = "relayed";
+    let handles: Vec<_> = (0..2)
+        .map(|n| {
+            let mut r = join_req(job, &format!("n{n}"), 2, 2, 2);
+            let c = r.config.as_mut().unwrap();
+            c.max_restarts = Some(1);
+            c.recovery = pb::RecoveryMode::InPlace as i32;
+            spawn_join(ch, r)
+        })
+        .collect();
+    for h in handles {
+        h.await.unwrap().unwrap();
+    }
+    let ranks = attach_all(ch, job, 1, 4).await;
+    let mut relay = RawRelay::attach(ch, job, 1, 0).await.unwrap();
+    relay.enter(1, &[("step", &[0, 1])], 0).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+
+    report(ch, job, 3, 9).await;
+    let withdrawn = relay.result(1).await.unwrap();
+    assert_eq!(
+        withdrawn.kind,
+        pb::barrier_error::Kind::MembershipChanged as i32
+    );
+    match relay.event().await {
+        pb::relay_event::Kind::Failed(e) => {
+            assert_eq!(e.kind, pb::barrier_error::Kind::MembershipChanged as i32);
+            assert_eq!(e.rank, 3);
+        }
+        other => panic!("expected the relay to hear the change, got {other:?}"),
+    }
+    // While the membership changes, the node's entry is sent back at once.
+    relay.enter(1, &[("step", &[0, 1])], 0).await;
+    let refused = relay.result(1).await.unwrap();
+    assert_eq!(
+        refused.kind,
+        pb::barrier_error::Kind::MembershipChanged as i32
+    );
+    assert!(
+        refused.message.contains("go to the step boundary"),
+        "{refused:?}"
+    );
+
+    let replacement = Raw::attach_with(
+        ch,
+        pb::Register {
+            job_id: job.into(),
+            generation: 1,
+            rank: 3,
+            pid: 77,
+            replacement: true,
+            epoch: 1,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let quorum: Vec<_> = (0..4)
+        .map(|r| spawn_quorum(ch, quorum_req(job, r, u64::from(r == 3), Some(2))))
+        .collect();
+    for q in quorum {
+        assert_eq!(q.await.unwrap().unwrap().epoch, 1);
+    }
+    // Barrier #1 again, its seq unused by the withdrawal: the node through its relay, rank 2
+    // through its session, the replacement too.
+    relay.enter(1, &[("step", &[0, 1])], 0).await;
+    ranks[2]
+        .enter_seq(pb::BarrierScope::Global, 1, "step", 0)
+        .await;
+    replacement
+        .enter_seq(pb::BarrierScope::Global, 1, "step", 0)
+        .await;
+    assert_eq!(relay.result(1).await, None);
+}

@@ -200,6 +200,10 @@ impl Gen {
             missing: vec![],
         };
         self.withdraw_all_barriers(&withdrawn);
+        // Relays withdraw the waits they hold themselves (a node's ranks that have not all
+        // arrived yet): `failed` with KIND_MEMBERSHIP_CHANGED ends those waits, not the
+        // generation.
+        self.relays_failed(&withdrawn);
         let cause = pb::BarrierError {
             kind: ErrKind::RankFailed as i32,
             ..withdrawn
