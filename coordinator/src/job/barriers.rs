@@ -26,7 +26,8 @@ impl Job {
     /// `replacement` (in-place recovery) carries the epoch a replacement was spawned for: it
     /// is accepted only for a REPLACING rank (or, with `resume`, for the pending rank of a
     /// generation a new leader restored: the replacement re-attaching), and a REPLACING rank
-    /// takes nothing else.
+    /// takes nothing else but, in a restored generation, a re-attach with `resume` (the
+    /// replacement registered just before the failover).
     #[allow(clippy::too_many_arguments)]
     pub fn register(
         &self,
@@ -78,6 +79,13 @@ impl Job {
                     rec.info.replacement_pid = pid;
                 }
                 tracing::info!(job = %id, generation, rank, pid, epoch, "replacement registered");
+            }
+            (RankState::Replacing, None) if resume.is_some() && g.recovered => {
+                // After a failover the record may still show the rank awaiting its
+                // replacement (the replacement registered just before the old leader's last
+                // write): the replacement re-attaching says `resume`, not `replacement`.
+                g.ranks[rank as usize].replace = None;
+                tracing::info!(job = %id, generation, rank, pid, "replacement re-attached after a failover");
             }
             (RankState::Replacing, None) => {
                 return Err(Error::FailedPrecondition(format!(

@@ -696,9 +696,10 @@ async fn a_new_leader_keeps_the_epoch_and_sends_the_replacement_order_again() {
         vec![(Some(1), 1)]
     );
     assert!(replaces(&mut watch_of(&restored, 0)).is_empty());
-    // A stale worker re-attaching is refused; the replacement registers with the new leader.
+    // A worker that is not its replacement is refused; the replacement registers with the
+    // new leader.
     let (tx, _rx) = mpsc::unbounded_channel();
-    let stale = restored.register(1, 1, 8, String::new(), tx.clone(), Some([0, 0]), None);
+    let stale = restored.register(1, 1, 8, String::new(), tx.clone(), None, None);
     assert!(code_and_message(stale.unwrap_err()).1.contains("stale"));
     restored
         .register(1, 1, 9, String::new(), tx, None, Some(1))
@@ -727,6 +728,15 @@ async fn a_new_leader_keeps_the_epoch_and_sends_the_replacement_order_again() {
     again
         .register(1, 1, 9, String::new(), tx, Some([0, 0]), Some(1))
         .unwrap();
+    // The record still showed the rank awaiting its replacement when the leader changed: the
+    // replacement re-attaching with resume (and no replacement flag) takes it.
+    let (tx, _rx) = mpsc::unbounded_channel();
+    let late = Job::restore(&job.record(&job.lock()), 0, &ctx()).unwrap();
+    late.register(1, 1, 9, String::new(), tx, Some([0, 0]), None)
+        .unwrap();
+    let d = late.describe();
+    assert_eq!(d.ranks[1].state, pb::RankState::Running as i32);
+    assert!(replaces(&mut watch_of(&late, 1)).is_empty());
     assert_eq!(
         restored.describe().ranks[1].state,
         pb::RankState::Running as i32
