@@ -130,7 +130,13 @@ impl Gen {
                 } else if bit(&r.replacing, rank) && ended.is_none() {
                     // Its death is not forgotten, and its node's agent is told again.
                     slot.state = RankState::Replacing;
-                    slot.replace = Some(pb::RankReplace {
+                    // The order as it was sent; a record without it (none is written so)
+                    // gets one for the generation's epoch.
+                    let stored = r
+                        .replace_orders
+                        .iter()
+                        .find(|o| o.rank == Some(rank as u32) && o.generation == r.generation);
+                    slot.replace = Some(stored.cloned().unwrap_or_else(|| pb::RankReplace {
                         generation: r.generation,
                         rank: Some(rank as u32),
                         epoch: r.epoch,
@@ -140,7 +146,7 @@ impl Gen {
                             "rank {rank} of generation {} is being replaced in place (membership epoch {}; order sent again by a new coordinator leader)",
                             r.generation, r.epoch
                         ),
-                    });
+                    }));
                 }
                 ranks.push(slot);
             }
@@ -287,6 +293,12 @@ impl Job {
                     left: rank_bits(&g.ranks, |slot| slot.state == RankState::Left),
                     epoch: g.epoch,
                     replacing: rank_bits(&g.ranks, |slot| slot.state == RankState::Replacing),
+                    replace_orders: g
+                        .ranks
+                        .iter()
+                        .filter(|slot| slot.state == RankState::Replacing)
+                        .filter_map(|slot| slot.replace.clone())
+                        .collect(),
                 }),
                 g.ended.as_deref().cloned(),
             ),

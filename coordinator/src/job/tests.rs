@@ -681,21 +681,30 @@ async fn quorum_calls_are_refused_naming_the_problem() {
 
 #[tokio::test]
 async fn a_new_leader_keeps_the_epoch_and_sends_the_replacement_order_again() {
-    let (job, _s, _ids) = in_place(2, 2).await;
+    let (job, _s, _ids) = in_place(3, 3).await;
+    let mut watch1 = watch_of(&job, 1);
     job.fail_rank(1, 1, "exited with status 1".into(), exited(1));
+    // Another rank dies before rank 1's replacement registers: two orders, two epochs.
+    job.fail_rank(1, 2, "exited with status 2".into(), exited(2));
+    let sent = replaces(&mut watch1);
     let record = job.record(&job.lock());
     let restored = Job::restore(&record, 0, &ctx()).unwrap();
     assert_eq!(restored.config().recovery, Recovery::InPlace);
     let d = restored.describe();
-    assert_eq!((d.epoch, d.restart_count), (1, 1));
+    assert_eq!((d.epoch, d.restart_count), (2, 2));
     assert_eq!(d.ranks[1].state, pb::RankState::Replacing as i32);
-    // The agent re-attaches its watch: the order comes again, for the same epoch.
+    // The agent re-attaches its watch: the very order it had, epoch 1, comes again.
     let orders = replaces(&mut watch_of(&restored, 1));
+    assert_eq!(orders, sent);
     assert_eq!(
-        orders.iter().map(|o| (o.rank, o.epoch)).collect::<Vec<_>>(),
-        vec![(Some(1), 1)]
+        (orders[0].rank, orders[0].epoch, orders[0].restart_count),
+        (Some(1), 1, 1)
     );
     assert!(replaces(&mut watch_of(&restored, 0)).is_empty());
+    let (tx, _rx) = mpsc::unbounded_channel();
+    restored
+        .register(1, 2, 12, String::new(), tx, None, Some(2))
+        .unwrap();
     // A worker that is not its replacement is refused; the replacement registers with the
     // new leader.
     let (tx, _rx) = mpsc::unbounded_channel();
@@ -717,7 +726,7 @@ async fn a_new_leader_keeps_the_epoch_and_sends_the_replacement_order_again() {
             .all(|b| *b == 0)
     );
     let again = Job::restore(&record, 0, &ctx()).unwrap();
-    assert_eq!(again.describe().epoch, 1);
+    assert_eq!(again.describe().epoch, 2);
     let (tx, _rx) = mpsc::unbounded_channel();
     let fresh = again.register(1, 1, 9, String::new(), tx.clone(), None, Some(1));
     assert!(
