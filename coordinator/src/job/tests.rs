@@ -786,6 +786,12 @@ async fn the_stored_record_carries_the_mode_the_epoch_and_the_replacing_ranks() 
         (running.epoch, running.replacing.as_slice()),
         (1, &[0b01u8][..])
     );
+    let orders: Vec<_> = running
+        .replace_orders
+        .iter()
+        .map(|o| (o.rank, o.epoch, o.restart_count, o.max_restarts))
+        .collect();
+    assert_eq!(orders, vec![(Some(0), 1, 1, 2)]);
     job.retire("test over");
     let restored = Job::restore(&record, 0, &ctx).unwrap();
     let d = restored.describe();
