@@ -131,13 +131,15 @@ impl Job {
             }
             tracing::info!(job = %id, generation, rank, released_global = released[0], released_node = released[1], "session resumed");
         }
+        // The last session back after a failover may complete a quorum already asked for.
+        let formed = !g.quorum.is_empty() && g.try_form_quorum();
         let registration = Registration {
             node_rank,
             num_nodes: g.nodes.len() as u32,
             world_size: world as u32,
             session,
         };
-        if first_session || replacement.is_some() {
+        if first_session || replacement.is_some() || formed {
             // Coalesced with the other ranks' registrations by the record writer.
             self.persist(&st);
         }

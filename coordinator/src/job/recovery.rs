@@ -86,7 +86,7 @@ impl Gen {
 
     /// Forms the quorum if every rank is RUNNING and has a parked call: answers them all with
     /// the same response and closes the open recoveries. Returns whether it formed.
-    fn try_form_quorum(&mut self) -> bool {
+    pub(super) fn try_form_quorum(&mut self) -> bool {
         if self.quorum.len() < self.ranks.len()
             || self.ranks.iter().any(|s| s.state != RankState::Running)
         {
@@ -372,7 +372,10 @@ impl Job {
                 g.ranks.len()
             )));
         };
-        if slot.state != RankState::Running {
+        // After a failover a rank's Quorum call may reach the new leader before its session
+        // re-attaches: it is parked, and the quorum forms once the session is back.
+        let reattaching = g.recovered && slot.state == RankState::Pending && slot.had_session;
+        if slot.state != RankState::Running && !reattaching {
             let state = match slot.state {
                 RankState::Replacing => "being replaced (its replacement has not registered)",
                 RankState::Pending => "not registered",

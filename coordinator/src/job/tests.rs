@@ -734,9 +734,25 @@ async fn a_new_leader_keeps_the_epoch_and_sends_the_replacement_order_again() {
             .1
             .contains("is not awaiting a replacement")
     );
+    // Quorum calls that reach the new leader before their sessions re-attach are parked; the
+    // last session back forms the quorum.
+    let (_, mut q0) = again.quorum(&ask(0, 2, Some(7))).unwrap();
+    let (_, mut q1) = again.quorum(&ask(1, 2, None)).unwrap();
+    let (_, mut q2) = again.quorum(&ask(2, 2, Some(7))).unwrap();
+    for r in [0, 2] {
+        let (tx, _rx) = mpsc::unbounded_channel();
+        again
+            .register(1, r, 9, String::new(), tx, Some([0, 0]), None)
+            .unwrap();
+    }
+    assert!(q0.try_recv().is_err());
     again
         .register(1, 1, 9, String::new(), tx, Some([0, 0]), Some(1))
         .unwrap();
+    let a = q0.try_recv().unwrap().unwrap();
+    assert_eq!((a.epoch, a.step), (3, Some(7)));
+    assert_eq!(q1.try_recv().unwrap().unwrap(), a);
+    assert_eq!(q2.try_recv().unwrap().unwrap(), a);
     // The record still showed the rank awaiting its replacement when the leader changed: the
     // replacement re-attaching with resume (and no replacement flag) takes it.
     let (tx, _rx) = mpsc::unbounded_channel();
