@@ -190,11 +190,32 @@ impl Job {
                     .any(|r| g.ranks[r as usize].state != RankState::Left)
         });
         // A rank that left cleanly (restored as Left) or whose node finished is not awaited.
-        let lost_rank = g.ranks.iter().position(|r| {
-            r.had_session
-                && r.state == RankState::Pending
-                && !g.nodes[r.node_rank as usize].finished
-        });
+        let lost_ranks: Vec<u32> = (0..g.ranks.len() as u32)
+            .filter(|&r| {
+                let slot = &g.ranks[r as usize];
+                slot.had_session
+                    && slot.state == RankState::Pending
+                    && !g.nodes[slot.node_rank as usize].finished
+            })
+            .collect();
+        let rank_reason = format!(
+            "its session did not re-attach within {:.1}s after the coordinator failover (process gone or cannot reach the new leader)",
+            grace.as_secs_f64()
+        );
+        let mut lost_rank = None;
+        if lost_node.is_none() {
+            // In an in-place job with restarts left, such a rank is replaced like any dead
+            // rank (its node's agent, which did re-attach, respawns it).
+            for r in lost_ranks {
+                if !self.fail_in_place(&mut st, generation, r, &rank_reason, false) {
+                    lost_rank = Some(r as usize);
+                    break;
+                }
+            }
+        }
+        let Phase::Running(g) = &mut st.phase else {
+            return;
+        };
         let failure = if let Some(n) = lost_node {
             let node = &g.nodes[n];
             Failure {
@@ -218,10 +239,7 @@ impl Job {
                 rank: r as u32,
                 node_rank: loc.node_rank(),
                 host: loc.host,
-                reason: format!(
-                    "its session did not re-attach within {:.1}s after the coordinator failover (process gone or cannot reach the new leader)",
-                    grace.as_secs_f64()
-                ),
+                reason: rank_reason,
                 precise: false,
                 detail: FailureDetail::default(),
                 node_id: String::new(),

@@ -815,3 +815,44 @@ async fn the_stored_record_carries_the_mode_the_epoch_and_the_replacing_ranks() 
     assert_eq!(d.ranks[0].state, pb::RankState::Replacing as i32);
     restored.retire("test over");
 }
+
+#[tokio::test]
+async fn a_session_that_does_not_reattach_after_a_failover_is_replaced_in_place() {
+    let (job, _s, _ids) = in_place(2, 1).await;
+    let record = job.record(&job.lock());
+    job.retire("failover");
+    let restored = Job::restore(&record, 0, &ctx()).unwrap();
+    let _w0 = watch_of(&restored, 0);
+    let mut w1 = watch_of(&restored, 1);
+    let (tx, _rx) = mpsc::unbounded_channel();
+    restored
+        .register(1, 0, 1, String::new(), tx, Some([0, 0]), None)
+        .unwrap();
+    restored.check_reattached(Duration::from_secs(3));
+    let d = restored.describe();
+    assert_eq!(d.summary.unwrap().state, pb::RoundState::Running as i32);
+    assert_eq!((d.restart_count, d.epoch), (1, 1));
+    assert_eq!(d.ranks[1].state, pb::RankState::Replacing as i32);
+    assert!(
+        d.recoveries[0]
+            .reason
+            .contains("did not re-attach within 3.0s")
+    );
+    assert_eq!(replaces(&mut w1).len(), 1);
+    // Without budget left, the same silence fails the generation as before.
+    let record = restored.record(&restored.lock());
+    restored.retire("failover");
+    let (tx, _rx) = mpsc::unbounded_channel();
+    let again = Job::restore(&record, 0, &ctx()).unwrap();
+    let (_w0, _w1) = (watch_of(&again, 0), watch_of(&again, 1));
+    again
+        .register(1, 1, 2, String::new(), tx, None, Some(1))
+        .unwrap();
+    again.check_reattached(Duration::from_secs(3));
+    let (state, restarts, why) = outcome(&again);
+    assert_eq!((state, restarts), (pb::RoundState::Failed as i32, 1));
+    assert!(
+        why.contains("rank 0") && why.contains("did not re-attach"),
+        "{why}"
+    );
+}
