@@ -28,7 +28,8 @@ pub enum Principal {
 /// Which credentials a service accepts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Scope {
-    /// Only the cluster token (Rendezvous, Relay, Agents, Ops).
+    /// Only the cluster token (Relay, Agents, Ops; Rendezvous but its `Quorum`, which its
+    /// handlers check with [`cluster_only`]).
     Cluster,
     /// The cluster token, or a job token for the job named in each request.
     Job,
@@ -122,6 +123,18 @@ impl Auth {
     }
 }
 
+/// Allows a call only with the cluster token (or with authentication off), in a service
+/// whose other methods take a job token too (`Rendezvous`: only `Quorum` is a worker's):
+/// `method` names the call in the refusal.
+pub fn cluster_only<T>(request: &Request<T>, method: &str) -> Result<(), Status> {
+    match request.extensions().get::<Principal>() {
+        Some(Principal::Job(own)) => Err(Status::permission_denied(format!(
+            "a job token (job '{own}') cannot call {method}; it needs the cluster token"
+        ))),
+        _ => Ok(()),
+    }
+}
+
 /// Allows a call about `job` by the request's principal: the cluster, or that job's workers.
 /// A request that never passed the interceptor (in-process callers) counts as the cluster.
 pub fn authorize_job<T>(request: &Request<T>, job: &str) -> Result<(), Status> {
@@ -210,6 +223,18 @@ mod tests {
             "{e}"
         );
         assert!(authorize_job(&Request::new(()), "b").is_ok());
+        // A Rendezvous method other than Quorum refuses a job token, naming itself.
+        let e = cluster_only(&request, "muster.v1.Rendezvous.Join").unwrap_err();
+        assert_eq!(e.code(), tonic::Code::PermissionDenied);
+        assert!(
+            e.message()
+                .contains("job 'a') cannot call muster.v1.Rendezvous.Join"),
+            "{e}"
+        );
+        let mut cluster = Request::new(());
+        cluster.extensions_mut().insert(Principal::Cluster);
+        assert!(cluster_only(&cluster, "muster.v1.Rendezvous.Join").is_ok());
+        assert!(cluster_only(&Request::new(()), "muster.v1.Rendezvous.Join").is_ok());
     }
 
     #[test]

@@ -285,7 +285,9 @@ pub async fn serve_with_store(
                 &coordinator,
             )))
             .max_decoding_message_size(max),
-            guard("muster.v1.Rendezvous", Cluster),
+            // A job token's workers call Quorum (in-place recovery); every other method
+            // refuses it in its handler (`auth::cluster_only`).
+            guard("muster.v1.Rendezvous", Job),
         ))
         .add_service(InterceptedService::new(
             pb::session_server::SessionServer::new(SessionService(Arc::clone(&coordinator)))

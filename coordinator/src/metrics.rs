@@ -66,6 +66,8 @@ struct Metrics {
     barrier_wait: DurationHistogram,
     rendezvous: DurationHistogram,
     restarts: Counter,
+    recoveries: Counter,
+    quorum: DurationHistogram,
     cancelled: Counter,
     failures: Labeled<Counter>,
     rpc: Labeled<DurationHistogram>,
@@ -91,6 +93,18 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         "restarts",
         "Generations started again after a failed one (restarts spent from jobs' budgets)",
         restarts.clone(),
+    );
+    let recoveries = Counter::default();
+    registry.register(
+        "recoveries",
+        "Ranks replaced in place (in-place recovery: a restart that kept the other ranks running)",
+        recoveries.clone(),
+    );
+    let quorum = DurationHistogram::new(ROUND_BUCKETS);
+    registry.register(
+        "recovery_quorum_seconds",
+        "In-place recovery: time from a rank's death to the quorum that closed its recovery",
+        quorum.clone(),
     );
     // A counter as well as the `muster_jobs{state="cancelled"}` gauge: cancelled jobs expire
     // (`--finished-job-ttl-ms`), and a rate of cancels outlives them.
@@ -129,6 +143,8 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         barrier_wait,
         rendezvous,
         restarts,
+        recoveries,
+        quorum,
         cancelled,
         failures,
         rpc,
@@ -177,6 +193,17 @@ pub fn rendezvous_closed(open_for: Duration) {
 /// Hook: a job starts a generation again after a failed one.
 pub fn restarted() {
     METRICS.restarts.inc();
+}
+
+/// Hook: a rank of an in-place job died and is replaced in place (a restart too).
+pub fn recovered_in_place() {
+    METRICS.restarts.inc();
+    METRICS.recoveries.inc();
+}
+
+/// Hook: a quorum closed an in-place recovery `took` after the rank's death.
+pub fn quorum_formed(took: Duration) {
+    METRICS.quorum.observe(took);
 }
 
 /// Hook: an operator cancelled a job that was not over yet.

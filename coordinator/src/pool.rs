@@ -194,6 +194,8 @@ pub fn check_spec(
             model::MAX_RESTARTS
         )));
     }
+    // Unspecified means restart; the agents' joins then carry what the job has.
+    muster_core::requests::Recovery::from_wire("recovery", spec.recovery)?;
     check_labels("node_selector", &spec.node_selector)?;
     Ok(spec)
 }

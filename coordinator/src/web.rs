@@ -163,6 +163,53 @@ mod tests {
         assert_eq!(v["activity"], "waiting at global barrier #1 'step'", "{v}");
     }
 
+    #[test]
+    fn a_recovery_is_written_with_the_fields_the_page_reads() {
+        let r = pb::RecoveryInfo {
+            epoch: 1,
+            rank: Some(0),
+            node_rank: Some(0),
+            host: "h".into(),
+            reason: "exited with status 9".into(),
+            replacement_pid: 42,
+            quorum_epoch: 1,
+            healed_from: Some(0),
+            quorum_ms: 250,
+        };
+        let v = to_json("muster.v1.RecoveryInfo", &r);
+        assert_eq!(
+            (&v["rank"], &v["healed_from"]),
+            (&json!(0), &json!(0)),
+            "{v}"
+        );
+        assert_eq!(v["replacement_pid"], 42, "{v}");
+        for field in [
+            "epoch",
+            "node_rank",
+            "reason",
+            "replacement_pid",
+            "quorum_epoch",
+            "healed_from",
+            "quorum_ms",
+        ] {
+            assert!(v.get(field).is_some(), "{field} missing from {v}");
+            assert!(
+                PAGE.contains(&format!("r.{field}")),
+                "the page does not show {field}"
+            );
+        }
+        let d = to_json(
+            "muster.v1.DescribeJobResponse",
+            &pb::DescribeJobResponse {
+                recoveries: vec![r],
+                epoch: 1,
+                ..Default::default()
+            },
+        );
+        assert_eq!(d["recoveries"][0]["reason"], "exited with status 9", "{d}");
+        assert!(PAGE.contains("d.recoveries") && PAGE.contains("d.epoch"));
+    }
+
     /// A follower's job state is not the cluster's: its view is empty and names the leader.
     #[tokio::test]
     async fn a_replica_that_does_not_lead_shows_no_jobs_and_names_the_leader() {

@@ -89,6 +89,11 @@ async fn scraped_metrics_show_jobs_ranks_barriers_and_rpcs() {
     assert!(text.contains("muster_store_operation_seconds_count{op=\"get\"}"));
     assert!(text.contains("muster_generation_failures_total{cause=\"node_lost\"}"));
     assert!(text.contains("muster_restarts_total "));
+    assert!(text.contains("muster_recoveries_total "), "{text}");
+    assert!(
+        text.contains("muster_recovery_quorum_seconds_count "),
+        "{text}"
+    );
     // State gauges come from this coordinator.
     assert_eq!(value(text, "muster_jobs{state=\"running\"}"), 1.0);
     assert_eq!(value(text, "muster_nodes{state=\"running\"}"), 2.0);

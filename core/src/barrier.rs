@@ -42,12 +42,16 @@ pub fn check_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Whether a result uses up its seq: a timeout and a rejected entry do not (the same seq may
-/// be entered again); every other result does. The SDK applies the same rule.
+/// Whether a result uses up its seq: a timeout, a rejected entry and a wait withdrawn by an
+/// in-place recovery (KIND_MEMBERSHIP_CHANGED: the barrier is entered again after the
+/// quorum, whose `released_*` a replacement continues from) do not (the same seq may be
+/// entered again); every other result does. The SDK applies the same rule.
 pub fn consumes_seq(error: Option<&pb::BarrierError>) -> bool {
     match error.map(|e| ErrKind::try_from(e.kind)) {
         None => true,
-        Some(Ok(ErrKind::Timeout | ErrKind::Unspecified) | Err(_)) => false,
+        Some(Ok(ErrKind::Timeout | ErrKind::Unspecified | ErrKind::MembershipChanged) | Err(_)) => {
+            false
+        }
         Some(Ok(_)) => true,
     }
 }

@@ -22,6 +22,55 @@ pub struct RoundConfig {
     pub join_timeout: Duration,
     /// Restarts allowed after failed generations.
     pub max_restarts: u32,
+    /// What a worker's death does.
+    pub recovery: Recovery,
+}
+
+/// What a worker's death does (the wire's `RecoveryMode`, never unspecified here).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Recovery {
+    /// The generation ends and every worker restarts (the default).
+    #[default]
+    Restart,
+    /// Only the dead worker is respawned; the others agree on a new membership (`Quorum`).
+    InPlace,
+}
+
+impl Recovery {
+    /// The wire value; `None` for RECOVERY_MODE_UNSPECIFIED (the caller's default applies).
+    /// A value outside the enum is an [`Invalid`] naming `field`.
+    pub fn from_wire(field: &str, v: i32) -> Result<Option<Self>, Invalid> {
+        match pb::RecoveryMode::try_from(v) {
+            Ok(pb::RecoveryMode::Unspecified) => Ok(None),
+            Ok(pb::RecoveryMode::Restart) => Ok(Some(Self::Restart)),
+            Ok(pb::RecoveryMode::InPlace) => Ok(Some(Self::InPlace)),
+            Err(_) => Err(Invalid(format!(
+                "{field} {v} is not a recovery mode (1: restart, 2: in-place)"
+            ))),
+        }
+    }
+
+    /// The wire value.
+    pub fn to_wire(self) -> i32 {
+        match self {
+            Self::Restart => pb::RecoveryMode::Restart as i32,
+            Self::InPlace => pb::RecoveryMode::InPlace as i32,
+        }
+    }
+
+    /// The name an operator types (`--recovery`): `restart` or `in-place`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Restart => "restart",
+            Self::InPlace => "in-place",
+        }
+    }
+}
+
+impl std::fmt::Display for Recovery {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// A join's `RendezvousConfig` as checked: what it sets, before the coordinator's defaults
@@ -38,6 +87,8 @@ pub struct RoundSpec {
     pub join_timeout: Option<Duration>,
     /// The restart budget, when set: a join that leaves it unset takes the existing job's.
     pub max_restarts: Option<u32>,
+    /// The recovery mode, when set: a join that leaves it unset takes the existing job's.
+    pub recovery: Option<Recovery>,
 }
 
 impl RoundSpec {
@@ -50,6 +101,7 @@ impl RoundSpec {
             && c.last_call_ms == 0
             && c.join_timeout_ms == 0
             && c.max_restarts.is_none()
+            && c.recovery == 0
         {
             return Ok(None);
         }
@@ -84,18 +136,26 @@ impl RoundSpec {
             last_call: model::wait("last_call_ms", c.last_call_ms)?,
             join_timeout: model::wait("join_timeout_ms", c.join_timeout_ms)?,
             max_restarts: c.max_restarts,
+            recovery: Recovery::from_wire("recovery", c.recovery)?,
         }))
     }
 
     /// The configuration with the waits it left unset taken from `defaults` and, when it
-    /// left the restart budget unset, `max_restarts`.
-    pub fn resolve(self, defaults: RoundConfig, max_restarts: u32) -> RoundConfig {
+    /// left the restart budget or the recovery mode unset, `max_restarts` and `recovery`
+    /// (the existing job's, or restart and 0 for a new one).
+    pub fn resolve(
+        self,
+        defaults: RoundConfig,
+        max_restarts: u32,
+        recovery: Recovery,
+    ) -> RoundConfig {
         RoundConfig {
             min_nodes: self.min_nodes,
             max_nodes: self.max_nodes,
             last_call: self.last_call.unwrap_or(defaults.last_call),
             join_timeout: self.join_timeout.unwrap_or(defaults.join_timeout),
             max_restarts: self.max_restarts.unwrap_or(max_restarts),
+            recovery: self.recovery.unwrap_or(recovery),
         }
     }
 }
@@ -211,6 +271,9 @@ pub struct SessionRegister {
     /// When re-attaching after a failover: the last barrier seq released, per scope (global,
     /// node).
     pub resume: Option<[u64; 2]>,
+    /// In-place recovery: the worker replaces its rank, spawned for this membership epoch
+    /// (at least 1).
+    pub replacement: Option<u64>,
 }
 
 impl TryFrom<&pb::Register> for SessionRegister {
@@ -227,6 +290,15 @@ impl TryFrom<&pb::Register> for SessionRegister {
                 model::host("host", &r.host)?
             },
             resume: r.resume.then_some([r.released_global, r.released_node]),
+            replacement: match (r.replacement, r.epoch) {
+                (true, 0) => {
+                    return Err(Invalid(
+                        "epoch 0 with replacement: a replacement registers with the membership epoch it was spawned for (MUSTER_EPOCH, at least 1)".to_owned(),
+                    ));
+                }
+                (true, e) => Some(e),
+                (false, _) => None,
+            },
         })
     }
 }
@@ -304,6 +376,57 @@ impl TryFrom<pb::GroupEnter> for GroupEntry {
             seq: e.seq,
             groups,
             timeout: model::wait("timeout_ms", e.timeout_ms)?,
+        })
+    }
+}
+
+/// How long a `Quorum` call waits when it sets no `wait_ms`.
+pub const QUORUM_WAIT_DEFAULT: Duration = Duration::from_secs(30);
+/// The longest a `Quorum` call may wait.
+pub const QUORUM_WAIT_MAX: Duration = Duration::from_secs(60);
+
+/// `Rendezvous.Quorum`, checked (the job id is looked up by the caller).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QuorumAsk {
+    /// The job asked about.
+    pub job_id: JobId,
+    /// The generation the caller runs in.
+    pub generation: u64,
+    /// The caller's rank.
+    pub rank: u32,
+    /// The membership epoch of the caller's communicator.
+    pub epoch: u64,
+    /// The steps the caller committed (None: a replacement with no state yet).
+    pub step: Option<u64>,
+    /// The caller's released barrier seqs (global, node).
+    pub released: [u64; 2],
+    /// How long the call waits before DEADLINE_EXCEEDED.
+    pub wait: Duration,
+}
+
+impl TryFrom<pb::QuorumRequest> for QuorumAsk {
+    type Error = Invalid;
+
+    fn try_from(r: pb::QuorumRequest) -> Result<Self, Invalid> {
+        let wait = match r.wait_ms {
+            0 => QUORUM_WAIT_DEFAULT,
+            ms if ms > QUORUM_WAIT_MAX.as_millis() as u64 => {
+                return Err(Invalid(format!(
+                    "wait_ms {ms} is above the limit of {} (0 means {})",
+                    QUORUM_WAIT_MAX.as_millis(),
+                    QUORUM_WAIT_DEFAULT.as_millis()
+                )));
+            }
+            ms => Duration::from_millis(ms),
+        };
+        Ok(Self {
+            job_id: JobId::parse(&r.job_id)?,
+            generation: model::generation(r.generation)?,
+            rank: r.rank,
+            epoch: r.epoch,
+            step: r.step,
+            released: [r.released_global, r.released_node],
+            wait,
         })
     }
 }
@@ -455,15 +578,96 @@ mod tests {
             last_call: Duration::from_secs(1),
             join_timeout: Duration::from_secs(2),
             max_restarts: 0,
+            recovery: Recovery::Restart,
         };
         assert_eq!(
-            spec.map(|s| s.map(|s| s.resolve(defaults, 7))),
+            spec.map(|s| s.map(|s| s.resolve(defaults, 7, Recovery::Restart))),
             Ok(Some(RoundConfig {
                 min_nodes: 2,
                 max_nodes: 2,
                 max_restarts: 7,
                 ..defaults
             }))
+        );
+    }
+
+    #[test]
+    fn recovery_modes_and_quorum_calls_are_checked_naming_the_field() {
+        let round = |recovery| {
+            RoundSpec::from_wire(Some(pb::RendezvousConfig {
+                recovery,
+                ..Default::default()
+            }))
+        };
+        let spec = round(pb::RecoveryMode::InPlace as i32).unwrap().unwrap();
+        assert_eq!(spec.recovery, Some(Recovery::InPlace));
+        assert_eq!(round(0), Ok(None));
+        assert!(
+            round(9)
+                .unwrap_err()
+                .0
+                .starts_with("recovery 9 is not a recovery mode")
+        );
+        let defaults = RoundConfig {
+            min_nodes: 1,
+            max_nodes: 1,
+            last_call: Duration::from_secs(1),
+            join_timeout: Duration::from_secs(2),
+            max_restarts: 0,
+            recovery: Recovery::Restart,
+        };
+        // Unset: the job's mode; set: the join's.
+        let unset = RoundSpec {
+            recovery: None,
+            ..spec
+        };
+        assert_eq!(
+            unset.resolve(defaults, 0, Recovery::InPlace).recovery,
+            Recovery::InPlace
+        );
+        assert_eq!(
+            spec.resolve(defaults, 0, Recovery::Restart).recovery,
+            Recovery::InPlace
+        );
+        let ask = |f: fn(&mut pb::QuorumRequest)| {
+            let mut r = pb::QuorumRequest {
+                job_id: "j".into(),
+                generation: 1,
+                ..Default::default()
+            };
+            f(&mut r);
+            QuorumAsk::try_from(r)
+        };
+        assert_eq!(ask(|_| {}).unwrap().wait, QUORUM_WAIT_DEFAULT);
+        assert!(ask(|r| r.job_id.clear()).unwrap_err().0.contains("job_id"));
+        assert!(
+            ask(|r| r.generation = 0)
+                .unwrap_err()
+                .0
+                .contains("generation")
+        );
+        assert!(
+            ask(|r| r.wait_ms = 60_001)
+                .unwrap_err()
+                .0
+                .starts_with("wait_ms 60001 is above the limit of 60000")
+        );
+        let reg = |replacement, epoch| {
+            SessionRegister::try_from(&pb::Register {
+                generation: 1,
+                replacement,
+                epoch,
+                ..Default::default()
+            })
+            .map(|r| r.replacement)
+        };
+        assert_eq!(reg(true, 2), Ok(Some(2)));
+        assert_eq!(reg(false, 2), Ok(None));
+        assert!(
+            reg(true, 0)
+                .unwrap_err()
+                .0
+                .starts_with("epoch 0 with replacement")
         );
     }
 

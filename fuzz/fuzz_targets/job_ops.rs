@@ -88,6 +88,11 @@ async fn run(input: Input) {
         last_call: Duration::from_millis(u64::from(input.last_call_ms)),
         join_timeout: Duration::from_secs(60),
         max_restarts: u32::from(input.max_restarts % 4),
+        recovery: if input.max_restarts & 0x80 != 0 {
+            muster_coordinator::job::Recovery::InPlace
+        } else {
+            muster_coordinator::job::Recovery::Restart
+        },
     };
     let ctx = JobContext {
         incarnation: 1,
@@ -145,6 +150,7 @@ async fn run(input: Input) {
                     "host".into(),
                     tx.clone(),
                     resume,
+                    None,
                 );
                 if registered.is_ok() {
                     sessions.push((u64::from(generation), u32::from(rank), tx, rx));

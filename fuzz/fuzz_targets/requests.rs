@@ -120,7 +120,7 @@ fn restore_record(bytes: &[u8]) {
         let _ = job.describe();
         let _ = job.summary();
         let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
-        let _ = job.register(record.generation, 0, 1, "h".into(), tx, Some([1, 1]));
+        let _ = job.register(record.generation, 0, 1, "h".into(), tx, Some([1, 1]), None);
         job.retire("fuzz");
     }
 }

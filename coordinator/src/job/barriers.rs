@@ -13,12 +13,22 @@ pub struct Registration {
     pub num_nodes: u32,
     /// Ranks in the generation.
     pub world_size: u32,
+    /// Which session of the rank this is: its end is reported with it
+    /// ([`Job::session_lost`]), so that a dead worker's late end does not fail its
+    /// replacement.
+    pub session: u64,
 }
 
 impl Job {
     /// Registers a worker session for `rank`. `resume` carries the last barrier seq the
     /// worker was released from per scope (global, node) when it re-attaches after a failover:
     /// those barriers count as complete here, releasing any peer still waiting at them.
+    /// `replacement` (in-place recovery) carries the epoch a replacement was spawned for: it
+    /// is accepted only for a REPLACING rank (or, with `resume`, for the pending rank of a
+    /// generation a new leader restored: the replacement re-attaching), and a REPLACING rank
+    /// takes nothing else but, in a restored generation, a re-attach with `resume` (the
+    /// replacement registered just before the failover).
+    #[allow(clippy::too_many_arguments)]
     pub fn register(
         &self,
         generation: u64,
@@ -27,6 +37,7 @@ impl Job {
         host: String,
         outbox: Outbox,
         resume: Option<[u64; 2]>,
+        replacement: Option<u64>,
     ) -> Result<Registration, Error> {
         let mut st = self.lock();
         let id = self.id.clone();
@@ -40,12 +51,70 @@ impl Job {
                 "rank {rank} is outside job '{id}' generation {generation} (world size {world})"
             )));
         };
-        if slot.state != RankState::Pending {
-            return Err(Error::AlreadyExists(format!(
-                "rank {rank} of job '{id}' generation {generation} is already registered (pid {} on host {})",
-                slot.pid, slot.host
-            )));
+        match (slot.state, replacement) {
+            (RankState::Replacing, Some(epoch)) if epoch > g.epoch => {
+                return Err(Error::FailedPrecondition(format!(
+                    "rank {rank} of job '{id}' generation {generation}: a replacement for membership epoch {epoch} registered, but the generation is at epoch {}",
+                    g.epoch
+                )));
+            }
+            (RankState::Replacing, Some(epoch)) => {
+                // A fresh process: its place in the barrier sequences is the table's (it
+                // continues from what completed), whatever the dead worker had entered.
+                let node_rank = slot.node_rank;
+                let released = [
+                    g.barriers.released(Scope::Global, 0),
+                    g.barriers.released(Scope::Node, node_rank),
+                ];
+                let slot = &mut g.ranks[rank as usize];
+                slot.place = Place::default();
+                slot.place.resume(Scope::Global, released[0]);
+                slot.place.resume(Scope::Node, released[1]);
+                slot.replace = None;
+                if let Some(rec) = g
+                    .recoveries
+                    .iter_mut()
+                    .find(|r| r.info.rank == Some(rank) && r.info.replacement_pid == 0)
+                {
+                    rec.info.replacement_pid = pid;
+                }
+                tracing::info!(job = %id, generation, rank, pid, epoch, "replacement registered");
+            }
+            (RankState::Replacing, None) if resume.is_some() && g.recovered => {
+                // After a failover the record may still show the rank awaiting its
+                // replacement (the replacement registered just before the old leader's last
+                // write): the replacement re-attaching says `resume`, not `replacement`.
+                g.ranks[rank as usize].replace = None;
+                tracing::info!(job = %id, generation, rank, pid, "replacement re-attached after a failover");
+            }
+            (RankState::Replacing, None) => {
+                return Err(Error::FailedPrecondition(format!(
+                    "rank {rank} of job '{id}' generation {generation} is being replaced in place (membership epoch {}); only its replacement (register with replacement and MUSTER_EPOCH) may register: this worker is stale",
+                    g.epoch
+                )));
+            }
+            (RankState::Pending, Some(_)) if resume.is_some() && g.recovered => {
+                // A replacement re-attaching after a failover (the new leader restored its
+                // rank as pending, its replacement already registered): a re-attach.
+            }
+            (state, Some(_)) => {
+                return Err(Error::FailedPrecondition(format!(
+                    "rank {rank} of job '{id}' generation {generation} is not awaiting a replacement (it is {})",
+                    state_name(state)
+                )));
+            }
+            (RankState::Pending, None) => {}
+            (_, None) => {
+                return Err(Error::AlreadyExists(format!(
+                    "rank {rank} of job '{id}' generation {generation} is already registered (pid {} on host {})",
+                    slot.pid, slot.host
+                )));
+            }
         }
+        let session = g.next_token;
+        g.next_token += 1;
+        let slot = &mut g.ranks[rank as usize];
+        slot.session = session;
         slot.state = RankState::Running;
         slot.pid = pid;
         slot.host = host;
@@ -62,16 +131,35 @@ impl Job {
             }
             tracing::info!(job = %id, generation, rank, released_global = released[0], released_node = released[1], "session resumed");
         }
+        // The last session back after a failover may complete a quorum already asked for.
+        let formed = !g.quorum.is_empty() && g.try_form_quorum();
         let registration = Registration {
             node_rank,
             num_nodes: g.nodes.len() as u32,
             world_size: world as u32,
+            session,
         };
-        if first_session {
+        if first_session || replacement.is_some() || formed {
             // Coalesced with the other ranks' registrations by the record writer.
             self.persist(&st);
         }
         Ok(registration)
+    }
+
+    /// Session `session` of `rank` ended without leave (or went silent): fails the rank,
+    /// unless a newer session (an in-place replacement) holds the rank by now.
+    pub fn session_lost(&self, generation: u64, rank: u32, session: u64, reason: String) {
+        {
+            let mut st = self.lock();
+            if let Ok(g) = self.running(&mut st, generation)
+                && g.ranks
+                    .get(rank as usize)
+                    .is_some_and(|s| s.session != session)
+            {
+                return;
+            }
+        }
+        self.fail_rank(generation, rank, reason, None);
     }
 
     /// Records a heartbeat.
@@ -111,6 +199,9 @@ impl Job {
         };
         if let Some(f) = &g.failure {
             return reply_now(f.to_error(&self.id, generation));
+        }
+        if g.membership_open() {
+            return reply_now(g.membership_error(&self.id));
         }
         let idx = scope.index();
         // Sessions only pass ranks `register` checked; the check keeps that assumption from
@@ -367,6 +458,9 @@ impl Job {
         if let Some(f) = &g.failure {
             return reply_now(f.to_error(&id, generation));
         }
+        if g.membership_open() {
+            return reply_now(g.membership_error(&id));
+        }
         let idx = Scope::Global.index();
         if seq <= g.released(Scope::Global, 0) {
             // Completed under the previous leader; the node's answer was lost in the failover.
@@ -465,6 +559,9 @@ impl Job {
         slot.state = RankState::Left;
         slot.outbox = None;
         g.left += 1;
+        if let Some(why) = g.left_quorum_error(&id) {
+            g.end_quorums(|| Error::FailedPrecondition(why.clone()));
+        }
         for key in g.barriers.keys() {
             if let Some(err) = g.left_error(&key, &id) {
                 let b = g.barriers.remove(&key).expect("key listed above");

@@ -43,6 +43,13 @@ impl Job {
         if slot.state == RankState::Left && !precise {
             return;
         }
+        if self.fail_in_place(&mut st, generation, rank, &reason, precise) {
+            return;
+        }
+        let Ok(g) = self.running(&mut st, generation) else {
+            return;
+        };
+        let slot = &mut g.ranks[rank as usize];
         slot.state = RankState::Failed;
         slot.outbox = None;
         if let Some(f) = &mut g.failure {
@@ -108,6 +115,7 @@ impl Job {
         let info = f.to_info(generation);
         let ended_failure = info.clone();
         g.failure = Some(f);
+        g.end_quorums(|| Error::FailedPrecondition(text.clone()));
         g.fail_all_barriers(&err);
         g.relays_failed(&err);
         g.sessions_failed(&err);
@@ -192,6 +200,7 @@ impl Job {
                 crate::metrics::generation_ended(crate::metrics::Cause::Cancelled);
                 g.fail_all_barriers(&err);
                 g.relays_failed(&err);
+                g.end_quorums(|| Error::FailedPrecondition(message.clone()));
                 g.end(
                     pb::GenerationEnded {
                         generation,

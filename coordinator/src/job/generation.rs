@@ -10,6 +10,8 @@ pub(super) enum RankState {
     Running,
     Failed,
     Left,
+    /// In-place recovery: it died and its replacement has not registered yet.
+    Replacing,
 }
 
 pub(super) struct NodeSlot {
@@ -49,6 +51,12 @@ pub(super) struct RankSlot {
     pub(super) names: [String; 2],
     /// The scope of the last barrier entered (an index into `seq`), if any.
     pub(super) last_scope: Option<usize>,
+    /// Which session holds the slot (a replacement's is newer than the dead worker's, whose
+    /// late end must not fail it).
+    pub(super) session: u64,
+    /// In-place recovery: the replacement order sent for it while it is REPLACING (sent
+    /// again when its node's agent re-attaches its watch).
+    pub(super) replace: Option<pb::RankReplace>,
 }
 
 /// What the coordinator keeps per arrival in the shared barrier table.
@@ -82,6 +90,47 @@ pub(super) struct Gen {
     pub(super) ended: Option<Box<pb::GenerationEnded>>,
     pub(super) left: u32,
     pub(super) next_token: u64,
+    /// In-place recovery: the membership epoch (bumped by every death and by a quorum that
+    /// nobody's death called for), and the epoch of the last quorum formed. A death opens a
+    /// membership change (`epoch != quorum_epoch`) that the next quorum closes.
+    pub(super) epoch: u64,
+    pub(super) quorum_epoch: u64,
+    /// The generation's in-place recoveries, newest first.
+    pub(super) recoveries: std::collections::VecDeque<Recovered>,
+    /// The parked `Quorum` calls, one per rank.
+    pub(super) quorum: HashMap<u32, QuorumWait>,
+}
+
+/// One in-place recovery of the running generation, for the ops view.
+pub(super) struct Recovered {
+    pub(super) info: pb::RecoveryInfo,
+    /// When the rank died (for the time to quorum).
+    pub(super) died: Instant,
+    /// Its reason is the agent's report (exit status), not only "session lost".
+    pub(super) precise: bool,
+}
+
+/// A parked `Quorum` call.
+pub(super) struct QuorumWait {
+    /// Identifies the call (a dropped call withdraws by token).
+    pub(super) token: u64,
+    pub(super) step: Option<u64>,
+    pub(super) released: [u64; 2],
+    pub(super) reply: QuorumReply,
+}
+
+/// A parked `Quorum` call's answer channel.
+pub type QuorumReply = oneshot::Sender<Result<pb::QuorumResponse, Error>>;
+
+/// A rank state as messages name it.
+pub(super) fn state_name(state: RankState) -> &'static str {
+    match state {
+        RankState::Pending => "pending (not registered)",
+        RankState::Running => "running",
+        RankState::Failed => "failed",
+        RankState::Left => "gone (it left)",
+        RankState::Replacing => "being replaced",
+    }
 }
 
 impl RankSlot {
@@ -97,6 +146,8 @@ impl RankSlot {
             had_session: false,
             names: [String::new(), String::new()],
             last_scope: None,
+            session: 0,
+            replace: None,
         }
     }
 

@@ -13,6 +13,7 @@
 //!   cancel);
 //! - `nodes.rs`: agents' watches (the node lease), recovery after a failover, drains;
 //! - `persist.rs`: the job record, its writer task, and restoring a job from it;
+//! - `recovery.rs`: in-place recovery (a dead rank replaced alone, and `Quorum`);
 //! - `push.rs`: the wire messages the job pushes (barrier results, failures, ends, join
 //!   answers);
 //! - `views.rs`: the ops views (`DescribeJob`, the job list).
@@ -23,6 +24,7 @@ mod generation;
 mod nodes;
 mod persist;
 mod push;
+mod recovery;
 mod rendezvous;
 #[cfg(test)]
 mod tests;
@@ -31,9 +33,10 @@ mod views;
 pub use barriers::Registration;
 pub use muster_core::error::DRAINED_METADATA;
 pub use muster_core::failure::{Failure, FailureDetail};
-pub use muster_core::requests::{JoinReq, NodeRef, RoundConfig};
+pub use muster_core::requests::{JoinReq, NodeRef, Recovery, RoundConfig};
 pub use nodes::Drained;
 pub use persist::{RECORDS_PREFIX, record_key};
+pub use recovery::QuorumAnswer;
 
 use crate::store::Store;
 use ending::*;
@@ -242,6 +245,7 @@ impl Job {
                         let _ = outbox.send(Err(status()));
                     }
                 }
+                g.end_quorums(error);
                 for node in &mut g.nodes {
                     if let Some(relay) = node.relay.take() {
                         let _ = relay.send(Err(status()));

@@ -55,7 +55,7 @@ impl Job {
         let Some(rank) = range.clone().find(|r| {
             matches!(
                 g.ranks[*r as usize].state,
-                RankState::Pending | RankState::Running
+                RankState::Pending | RankState::Running | RankState::Replacing
             )
         }) else {
             // Its ranks all left: it may have been the last thing the job waited for.
@@ -70,7 +70,10 @@ impl Job {
         let host = node.host.clone();
         for r in range {
             let slot = &mut g.ranks[r as usize];
-            if matches!(slot.state, RankState::Pending | RankState::Running) {
+            if matches!(
+                slot.state,
+                RankState::Pending | RankState::Running | RankState::Replacing
+            ) {
                 slot.state = RankState::Failed;
                 slot.outbox = None;
             }
@@ -107,7 +110,7 @@ impl Job {
         let id = self.id.clone();
         let drained = st.drained.clone();
         let g = self.running(&mut st, generation)?;
-        let Some(node) = g.nodes.get_mut(node_rank as usize) else {
+        let Some(node) = g.nodes.get(node_rank as usize) else {
             return Err(Error::InvalidArgument(format!(
                 "node rank {node_rank} is outside job '{id}' generation {generation} ({} nodes)",
                 g.nodes.len()
@@ -128,7 +131,19 @@ impl Job {
                     ended, node_id, &drained,
                 ))),
             }));
+        } else {
+            // In-place recovery: a replacement order the agent may have missed (its watch
+            // was down, or a new leader took over) is sent again; the agent ignores one for a
+            // rank it already respawned in that epoch.
+            for r in node.rank_offset..node.rank_offset + node.local_world_size {
+                if let Some(replace) = &g.ranks[r as usize].replace {
+                    let _ = outbox.send(Ok(pb::NodeEvent {
+                        kind: Some(pb::node_event::Kind::Replace(replace.clone())),
+                    }));
+                }
+            }
         }
+        let node = &mut g.nodes[node_rank as usize];
         node.watch = Some((watch_id, outbox));
         node.last_seen = Some(Instant::now());
         if !std::mem::replace(&mut node.watched, true) {
@@ -175,11 +190,32 @@ impl Job {
                     .any(|r| g.ranks[r as usize].state != RankState::Left)
         });
         // A rank that left cleanly (restored as Left) or whose node finished is not awaited.
-        let lost_rank = g.ranks.iter().position(|r| {
-            r.had_session
-                && r.state == RankState::Pending
-                && !g.nodes[r.node_rank as usize].finished
-        });
+        let lost_ranks: Vec<u32> = (0..g.ranks.len() as u32)
+            .filter(|&r| {
+                let slot = &g.ranks[r as usize];
+                slot.had_session
+                    && slot.state == RankState::Pending
+                    && !g.nodes[slot.node_rank as usize].finished
+            })
+            .collect();
+        let rank_reason = format!(
+            "its session did not re-attach within {:.1}s after the coordinator failover (process gone or cannot reach the new leader)",
+            grace.as_secs_f64()
+        );
+        let mut lost_rank = None;
+        if lost_node.is_none() {
+            // In an in-place job with restarts left, such a rank is replaced like any dead
+            // rank (its node's agent, which did re-attach, respawns it).
+            for r in lost_ranks {
+                if !self.fail_in_place(&mut st, generation, r, &rank_reason, false) {
+                    lost_rank = Some(r as usize);
+                    break;
+                }
+            }
+        }
+        let Phase::Running(g) = &mut st.phase else {
+            return;
+        };
         let failure = if let Some(n) = lost_node {
             let node = &g.nodes[n];
             Failure {
@@ -203,10 +239,7 @@ impl Job {
                 rank: r as u32,
                 node_rank: loc.node_rank(),
                 host: loc.host,
-                reason: format!(
-                    "its session did not re-attach within {:.1}s after the coordinator failover (process gone or cannot reach the new leader)",
-                    grace.as_secs_f64()
-                ),
+                reason: rank_reason,
                 precise: false,
                 detail: FailureDetail::default(),
                 node_id: String::new(),

@@ -2,6 +2,7 @@
 //! writes it in order, join answers held until their record is stored, and restoring a job.
 
 use super::*;
+use muster_core::requests::Recovery;
 use prost::Message as _;
 
 /// The record writer's queue: the latest record and its version.
@@ -80,9 +81,14 @@ pub(super) async fn write_records(
 
 impl Gen {
     /// A running generation from its record: every rank pending (re-attaching).
+    /// REPLACING ranks (in-place recovery) stay REPLACING, with their replacement order
+    /// rebuilt (sent again when their node's agent re-attaches): `restarts` and `config` are
+    /// the job's, for its counts.
     pub(super) fn restore(
         r: &pb::GenerationRecord,
         ended: Option<pb::GenerationEnded>,
+        restarts: u32,
+        config: RoundConfig,
     ) -> Result<Self, String> {
         let mut nodes = Vec::with_capacity(r.nodes.len());
         let mut ranks = vec![];
@@ -121,10 +127,31 @@ impl Gen {
                     // It left cleanly under the previous leader: not expected back.
                     slot.state = RankState::Left;
                     left += 1;
+                } else if bit(&r.replacing, rank) && ended.is_none() {
+                    // Its death is not forgotten, and its node's agent is told again.
+                    slot.state = RankState::Replacing;
+                    // The order as it was sent; a record without it (none is written so)
+                    // gets one for the generation's epoch.
+                    let stored = r
+                        .replace_orders
+                        .iter()
+                        .find(|o| o.rank == Some(rank as u32) && o.generation == r.generation);
+                    slot.replace = Some(stored.cloned().unwrap_or_else(|| pb::RankReplace {
+                        generation: r.generation,
+                        rank: Some(rank as u32),
+                        epoch: r.epoch,
+                        restart_count: restarts,
+                        max_restarts: config.max_restarts,
+                        message: format!(
+                            "rank {rank} of generation {} is being replaced in place (membership epoch {}; order sent again by a new coordinator leader)",
+                            r.generation, r.epoch
+                        ),
+                    }));
                 }
                 ranks.push(slot);
             }
         }
+        let replacing = ranks.iter().any(|s| s.state == RankState::Replacing);
         let failure = r.failure.as_ref().map(|f| Failure {
             rank: f.rank(),
             node_rank: f.node_rank(),
@@ -151,6 +178,16 @@ impl Gen {
             ended: ended.map(Box::new),
             left,
             next_token: 1,
+            epoch: r.epoch,
+            // A restored death keeps its membership change open (barriers wait for the
+            // quorum); otherwise the next quorum takes a fresh epoch.
+            quorum_epoch: if replacing {
+                r.epoch.saturating_sub(1)
+            } else {
+                r.epoch
+            },
+            recoveries: Default::default(),
+            quorum: HashMap::new(),
         })
     }
 }
@@ -171,6 +208,11 @@ impl Job {
             last_call: Duration::from_millis(record.last_call_ms),
             join_timeout: Duration::from_millis(record.join_timeout_ms),
             max_restarts: record.max_restarts,
+            // An older record (or an unknown value) reads as restart, today's behaviour.
+            recovery: Recovery::from_wire("recovery", record.recovery)
+                .ok()
+                .flatten()
+                .unwrap_or_default(),
         };
         let done = if !record.cancelled.is_empty() {
             Some(Done::Cancelled(record.cancelled.clone()))
@@ -183,7 +225,7 @@ impl Job {
         };
         let phase = match &record.running {
             Some(r) if r.generation == record.generation => {
-                let mut g = Gen::restore(r, record.ended.clone())?;
+                let mut g = Gen::restore(r, record.ended.clone(), record.restarts, config)?;
                 if matches!(done, Some(Done::Finished(_))) {
                     // Final: every rank left, whatever bits an older record lacks.
                     for slot in &mut g.ranks {
@@ -249,8 +291,14 @@ impl Job {
                     failure: g.failure.as_ref().map(|f| f.to_info(g.generation)),
                     sessions: rank_bits(&g.ranks, |slot| slot.had_session),
                     left: rank_bits(&g.ranks, |slot| slot.state == RankState::Left),
-                    epoch: 0,
-                    replacing: Vec::new(),
+                    epoch: g.epoch,
+                    replacing: rank_bits(&g.ranks, |slot| slot.state == RankState::Replacing),
+                    replace_orders: g
+                        .ranks
+                        .iter()
+                        .filter(|slot| slot.state == RankState::Replacing)
+                        .filter_map(|slot| slot.replace.clone())
+                        .collect(),
                 }),
                 g.ended.as_deref().cloned(),
             ),
@@ -271,7 +319,7 @@ impl Job {
             ended,
             drained: st.drained.clone(),
             finished,
-            recovery: pb::RecoveryMode::Restart as i32,
+            recovery: c.recovery.to_wire(),
         }
     }
 

@@ -36,7 +36,7 @@ pub(super) fn join_answer(
     nodes: &[NodeSlot],
     node_rank: usize,
     restart_count: u32,
-    max_restarts: u32,
+    config: RoundConfig,
 ) -> pb::JoinResponse {
     let node = &nodes[node_rank];
     let world_size = nodes
@@ -52,8 +52,8 @@ pub(super) fn join_answer(
         world_size,
         master_host: nodes.first().map(|n| n.host.clone()).unwrap_or_default(),
         restart_count,
-        max_restarts,
-        recovery: pb::RecoveryMode::Restart as i32,
+        max_restarts: config.max_restarts,
+        recovery: config.recovery.to_wire(),
     }
 }
 

@@ -74,12 +74,7 @@ impl Job {
                         .position(|n| n.request_id == req.request_id && n.node_id == req.node_id)
                     {
                         let answer = join_answer(
-                            &self.id,
-                            generation,
-                            &g.nodes,
-                            node_rank,
-                            restarts,
-                            config.max_restarts,
+                            &self.id, generation, &g.nodes, node_rank, restarts, config,
                         );
                         let (tx, rx) = oneshot::channel();
                         let version = self.persist.as_ref().map_or(0, |p| p.pending.borrow().0);
@@ -315,6 +310,7 @@ impl Job {
             let err = simple_error(ErrKind::StaleGeneration, message.clone());
             g.fail_all_barriers(&err);
             g.relays_failed(&err);
+            g.end_quorums(|| Error::FailedPrecondition(message.clone()));
             restart |= g.failure.is_some();
             if g.ended.is_none() {
                 g.end(
@@ -404,7 +400,7 @@ impl Job {
         let world_size = offset;
         let generation = st.generation;
         let restart_count = st.restarts;
-        let max_restarts = st.config.max_restarts;
+        let config = st.config;
         let mut replies = Vec::with_capacity(n);
         for (node_rank, j) in joiners.into_iter().enumerate() {
             replies.push((
@@ -415,7 +411,7 @@ impl Job {
                     &nodes,
                     node_rank,
                     restart_count,
-                    max_restarts,
+                    config,
                 ),
             ));
         }
@@ -431,6 +427,10 @@ impl Job {
             ended: None,
             left: 0,
             next_token: 1,
+            epoch: 0,
+            quorum_epoch: 0,
+            recoveries: Default::default(),
+            quorum: HashMap::new(),
         }));
         let version = self.persist(st);
         self.answer_when_persisted(version, replies);

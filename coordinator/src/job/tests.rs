@@ -28,6 +28,7 @@ async fn the_drained_set_is_in_the_record_and_a_restored_job_still_refuses_the_n
         last_call: Duration::from_secs(60),
         join_timeout: Duration::from_secs(60),
         max_restarts: 2,
+        recovery: Recovery::Restart,
     };
     let job = Job::new(JobId::parse("j").unwrap(), config, &ctx);
     let (_, _, a) = job.join(req("a")).unwrap();
@@ -65,6 +66,7 @@ fn config(nodes: u32, max_restarts: u32) -> RoundConfig {
         last_call: Duration::from_secs(60),
         join_timeout: Duration::from_secs(60),
         max_restarts,
+        recovery: Recovery::Restart,
     }
 }
 
@@ -280,4 +282,577 @@ async fn describe_lists_the_failures_of_earlier_generations_newest_first() {
     // A late report for a generation that already failed adds nothing.
     job.fail_rank(1, 0, "exited with status 9".into(), exited(9));
     assert_eq!(job.describe().recent_failures.len(), 2);
+}
+
+// In-place recovery.
+
+use muster_core::requests::QuorumAsk;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+type Inbox = UnboundedReceiver<Result<pb::CoordinatorMessage, Status>>;
+
+/// An in-place job of `nodes` single-rank nodes whose round closed, every rank registered
+/// (pid 100 + rank): the job, each rank's outbox and inbox, and each rank's session id.
+async fn in_place(nodes: u32, max_restarts: u32) -> (Arc<Job>, Vec<(Outbox, Inbox)>, Vec<u64>) {
+    let config = RoundConfig {
+        recovery: Recovery::InPlace,
+        ..config(nodes, max_restarts)
+    };
+    let job = Job::new(JobId::parse("j").unwrap(), config, &ctx());
+    let mut answers = vec![];
+    for n in 0..nodes {
+        answers.push(job.join(req(&format!("n{n}"))).unwrap().2);
+    }
+    for a in answers {
+        let answer = a.await.unwrap().unwrap();
+        assert_eq!(answer.recovery, pb::RecoveryMode::InPlace as i32);
+    }
+    let (mut sessions, mut ids) = (vec![], vec![]);
+    for r in 0..nodes {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let reg = job
+            .register(1, r, 100 + r, String::new(), tx.clone(), None, None)
+            .unwrap();
+        ids.push(reg.session);
+        sessions.push((tx, rx));
+    }
+    (job, sessions, ids)
+}
+
+fn exited(code: i32) -> Option<FailureDetail> {
+    Some(FailureDetail {
+        exit_code: Some(code),
+        ..FailureDetail::default()
+    })
+}
+
+fn ask(rank: u32, epoch: u64, step: Option<u64>) -> QuorumAsk {
+    QuorumAsk {
+        job_id: JobId::parse("j").unwrap(),
+        generation: 1,
+        rank,
+        epoch,
+        step,
+        released: [u64::from(rank) + 10, 3],
+        wait: Duration::from_secs(5),
+    }
+}
+
+/// The next message pushed to a session.
+fn pushed(inbox: &mut Inbox) -> pb::coordinator_message::Kind {
+    inbox.try_recv().unwrap().unwrap().kind.unwrap()
+}
+
+fn watch_of(job: &Job, node: u32) -> UnboundedReceiver<Result<pb::NodeEvent, Status>> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    job.watch(
+        1,
+        node,
+        &format!("n{node}"),
+        tx,
+        pb::NodeAttached::default(),
+    )
+    .unwrap();
+    rx
+}
+
+/// The replacement orders a watch received (after its `attached`).
+fn replaces(rx: &mut UnboundedReceiver<Result<pb::NodeEvent, Status>>) -> Vec<pb::RankReplace> {
+    let mut out = vec![];
+    while let Ok(Ok(ev)) = rx.try_recv() {
+        if let Some(pb::node_event::Kind::Replace(r)) = ev.kind {
+            out.push(r);
+        }
+    }
+    out
+}
+
+fn code_and_message(e: Error) -> (tonic::Code, String) {
+    let s = tonic::Status::from(e);
+    (s.code(), s.message().to_owned())
+}
+
+#[tokio::test]
+async fn an_in_place_rank_failure_replaces_the_rank_and_the_quorum_heals_it() {
+    let (job, mut s, ids) = in_place(3, 2).await;
+    let mut watch1 = watch_of(&job, 1);
+    // Rank 0 waits in global barrier #1 when rank 1 dies.
+    job.barrier(1, 0, Scope::Global, 1, "step".into(), None, &s[0].0);
+    job.fail_rank(1, 1, "exited with status 9".into(), exited(9));
+
+    // The generation goes on: no failure, no end, one restart spent, epoch 1.
+    let d = job.describe();
+    assert_eq!(d.summary.unwrap().state, pb::RoundState::Running as i32);
+    assert_eq!((d.restart_count, d.epoch), (1, 1));
+    assert_eq!(d.ranks[1].state, pb::RankState::Replacing as i32);
+    assert!(
+        d.ranks[1].activity.contains("being replaced"),
+        "{:?}",
+        d.ranks[1]
+    );
+    assert_eq!(d.recoveries.len(), 1);
+    assert_eq!(
+        (
+            d.recoveries[0].rank,
+            d.recoveries[0].epoch,
+            d.recoveries[0].reason.as_str()
+        ),
+        (Some(1), 1, "exited with status 9")
+    );
+    // Rank 0's wait was withdrawn (its seq unused), then every live session heard.
+    match pushed(&mut s[0].1) {
+        pb::coordinator_message::Kind::Barrier(b) => {
+            let e = b.error.unwrap();
+            assert_eq!(e.kind, ErrKind::MembershipChanged as i32);
+            assert!(e.message.contains("rank 1 (node 1"), "{}", e.message);
+            assert!(e.message.contains("restart 1 of 2"), "{}", e.message);
+        }
+        other => panic!("expected the withdrawn wait, got {other:?}"),
+    }
+    for r in [0, 2] {
+        match pushed(&mut s[r].1) {
+            pb::coordinator_message::Kind::MembershipChanged(m) => {
+                assert_eq!(m.epoch, 1);
+                let cause = m.cause.unwrap();
+                assert_eq!((cause.kind, cause.rank), (ErrKind::RankFailed as i32, 1));
+            }
+            other => panic!("rank {r}: expected membership_changed, got {other:?}"),
+        }
+    }
+    let orders = replaces(&mut watch1);
+    assert_eq!(orders.len(), 1);
+    assert_eq!(
+        (
+            orders[0].rank,
+            orders[0].epoch,
+            orders[0].restart_count,
+            orders[0].max_restarts
+        ),
+        (Some(1), 1, 1, 2)
+    );
+    let record = job.record(&job.lock());
+    let running = record.running.unwrap();
+    assert_eq!((running.epoch, running.replacing), (1, vec![0b010]));
+    assert_eq!(record.recovery, pb::RecoveryMode::InPlace as i32);
+
+    // The dead worker's session ends late: nothing more happens.
+    job.session_lost(1, 1, ids[1], "connection lost".into());
+    assert_eq!(job.describe().restart_count, 1);
+    // While the membership changes, barrier entries are sent to the quorum at once.
+    job.barrier(1, 2, Scope::Global, 1, "step".into(), None, &s[2].0);
+    match pushed(&mut s[2].1) {
+        pb::coordinator_message::Kind::Barrier(b) => {
+            assert_eq!(b.error.unwrap().kind, ErrKind::MembershipChanged as i32);
+        }
+        other => panic!("expected a refused entry, got {other:?}"),
+    }
+
+    // Only the replacement may take the rank, and only a REPLACING rank takes one.
+    let (tx, mut rx1) = mpsc::unbounded_channel();
+    let stale = job.register(1, 1, 999, String::new(), tx.clone(), None, None);
+    let (code, msg) = code_and_message(stale.unwrap_err());
+    assert_eq!(code, tonic::Code::FailedPrecondition);
+    assert!(msg.contains("this worker is stale"), "{msg}");
+    let wrong = job.register(1, 0, 999, String::new(), tx.clone(), None, Some(1));
+    let (code, msg) = code_and_message(wrong.unwrap_err());
+    assert_eq!(code, tonic::Code::FailedPrecondition);
+    assert!(
+        msg.contains("rank 0 of job 'j' generation 1 is not awaiting a replacement"),
+        "{msg}"
+    );
+    let ahead = job.register(1, 1, 999, String::new(), tx.clone(), None, Some(4));
+    assert!(code_and_message(ahead.unwrap_err()).1.contains("epoch 4"));
+    let reg = job
+        .register(1, 1, 4242, String::new(), tx.clone(), None, Some(1))
+        .unwrap();
+    assert_ne!(reg.session, ids[1]);
+    let d = job.describe();
+    assert_eq!(d.ranks[1].state, pb::RankState::Running as i32);
+    assert_eq!(
+        (d.ranks[1].pid, d.recoveries[0].replacement_pid),
+        (4242, 4242)
+    );
+
+    // The quorum forms only once every rank called, and answers all of them alike.
+    let (_, mut q0) = job.quorum(&ask(0, 0, Some(15))).unwrap();
+    let (_, mut q2) = job.quorum(&ask(2, 0, Some(14))).unwrap();
+    assert!(q0.try_recv().is_err() && q2.try_recv().is_err());
+    let (_, mut q1) = job.quorum(&ask(1, 1, None)).unwrap();
+    let answers: Vec<pb::QuorumResponse> = [&mut q0, &mut q1, &mut q2]
+        .into_iter()
+        .map(|q| q.try_recv().unwrap().unwrap())
+        .collect();
+    assert!(answers.iter().all(|a| *a == answers[0]));
+    let a = &answers[0];
+    assert_eq!((a.epoch, a.world_size, a.step), (1, 3, Some(15)));
+    let heal: Vec<(Option<u32>, Option<u32>)> = a.heal.iter().map(|h| (h.rank, h.source)).collect();
+    assert_eq!(heal, vec![(Some(1), Some(0)), (Some(2), Some(0))]);
+    assert_eq!((a.released_global, a.released_node), (10, 3));
+    assert_eq!(a.members.len(), 3);
+    let d = job.describe();
+    let rec = &d.recoveries[0];
+    assert_eq!((rec.quorum_epoch, rec.healed_from), (1, Some(0)));
+    // The membership is settled: rank 0 enters barrier #1 again (its seq was not used up).
+    job.barrier(1, 0, Scope::Global, 1, "step".into(), None, &s[0].0);
+    job.barrier(1, 1, Scope::Global, 1, "step".into(), None, &tx);
+    job.barrier(1, 2, Scope::Global, 1, "step".into(), None, &s[2].0);
+    match pushed(&mut s[0].1) {
+        pb::coordinator_message::Kind::Barrier(b) => assert_eq!((b.seq, b.error), (1, None)),
+        other => panic!("expected barrier #1 released, got {other:?}"),
+    }
+    assert!(matches!(
+        pushed(&mut rx1),
+        pb::coordinator_message::Kind::Barrier(pb::BarrierResult { error: None, .. })
+    ));
+    // Everyone asking again without a death: a fresh epoch, nobody healed.
+    let mut qs = vec![];
+    for r in 0..3 {
+        qs.push(job.quorum(&ask(r, 1, Some(16))).unwrap().1);
+    }
+    for mut q in qs {
+        let a = q.try_recv().unwrap().unwrap();
+        assert_eq!((a.epoch, a.step, a.heal.len()), (2, Some(16), 0));
+    }
+}
+
+#[tokio::test]
+async fn the_precise_report_refines_the_death_and_a_dying_replacement_is_a_new_death() {
+    let (job, _s, ids) = in_place(2, 3).await;
+    let mut watch0 = watch_of(&job, 0);
+    // The session drop comes first, then the agent's report of the same death.
+    job.session_lost(1, 0, ids[0], "connection lost".into());
+    job.fail_rank(1, 0, "killed by signal 9".into(), exited(137));
+    let d = job.describe();
+    assert_eq!((d.restart_count, d.epoch, d.recoveries.len()), (1, 1, 1));
+    assert_eq!(d.recoveries[0].reason, "killed by signal 9");
+    assert_eq!(replaces(&mut watch0).len(), 1);
+    // Its replacement dies before registering (the agent reports its exit): a new death.
+    job.fail_rank(1, 0, "exited with status 3".into(), exited(3));
+    let d = job.describe();
+    assert_eq!((d.restart_count, d.epoch, d.recoveries.len()), (2, 2, 2));
+    assert_eq!(d.recoveries[0].reason, "exited with status 3");
+    let orders = replaces(&mut watch0);
+    assert_eq!(
+        orders
+            .iter()
+            .map(|o| (o.epoch, o.restart_count))
+            .collect::<Vec<_>>(),
+        vec![(2, 2)]
+    );
+}
+
+#[tokio::test]
+async fn a_rank_dying_while_others_wait_in_quorum_keeps_them_waiting() {
+    let (job, _s, _ids) = in_place(3, 3).await;
+    job.fail_rank(1, 2, "exited with status 1".into(), exited(1));
+    let (_, mut q0) = job.quorum(&ask(0, 0, Some(5))).unwrap();
+    let (_, mut q1) = job.quorum(&ask(1, 0, Some(5))).unwrap();
+    // Rank 1 dies while it waits: its call ends, rank 0 keeps waiting, the epoch moves on.
+    job.fail_rank(1, 1, "exited with status 1".into(), exited(1));
+    let (code, msg) = code_and_message(q1.try_recv().unwrap().unwrap_err());
+    assert_eq!(code, tonic::Code::FailedPrecondition);
+    assert!(msg.contains("died while it waited"), "{msg}");
+    assert!(q0.try_recv().is_err());
+    assert_eq!(job.describe().epoch, 2);
+    // A REPLACING rank may not ask; the replacements register and ask; then it forms.
+    let (code, msg) = code_and_message(job.quorum(&ask(1, 2, None)).unwrap_err());
+    assert_eq!(code, tonic::Code::FailedPrecondition);
+    assert!(
+        msg.contains("rank 1 of job 'j' generation 1 is being replaced"),
+        "{msg}"
+    );
+    let mut replacements = vec![];
+    for r in [1, 2] {
+        let (tx, rx) = mpsc::unbounded_channel();
+        job.register(1, r, 200 + r, String::new(), tx.clone(), None, Some(2))
+            .unwrap();
+        replacements.push((tx, rx));
+    }
+    let (_, mut q2) = job.quorum(&ask(2, 1, None)).unwrap();
+    assert!(q0.try_recv().is_err());
+    let (_, mut q1) = job.quorum(&ask(1, 2, None)).unwrap();
+    let a = q0.try_recv().unwrap().unwrap();
+    assert_eq!(q1.try_recv().unwrap().unwrap(), a);
+    assert_eq!(q2.try_recv().unwrap().unwrap(), a);
+    assert_eq!((a.epoch, a.step), (2, Some(5)));
+    let healed: Vec<Option<u32>> = a.heal.iter().map(|h| h.rank).collect();
+    assert_eq!(healed, vec![Some(1), Some(2)]);
+    let d = job.describe();
+    assert!(
+        d.recoveries.iter().all(|r| r.quorum_epoch == 2),
+        "{:?}",
+        d.recoveries
+    );
+}
+
+#[tokio::test]
+async fn without_budget_an_in_place_failure_fails_the_generation_and_ends_parked_calls() {
+    let (job, mut s, _ids) = in_place(2, 1).await;
+    job.fail_rank(1, 1, "exited with status 1".into(), exited(1));
+    let (tx, _rx) = mpsc::unbounded_channel();
+    job.register(1, 1, 7, String::new(), tx, None, Some(1))
+        .unwrap();
+    let (_, mut q0) = job.quorum(&ask(0, 0, Some(1))).unwrap();
+    // The budget is spent: the next death ends the generation as in restart mode.
+    job.fail_rank(1, 1, "exited with status 2".into(), exited(2));
+    let (code, msg) = code_and_message(q0.try_recv().unwrap().unwrap_err());
+    assert_eq!(code, tonic::Code::FailedPrecondition);
+    assert!(msg.contains("exited with status 2"), "{msg}");
+    let (state, restarts, why) = outcome(&job);
+    assert_eq!((state, restarts), (pb::RoundState::Failed as i32, 1));
+    assert!(why.contains("no restarts left"), "{why}");
+    // Rank 0 heard the generation fail (after the first death's membership change).
+    let mut kinds = vec![];
+    while let Ok(Ok(m)) = s[0].1.try_recv() {
+        kinds.push(m.kind.unwrap());
+    }
+    assert!(matches!(
+        kinds[0],
+        pb::coordinator_message::Kind::MembershipChanged(_)
+    ));
+    assert!(matches!(
+        kinds.last(),
+        Some(pb::coordinator_message::Kind::GenerationFailed(_))
+    ));
+    // A lost node in an in-place job with budget still fails the generation.
+    let (job, _s, _ids) = in_place(2, 3).await;
+    job.node_lost(1, 1, 0, "its agent disconnected");
+    let summary = job.summary();
+    assert_eq!(summary.state, pb::RoundState::Failed as i32);
+    assert!(!summary.done, "{summary:?}");
+    assert_eq!(job.describe().recoveries.len(), 0);
+}
+
+#[tokio::test]
+async fn quorum_calls_are_refused_naming_the_problem() {
+    let (job, _s, _ids) = in_place(2, 1).await;
+    let check = |a: QuorumAsk, code: tonic::Code, text: &str| {
+        let (c, msg) = code_and_message(job.quorum(&a).unwrap_err());
+        assert_eq!(c, code, "{msg}");
+        assert!(msg.contains(text), "{msg} lacks {text}");
+    };
+    check(
+        QuorumAsk {
+            generation: 2,
+            ..ask(0, 0, None)
+        },
+        tonic::Code::FailedPrecondition,
+        "generation 2 of job 'j' does not exist",
+    );
+    check(
+        ask(5, 0, None),
+        tonic::Code::InvalidArgument,
+        "rank 5 is outside job 'j'",
+    );
+    check(
+        ask(0, 3, None),
+        tonic::Code::InvalidArgument,
+        "epoch 3 is ahead of job 'j' generation 1, whose membership epoch is 0",
+    );
+    // A newer call of the same rank replaces the older one.
+    let (_, mut first) = job.quorum(&ask(0, 0, Some(1))).unwrap();
+    let (token, _second) = job.quorum(&ask(0, 0, Some(1))).unwrap();
+    let (code, msg) = code_and_message(first.try_recv().unwrap().unwrap_err());
+    assert_eq!(code, tonic::Code::Aborted);
+    assert!(msg.contains("a newer Quorum call of rank 0"), "{msg}");
+    // A withdrawn call is gone: rank 1 alone does not form the quorum.
+    job.quorum_withdraw(1, 0, token);
+    let (_, mut only) = job.quorum(&ask(1, 0, Some(1))).unwrap();
+    assert!(only.try_recv().is_err());
+    // A rank that leaves cleanly ends the parked calls: no quorum can form without it.
+    job.leave(1, 0);
+    let (code, msg) = code_and_message(only.try_recv().unwrap().unwrap_err());
+    assert_eq!(code, tonic::Code::FailedPrecondition);
+    assert!(
+        msg.contains("rank 0 of job 'j' generation 1 has left"),
+        "{msg}"
+    );
+    let (code, _) = code_and_message(job.quorum(&ask(1, 0, Some(1))).unwrap_err());
+    assert_eq!(code, tonic::Code::FailedPrecondition);
+    // A job that restarts has no quorum.
+    let restart = formed(1, 1).await;
+    let (c, msg) = code_and_message(restart.quorum(&ask(0, 0, None)).unwrap_err());
+    assert_eq!(c, tonic::Code::FailedPrecondition);
+    assert!(
+        msg.contains("job 'j' recovers by restart, not in place"),
+        "{msg}"
+    );
+}
+
+#[tokio::test]
+async fn a_new_leader_keeps_the_epoch_and_sends_the_replacement_order_again() {
+    let (job, _s, _ids) = in_place(3, 3).await;
+    let mut watch1 = watch_of(&job, 1);
+    job.fail_rank(1, 1, "exited with status 1".into(), exited(1));
+    // Another rank dies before rank 1's replacement registers: two orders, two epochs.
+    job.fail_rank(1, 2, "exited with status 2".into(), exited(2));
+    let sent = replaces(&mut watch1);
+    let record = job.record(&job.lock());
+    let restored = Job::restore(&record, 0, &ctx()).unwrap();
+    assert_eq!(restored.config().recovery, Recovery::InPlace);
+    let d = restored.describe();
+    assert_eq!((d.epoch, d.restart_count), (2, 2));
+    assert_eq!(d.ranks[1].state, pb::RankState::Replacing as i32);
+    // The agent re-attaches its watch: the very order it had, epoch 1, comes again.
+    let orders = replaces(&mut watch_of(&restored, 1));
+    assert_eq!(orders, sent);
+    assert_eq!(
+        (orders[0].rank, orders[0].epoch, orders[0].restart_count),
+        (Some(1), 1, 1)
+    );
+    assert!(replaces(&mut watch_of(&restored, 0)).is_empty());
+    let (tx, _rx) = mpsc::unbounded_channel();
+    restored
+        .register(1, 2, 12, String::new(), tx, None, Some(2))
+        .unwrap();
+    // A worker that is not its replacement is refused; the replacement registers with the
+    // new leader.
+    let (tx, _rx) = mpsc::unbounded_channel();
+    let stale = restored.register(1, 1, 8, String::new(), tx.clone(), None, None);
+    assert!(code_and_message(stale.unwrap_err()).1.contains("stale"));
+    restored
+        .register(1, 1, 9, String::new(), tx, None, Some(1))
+        .unwrap();
+    // After another failover the replacement (its rank no longer REPLACING in the record)
+    // re-attaches with resume, still saying it is a replacement.
+    let record = restored.record(&restored.lock());
+    assert!(
+        record
+            .running
+            .as_ref()
+            .unwrap()
+            .replacing
+            .iter()
+            .all(|b| *b == 0)
+    );
+    let again = Job::restore(&record, 0, &ctx()).unwrap();
+    assert_eq!(again.describe().epoch, 2);
+    let (tx, _rx) = mpsc::unbounded_channel();
+    let fresh = again.register(1, 1, 9, String::new(), tx.clone(), None, Some(1));
+    assert!(
+        code_and_message(fresh.unwrap_err())
+            .1
+            .contains("is not awaiting a replacement")
+    );
+    // Quorum calls that reach the new leader before their sessions re-attach are parked; the
+    // last session back forms the quorum.
+    let (_, mut q0) = again.quorum(&ask(0, 2, Some(7))).unwrap();
+    let (_, mut q1) = again.quorum(&ask(1, 2, None)).unwrap();
+    let (_, mut q2) = again.quorum(&ask(2, 2, Some(7))).unwrap();
+    for r in [0, 2] {
+        let (tx, _rx) = mpsc::unbounded_channel();
+        again
+            .register(1, r, 9, String::new(), tx, Some([0, 0]), None)
+            .unwrap();
+    }
+    assert!(q0.try_recv().is_err());
+    again
+        .register(1, 1, 9, String::new(), tx, Some([0, 0]), Some(1))
+        .unwrap();
+    let a = q0.try_recv().unwrap().unwrap();
+    assert_eq!((a.epoch, a.step), (3, Some(7)));
+    assert_eq!(q1.try_recv().unwrap().unwrap(), a);
+    assert_eq!(q2.try_recv().unwrap().unwrap(), a);
+    // The record still showed the rank awaiting its replacement when the leader changed: the
+    // replacement re-attaching with resume (and no replacement flag) takes it.
+    let (tx, _rx) = mpsc::unbounded_channel();
+    let late = Job::restore(&job.record(&job.lock()), 0, &ctx()).unwrap();
+    late.register(1, 1, 9, String::new(), tx, Some([0, 0]), None)
+        .unwrap();
+    let d = late.describe();
+    assert_eq!(d.ranks[1].state, pb::RankState::Running as i32);
+    assert!(replaces(&mut watch_of(&late, 1)).is_empty());
+    assert_eq!(
+        restored.describe().ranks[1].state,
+        pb::RankState::Running as i32
+    );
+}
+
+#[tokio::test]
+async fn the_stored_record_carries_the_mode_the_epoch_and_the_replacing_ranks() {
+    use prost::Message as _;
+    let store: Arc<dyn Store> = Arc::new(crate::MemoryStore::default());
+    let ctx = JobContext {
+        store: Some(Arc::clone(&store)),
+        ..ctx()
+    };
+    let config = RoundConfig {
+        recovery: Recovery::InPlace,
+        ..config(2, 2)
+    };
+    let job = Job::new(JobId::parse("j").unwrap(), config, &ctx);
+    let answers = [
+        job.join(req("n0")).unwrap().2,
+        job.join(req("n1")).unwrap().2,
+    ];
+    for a in answers {
+        a.await.unwrap().unwrap();
+    }
+    let (tx, _rx) = mpsc::unbounded_channel();
+    job.register(1, 0, 1, String::new(), tx, None, None)
+        .unwrap();
+    job.fail_rank(1, 0, "exited with status 1".into(), exited(1));
+    job.persisted().await;
+    let bytes = store.get(&record_key(&job.id)).await.unwrap().unwrap();
+    let record = pb::JobRecord::decode(bytes.as_slice()).unwrap();
+    assert_eq!(record.recovery, pb::RecoveryMode::InPlace as i32);
+    assert_eq!(record.restarts, 1);
+    let running = record.running.as_ref().unwrap();
+    assert_eq!(
+        (running.epoch, running.replacing.as_slice()),
+        (1, &[0b01u8][..])
+    );
+    let orders: Vec<_> = running
+        .replace_orders
+        .iter()
+        .map(|o| (o.rank, o.epoch, o.restart_count, o.max_restarts))
+        .collect();
+    assert_eq!(orders, vec![(Some(0), 1, 1, 2)]);
+    job.retire("test over");
+    let restored = Job::restore(&record, 0, &ctx).unwrap();
+    let d = restored.describe();
+    assert_eq!((d.epoch, d.restart_count), (1, 1));
+    assert_eq!(d.ranks[0].state, pb::RankState::Replacing as i32);
+    restored.retire("test over");
+}
+
+#[tokio::test]
+async fn a_session_that_does_not_reattach_after_a_failover_is_replaced_in_place() {
+    let (job, _s, _ids) = in_place(2, 1).await;
+    let record = job.record(&job.lock());
+    job.retire("failover");
+    let restored = Job::restore(&record, 0, &ctx()).unwrap();
+    let _w0 = watch_of(&restored, 0);
+    let mut w1 = watch_of(&restored, 1);
+    let (tx, _rx) = mpsc::unbounded_channel();
+    restored
+        .register(1, 0, 1, String::new(), tx, Some([0, 0]), None)
+        .unwrap();
+    restored.check_reattached(Duration::from_secs(3));
+    let d = restored.describe();
+    assert_eq!(d.summary.unwrap().state, pb::RoundState::Running as i32);
+    assert_eq!((d.restart_count, d.epoch), (1, 1));
+    assert_eq!(d.ranks[1].state, pb::RankState::Replacing as i32);
+    assert!(
+        d.recoveries[0]
+            .reason
+            .contains("did not re-attach within 3.0s")
+    );
+    assert_eq!(replaces(&mut w1).len(), 1);
+    // Without budget left, the same silence fails the generation as before.
+    let record = restored.record(&restored.lock());
+    restored.retire("failover");
+    let (tx, _rx) = mpsc::unbounded_channel();
+    let again = Job::restore(&record, 0, &ctx()).unwrap();
+    let (_w0, _w1) = (watch_of(&again, 0), watch_of(&again, 1));
+    again
+        .register(1, 1, 2, String::new(), tx, None, Some(1))
+        .unwrap();
+    again.check_reattached(Duration::from_secs(3));
+    let (state, restarts, why) = outcome(&again);
+    assert_eq!((state, restarts), (pb::RoundState::Failed as i32, 1));
+    assert!(
+        why.contains("rank 0") && why.contains("did not re-attach"),
+        "{why}"
+    );
 }

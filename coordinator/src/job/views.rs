@@ -16,6 +16,7 @@ pub(super) fn rank_state(s: &RankSlot) -> pb::RankState {
         RankState::Running => pb::RankState::Running,
         RankState::Failed => pb::RankState::Failed,
         RankState::Left => pb::RankState::Left,
+        RankState::Replacing => pb::RankState::Replacing,
     }
 }
 
@@ -59,6 +60,17 @@ impl Gen {
                 _ => format!("stopped: its node or generation failed ({last})"),
             },
             RankState::Left => format!("left cleanly ({last})"),
+            RankState::Replacing => {
+                let why = self
+                    .recoveries
+                    .iter()
+                    .find(|r| r.info.rank == Some(rank))
+                    .map_or_else(String::new, |r| format!(": {}", r.info.reason));
+                format!(
+                    "being replaced in place (membership epoch {}; its replacement has not registered){why}",
+                    self.epoch
+                )
+            }
             RankState::Running => {
                 for idx in [Scope::Global.index(), Scope::Node.index()] {
                     if s.place.waiting[idx] {
@@ -104,7 +116,7 @@ impl Job {
             last_call_ms: st.config.last_call.as_millis() as u64,
             join_timeout_ms: st.config.join_timeout.as_millis() as u64,
             max_restarts: Some(st.config.max_restarts),
-            recovery: pb::RecoveryMode::Restart as i32,
+            recovery: st.config.recovery.to_wire(),
         };
         let mut resp = pb::DescribeJobResponse {
             summary: Some(self.summary_locked(&st)),
@@ -132,6 +144,8 @@ impl Job {
                     .collect();
             }
             Phase::Running(g) => {
+                resp.epoch = g.epoch;
+                resp.recoveries = g.recoveries_view();
                 let cancelled = match &st.done {
                     Some(Done::Cancelled(why)) => Some(cancelled_text(why)),
                     _ => None,

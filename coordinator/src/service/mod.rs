@@ -29,8 +29,8 @@ use crate::pool::{self, Pool};
 use crate::store::{Store, StoreError};
 use muster_core::model::{self, JobId, Scope};
 use muster_core::requests::{
-    BarrierEntry, Cancel, Drain, FailureReport, GroupEntry, Join, NodeAttach, RelayRegister,
-    RoundConfig, SessionRegister,
+    BarrierEntry, Cancel, Drain, FailureReport, GroupEntry, Join, NodeAttach, QuorumAsk, Recovery,
+    RelayRegister, RoundConfig, SessionRegister,
 };
 
 use muster_proto::v1 as pb;
@@ -204,6 +204,7 @@ impl Coordinator {
             last_call: self.config.last_call,
             join_timeout: self.config.join_timeout,
             max_restarts: spec.max_restarts,
+            recovery: Recovery::from_wire("recovery", spec.recovery)?.unwrap_or_default(),
         };
         jobs.insert(id.clone(), Job::new(id, config, &self.ctx));
         Ok(())
@@ -316,6 +317,7 @@ impl Coordinator {
             last_call: self.config.last_call,
             join_timeout: self.config.join_timeout,
             max_restarts: 0,
+            recovery: Recovery::Restart,
         }
     }
 }

@@ -133,6 +133,7 @@ impl pb::ops_server::Ops for OpsService {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     fn machine(id: &str, address: &str) -> pb::MachineInfo {
@@ -141,6 +142,44 @@ mod tests {
             address: address.into(),
             ..Default::default()
         }
+    }
+
+    /// A submitted job's recovery mode is the job's: its agents' joins then agree with it.
+    #[tokio::test]
+    async fn a_submitted_job_takes_the_specs_recovery_mode() {
+        let c = Coordinator::new(
+            crate::Config::default(),
+            Arc::new(crate::MemoryStore::default()),
+        );
+        let spec = |id: &str, recovery: pb::RecoveryMode| pb::JobSpec {
+            job_id: id.into(),
+            program: "/bin/true".into(),
+            min_nodes: 1,
+            max_nodes: 1,
+            nproc_per_node: 1,
+            recovery: recovery as i32,
+            ..Default::default()
+        };
+        c.create_job(&spec("inplace", pb::RecoveryMode::InPlace))
+            .unwrap();
+        c.create_job(&spec("default", pb::RecoveryMode::Unspecified))
+            .unwrap();
+        let mode = |id: &str| c.job(id).unwrap().describe().config.unwrap().recovery;
+        assert_eq!(mode("inplace"), pb::RecoveryMode::InPlace as i32);
+        assert_eq!(mode("default"), pb::RecoveryMode::Restart as i32);
+        let bad = pool::check_spec(
+            pb::JobSpec {
+                recovery: 5,
+                ..spec("bad", pb::RecoveryMode::Restart)
+            },
+            || "fresh".into(),
+        )
+        .unwrap_err();
+        assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+        assert!(
+            bad.message().contains("recovery 5 is not a recovery mode"),
+            "{bad:?}"
+        );
     }
 
     /// A node's machine is found by its id; by address only when no other agent of the job

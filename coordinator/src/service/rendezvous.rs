@@ -27,16 +27,57 @@ impl Drop for JoinGuard {
     }
 }
 
+/// Withdraws a parked `Quorum` call when its handler ends (answered, timed out or dropped
+/// because the client went away); withdrawing an answered call does nothing.
+struct QuorumGuard {
+    job: Arc<Job>,
+    generation: u64,
+    rank: u32,
+    token: u64,
+}
+
+impl Drop for QuorumGuard {
+    fn drop(&mut self) {
+        self.job
+            .quorum_withdraw(self.generation, self.rank, self.token);
+    }
+}
+
 #[tonic::async_trait]
 impl pb::rendezvous_server::Rendezvous for RendezvousService {
-    async fn quorum(&self, _request: Request<pb::QuorumRequest>) -> Rpc<pb::QuorumResponse> {
-        Err(Status::unimplemented(
-            "Rendezvous.Quorum: in-place recovery is being built (issue 18)",
-        ))
+    /// A long poll (in-place recovery): parked in the job's quorum table until every rank
+    /// called, answered DEADLINE_EXCEEDED after `wait_ms`. Cancel-safe: a dropped call (its
+    /// client went away) withdraws itself from the table.
+    async fn quorum(&self, request: Request<pb::QuorumRequest>) -> Rpc<pb::QuorumResponse> {
+        auth::authorize_job(&request, &request.get_ref().job_id)?;
+        let ask = QuorumAsk::try_from(request.into_inner())?;
+        let job = self.0.job(ask.job_id.as_str())?;
+        let (token, rx) = job.quorum(&ask)?;
+        let _guard = QuorumGuard {
+            job: Arc::clone(&job),
+            generation: ask.generation,
+            rank: ask.rank,
+            token,
+        };
+        match tokio::time::timeout(ask.wait, rx).await {
+            Ok(Ok(answer)) => Ok(Response::new(answer?)),
+            Ok(Err(_)) => Err(Status::unavailable(format!(
+                "job '{}' dropped the Quorum call of rank {} (its coordinator stopped leading); ask again",
+                job.id, ask.rank
+            ))),
+            Err(_) => Err(Status::deadline_exceeded(format!(
+                "no quorum of job '{}' generation {} within {} ms (rank {} waited; a rank is still being replaced or has not called yet); ask again",
+                job.id,
+                ask.generation,
+                ask.wait.as_millis(),
+                ask.rank
+            ))),
+        }
     }
 
     /// Cancel-safe: a dropped call withdraws its node from the open round.
     async fn join(&self, request: Request<pb::JoinRequest>) -> Rpc<pb::JoinResponse> {
+        auth::cluster_only(&request, "muster.v1.Rendezvous.Join")?;
         let Join {
             job_id: id,
             node: req,
@@ -49,21 +90,24 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
                 Some(job) => {
                     let have = job.config();
                     if let Some(spec) = round {
-                        // A join that leaves the restart budget unset takes the job's.
-                        let c = spec.resolve(defaults, have.max_restarts);
+                        // A join that leaves the restart budget or the recovery mode unset
+                        // takes the job's.
+                        let c = spec.resolve(defaults, have.max_restarts, have.recovery);
                         if c != have {
                             return Err(Status::failed_precondition(format!(
-                                "job '{id}' exists with min_nodes={} max_nodes={} last_call_ms={} join_timeout_ms={} max_restarts={}; this join asks for {}:{} {} {} {}",
+                                "job '{id}' exists with min_nodes={} max_nodes={} last_call_ms={} join_timeout_ms={} max_restarts={} recovery={}; this join asks for {}:{} {} {} {} {}",
                                 have.min_nodes,
                                 have.max_nodes,
                                 have.last_call.as_millis(),
                                 have.join_timeout.as_millis(),
                                 have.max_restarts,
+                                have.recovery,
                                 c.min_nodes,
                                 c.max_nodes,
                                 c.last_call.as_millis(),
                                 c.join_timeout.as_millis(),
-                                c.max_restarts
+                                c.max_restarts,
+                                c.recovery
                             )));
                         }
                     }
@@ -71,7 +115,9 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
                 }
                 None => {
                     self.0.may_create(&id, jobs.len())?;
-                    let c = round.map_or(defaults, |spec| spec.resolve(defaults, 0));
+                    let c = round.map_or(defaults, |spec| {
+                        spec.resolve(defaults, 0, Recovery::Restart)
+                    });
                     let job = Job::new(id.clone(), c, &self.0.ctx);
                     jobs.insert(id, Arc::clone(&job));
                     job
@@ -100,6 +146,7 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
     type WatchStream = WatchStream;
 
     async fn watch(&self, request: Request<Streaming<pb::NodeMessage>>) -> Rpc<WatchStream> {
+        auth::cluster_only(&request, "muster.v1.Rendezvous.Watch")?;
         let hb = self.0.config.heartbeat_timeout;
         let mut inbound = request.into_inner();
         let first = first_message(&mut inbound, hb, "node watch").await?;
@@ -175,6 +222,7 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
         &self,
         request: Request<pb::ReportFailureRequest>,
     ) -> Rpc<pb::ReportFailureResponse> {
+        auth::cluster_only(&request, "muster.v1.Rendezvous.ReportFailure")?;
         let r = request.into_inner();
         let job = self.0.job(&r.job_id)?;
         let report = FailureReport::try_from(r)?;

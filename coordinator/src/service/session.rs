@@ -42,9 +42,10 @@ impl pb::session_server::Session for SessionService {
             pid,
             host,
             resume,
+            replacement,
         } = SessionRegister::try_from(&reg)?;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let info = job.register(generation, rank, pid, host, tx.clone(), resume)?;
+        let info = job.register(generation, rank, pid, host, tx.clone(), resume, replacement)?;
         let _ = tx.send(Ok(pb::CoordinatorMessage {
             kind: Some(pb::coordinator_message::Kind::Registered(pb::Registered {
                 heartbeat_interval_ms: self.0.config.heartbeat_interval().as_millis() as u64,
@@ -56,15 +57,20 @@ impl pb::session_server::Session for SessionService {
         tracing::debug!(job = %job.id, generation, rank, pid, "session registered");
         // Task policy: one per session; ends with the stream; on coordinator shutdown it is
         // dropped with the runtime (workers see the connection close).
-        tokio::spawn(session_loop(job, generation, rank, inbound, tx, hb));
+        tokio::spawn(session_loop(
+            job,
+            (generation, rank, info.session),
+            inbound,
+            tx,
+            hb,
+        ));
         Ok(Response::new(Box::pin(self.0.tenure().guard(rx))))
     }
 }
 
 async fn session_loop(
     job: Arc<Job>,
-    generation: u64,
-    rank: u32,
+    (generation, rank, session): (u64, u32, u64),
     mut inbound: Streaming<pb::WorkerMessage>,
     outbox: Outbox,
     hb: Duration,
@@ -147,5 +153,5 @@ async fn session_loop(
         // exit status and stderr: give that report a moment to arrive and name the cause.
         tokio::time::sleep(AGENT_REPORT_GRACE).await;
     }
-    job.fail_rank(generation, rank, reason, None);
+    job.session_lost(generation, rank, session, reason);
 }

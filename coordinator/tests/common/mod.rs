@@ -114,17 +114,27 @@ impl Raw {
         generation: u64,
         rank: u32,
     ) -> Result<Raw, Status> {
-        let (tx, rx) = mpsc::channel(16);
-        tx.send(msg(pb::worker_message::Kind::Register(pb::Register {
-            job_id: job.into(),
-            generation,
-            rank,
-            pid: 1000 + rank,
-            host: String::new(),
-            ..Default::default()
-        })))
+        Self::attach_with(
+            ch,
+            pb::Register {
+                job_id: job.into(),
+                generation,
+                rank,
+                pid: 1000 + rank,
+                host: String::new(),
+                ..Default::default()
+            },
+        )
         .await
-        .unwrap();
+    }
+
+    /// Opens a session with `register` as its first message (a replacement's, say).
+    pub async fn attach_with(ch: &Channel, register: pb::Register) -> Result<Raw, Status> {
+        let rank = register.rank;
+        let (tx, rx) = mpsc::channel(16);
+        tx.send(msg(pb::worker_message::Kind::Register(register)))
+            .await
+            .unwrap();
         let mut client = SessionClient::new(ch.clone());
         let mut stream = client.attach(ReceiverStream::new(rx)).await?.into_inner();
         let first = stream
@@ -205,6 +215,17 @@ impl Raw {
             Some(pb::coordinator_message::Kind::GenerationFailed(e)) => e,
             other => panic!("expected generation_failed, got {other:?}"),
         }
+    }
+
+    /// The next message pushed on the session, whatever it is.
+    pub async fn next(&mut self) -> pb::coordinator_message::Kind {
+        tokio::time::timeout(Duration::from_secs(20), self.rx.message())
+            .await
+            .expect("no message within 20 s")
+            .expect("stream error")
+            .expect("stream ended")
+            .kind
+            .expect("a message without kind")
     }
 
     /// Waits briefly for a result that should not come.
@@ -418,6 +439,20 @@ impl RawWatch {
                 .expect("stream ended");
             if let Some(pb::node_event::Kind::Ended(e)) = msg.kind {
                 return e;
+            }
+        }
+    }
+
+    /// The next `replace` event (heartbeat answers skipped).
+    pub async fn replace(&mut self) -> pb::RankReplace {
+        loop {
+            let msg = tokio::time::timeout(Duration::from_secs(20), self.rx.message())
+                .await
+                .expect("no node event within 20 s")
+                .expect("stream error")
+                .expect("stream ended");
+            if let Some(pb::node_event::Kind::Replace(r)) = msg.kind {
+                return r;
             }
         }
     }

@@ -455,6 +455,7 @@ fn names_and_results_follow_the_shared_rules() {
     assert!(consumes_seq(None));
     assert!(!consumes_seq(err(ErrKind::Timeout).as_ref()));
     assert!(!consumes_seq(err(ErrKind::Unspecified).as_ref()));
+    assert!(!consumes_seq(err(ErrKind::MembershipChanged).as_ref()));
     assert!(consumes_seq(err(ErrKind::Diverged).as_ref()));
     assert!(consumes_seq(err(ErrKind::RankFailed).as_ref()));
 }
