@@ -30,7 +30,7 @@
 //! gradient); the quorum adopts the highest committed step, so a step some rank applied is
 //! applied by all. A replacement starts with a quorum and is healed before its first step. The
 //! main process prints `recovered epoch=<E> step=<S> healed=<ranks> from=<sources>
-//! quorum_ms=<q> rebuild_ms=<r> heal_ms=<h>` after each recovery. Reductions run in rank
+//! quorum_ms=<q> rebuild_ms=<r> heal_ms=<h> failed_unix_ns=<when it saw the change>` after each recovery. Reductions run in rank
 //! order, so the final weights are bit-identical to a run without failures (a healed main
 //! process does not print the loss lines of the steps it received).
 
@@ -40,7 +40,7 @@ use std::{
     collections::BTreeMap,
     path::PathBuf,
     process::ExitCode,
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use model::{Params, Schedule, Sgd};
@@ -69,12 +69,14 @@ struct Args {
     fail_at_step: Option<u64>,
     out: Option<PathBuf>,
     quiet: bool,
+    /// A pause after each step (tests and benchmarks pace the run to kill ranks mid-way).
+    step_sleep: Duration,
 }
 
 const USAGE: &str = "usage: ddp_train [--samples N] [--eval-samples N] [--batch-size GLOBAL] \
 [--epochs N] [--hidden N] [--lr X] [--grad-accum N] [--clip X] [--seed N] [--bucket-bytes N] \
 [--comm-precision f32|bf16|f16] [--checkpoint-dir DIR --checkpoint-every STEPS] \
-[--fail-at-step STEP] [--out DIR] [--quiet]";
+[--fail-at-step STEP] [--step-sleep-ms MS] [--out DIR] [--quiet]";
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
@@ -94,6 +96,7 @@ fn parse_args() -> Result<Args, String> {
         fail_at_step: None,
         out: None,
         quiet: false,
+        step_sleep: Duration::ZERO,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -136,6 +139,7 @@ fn parse_args() -> Result<Args, String> {
             "--checkpoint-dir" => args.checkpoint_dir = Some(PathBuf::from(value)),
             "--checkpoint-every" => args.checkpoint_every = num(&value)?,
             "--fail-at-step" => args.fail_at_step = Some(num(&value)?),
+            "--step-sleep-ms" => args.step_sleep = Duration::from_millis(num(&value)?),
             "--out" => args.out = Some(PathBuf::from(value)),
             other => return Err(format!("unknown flag {other}\n{USAGE}")),
         }
@@ -445,6 +449,13 @@ fn heal_after(
     asked: Instant,
 ) -> Result<(), Error> {
     let quorum_ms = asked.elapsed().as_millis();
+    // When this rank saw the membership change, on the wall clock (a benchmark that killed the
+    // rank measures the detection from it).
+    let failed_unix_ns = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .saturating_sub(asked.elapsed())
+        .as_nanos();
     let rebuild = Instant::now();
     comm.reconfigure(accelerator, &quorum)?;
     let rebuild_ms = rebuild.elapsed().as_millis();
@@ -470,7 +481,7 @@ fn heal_after(
         sources.dedup();
         println!(
             "recovered epoch={} step={} healed={} from={} quorum_ms={quorum_ms} \
-             rebuild_ms={rebuild_ms} heal_ms={heal_ms}",
+             rebuild_ms={rebuild_ms} heal_ms={heal_ms} failed_unix_ns={failed_unix_ns}",
             quorum.epoch,
             quorum.step.map_or("none".to_owned(), |s| s.to_string()),
             list(quorum.heal.iter().map(|h| h.rank).collect()),
@@ -571,6 +582,9 @@ fn train(
                 epoch,
                 step: batch.step as u64 + 1,
             };
+            if !args.step_sleep.is_zero() {
+                std::thread::sleep(args.step_sleep);
+            }
             if trainer.position.step as usize == sampler.len() {
                 trainer.position = DataPosition {
                     epoch: epoch + 1,
