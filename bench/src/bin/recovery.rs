@@ -163,15 +163,17 @@ fn unix_ns() -> u128 {
 /// Waits until every rank said it started and rank 0 finished `kill_after` steps, then
 /// SIGKILLs the last rank; returns when (monotonic and wall clock) it was killed.
 fn kill_last(run: &mut Run, procs: u32, kill_after: u64) -> anyhow::Result<(Instant, u128)> {
-    let mut pid = None;
-    for rank in 0..procs {
-        let at = run.until("a started line", |l| {
-            started_pid(l, rank).is_some() || l.contains(&format!("started rank={rank} "))
-        })?;
-        if rank == procs - 1 {
-            pid = started_pid(&run.seen[at].text, rank);
+    // The ranks start in any order.
+    let mut started = std::collections::BTreeMap::new();
+    while started.len() < procs as usize {
+        let at = run.until("a started line", |l| l.contains("started rank="))?;
+        for rank in 0..procs {
+            if let Some(pid) = started_pid(&run.seen[at].text, rank) {
+                started.insert(rank, pid);
+            }
         }
     }
+    let pid = started.get(&(procs - 1)).copied();
     let pid = pid.context("no pid for the last rank")?;
     run.until("the kill step", |l| {
         step_of(l).is_some_and(|s| s >= kill_after)
