@@ -238,6 +238,47 @@ fn muster_round(
     result
 }
 
+/// The per-step membership check of a failure-free in-place run of `ddp_train`:
+/// (nanoseconds per check, microseconds per step), from its final line.
+fn check_round(
+    agent: &Path,
+    ddp_train: &Path,
+    procs: u32,
+    args: &Args,
+) -> anyhow::Result<[f64; 2]> {
+    let out = Command::new(agent)
+        .args(["launch", "--recovery", "in-place", "--max-restarts", "1"])
+        .args(["--nproc-per-node", &procs.to_string()])
+        .args([
+            "--job-id",
+            &format!("recovery-check-{}", std::process::id()),
+        ])
+        .arg("--")
+        .arg(ddp_train)
+        .args([
+            "--epochs",
+            "4",
+            "--samples",
+            "8192",
+            "--batch-size",
+            "64",
+            "--quiet",
+        ])
+        .args(["--hidden", &args.hidden.to_string(), "--eval-samples", "0"])
+        .env("MUSTER_COMM_BACKEND", "cpu")
+        .env("OMP_NUM_THREADS", "1")
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    let line = text
+        .lines()
+        .find(|l| l.contains("final steps="))
+        .with_context(|| format!("no final line:\n{text}"))?;
+    Ok([
+        field(line, "check_ns=").context("no check_ns")?,
+        field(line, "step_us=").context("no step_us")?,
+    ])
+}
+
 /// One torchrun round: (total, restart until the checkpoint is loaded) in milliseconds.
 fn torch_round(
     torchrun: &Path,
@@ -333,6 +374,25 @@ fn main() -> anyhow::Result<()> {
         println!(
             "| {procs} | {total:.0} ms | {detect:.1} ms | {quorum:.0} ms | {respawn:.0} ms | {rebuild:.1} ms | {heal:.1} ms | {ttotal:.0} ms | {trestart:.0} ms | {:.3}x |",
             total / ttotal
+        );
+    }
+    println!(
+        "\n## Per-step membership check when nothing fails (`Membership::changed`, no coordinator call; median of {} runs)\n",
+        args.rounds
+    );
+    println!("| processes | check | ddp_train step | check / step |");
+    println!("| --- | --- | --- | --- |");
+    for &procs in &args.procs {
+        let (mut check, mut step) = (vec![], vec![]);
+        for _ in 0..args.rounds {
+            let [c, s] = check_round(&agent, &ddp_train, procs, &args)?;
+            check.push(c);
+            step.push(s);
+        }
+        let (c, s) = (median(&mut check), median(&mut step));
+        println!(
+            "| {procs} | {c:.1} ns | {s:.0} us | {:.5}% |",
+            c / (s * 1000.0) * 100.0
         );
     }
     let _ = std::fs::remove_dir_all(&dir);

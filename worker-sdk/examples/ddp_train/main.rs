@@ -18,7 +18,8 @@
 //! The main process prints `epoch=<e> step=<s> loss=<l> lr=<lr>` per optimizer step,
 //! `eval epoch=<e> mse=<m> n=<items>` per epoch, `resumed from <dir> at epoch=<e> batch=<b>
 //! step=<s>` after loading a checkpoint, and at the end `final steps=<s> checksum=<hex>
-//! samples_per_s=<x>`.
+//! samples_per_s=<x>` (in in-place mode followed by ` check_ns=<n> step_us=<u>`: what the
+//! per-step membership check costs, measured over a million calls, and the mean step time).
 //!
 //! In-place recovery: under `muster-agent launch --recovery in-place` (`MUSTER_RECOVERY`; no
 //! option of its own), a rank's death does not end the run. The training loop is re-entrant
@@ -401,13 +402,35 @@ fn run(args: &Args) -> Result<(), Error> {
     }
     if main {
         println!(
-            "final steps={} checksum={:016x} samples_per_s={:.0}",
+            "final steps={} checksum={:016x} samples_per_s={:.0}{}",
             trainer.schedule.step,
             checksum(&trainer.params),
-            samples as f64 / elapsed.as_secs_f64()
+            samples as f64 / elapsed.as_secs_f64(),
+            if in_place {
+                check_cost(&accelerator, elapsed, trainer.schedule.step)
+            } else {
+                String::new()
+            }
         );
     }
     accelerator.finish()
+}
+
+/// In in-place mode, what the per-step membership check costs next to a step: the mean of a
+/// million calls of `Membership::changed` (the call every step makes) and the mean step time
+/// of this run, as ` check_ns=<ns> step_us=<us>` for the final line.
+fn check_cost(accelerator: &Accelerator, elapsed: Duration, steps: u64) -> String {
+    const CALLS: u32 = 1_000_000;
+    let membership = accelerator.membership();
+    let started = Instant::now();
+    let mut changed = 0u32;
+    for _ in 0..CALLS {
+        changed += u32::from(std::hint::black_box(&membership).changed());
+    }
+    std::hint::black_box(changed);
+    let check_ns = started.elapsed().as_nanos() as f64 / f64::from(CALLS);
+    let step_us = elapsed.as_secs_f64() * 1e6 / steps.max(1) as f64;
+    format!(" check_ns={check_ns:.1} step_us={step_us:.1}")
 }
 
 /// Says on stderr which error interrupted the step (every rank: the survivors' logs show
