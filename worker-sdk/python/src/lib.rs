@@ -8,11 +8,13 @@
 //! the parent's runtime threads, absent after `fork`, would cause.
 
 use std::sync::mpsc::{self, RecvTimeoutError};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
 use muster::comm::{BackendKind, Communicator, DType, Element, ReduceOp};
-use muster::{Error, NCCL_UNIQUE_ID_BYTES, RankInfo, Scope};
+use muster::env::RecoveryEnv;
+use muster::membership::Quorum;
+use muster::{Error, NCCL_UNIQUE_ID_BYTES, RankInfo, Recovery, Scope};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
@@ -359,6 +361,36 @@ impl Native {
         PyList::new(py, items)
     }
 
+    /// The job's recovery mode: `"restart"` or `"in-place"` (`MUSTER_RECOVERY`).
+    fn recovery(&self, py: Python<'_>) -> PyResult<&'static str> {
+        Ok(self.get(py)?.recovery().name())
+    }
+
+    /// Whether this process replaces a rank that died in place (`MUSTER_EPOCH` > 0): it asks
+    /// `quorum(None)` before anything else and is healed.
+    fn is_replacement(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.get(py)?.is_replacement())
+    }
+
+    /// The membership epoch of the last quorum this process took part in.
+    fn epoch(&self, py: Python<'_>) -> PyResult<u64> {
+        Ok(self.get(py)?.epoch())
+    }
+
+    /// The per-step check: whether the coordinator pushed a membership change this process has
+    /// not taken part in a quorum for (atomic loads, no coordinator call, the GIL kept).
+    fn membership_changed(&self, py: Python<'_>) -> PyResult<bool> {
+        Ok(self.get(py)?.membership().changed())
+    }
+
+    /// Agrees on the new membership with every other rank (blocks until the quorum forms);
+    /// `step`: the steps this rank committed, None for a replacement with no state.
+    #[pyo3(signature = (step=None))]
+    fn quorum(&self, py: Python<'_>, step: Option<u64>) -> PyResult<PyQuorum> {
+        let quorum = self.wait(py, move |a| a.membership().quorum(step))?;
+        Ok(PyQuorum { inner: quorum })
+    }
+
     /// Ends this process's part in the job cleanly: ranks still waiting on it get a clear
     /// error. Later calls raise; calling it twice does nothing.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
@@ -377,6 +409,73 @@ impl Native {
             py.detach(move || drop(accelerator));
         }
         Ok(())
+    }
+}
+
+/// The membership every rank agreed on after a rank died (`Accelerator.quorum`): the epoch
+/// communicators and process groups are rebuilt for, the step every rank continues from, and
+/// which ranks heal from which.
+#[pyclass(frozen, name = "Quorum", module = "muster._native")]
+struct PyQuorum {
+    inner: Quorum,
+}
+
+#[pymethods]
+impl PyQuorum {
+    /// The quorum's id: every rank's communicator for it is built under this epoch.
+    #[getter]
+    fn epoch(&self) -> u64 {
+        self.inner.epoch
+    }
+
+    /// Ranks in the job (unchanged by an in-place recovery).
+    #[getter]
+    fn world_size(&self) -> u32 {
+        self.inner.world_size
+    }
+
+    /// The step every rank continues from (the highest any member committed), or None when
+    /// no member had state.
+    #[getter]
+    fn step(&self) -> Option<u64> {
+        self.inner.step
+    }
+
+    /// `(rank, source)` pairs: each rank whose state is behind and the rank it heals from.
+    #[getter]
+    fn heal(&self) -> Vec<(u32, u32)> {
+        self.inner.heal.iter().map(|h| (h.rank, h.source)).collect()
+    }
+
+    /// `(rank, node, host)` of every rank, by rank (empty when the coordinator does not say).
+    #[getter]
+    fn members(&self) -> Vec<(u32, u32, String)> {
+        self.inner
+            .members
+            .iter()
+            .map(|m| (m.rank, m.node_rank, m.host.clone()))
+            .collect()
+    }
+
+    /// The rank `rank` heals from, or None when it is not healed.
+    fn source_of(&self, rank: u32) -> Option<u32> {
+        self.inner.source_of(rank)
+    }
+
+    /// The ranks `rank` sends its state to, in rank order.
+    fn healed_by(&self, rank: u32) -> Vec<u32> {
+        self.inner.healed_by(rank)
+    }
+
+    fn __repr__(&self) -> String {
+        let q = &self.inner;
+        format!(
+            "Quorum(epoch={}, world_size={}, step={}, heal={:?})",
+            q.epoch,
+            q.world_size,
+            q.step.map_or_else(|| "None".to_owned(), |s| s.to_string()),
+            self.heal()
+        )
     }
 }
 
@@ -633,6 +732,42 @@ impl Comm {
     fn barrier(&self, py: Python<'_>) -> PyResult<()> {
         self.run(py, |c| c.barrier())
     }
+
+    /// The membership epoch the communicator is built for.
+    fn epoch(&self) -> u64 {
+        self.inner.epoch()
+    }
+
+    /// Rebuilds the communicator for `quorum`'s membership (every rank, after the same quorum).
+    fn reconfigure(&self, py: Python<'_>, native: &Native, quorum: &PyQuorum) -> PyResult<()> {
+        let accelerator = native.get(py)?;
+        let quorum = &quorum.inner;
+        self.run(py, move |c| c.reconfigure(&accelerator, quorum))
+    }
+
+    /// The heal protocol on bytes: a source sends `payload` to every rank it heals (None
+    /// back), a healed rank gets its source's bytes, other ranks None at once.
+    #[pyo3(signature = (quorum, payload=None))]
+    fn heal_bytes<'py>(
+        &self,
+        py: Python<'py>,
+        quorum: &PyQuorum,
+        payload: Option<Vec<u8>>,
+    ) -> PyResult<Option<Bound<'py, PyBytes>>> {
+        if std::process::id() != self.pid {
+            return Err(error(
+                py,
+                "MusterError",
+                "this communicator belongs to the process that made it, not a forked child",
+                None,
+            ));
+        }
+        let quorum = &quorum.inner;
+        let received = py
+            .detach(|| self.inner.heal_bytes(quorum, payload.as_deref()))
+            .map_err(|e| to_py(py, e))?;
+        Ok(received.map(|b| PyBytes::new(py, &b)))
+    }
 }
 
 /// Seconds from Python as a duration, refusing what is not one.
@@ -652,8 +787,27 @@ fn error(py: Python<'_>, class: &str, message: &str, attrs: Option<Bound<'_, PyD
     }
 }
 
-/// The SDK's error as the matching `muster.errors` exception.
+/// The job's recovery mode, as the worker's environment says (read once; a malformed value
+/// already failed the Accelerator, so it reads as restart here).
+fn recovery_mode() -> Recovery {
+    static MODE: OnceLock<Recovery> = OnceLock::new();
+    *MODE.get_or_init(|| RecoveryEnv::from_env().map(|r| r.mode).unwrap_or_default())
+}
+
+/// The SDK's error as the matching `muster.errors` exception, its `recoverable` attribute set
+/// as [`Error::is_recoverable`] says for the job's recovery mode.
 fn to_py(py: Python<'_>, e: Error) -> PyErr {
+    let recoverable = e.is_recoverable(recovery_mode());
+    let made = to_py_class(py, e);
+    if recoverable {
+        // The classes default it to False; a failure to set it leaves the exception as made.
+        let _ = made.value(py).setattr("recoverable", true);
+    }
+    made
+}
+
+fn to_py_class(py: Python<'_>, e: Error) -> PyErr {
+    let in_place = recovery_mode() == Recovery::InPlace;
     let message = e.to_string();
     let rank_attrs = |rank: u32, node: u32, host: &str, cause: &str| -> Option<Bound<'_, PyDict>> {
         let d = PyDict::new(py);
@@ -675,6 +829,22 @@ fn to_py(py: Python<'_>, e: Error) -> PyErr {
             &message,
             rank_attrs(*rank, *node_rank, host, reason),
         ),
+        Error::MembershipChanged {
+            epoch,
+            rank,
+            node_rank,
+            host,
+            reason,
+        } => {
+            let attrs = rank_attrs(*rank, *node_rank, host, reason);
+            if let Some(attrs) = &attrs
+                && *epoch > 0
+            {
+                let _ = attrs.set_item("epoch", *epoch);
+            }
+            error(py, "MembershipChangedError", &message, attrs)
+        }
+        // In place, a lost peer is a membership change whose push has not arrived yet.
         Error::PeerLost {
             rank,
             node_rank,
@@ -683,7 +853,11 @@ fn to_py(py: Python<'_>, e: Error) -> PyErr {
             ..
         } => error(
             py,
-            "RankFailedError",
+            if in_place {
+                "MembershipChangedError"
+            } else {
+                "RankFailedError"
+            },
             &message,
             rank_attrs(*rank, *node_rank, host, reason),
         ),
@@ -739,6 +913,7 @@ fn coordinator_main(py: Python<'_>, args: Vec<String>) -> u8 {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Native>()?;
     m.add_class::<Comm>()?;
+    m.add_class::<PyQuorum>()?;
     m.add_function(wrap_pyfunction!(agent_main, m)?)?;
     m.add_function(wrap_pyfunction!(coordinator_main, m)?)?;
     m.add("NCCL_UNIQUE_ID_BYTES", NCCL_UNIQUE_ID_BYTES)?;

@@ -324,13 +324,40 @@ impl Communicator {
     }
 
     /// Heals the ranks `quorum` names (in-place recovery), after [`Communicator::reconfigure`]:
-    /// each healed rank receives the whole registered state of its source point to point (the
-    /// length, then the bytes: every object of `state` as the checkpoint module's
+    /// each healed rank receives the whole registered state of its source point to point
+    /// ([`Communicator::heal_bytes`]: every object of `state` as the checkpoint module's
     /// [`StateDict`](crate::checkpoint::StateDict)s, in one safetensors blob) and loads it; a
     /// source sends its state to every rank it heals, in rank order; ranks not involved return
     /// at once. Random generators are not sent (each rank keeps its own). Every rank of the
     /// heal list must call it with the same registry layout (kinds and names).
     pub fn heal(&self, quorum: &Quorum, state: &mut CheckpointState<'_>) -> Result<(), Error> {
+        let me = self.rank as u32;
+        if let Some(source) = quorum.source_of(me) {
+            return match self.heal_bytes(quorum, None)? {
+                Some(blob) => state.load_heal_bytes(&blob, source),
+                None => Ok(()),
+            };
+        }
+        // Only a source serialises its state.
+        let payload = if quorum.healed_by(me).is_empty() {
+            None
+        } else {
+            Some(state.heal_bytes()?)
+        };
+        self.heal_bytes(quorum, payload.as_deref()).map(drop)
+    }
+
+    /// The heal protocol on opaque bytes, for states the checkpoint registry does not hold
+    /// (the Python SDK's pickled or `torch.save`d state dicts): after
+    /// [`Communicator::reconfigure`], a source sends `payload` (the length, then the bytes) to
+    /// every rank it heals, in rank order, and returns `None`; a healed rank receives its
+    /// source's bytes and returns them; a rank not involved returns `None` at once. A source
+    /// must pass a payload; what other ranks pass is ignored.
+    pub fn heal_bytes(
+        &self,
+        quorum: &Quorum,
+        payload: Option<&[u8]>,
+    ) -> Result<Option<Vec<u8>>, Error> {
         if quorum.epoch != self.epoch() {
             return Err(self.invalid(format!(
                 "heal: the communicator is at epoch {}, the quorum at {}: reconfigure first",
@@ -358,18 +385,22 @@ impl Communicator {
             })?;
             blob.resize(length, 0);
             self.recv(&mut blob, source as usize)?;
-            return state.load_heal_bytes(&blob, source);
+            return Ok(Some(blob));
         }
         let healed = quorum.healed_by(me);
         if healed.is_empty() {
-            return Ok(());
+            return Ok(None);
         }
-        let blob = state.heal_bytes()?;
+        let Some(blob) = payload else {
+            return Err(self.invalid(format!(
+                "heal: rank {me} heals ranks {healed:?} but was given no state to send"
+            )));
+        };
         for rank in healed {
             self.send(&(blob.len() as u64).to_le_bytes(), rank as usize)?;
-            self.send(&blob, rank as usize)?;
+            self.send(blob, rank as usize)?;
         }
-        Ok(())
+        Ok(None)
     }
 
     /// This process's rank in the group.

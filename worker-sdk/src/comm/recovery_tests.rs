@@ -170,6 +170,21 @@ fn a_membership_push_ends_a_blocked_collective_and_the_rebuilt_communicator_work
                 let mut data = vec![f32::from(rank as u8 + 1); 4096];
                 comm.all_reduce(&mut data, ReduceOp::Sum).unwrap();
                 assert!(data.iter().all(|&v| v == 6.0), "{:?}", &data[..4]);
+                // The heal protocol on bytes: rank 2 receives rank 0's, rank 1 nothing.
+                let quorum = Quorum {
+                    heal: vec![crate::membership::Heal { rank: 2, source: 0 }],
+                    ..quorum
+                };
+                if rank == 0 {
+                    let refused = comm.heal_bytes(&quorum, None).unwrap_err();
+                    assert!(
+                        refused.to_string().contains("no state to send"),
+                        "{refused}"
+                    );
+                }
+                let payload = format!("state of rank {rank}").into_bytes();
+                let received = comm.heal_bytes(&quorum, Some(&payload)).unwrap();
+                assert_eq!(received, (rank == 2).then(|| b"state of rank 0".to_vec()));
                 (interrupted, quiet, pushed)
             })
         })

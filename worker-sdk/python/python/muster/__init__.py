@@ -11,17 +11,19 @@ a hang.
     accelerator.wait_for_everyone()
 """
 
-from muster.accelerator import NCCL_UNIQUE_ID_BYTES, Accelerator, KeyValueStore
+from muster.accelerator import NCCL_UNIQUE_ID_BYTES, Accelerator, KeyValueStore, Quorum
 from muster.comm import Communicator
 from muster.errors import (
     ConfigError,
     CoordinatorConnectionError,
     DivergedError,
     JobCancelledError,
+    MembershipChangedError,
     MusterError,
     NotFoundError,
     RankFailedError,
     RankLeftError,
+    RecoverableError,
     StaleGenerationError,
     UnauthorizedError,
     WaitTimeoutError,
@@ -36,10 +38,13 @@ __all__ = [
     "DivergedError",
     "JobCancelledError",
     "KeyValueStore",
+    "MembershipChangedError",
     "MusterError",
     "NotFoundError",
+    "Quorum",
     "RankFailedError",
     "RankLeftError",
+    "RecoverableError",
     "StaleGenerationError",
     "UnauthorizedError",
     "WaitTimeoutError",

@@ -19,6 +19,12 @@ from muster import _native
 
 T = TypeVar("T")
 
+#: The membership every rank agreed on after a rank died (:meth:`Accelerator.quorum`):
+#: ``epoch``, ``world_size``, ``step`` (None when no rank had state), ``heal`` (``(rank,
+#: source)`` pairs), ``members`` (``(rank, node, host)``), ``source_of(rank)``,
+#: ``healed_by(rank)``.
+Quorum = _native.Quorum
+
 #: Bytes in an NCCL unique id (``ncclUniqueId``).
 NCCL_UNIQUE_ID_BYTES: int = _native.NCCL_UNIQUE_ID_BYTES
 
@@ -166,6 +172,42 @@ class Accelerator:
         """Whether a launcher started this process (False: a world of one)."""
         return self._info["distributed"]
 
+    # -- in-place recovery ---------------------------------------------------------------
+    @property
+    def recovery(self) -> str:
+        """The job's recovery mode: ``"restart"`` (a death restarts every worker) or
+        ``"in-place"`` (only the dead worker is respawned; the others recover through
+        :meth:`quorum`)."""
+        return self._native.recovery()
+
+    @property
+    def is_replacement(self) -> bool:
+        """Whether this process replaces a rank that died in place: it calls
+        ``quorum(None)`` before anything else and is healed from a live rank."""
+        return self._native.is_replacement()
+
+    @property
+    def epoch(self) -> int:
+        """The membership epoch of the last quorum this process took part in (0 before any)."""
+        return self._native.epoch()
+
+    def membership_changed(self) -> bool:
+        """The per-step check of in-place recovery: whether a rank died since this process's
+        last quorum (or it is a replacement that has not had one). No coordinator call: the
+        coordinator pushes changes and this reads a local epoch, so call it every step."""
+        return self._native.membership_changed()
+
+    def quorum(self, step: int | None) -> Quorum:
+        """Agrees on the new membership with every other rank after a death and returns it
+        (blocks until every rank of the job is alive and has asked). ``step``: the training
+        steps this rank has committed (None in a replacement that has no state yet); the
+        quorum's ``step`` is the highest any rank committed, and every rank behind it is
+        healed from one that has it. Then rebuild communicators (:meth:`Communicator.reconfigure`,
+        :func:`muster.torch.rebuild_process_group`) and heal. Raises a
+        :class:`muster.errors.MusterError` when the job does not recover in place or the
+        generation ended."""
+        return self._native.quorum(None if step is None else int(step))
+
     def __repr__(self) -> str:
         return (
             f"Accelerator(process_index={self.process_index}, num_processes={self.num_processes}, "
@@ -294,4 +336,4 @@ def _process_native() -> _native.Native:
     return _PROCESS_NATIVE[1]
 
 
-__all__ = ["NCCL_UNIQUE_ID_BYTES", "Accelerator", "KeyValueStore"]
+__all__ = ["NCCL_UNIQUE_ID_BYTES", "Accelerator", "KeyValueStore", "Quorum"]

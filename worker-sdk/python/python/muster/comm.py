@@ -9,7 +9,10 @@ anything with the buffer protocol, in place and without copies.
     comm.reduce_scatter(out, inp, "avg")  # inp holds world_size * len(out)
 
 A dead peer makes every rank in the collective raise :class:`muster.errors.RankFailedError`
-naming it. Neither numpy nor torch is imported by this module.
+naming it (in a job launched with ``--recovery in-place``, its subclass
+:class:`muster.errors.MembershipChangedError`: discard the step, ask
+:meth:`muster.Accelerator.quorum`, then :meth:`Communicator.reconfigure` and
+:meth:`Communicator.heal_bytes`). Neither numpy nor torch is imported by this module.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import ctypes
 from typing import Any
 
 from muster import _native
-from muster.accelerator import Accelerator
+from muster.accelerator import Accelerator, Quorum
 
 # numpy's type strings and torch's dtype names, to the SDK's element types.
 _NUMPY = {"f4": "f32", "f8": "f64", "f2": "f16", "i4": "i32", "i8": "i64", "u1": "u8"}
@@ -86,6 +89,7 @@ class Communicator:
 
     def __init__(self, accelerator: Accelerator | None = None) -> None:
         accelerator = accelerator or Accelerator()
+        self._accelerator = accelerator
         self._comm = _native.Comm(accelerator._native)
         self.rank, self.world_size = self._comm.rank()
 
@@ -124,6 +128,27 @@ class Communicator:
     def barrier(self) -> None:
         """Every rank reaches this call before any leaves it."""
         self._comm.barrier()
+
+    @property
+    def epoch(self) -> int:
+        """The membership epoch the communicator is built for (0 until an in-place recovery)."""
+        return self._comm.epoch()
+
+    def reconfigure(self, quorum: Quorum) -> None:
+        """Rebuilds the communicator for ``quorum``'s membership (in-place recovery): every rank
+        calls it with the quorum :meth:`muster.Accelerator.quorum` returned. The old
+        connections are closed first; a quorum of the epoch it already has changes nothing."""
+        self._comm.reconfigure(self._accelerator._native, quorum)
+
+    def heal_bytes(self, quorum: Quorum, payload: bytes | None = None) -> bytes | None:
+        """Moves state from healthy ranks to the ranks ``quorum`` heals, after
+        :meth:`reconfigure`: a source rank sends ``payload`` (its state, serialised: pickle,
+        ``torch.save``, anything) to every rank it heals and gets None; a healed rank gets its
+        source's bytes; every other rank gets None at once. Every rank may pass its payload
+        (only the sources' are sent), or pass it only where ``quorum.healed_by(rank)`` is
+        non-empty."""
+        data = None if payload is None else bytes(payload)
+        return self._comm.heal_bytes(quorum, data)
 
 
 __all__ = ["Communicator"]

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 
 class MusterError(Exception):
-    """Base class of every error muster raises."""
+    """Base class of every error muster raises.
+
+    ``recoverable`` says whether, in a job launched with ``--recovery in-place``, the training
+    loop can discard the step it was in and recover without restarting the process (ask
+    :meth:`muster.Accelerator.quorum`, rebuild, heal): True for every
+    :class:`MembershipChangedError`, False otherwise."""
+
+    recoverable: bool = False
 
 
 class RankFailedError(MusterError):
@@ -30,6 +37,35 @@ class RankFailedError(MusterError):
         self.node = node
         self.host = host
         self.cause = cause
+
+
+class RecoverableError(MusterError):
+    """Base class of the errors a training loop recovers from in place (``recoverable`` is
+    True): the step is discarded, every rank asks :meth:`muster.Accelerator.quorum`, rebuilds
+    its communicator or process group and heals. Only raised in jobs launched with
+    ``--recovery in-place``."""
+
+    recoverable = True
+
+
+class MembershipChangedError(RecoverableError, RankFailedError):
+    """A rank died and the job recovers in place: the collective or wait in progress was
+    abandoned (the coordinator's push or the broken connection to the dead peer ended it), and
+    the step must be discarded. Same attributes as :class:`RankFailedError`, plus ``epoch``:
+    the membership epoch the death opened (None when the broken connection was seen before the
+    coordinator's push)."""
+
+    def __init__(
+        self,
+        message: str,
+        rank: int | None = None,
+        node: int | None = None,
+        host: str | None = None,
+        cause: str | None = None,
+        epoch: int | None = None,
+    ) -> None:
+        super().__init__(message, rank, node, host, cause)
+        self.epoch = epoch
 
 
 class RankLeftError(RankFailedError):
@@ -81,10 +117,12 @@ __all__ = [
     "CoordinatorConnectionError",
     "DivergedError",
     "JobCancelledError",
+    "MembershipChangedError",
     "MusterError",
     "NotFoundError",
     "RankFailedError",
     "RankLeftError",
+    "RecoverableError",
     "StaleGenerationError",
     "UnauthorizedError",
     "WaitTimeoutError",

@@ -5,20 +5,31 @@ rank and world size from muster and uses that store, so no TCPStore opens on ran
 ``MASTER_PORT`` is needed; and the ``muster://`` rendezvous handler, registered when this module
 is imported, so ``torch.distributed.init_process_group("gloo", init_method="muster://")`` works.
 
+In-place recovery (``muster-agent launch --recovery in-place``): :func:`interrupted` tells a
+step that a rank's death broke (torch raises a ``RuntimeError`` from a collective whose peer
+died) and closes this rank's process group so that its peers' collectives fail too;
+:func:`rebuild_process_group` makes the process group again for a quorum's epoch through the
+muster store, and :func:`heal` moves the training state from live ranks to the replacement
+over it. See docs/python.md for the whole loop.
+
 Importing this module imports torch; ``import muster`` alone does not.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import time
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
-from muster.accelerator import Accelerator
-from muster.errors import NotFoundError, WaitTimeoutError
+from muster.accelerator import Accelerator, Quorum
+from muster.errors import MusterError, NotFoundError, WaitTimeoutError
 
 #: Every Store made in this process (see Store.__init__).
 _LIVE_STORES: list[Store] = []
@@ -26,12 +37,18 @@ _LIVE_STORES: list[Store] = []
 #: torch's default store timeout.
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=300)
 
+#: In-place recovery: how long one wait of a blocking store read lasts before the membership is
+#: checked again (a rank that died while a process group forms never sets its keys).
+_IN_PLACE_SLICE = 0.5
+
 
 class Store(dist.Store):
     """A ``torch.distributed.Store`` over the job's key-value store. Keys live under
     ``torch/g<generation>/`` (plus ``prefix``), so a restarted generation never reads the keys of
     the one before it. Blocking reads wait at the coordinator and raise torch's timeout error
-    (``torch.distributed.DistStoreError``) naming the key when the store's timeout runs out."""
+    (``torch.distributed.DistStoreError``) naming the key when the store's timeout runs out; in
+    a job that recovers in place, also as soon as the membership changes (a rank died, so a
+    process group being formed never completes: :func:`interrupted` says so)."""
 
     def __init__(
         self,
@@ -53,13 +70,32 @@ class Store(dist.Store):
 
     def _wait_one(self, key: str, timeout: datetime.timedelta | None) -> bytes:
         seconds = (timeout or self.timeout).total_seconds()
-        try:
-            return self._kv.get(self._key(key), timeout=seconds)
-        except (WaitTimeoutError, NotFoundError) as e:
-            raise dist.DistStoreError(
-                f"muster store: key '{key}' was not set within {seconds:g} s "
-                f"(job {self._accelerator.job_id}, generation {self._accelerator.generation}): {e}"
-            ) from e
+        if self._accelerator.recovery != "in-place":
+            try:
+                return self._kv.get(self._key(key), timeout=seconds)
+            except (WaitTimeoutError, NotFoundError) as e:
+                raise self._not_set(key, seconds, e) from e
+        # In place, a rank that dies while the group forms never sets its keys: the wait ends
+        # when the membership changes (checked between slices), not at the store's timeout.
+        deadline = time.monotonic() + seconds
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return self._kv.get(self._key(key), timeout=max(min(left, _IN_PLACE_SLICE), 0.0))
+            except (WaitTimeoutError, NotFoundError) as e:
+                if self._accelerator.membership_changed():
+                    raise dist.DistStoreError(
+                        f"muster store: stopped waiting for key '{key}': the job's membership "
+                        f"changed (a rank died; job {self._accelerator.job_id})"
+                    ) from e
+                if left <= _IN_PLACE_SLICE:
+                    raise self._not_set(key, seconds, e) from e
+
+    def _not_set(self, key: str, seconds: float, cause: Exception) -> dist.DistStoreError:
+        return dist.DistStoreError(
+            f"muster store: key '{key}' was not set within {seconds:g} s "
+            f"(job {self._accelerator.job_id}, generation {self._accelerator.generation}): {cause}"
+        )
 
     def set(self, key: str, value: Any) -> None:
         self._kv.set(self._key(key), _bytes(value))
@@ -125,6 +161,154 @@ def init_process_group(
     return accelerator
 
 
+def interrupted(
+    error: BaseException, accelerator: Accelerator | None = None, wait: float = 30.0
+) -> bool:
+    """Whether ``error``, raised by a collective or a muster call during a step, means that a
+    rank died and the job recovers in place: then discard the step and recover (ask
+    :meth:`muster.Accelerator.quorum`, :func:`rebuild_process_group`, :func:`heal`); else
+    re-raise it.
+
+    A muster error answers with its ``recoverable`` attribute. A ``RuntimeError`` (what torch
+    raises when a gloo connection to a dead peer breaks) counts in in-place mode once the
+    coordinator has pushed the membership change, which is waited for up to ``wait`` seconds
+    (the broken connection can be seen first); a ``RuntimeError`` with no membership change
+    behind it is not an interruption. Either way, this rank's process group is closed first:
+    a peer blocked on this rank in the same collective (gloo's ring only talks to neighbours)
+    then fails at once instead of waiting for torch's timeout."""
+    accelerator = accelerator or Accelerator()
+    if accelerator.recovery != "in-place":
+        return False
+    if isinstance(error, MusterError):
+        if not error.recoverable:
+            return False
+        _release(error)
+        abort_process_group()
+        return True
+    if not isinstance(error, RuntimeError):
+        return False
+    deadline = time.monotonic() + wait
+    _release(error)
+    abort_process_group()
+    while not accelerator.membership_changed():
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.002)
+    return True
+
+
+def _release(error: BaseException) -> None:
+    """Drops the local variables of the finished frames ``error`` went through: torch's
+    collective frames hold the process group and its work, and while they do, destroying the
+    group does not close its connections (the traceback itself, for printing, is kept)."""
+    traceback.clear_frames(error.__traceback__)
+
+
+def abort_process_group() -> None:
+    """Aborts and destroys the default process group, if there is one: its connections close,
+    so collectives of other ranks waiting on this one fail instead of hanging. Errors of a
+    group already broken are ignored (it is being thrown away). The connections close only
+    once nothing refers to the group any more: not a pending ``Work`` of an ``async_op``
+    collective, nor the traceback of the error a collective raised (:func:`interrupted`
+    clears those frames)."""
+    if not dist.is_initialized():
+        return
+    group = dist.group.WORLD
+    # A broken group may refuse either call; nothing of it is kept.
+    with contextlib.suppress(Exception):
+        group.abort()
+    del group
+    with contextlib.suppress(Exception):
+        dist.destroy_process_group()
+
+
+def rebuild_process_group(
+    quorum: Quorum,
+    backend: str = "gloo",
+    accelerator: Accelerator | None = None,
+    timeout: datetime.timedelta | None = None,
+    **kwargs: Any,
+) -> None:
+    """Makes torch's default process group again for ``quorum``'s membership, on every rank
+    after the same quorum (a replacement: after its first, ``quorum(None)``): the old group is
+    aborted and destroyed, and the new one meets through the muster store under the quorum's
+    epoch (``Store(prefix=f"e{epoch}/")``, so it never reads an older membership's keys), with
+    the quorum's world size and this rank. ``kwargs`` go to ``init_process_group``."""
+    accelerator = accelerator or Accelerator()
+    abort_process_group()
+    store = Store(accelerator, prefix=f"e{quorum.epoch}/", timeout=timeout or DEFAULT_TIMEOUT)
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=accelerator.process_index,
+        world_size=quorum.world_size,
+        **kwargs,
+    )
+
+
+def heal(quorum: Quorum, state: dict[str, Any], accelerator: Accelerator | None = None) -> dict[str, Any]:
+    """Moves the training state to the ranks ``quorum`` heals, over the process group
+    :func:`rebuild_process_group` made: a source ``torch.save``s ``state`` (model and
+    optimizer ``state_dict()``s, step, data position: anything ``torch.save`` takes) and sends
+    it to every rank it heals, in rank order (its length, then its bytes); a healed rank
+    returns what its source sent (load it with ``load_state_dict``); every other rank returns
+    ``state`` as it is, at once. Tensors arrive on the CPU. A source that dies while sending
+    makes the healed rank's ``recv`` raise: :func:`interrupted` says so, and the next quorum
+    names another source."""
+    accelerator = accelerator or Accelerator()
+    rank = accelerator.process_index
+    source = quorum.source_of(rank)
+    if source is not None:
+        length = torch.zeros(1, dtype=torch.int64)
+        dist.recv(length, src=source)
+        blob = torch.empty(int(length.item()), dtype=torch.uint8)
+        dist.recv(blob, src=source)
+        # The bytes come from a rank of this job (same credentials): trusted as its own.
+        return torch.load(io.BytesIO(blob.numpy().tobytes()), map_location="cpu", weights_only=False)
+    healed = quorum.healed_by(rank)
+    if not healed:
+        return state
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    blob = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+    for peer in healed:
+        dist.send(torch.tensor([blob.numel()], dtype=torch.int64), dst=peer)
+        dist.send(blob, dst=peer)
+    return state
+
+
+def recover(
+    step: int | None,
+    state: dict[str, Any],
+    backend: str = "gloo",
+    accelerator: Accelerator | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> tuple[Quorum, dict[str, Any] | None]:
+    """The whole in-place recovery of a torch training loop, after :func:`interrupted` said
+    so or :meth:`muster.Accelerator.membership_changed` at a step boundary (and first thing in
+    a replacement, with ``step=None``): closes the old process group (peers blocked on this
+    rank fail instead of hanging), asks the quorum with the ``step`` this rank committed,
+    rebuilds the process group (:func:`rebuild_process_group`) and heals (:func:`heal`, with
+    ``state`` this rank's current state); a death during any of it starts it again. Returns the
+    quorum and, on a healed rank, the state it received (None elsewhere): load it and continue
+    from its step."""
+    accelerator = accelerator or Accelerator()
+    rank = accelerator.process_index
+    while True:
+        abort_process_group()
+        quorum = accelerator.quorum(step)
+        try:
+            rebuild_process_group(quorum, backend, accelerator, timeout)
+            received = heal(quorum, state, accelerator)
+        except Exception as e:
+            if interrupted(e, accelerator):
+                continue
+            raise
+        return quorum, (received if quorum.source_of(rank) is not None else None)
+
+
 def _rendezvous(url: str, timeout: datetime.timedelta = DEFAULT_TIMEOUT, **_: Any) -> Iterator:
     """``init_method="muster://"``: muster's store, rank and world size (the URL's rank and
     world size, if any, are ignored: the launcher's are the truth)."""
@@ -135,4 +319,13 @@ def _rendezvous(url: str, timeout: datetime.timedelta = DEFAULT_TIMEOUT, **_: An
 
 dist.register_rendezvous_handler("muster", _rendezvous)
 
-__all__ = ["DEFAULT_TIMEOUT", "Store", "init_process_group"]
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "Store",
+    "abort_process_group",
+    "heal",
+    "init_process_group",
+    "interrupted",
+    "rebuild_process_group",
+    "recover",
+]
