@@ -8,7 +8,9 @@
 //! its limit, the survivors' pids unchanged, exactly one respawn of the killed rank (a new
 //! leader must not replace it again), one restart counted (the replacement's
 //! `MUSTER_RESTART_COUNT` and `describe`'s `restarts 1/2`), and the final checksum of a
-//! failure-free run.
+//! failure-free run. A last test holds the budget across the failover: with `--max-restarts 1`
+//! spent before the leader's death, a second worker's death fails the job on the new leader,
+//! naming the rank, with no second respawn.
 //!
 //! Every test skips, printing why, where etcd is not installed. They run one at a time (a lock
 //! in this file): each starts etcd, three coordinators and four trainers.
@@ -198,4 +200,71 @@ fn the_leader_killed_right_after_the_workers_kill() {
 #[test]
 fn the_leader_killed_just_before_the_workers_kill() {
     leader_killed(3, LeaderDies::JustBeforeTheKill);
+}
+
+/// `--max-restarts 1`: rank 2 SIGKILLed and the leader right after, rank 2 replaced and healed
+/// through the failover; then rank 1 SIGKILLed. The new leader knows the one restart is spent:
+/// the job fails naming rank 1, which is not respawned.
+#[test]
+fn the_budget_holds_across_the_failover() {
+    let Some(bin) = ddp_train() else {
+        return;
+    };
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let Some(etcd) = Etcd::start(1) else {
+        return;
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let mut replicas = Replicas::start(&etcd, 3, TTL, &[]);
+    let leader = runtime.block_on(replicas.wait_leader(LIMIT, &[]));
+    let addrs = replicas.addrs();
+    let (agent, job) = start(
+        &bin,
+        PROCS,
+        &[
+            "--coordinator",
+            &addrs,
+            "--recovery",
+            "in-place",
+            "--max-restarts",
+            "1",
+        ],
+        TRAIN,
+    );
+    let before: Vec<i32> = (0..PROCS)
+        .map(|rank| started(&agent, rank, 1, LIMIT).pid)
+        .collect();
+    wait_for_step(&agent, 10);
+    sigkill(before[2]);
+    replicas.kill(leader);
+    agent.wait_for_lines(Stream::Stdout, 1, LIMIT, |l| {
+        l.starts_with("[rank 0] recovered ")
+    });
+    sigkill(before[1]);
+    let run = agent.finish(LIMIT);
+    let context = || format!("{}\n{}", run.dump(), replicas.logs());
+    assert_ne!(run.code(), Some(0), "{}", context());
+    assert_eq!(respawned(&run.stderr), [2], "{}", context());
+    assert!(
+        run.stderr
+            .iter()
+            .any(|l| l.contains("failed: rank 1 ") && l.contains("signal 9")),
+        "{}",
+        context()
+    );
+    assert!(
+        run.stderr
+            .iter()
+            .any(|l| l.contains("no restarts left (1 of 1 used)")),
+        "{}",
+        context()
+    );
+    let view = describe(&addrs, &job);
+    assert!(view.contains("restarts 1/1"), "{view}\n{}", replicas.logs());
 }
