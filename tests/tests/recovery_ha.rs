@@ -268,3 +268,72 @@ fn the_budget_holds_across_the_failover() {
     let view = describe(&addrs, &job);
     assert!(view.contains("restarts 1/1"), "{view}\n{}", replicas.logs());
 }
+
+/// Three rounds, each a random rank SIGKILLed and the leader SIGKILLed right after (the killed
+/// replica started again once a new leader leads, so that three replicas stand for the next
+/// round): three recoveries through three failovers, each rank respawned once per kill, the
+/// budget counting three of three, and the failure-free checksum.
+#[test]
+fn three_recoveries_through_three_failovers() {
+    let Some(bin) = ddp_train() else {
+        return;
+    };
+    let _serial = SERIAL
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let Some(etcd) = Etcd::start(1) else {
+        return;
+    };
+    let expected = reference(&bin);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    let mut replicas = Replicas::start(&etcd, 3, TTL, &[]);
+    let addrs = replicas.addrs();
+    let (agent, job) = start(
+        &bin,
+        PROCS,
+        &[
+            "--coordinator",
+            &addrs,
+            "--recovery",
+            "in-place",
+            "--max-restarts",
+            "3",
+        ],
+        TRAIN,
+    );
+    let mut pids: Vec<i32> = (0..PROCS)
+        .map(|rank| started(&agent, rank, 1, LIMIT).pid)
+        .collect();
+    wait_for_step(&agent, 5);
+    // Ranks 3, 0 and 3 again: the main process and a replacement among them.
+    let victims = [3u32, 0, 3];
+    for (round, victim) in victims.iter().enumerate() {
+        let leader = runtime.block_on(replicas.wait_leader(LIMIT, &[]));
+        sigkill(pids[*victim as usize]);
+        replicas.kill(leader);
+        agent.wait_for_lines(Stream::Stdout, round + 1, LIMIT, |l| {
+            l.starts_with("[rank 0] recovered ")
+        });
+        let nth = 1 + victims[..=round].iter().filter(|v| *v == victim).count();
+        pids[*victim as usize] = started(&agent, *victim, nth, LIMIT).pid;
+        replicas.restart(leader);
+    }
+    let run = agent.finish(LIMIT);
+    let context = || format!("{}\n{}", run.dump(), replicas.logs());
+    assert_eq!(run.code(), Some(0), "{}", context());
+    assert_eq!(respawned(&run.stderr), victims, "{}", context());
+    let starts = starts(&run, PROCS);
+    let counts: Vec<usize> = (0..PROCS).map(|r| starts[&r].len()).collect();
+    assert_eq!(counts, [2, 1, 1, 3], "{}", context());
+    assert_eq!(recoveries(&run).len(), 3, "{}", context());
+    let view = describe(&addrs, &job);
+    assert!(view.contains("restarts 3/3"), "{view}\n{}", replicas.logs());
+    // Each leader kept the recoveries of the leaders before it.
+    let listed = view.lines().filter(|l| l.starts_with("RECOVERED ")).count();
+    assert_eq!(listed, 3, "{view}");
+    assert_eq!(checksum(&run), expected, "{}", context());
+}
