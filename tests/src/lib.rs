@@ -24,6 +24,7 @@ pub use peers::peers_python;
 pub mod netns;
 pub mod notify;
 pub mod pki;
+pub mod recovery;
 pub mod sockets;
 
 use std::io::{BufRead, BufReader, Read, Write};

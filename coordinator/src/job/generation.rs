@@ -110,6 +110,34 @@ pub(super) struct Recovered {
     pub(super) precise: bool,
 }
 
+impl Recovered {
+    /// Its form in the job's record.
+    pub(super) fn to_record(&self) -> pb::RecoveryRecord {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        pb::RecoveryRecord {
+            info: Some(self.info.clone()),
+            died_unix_ms: now.saturating_sub(self.died.elapsed()).as_millis() as u64,
+            precise: self.precise,
+        }
+    }
+
+    /// Rebuilt from the job's record by a new leader (the death's instant from its wall-clock
+    /// time; now if that lies in the future).
+    pub(super) fn restore(r: &pb::RecoveryRecord) -> Self {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default();
+        let ago = now.saturating_sub(Duration::from_millis(r.died_unix_ms));
+        Self {
+            info: r.info.clone().unwrap_or_default(),
+            died: Instant::now().checked_sub(ago).unwrap_or_else(Instant::now),
+            precise: r.precise,
+        }
+    }
+}
+
 /// A parked `Quorum` call.
 pub(super) struct QuorumWait {
     /// Identifies the call (a dropped call withdraws by token).

@@ -186,7 +186,7 @@ impl Gen {
             } else {
                 r.epoch
             },
-            recoveries: Default::default(),
+            recoveries: r.recoveries.iter().map(Recovered::restore).collect(),
             quorum: HashMap::new(),
         })
     }
@@ -299,6 +299,7 @@ impl Job {
                         .filter(|slot| slot.state == RankState::Replacing)
                         .filter_map(|slot| slot.replace.clone())
                         .collect(),
+                    recoveries: g.recoveries.iter().map(Recovered::to_record).collect(),
                 }),
                 g.ended.as_deref().cloned(),
             ),

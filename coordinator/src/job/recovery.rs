@@ -409,10 +409,9 @@ impl Job {
         }
         let before = g.epoch;
         if g.try_form_quorum() {
-            tracing::info!(job = %id, generation, epoch = g.epoch, "quorum formed");
-            if g.epoch != before {
-                self.persist(&st);
-            }
+            tracing::info!(job = %id, generation, epoch = g.epoch, before, "quorum formed");
+            // The epoch, and the recoveries it closed (the ops view of a new leader).
+            self.persist(&st);
         }
         Ok((token, rx))
     }

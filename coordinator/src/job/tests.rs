@@ -813,6 +813,13 @@ async fn the_stored_record_carries_the_mode_the_epoch_and_the_replacing_ranks() 
     let d = restored.describe();
     assert_eq!((d.epoch, d.restart_count), (1, 1));
     assert_eq!(d.ranks[0].state, pb::RankState::Replacing as i32);
+    // The new leader's ops view still lists the recovery opened before the failover.
+    let listed: Vec<_> = d
+        .recoveries
+        .iter()
+        .map(|r| (r.epoch, r.rank, r.reason.as_str(), r.quorum_epoch))
+        .collect();
+    assert_eq!(listed, [(1, Some(0), "exited with status 1", 0)]);
     restored.retire("test over");
 }
 

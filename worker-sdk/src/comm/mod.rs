@@ -240,7 +240,11 @@ impl Communicator {
     /// It is built for the accelerator's membership epoch ([`Accelerator::epoch`]): a
     /// replacement (in-place recovery) must take part in a quorum first
     /// ([`crate::membership::Membership::quorum`]), and creates its communicators in the same
-    /// order as the survivors created theirs.
+    /// order as the survivors created theirs. In place, a rank's death while the CPU mesh forms
+    /// does not fail the creation: the communicator is returned, and each of its calls fails
+    /// with that recoverable error until [`Communicator::reconfigure`] rebuilds it for the next
+    /// quorum (so that a loop that goes to its quorum on a recoverable error needs nothing
+    /// more).
     pub fn with_backend(accelerator: &Accelerator, kind: BackendKind) -> Result<Self, Error> {
         if accelerator
             .membership
@@ -258,10 +262,27 @@ impl Communicator {
             BackendKind::Cpu => {
                 let info = accelerator.info();
                 let id = cpu::next_communicator_id(&info.job_id, info.generation, info.rank);
-                (
-                    Box::new(cpu::CpuBackend::create(accelerator, id, epoch)?),
-                    id,
-                )
+                let backend: Box<dyn Backend> =
+                    match cpu::CpuBackend::create(accelerator, id, epoch) {
+                        Ok(backend) => Box::new(backend),
+                        // In place, a rank died while the mesh formed: the communicator
+                        // exists all the same (under its id, so that every rank goes on
+                        // creating communicators in the same order), and every call fails with
+                        // that recoverable error until the next quorum's reconfigure rebuilds
+                        // it.
+                        Err(error)
+                            if accelerator.recovery() == crate::env::Recovery::InPlace
+                                && error.is_recoverable(crate::env::Recovery::InPlace) =>
+                        {
+                            Box::new(Retired {
+                                kind,
+                                why: format!("it was interrupted as it formed: {error}"),
+                                interrupted: Some(error),
+                            })
+                        }
+                        Err(error) => return Err(error),
+                    };
+                (backend, id)
             }
             BackendKind::Nccl => new_nccl(accelerator)?,
         };
@@ -308,6 +329,7 @@ impl Communicator {
                 "it is being rebuilt for membership epoch {} and the rebuild did not finish",
                 quorum.epoch
             ),
+            interrupted: None,
         });
         let rebuilt: Box<dyn Backend> = match self.kind {
             BackendKind::Cpu => {
@@ -854,16 +876,47 @@ fn new_nccl(accelerator: &Accelerator) -> Result<(Box<dyn Backend>, u64), Error>
 
 /// What a communicator holds between dropping its old backend and building the new one
 /// ([`Communicator::reconfigure`]): every call fails, saying why.
+/// Also what a communicator holds when a death interrupted its creation (in place): every
+/// call then fails with a copy of that recoverable error.
 struct Retired {
     kind: BackendKind,
     why: String,
+    interrupted: Option<Error>,
 }
 
 impl Retired {
     fn error(&self) -> Error {
-        Error::Backend {
-            backend: self.kind.name(),
-            message: format!("this communicator is unusable: {}", self.why),
+        match &self.interrupted {
+            Some(Error::MembershipChanged {
+                epoch,
+                rank,
+                node_rank,
+                host,
+                reason,
+            }) => Error::MembershipChanged {
+                epoch: *epoch,
+                rank: *rank,
+                node_rank: *node_rank,
+                host: host.clone(),
+                reason: reason.clone(),
+            },
+            Some(Error::PeerLost {
+                rank,
+                node_rank,
+                host,
+                op,
+                reason,
+            }) => Error::PeerLost {
+                rank: *rank,
+                node_rank: *node_rank,
+                host: host.clone(),
+                op: op.clone(),
+                reason: reason.clone(),
+            },
+            _ => Error::Backend {
+                backend: self.kind.name(),
+                message: format!("this communicator is unusable: {}", self.why),
+            },
         }
     }
 }

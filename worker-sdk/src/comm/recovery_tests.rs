@@ -296,3 +296,59 @@ fn a_death_during_the_rebuild_ends_it_naming_the_rank() {
         );
     }
 }
+
+#[test]
+fn a_death_while_the_mesh_forms_leaves_a_communicator_that_fails_recoverably() {
+    let world = 3;
+    let (_coordinator, infos) = start("recovery-create", world);
+    let (watches_tx, watches_rx) = mpsc::channel::<FailureWatch>();
+    let ranks: Vec<_> = infos
+        .into_iter()
+        .map(|info| {
+            let watches_tx = watches_tx.clone();
+            thread::spawn(move || {
+                let rank = info.rank;
+                let accelerator = in_place(info);
+                watches_tx.send(accelerator.failure_watch()).unwrap();
+                if rank == 0 {
+                    // Rank 0 dies before it publishes its address: ranks 1 and 2 wait for its
+                    // record until the coordinator reports the death.
+                    while !accelerator.membership().changed() {
+                        thread::sleep(Duration::from_millis(5));
+                    }
+                    return None;
+                }
+                // The communicator exists (it keeps its place in the order of creation), built
+                // for epoch 0, and fails every call recoverably until a quorum rebuilds it.
+                let comm = Communicator::with_backend(&accelerator, BackendKind::Cpu).unwrap();
+                let mut data = [1.0f32];
+                let error = comm.all_reduce(&mut data, ReduceOp::Sum).unwrap_err();
+                Some((comm.epoch(), error))
+            })
+        })
+        .collect();
+    drop(watches_tx);
+    let watches: Vec<FailureWatch> = watches_rx.iter().take(world as usize).collect();
+    thread::sleep(Duration::from_millis(300));
+    for watch in &watches {
+        watch.membership_changed(1, cause(0));
+    }
+    for (rank, handle) in ranks.into_iter().enumerate() {
+        let Some((epoch, error)) = handle.join().unwrap() else {
+            continue;
+        };
+        assert_eq!(epoch, 0, "rank {rank}");
+        assert!(
+            matches!(
+                &error,
+                Error::MembershipChanged {
+                    epoch: 1,
+                    rank: 0,
+                    ..
+                }
+            ),
+            "rank {rank}: {error:?}"
+        );
+        assert!(error.is_recoverable(Recovery::InPlace), "rank {rank}");
+    }
+}
