@@ -1,7 +1,7 @@
 //! Side-by-side recovery benchmark, in one run: the time from a worker's SIGKILL to the first
 //! training step completed again at full world size, for `muster-agent launch --recovery
 //! in-place` running `ddp_train` (the survivors keep their processes; the dead rank is respawned
-//! and healed from a healthy rank over the data plane) and for `torchrun --max-restarts 1`
+//! and healed from a healthy rank over the data plane) and for `torchrun --max-restarts 3`
 //! running the same model in PyTorch DDP (`bench/python/ddp_restart.py`: every process
 //! restarts and reloads a checkpoint written after every step, so no work is lost and the
 //! figure is the restart's own cost), for 4 and 8 processes on CPU. The last rank is killed
@@ -292,7 +292,10 @@ fn torch_round(
     let _ = std::fs::remove_file(&checkpoint);
     let mut cmd = Command::new(torchrun);
     cmd.args(["--standalone", "--nproc-per-node", &procs.to_string()])
-        .args(["--max-restarts", "1"])
+        // Three: on this machine torchrun's restarted gloo group sometimes fails to connect
+        // (a peer that starts late is refused), and torchrun then restarts again; the time
+        // counts every attempt until a step completes.
+        .args(["--max-restarts", "3"])
         .arg(script)
         .args(["--hidden", &args.hidden.to_string()])
         .args(["--step-sleep-ms", &args.step_sleep_ms.to_string()])
@@ -353,27 +356,49 @@ fn main() -> anyhow::Result<()> {
     for &procs in &args.procs {
         let mut m: [Vec<f64>; 6] = Default::default();
         let mut t: [Vec<f64>; 2] = Default::default();
+        let mut torch_failed = 0;
         for round in 0..args.rounds {
             let a = muster_round(&agent, &ddp_train, procs, &args, round)
                 .with_context(|| format!("muster, {procs} processes, round {round}"))?;
             for (v, x) in m.iter_mut().zip(a) {
                 v.push(x);
             }
-            let b = torch_round(&torchrun, &script, procs, &args, &dir, round)
-                .with_context(|| format!("torchrun, {procs} processes, round {round}"))?;
-            for (v, x) in t.iter_mut().zip(b) {
-                v.push(x);
+            // A torchrun round that never trains again is a result, not a harness error: it
+            // is counted and said, and its time is left out of the median.
+            match torch_round(&torchrun, &script, procs, &args, &dir, round) {
+                Ok(b) => {
+                    for (v, x) in t.iter_mut().zip(b) {
+                        v.push(x);
+                    }
+                    eprintln!(
+                        "{procs} processes, round {round}: muster {:.0} ms, torchrun {:.0} ms",
+                        a[0], b[0]
+                    );
+                }
+                Err(error) => {
+                    torch_failed += 1;
+                    let why = format!("{error:#}");
+                    eprintln!(
+                        "{procs} processes, round {round}: muster {:.0} ms, torchrun did not train again: {}",
+                        a[0],
+                        why.lines().next().unwrap_or_default()
+                    );
+                }
             }
-            eprintln!(
-                "{procs} processes, round {round}: muster {:.0} ms, torchrun {:.0} ms",
-                a[0], b[0]
-            );
         }
         let [total, detect, quorum, rebuild, heal, respawn] = m.each_mut().map(|v| median(v));
         let [ttotal, trestart] = t.each_mut().map(|v| median(v));
         println!(
-            "| {procs} | {total:.0} ms | {detect:.1} ms | {quorum:.0} ms | {respawn:.0} ms | {rebuild:.1} ms | {heal:.1} ms | {ttotal:.0} ms | {trestart:.0} ms | {:.3}x |",
-            total / ttotal
+            "| {procs} | {total:.0} ms | {detect:.1} ms | {quorum:.0} ms | {respawn:.0} ms | {rebuild:.1} ms | {heal:.1} ms | {ttotal:.0} ms | {trestart:.0} ms | {:.3}x |{}",
+            total / ttotal,
+            if torch_failed > 0 {
+                format!(
+                    " torchrun did not train again in {torch_failed} of {} rounds",
+                    args.rounds
+                )
+            } else {
+                String::new()
+            }
         );
     }
     println!(
