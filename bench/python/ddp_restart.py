@@ -31,7 +31,16 @@ def main() -> None:
     args = parser.parse_args()
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     print(f"started rank={rank} pid={os.getpid()}", flush=True)
-    dist.init_process_group("gloo")
+    # torchrun keeps one agent store across restart attempts, and the keys gloo's group
+    # writes there (its peers' addresses) outlive the attempt: a restarted rank can read a
+    # dead peer's address and be refused. A prefix per attempt is the peer's best case.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False
+    )
+    dist.init_process_group(
+        "gloo", store=dist.PrefixStore(f"attempt{attempt}/", store), rank=rank, world_size=world
+    )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, args.hidden), nn.Tanh(), nn.Linear(args.hidden, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
