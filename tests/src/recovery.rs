@@ -1,7 +1,8 @@
 //! Helpers for the in-place recovery tests that run the `ddp_train` example under
-//! `muster-agent launch --recovery in-place` (`tests/tests/recovery_ha.rs`,
-//! `tests/tests/recovery_soak.rs`): starting a run whose workers print `started rank=R pid=P
-//! restarts=N` first, and reading its ranks' pids, recoveries and final checksum.
+//! `muster-agent launch --recovery in-place` (`tests/tests/recovery_in_place.rs`,
+//! `tests/tests/recovery_ha.rs`, `tests/tests/recovery_soak.rs`): starting a run whose workers
+//! print `started rank=R pid=P restarts=N` first, waiting for a step and killing a rank, and
+//! reading its ranks' pids, recoveries and final checksum.
 
 use crate::{Agent, Finished, Stream, example_bin};
 use std::collections::BTreeMap;
@@ -87,6 +88,23 @@ pub fn started(agent: &Agent, rank: u32, nth: usize, timeout: Duration) -> Start
         .strip_prefix(&prefix)
         .and_then(|l| parse_started(l, rank))
         .unwrap_or_else(|| panic!("no start in {:?}", lines[nth - 1]))
+}
+
+/// Waits (at most `timeout`) until rank 0 has printed `step=<step>`.
+pub fn wait_for_step(agent: &Agent, step: u64, timeout: Duration) {
+    let want = format!(" step={step} ");
+    agent.wait_for_lines(Stream::Stdout, 1, timeout, |l| {
+        l.starts_with("[rank 0] epoch=") && l.contains(&want)
+    });
+}
+
+/// SIGKILLs a worker by pid.
+pub fn sigkill(pid: i32) {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .expect("the worker can be killed");
 }
 
 /// The final checksum rank 0 printed (`checksum=<hex>`).

@@ -16,11 +16,11 @@
 //! in this file): each starts etcd, three coordinators and four trainers.
 
 use muster_tests::etcd::Etcd;
-use muster_tests::recovery::{checksum, ddp_train, recoveries, respawned, start, started, starts};
+use muster_tests::recovery::{
+    checksum, ddp_train, recoveries, respawned, sigkill, start, started, starts, wait_for_step,
+};
 use muster_tests::replicas::Replicas;
 use muster_tests::{Agent, SLOW, Stream, agent_bin};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
 use std::path::Path;
 use std::process::Command;
 use std::sync::Mutex;
@@ -71,18 +71,6 @@ fn reference(bin: &Path) -> String {
     checksum(&run)
 }
 
-/// Waits until rank 0 has printed `step=<step>`.
-fn wait_for_step(agent: &Agent, step: u64) {
-    let want = format!(" step={step} ");
-    agent.wait_for_lines(Stream::Stdout, 1, LIMIT, |l| {
-        l.starts_with("[rank 0] epoch=") && l.contains(&want)
-    });
-}
-
-fn sigkill(pid: i32) {
-    kill(Pid::from_raw(pid), Signal::SIGKILL).expect("the worker can be killed");
-}
-
 /// `muster-agent describe --coordinator ADDRS JOB`'s output (exit 0 asserted).
 fn describe(addrs: &str, job: &str) -> String {
     let mut cmd = Command::new(agent_bin());
@@ -129,7 +117,7 @@ fn leader_killed(victim: u32, when: LeaderDies) {
     let before: Vec<i32> = (0..PROCS)
         .map(|rank| started(&agent, rank, 1, LIMIT).pid)
         .collect();
-    wait_for_step(&agent, 10);
+    wait_for_step(&agent, 10, LIMIT);
     let killed = Instant::now();
     match when {
         LeaderDies::AfterTheRespawn => {
@@ -240,7 +228,7 @@ fn the_budget_holds_across_the_failover() {
     let before: Vec<i32> = (0..PROCS)
         .map(|rank| started(&agent, rank, 1, LIMIT).pid)
         .collect();
-    wait_for_step(&agent, 10);
+    wait_for_step(&agent, 10, LIMIT);
     sigkill(before[2]);
     replicas.kill(leader);
     agent.wait_for_lines(Stream::Stdout, 1, LIMIT, |l| {
@@ -308,7 +296,7 @@ fn three_recoveries_through_three_failovers() {
     let mut pids: Vec<i32> = (0..PROCS)
         .map(|rank| started(&agent, rank, 1, LIMIT).pid)
         .collect();
-    wait_for_step(&agent, 5);
+    wait_for_step(&agent, 5, LIMIT);
     // Ranks 3, 0 and 3 again: the main process and a replacement among them.
     let victims = [3u32, 0, 3];
     for (round, victim) in victims.iter().enumerate() {

@@ -6,11 +6,12 @@
 //! aborts (`--fail-at-step`), two ranks SIGKILLed at once, the healing source SIGKILLed while it
 //! heals, the replacement SIGKILLed as it starts, and no restart left.
 
-use muster_tests::{Agent, Finished, SLOW, Stream, example_bin};
-use nix::sys::signal::{Signal, kill};
-use nix::unistd::Pid;
+use muster_tests::recovery::{
+    checksum, ddp_train, recoveries, sigkill, start, started, starts, wait_for_step,
+};
+use muster_tests::{Agent, Finished, SLOW};
 use std::collections::BTreeMap;
-use std::path::PathBuf;
+use std::path::Path;
 
 const PROCS: u32 = 4;
 
@@ -26,98 +27,30 @@ const COMMON: &[&str] = &[
     "0",
 ];
 
-fn ddp_train() -> Option<PathBuf> {
-    let bin = example_bin("ddp_train");
-    if bin.is_none() {
-        eprintln!("skipped: worker-sdk/examples/ddp_train does not exist");
-    }
-    bin
-}
-
-/// Starts `ddp_train COMMON EXTRA` on [`PROCS`] processes under `muster-agent launch FLAGS`,
-/// each worker printing `started rank=R pid=P` first (the shell execs the trainer, so the pid is
-/// the trainer's).
-fn start(bin: &std::path::Path, flags: &[&str], extra: &[&str]) -> Agent {
-    let procs = PROCS.to_string();
-    let job = format!(
-        "recovery-{}-{}",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    );
-    let mut trainer = vec![bin.to_str().expect("a UTF-8 path").to_owned()];
-    trainer.extend(COMMON.iter().chain(extra).map(|s| (*s).to_owned()));
-    let script = format!("echo started rank=$RANK pid=$$; exec {}", trainer.join(" "));
-    let mut all = vec!["launch"];
-    all.extend_from_slice(flags);
-    all.extend_from_slice(&["--nproc-per-node", &procs, "--job-id", &job, "--"]);
-    all.extend_from_slice(&["sh", "-c", &script]);
-    Agent::start_with_env(&all, &[("MUSTER_COMM_BACKEND", "cpu")])
-}
-
-/// The final checksum rank 0 printed.
-fn checksum(run: &Finished) -> String {
-    run.rank_stdout(0)
-        .iter()
-        .find(|l| l.starts_with("final "))
-        .and_then(|l| l.split(' ').find(|w| w.starts_with("checksum=")))
-        .map(str::to_owned)
-        .unwrap_or_else(|| panic!("no final line\n{}", run.dump()))
+/// Starts `ddp_train COMMON EXTRA` on [`PROCS`] processes under `muster-agent launch FLAGS`.
+fn launch(bin: &Path, flags: &[&str], extra: &[&str]) -> Agent {
+    let train: Vec<&str> = COMMON.iter().chain(extra).copied().collect();
+    start(bin, PROCS, flags, &train).0
 }
 
 /// The failure-free reference: the same training, without any fault.
-fn reference(bin: &std::path::Path) -> String {
-    let run = start(bin, &[], &["--quiet"]).finish(SLOW);
+fn reference(bin: &Path) -> String {
+    let run = launch(bin, &[], &["--quiet"]).finish(SLOW);
     assert_eq!(run.code(), Some(0), "{}", run.dump());
     checksum(&run)
 }
 
-/// Every `started` line, by rank: the pids each rank ran as, in order.
-fn starts(run: &Finished) -> BTreeMap<u32, Vec<i32>> {
-    let mut by_rank: BTreeMap<u32, Vec<i32>> = BTreeMap::new();
-    for rank in 0..PROCS {
-        for line in run.rank_stdout(rank) {
-            if let Some(pid) = line
-                .strip_prefix(&format!("started rank={rank} pid="))
-                .and_then(|p| p.parse().ok())
-            {
-                by_rank.entry(rank).or_default().push(pid);
-            }
-        }
-    }
-    by_rank
-}
-
-/// The pid a running job's `rank` started as (its latest start).
-fn pid_of(agent: &Agent, rank: u32, nth: usize) -> i32 {
-    let prefix = format!("[rank {rank}] started rank={rank} pid=");
-    let lines = agent.wait_for_lines(Stream::Stdout, nth, SLOW, |l| l.starts_with(&prefix));
-    lines[nth - 1]
-        .strip_prefix(&prefix)
-        .and_then(|p| p.parse().ok())
-        .unwrap_or_else(|| panic!("no pid in {:?}", lines[nth - 1]))
-}
-
-/// Waits until rank 0 has printed `step=<step>`.
-fn wait_for_step(agent: &Agent, step: u64) {
-    let want = format!(" step={step} ");
-    agent.wait_for_lines(Stream::Stdout, 1, SLOW, |l| {
-        l.starts_with("[rank 0] epoch=") && l.contains(&want)
-    });
-}
-
-fn sigkill(pid: i32) {
-    kill(Pid::from_raw(pid), Signal::SIGKILL).expect("the worker can be killed");
-}
-
-/// The `recovered` lines rank 0 printed.
-fn recoveries(run: &Finished) -> Vec<String> {
-    run.rank_stdout(0)
+/// How many times each rank started in a finished run.
+fn start_counts(run: &Finished) -> BTreeMap<u32, usize> {
+    starts(run, PROCS)
         .into_iter()
-        .filter(|l| l.starts_with("recovered "))
-        .map(str::to_owned)
+        .map(|(rank, s)| (rank, s.len()))
         .collect()
+}
+
+/// The pid of `rank`'s `nth` (from 1) start in a running job.
+fn pid_of(agent: &Agent, rank: u32, nth: usize) -> i32 {
+    started(agent, rank, nth, SLOW).pid
 }
 
 #[test]
@@ -126,7 +59,7 @@ fn a_rank_that_aborts_is_replaced_in_place_and_the_weights_are_bit_identical() {
         return;
     };
     let expected = reference(&bin);
-    let run = start(
+    let run = launch(
         &bin,
         &["--recovery", "in-place", "--max-restarts", "1"],
         &["--fail-at-step", "15"],
@@ -134,11 +67,11 @@ fn a_rank_that_aborts_is_replaced_in_place_and_the_weights_are_bit_identical() {
     .finish(SLOW);
     assert_eq!(run.code(), Some(0), "{}", run.dump());
     // The survivors' processes never changed; only the last rank started twice.
-    let starts = starts(&run);
+    let starts = start_counts(&run);
     for rank in 0..PROCS - 1 {
-        assert_eq!(starts[&rank].len(), 1, "rank {rank}\n{}", run.dump());
+        assert_eq!(starts[&rank], 1, "rank {rank}\n{}", run.dump());
     }
-    assert_eq!(starts[&(PROCS - 1)].len(), 2, "{}", run.dump());
+    assert_eq!(starts[&(PROCS - 1)], 2, "{}", run.dump());
     assert!(
         run.stderr
             .iter()
@@ -159,22 +92,22 @@ fn two_ranks_killed_at_once_are_both_replaced() {
         return;
     };
     let expected = reference(&bin);
-    let agent = start(
+    let agent = launch(
         &bin,
         &["--recovery", "in-place", "--max-restarts", "2"],
         &["--step-sleep-ms", "30"],
     );
     let (one, two) = (pid_of(&agent, 1, 1), pid_of(&agent, 2, 1));
-    wait_for_step(&agent, 10);
+    wait_for_step(&agent, 10, SLOW);
     sigkill(one);
     sigkill(two);
     let run = agent.finish(SLOW);
     assert_eq!(run.code(), Some(0), "{}", run.dump());
-    let starts = starts(&run);
-    assert_eq!(starts[&0].len(), 1, "{}", run.dump());
-    assert_eq!(starts[&3].len(), 1, "{}", run.dump());
-    assert_eq!(starts[&1].len(), 2, "{}", run.dump());
-    assert_eq!(starts[&2].len(), 2, "{}", run.dump());
+    let starts = start_counts(&run);
+    assert_eq!(starts[&0], 1, "{}", run.dump());
+    assert_eq!(starts[&3], 1, "{}", run.dump());
+    assert_eq!(starts[&1], 2, "{}", run.dump());
+    assert_eq!(starts[&2], 2, "{}", run.dump());
     assert_eq!(checksum(&run), expected, "{}", run.dump());
 }
 
@@ -184,13 +117,13 @@ fn the_healing_source_killed_while_it_heals_is_replaced_too() {
         return;
     };
     let expected = reference(&bin);
-    let agent = start(
+    let agent = launch(
         &bin,
         &["--recovery", "in-place", "--max-restarts", "2"],
         &["--step-sleep-ms", "30"],
     );
     let (source, last) = (pid_of(&agent, 0, 1), pid_of(&agent, 3, 1));
-    wait_for_step(&agent, 10);
+    wait_for_step(&agent, 10, SLOW);
     sigkill(last);
     // Rank 0 is the lowest healthy rank, so it heals the replacement: kill it as the
     // replacement starts, before or while it sends the state.
@@ -198,11 +131,11 @@ fn the_healing_source_killed_while_it_heals_is_replaced_too() {
     sigkill(source);
     let run = agent.finish(SLOW);
     assert_eq!(run.code(), Some(0), "{}", run.dump());
-    let starts = starts(&run);
-    assert_eq!(starts[&0].len(), 2, "{}", run.dump());
-    assert_eq!(starts[&3].len(), 2, "{}", run.dump());
-    assert_eq!(starts[&1].len(), 1, "{}", run.dump());
-    assert_eq!(starts[&2].len(), 1, "{}", run.dump());
+    let starts = start_counts(&run);
+    assert_eq!(starts[&0], 2, "{}", run.dump());
+    assert_eq!(starts[&3], 2, "{}", run.dump());
+    assert_eq!(starts[&1], 1, "{}", run.dump());
+    assert_eq!(starts[&2], 1, "{}", run.dump());
     assert_eq!(checksum(&run), expected, "{}", run.dump());
 }
 
@@ -212,22 +145,22 @@ fn a_replacement_killed_as_it_starts_is_replaced_again() {
         return;
     };
     let expected = reference(&bin);
-    let agent = start(
+    let agent = launch(
         &bin,
         &["--recovery", "in-place", "--max-restarts", "2"],
         &["--step-sleep-ms", "30"],
     );
     let first = pid_of(&agent, 2, 1);
-    wait_for_step(&agent, 10);
+    wait_for_step(&agent, 10, SLOW);
     sigkill(first);
     let second = pid_of(&agent, 2, 2);
     sigkill(second);
     let run = agent.finish(SLOW);
     assert_eq!(run.code(), Some(0), "{}", run.dump());
-    let starts = starts(&run);
-    assert_eq!(starts[&2].len(), 3, "{}", run.dump());
+    let starts = start_counts(&run);
+    assert_eq!(starts[&2], 3, "{}", run.dump());
     for rank in [0, 1, 3] {
-        assert_eq!(starts[&rank].len(), 1, "rank {rank}\n{}", run.dump());
+        assert_eq!(starts[&rank], 1, "rank {rank}\n{}", run.dump());
     }
     assert_eq!(checksum(&run), expected, "{}", run.dump());
 }
@@ -237,7 +170,7 @@ fn without_restarts_left_an_in_place_job_fails_naming_the_rank() {
     let Some(bin) = ddp_train() else {
         return;
     };
-    let run = start(
+    let run = launch(
         &bin,
         &["--recovery", "in-place", "--max-restarts", "0"],
         &["--fail-at-step", "5", "--quiet"],
