@@ -19,6 +19,9 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
+mod process;
+use process::{Owner, on_main_thread};
+
 /// How often a wait on the main thread looks for a pending signal (Ctrl-C).
 const SIGNAL_POLL: Duration = Duration::from_millis(50);
 
@@ -31,14 +34,14 @@ struct Native {
     /// `None` once closed.
     inner: Mutex<Option<Arc<muster::Accelerator>>>,
     /// The process that created it: a forked child must not use its runtime.
-    pid: u32,
+    owner: Owner,
     info: RankInfo,
 }
 
 impl Native {
     /// The accelerator, or why it cannot be used from here.
     fn get(&self, py: Python<'_>) -> PyResult<Arc<muster::Accelerator>> {
-        if std::process::id() != self.pid {
+        if !self.owner.is_current() {
             return Err(error(
                 py,
                 "MusterError",
@@ -47,7 +50,7 @@ impl Native {
                      forked child {} (a DataLoader worker, multiprocessing with fork): the \
                      connection to the agent lives in threads that fork does not copy; use it \
                      from the training process only",
-                    self.pid,
+                    self.owner.pid,
                     std::process::id()
                 ),
                 None,
@@ -164,10 +167,6 @@ fn abandon_main_waiter() {
 }
 
 /// Whether this is the process's initial thread, the one Python runs signal handlers on.
-fn on_main_thread() -> bool {
-    nix::unistd::gettid() == nix::unistd::getpid()
-}
-
 fn scope(node: bool) -> Scope {
     if node { Scope::Node } else { Scope::Global }
 }
@@ -184,7 +183,7 @@ impl Native {
             .map_err(|e| to_py(py, e))?;
         Ok(Self {
             inner: Mutex::new(Some(Arc::new(accelerator))),
-            pid: std::process::id(),
+            owner: Owner::current(),
             info,
         })
     }
@@ -394,7 +393,7 @@ impl Native {
     /// Ends this process's part in the job cleanly: ranks still waiting on it get a clear
     /// error. Later calls raise; calling it twice does nothing.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        if std::process::id() != self.pid {
+        if !self.owner.is_current() {
             // A forked child owns nothing of the parent's connection.
             return Ok(());
         }
@@ -596,7 +595,7 @@ fn reduce_op(name: &str) -> PyResult<ReduceOp> {
 #[pyclass(frozen, module = "muster._native")]
 struct Comm {
     inner: Communicator,
-    pid: u32,
+    owner: Owner,
 }
 
 impl Comm {
@@ -607,7 +606,7 @@ impl Comm {
         py: Python<'_>,
         f: impl FnOnce(&Communicator) -> Result<(), Error> + Send,
     ) -> PyResult<()> {
-        if std::process::id() != self.pid {
+        if !self.owner.is_current() {
             return Err(error(
                 py,
                 "MusterError",
@@ -630,7 +629,7 @@ impl Comm {
             .map_err(|e| to_py(py, e))?;
         Ok(Self {
             inner,
-            pid: std::process::id(),
+            owner: Owner::current(),
         })
     }
 
@@ -754,7 +753,7 @@ impl Comm {
         quorum: &PyQuorum,
         payload: Option<Vec<u8>>,
     ) -> PyResult<Option<Bound<'py, PyBytes>>> {
-        if std::process::id() != self.pid {
+        if !self.owner.is_current() {
             return Err(error(
                 py,
                 "MusterError",

@@ -5,9 +5,10 @@
 //! instead of hanging in a kernel.
 //!
 //! Nothing here touches libcuda or libnccl until [`available`], [`new_unique_id`], [`connect`]
-//! or [`NcclBackend::new`] is called: cudarc loads both at run time (`dynamic-loading`), and
-//! [`available`] checks that they can be loaded before calling into them, because cudarc panics
-//! when a library or symbol is missing.
+//! or [`NcclBackend::new`] is called: cudarc loads libcuda at run time (`dynamic-loading`), and
+//! [`available`] checks that it can be loaded before calling into it, because cudarc panics
+//! when a library or symbol is missing. libnccl is loaded by `nccl/library.rs`, which also
+//! finds the runtime packages' `libnccl.so.2` (cudarc looks only for `libnccl.so`).
 //!
 //! The communicator is non-blocking (`ncclConfig_t.blocking = 0`): initialisation and every
 //! enqueue return at once (possibly with `ncclInProgress`), which is what lets a rank stop
@@ -85,7 +86,10 @@ pub(crate) fn available() -> Result<(), String> {
 }
 
 fn probe() -> Result<(), String> {
-    let (cuda, nccl) = libraries_present();
+    // SAFETY: only tries `dlopen` on libcuda's usual names and closes it again; loading runs
+    // the library's initialisers, which is exactly what cudarc does on the first CUDA call.
+    #[allow(unsafe_code)]
+    let cuda = unsafe { cudarc::driver::sys::is_culib_present() };
     if !cuda {
         return Err(
             "the CUDA driver library (libcuda.so) cannot be loaded: no NVIDIA driver \
@@ -93,13 +97,7 @@ fn probe() -> Result<(), String> {
                 .to_owned(),
         );
     }
-    if !nccl {
-        return Err(
-            "the NCCL library (libnccl.so) cannot be loaded: install NCCL 2.14 or \
-                    newer, or add its directory to LD_LIBRARY_PATH"
-                .to_owned(),
-        );
-    }
+    library::load()?;
     cudarc::driver::result::init()
         .map_err(|e| format!("the CUDA driver did not initialise: {e}"))?;
     let devices =
@@ -107,8 +105,13 @@ fn probe() -> Result<(), String> {
     if devices < 1 {
         return Err("no CUDA device is visible (check CUDA_VISIBLE_DEVICES)".to_owned());
     }
-    let version = cudarc::nccl::result::get_nccl_version()
-        .map_err(|e| format!("ncclGetVersion failed: {:?}", e.0))?;
+    let mut version: c_int = 0;
+    // SAFETY: `version` is valid for the write ncclGetVersion makes.
+    #[allow(unsafe_code)]
+    let result = unsafe { library::ncclGetVersion(&mut version) };
+    if result != sys::ncclResult_t::ncclSuccess {
+        return Err(format!("ncclGetVersion failed: {result:?}"));
+    }
     if version < MIN_NCCL_VERSION {
         return Err(format!(
             "NCCL {} is too old: the nccl backend needs 2.14 or newer (non-blocking \
@@ -117,21 +120,6 @@ fn probe() -> Result<(), String> {
         ));
     }
     Ok(())
-}
-
-/// Whether libcuda and libnccl can be loaded, checked without calling into cudarc's lazily
-/// loaded bindings (which panic when the library is absent).
-#[allow(unsafe_code)]
-fn libraries_present() -> (bool, bool) {
-    // SAFETY: both functions only try `dlopen` on the library's usual names and close it
-    // again; loading runs the library's initialisers, which is exactly what cudarc does on the
-    // first CUDA or NCCL call. They have no other precondition.
-    unsafe {
-        (
-            cudarc::driver::sys::is_culib_present(),
-            sys::is_culib_present(),
-        )
-    }
 }
 
 /// "2.21.5" from NCCL's integer version (`major * 10000 + minor * 100 + patch` since 2.9).
@@ -161,9 +149,15 @@ fn version_name(version: c_int) -> String {
 )]
 pub(crate) fn new_unique_id() -> Result<[u8; NCCL_UNIQUE_ID_BYTES], Error> {
     available().map_err(backend_error)?;
-    let id = cudarc::nccl::result::get_uniqueid()
-        .map_err(|e| backend_error(format!("ncclGetUniqueId failed: {:?}", e.0)))?;
-    // `c_char` is i8 or u8 depending on the target: a bit-for-bit copy either way.
+    let mut id = sys::ncclUniqueId {
+        internal: [0; NCCL_UNIQUE_ID_BYTES],
+    };
+    // SAFETY: `id` is valid for the write ncclGetUniqueId makes.
+    #[allow(unsafe_code)]
+    let result = unsafe { library::ncclGetUniqueId(&mut id) };
+    if result != sys::ncclResult_t::ncclSuccess {
+        return Err(backend_error(format!("ncclGetUniqueId failed: {result:?}")));
+    }
     Ok(id.internal.map(|byte| byte as u8))
 }
 
@@ -226,6 +220,7 @@ fn backend_error(message: impl Into<String>) -> Error {
 }
 
 mod backend;
+mod library;
 mod raw;
 mod types;
 

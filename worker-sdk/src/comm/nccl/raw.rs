@@ -14,7 +14,7 @@ use cudarc::{
 use crate::NCCL_UNIQUE_ID_BYTES;
 use crate::comm::DType;
 
-use super::{CONFIG_MAGIC, CONFIG_UNDEF, CONFIG_VERSION, types::nccl_type};
+use super::{CONFIG_MAGIC, CONFIG_UNDEF, CONFIG_VERSION, library, types::nccl_type};
 
 /// An NCCL communicator handle. Dropping it aborts the communicator (`ncclCommAbort`), which
 /// is valid in every state of a non-blocking communicator (an unfinished init, hung
@@ -115,8 +115,9 @@ impl RawComm {
         // SAFETY: `comm` and `config` are valid for the whole call; NCCL copies the config
         // (at most `size` bytes, clamped to the struct it knows) and the id before returning,
         // and keeps no pointer to either. `world_size` and `rank` were checked by the caller.
-        let result =
-            unsafe { sys::ncclCommInitRankConfig(&mut comm, world_size, id, rank, &mut config) };
+        let result = unsafe {
+            library::ncclCommInitRankConfig(&mut comm, world_size, id, rank, &mut config)
+        };
         let comm = (!comm.is_null()).then_some(Self(comm));
         (comm, result)
     }
@@ -129,7 +130,7 @@ impl RawComm {
         let mut state = ncclResult_t::ncclSuccess;
         // SAFETY: `self.0` is a live communicator (only `Drop` releases it) and `state` is
         // valid for writes.
-        let result = unsafe { sys::ncclCommGetAsyncError(self.0, &mut state) };
+        let result = unsafe { library::ncclCommGetAsyncError(self.0, &mut state) };
         if result == ncclResult_t::ncclSuccess {
             state
         } else {
@@ -143,7 +144,7 @@ impl RawComm {
         // SAFETY: `self.0` is a live communicator. NCCL returns null or a NUL-terminated
         // string it owns, valid until its next call; it is copied at once.
         unsafe {
-            let message = sys::ncclGetLastError(self.0);
+            let message = library::ncclGetLastError(self.0);
             if message.is_null() {
                 String::new()
             } else {
@@ -181,7 +182,15 @@ impl RawComm {
                 let (ptr, _guard) = buf.device_ptr_mut(stream);
                 let ptr = ptr as *mut c_void;
                 unsafe {
-                    sys::ncclAllReduce(ptr, ptr, count, nccl_type(dtype), op, self.0, raw_stream)
+                    library::ncclAllReduce(
+                        ptr,
+                        ptr,
+                        count,
+                        nccl_type(dtype),
+                        op,
+                        self.0,
+                        raw_stream,
+                    )
                 }
             }
             Call::Broadcast { buf, bytes, root } => {
@@ -191,7 +200,7 @@ impl RawComm {
                 let (ptr, _guard) = buf.device_ptr_mut(stream);
                 let ptr = ptr as *mut c_void;
                 unsafe {
-                    sys::ncclBroadcast(
+                    library::ncclBroadcast(
                         ptr,
                         ptr,
                         bytes,
@@ -218,7 +227,7 @@ impl RawComm {
                 let (ptr, _guard) = buf.device_ptr_mut(stream);
                 let ptr = ptr as *mut c_void;
                 unsafe {
-                    sys::ncclReduce(
+                    library::ncclReduce(
                         ptr,
                         ptr,
                         count,
@@ -244,7 +253,7 @@ impl RawComm {
                 let (send_ptr, _send_guard) = send.device_ptr(stream);
                 let (recv_ptr, _recv_guard) = recv.device_ptr_mut(stream);
                 unsafe {
-                    sys::ncclAllGather(
+                    library::ncclAllGather(
                         send_ptr as *const c_void,
                         recv_ptr as *mut c_void,
                         bytes,
@@ -275,7 +284,7 @@ impl RawComm {
                 let (send_ptr, _send_guard) = send.device_ptr(stream);
                 let (recv_ptr, _recv_guard) = recv.device_ptr_mut(stream);
                 unsafe {
-                    sys::ncclReduceScatter(
+                    library::ncclReduceScatter(
                         send_ptr as *const c_void,
                         recv_ptr as *mut c_void,
                         count,
@@ -292,7 +301,7 @@ impl RawComm {
                 }
                 let (ptr, _guard) = buf.device_ptr(stream);
                 unsafe {
-                    sys::ncclSend(
+                    library::ncclSend(
                         ptr as *const c_void,
                         bytes,
                         sys::ncclDataType_t::ncclUint8,
@@ -308,7 +317,7 @@ impl RawComm {
                 }
                 let (ptr, _guard) = buf.device_ptr_mut(stream);
                 unsafe {
-                    sys::ncclRecv(
+                    library::ncclRecv(
                         ptr as *mut c_void,
                         bytes,
                         sys::ncclDataType_t::ncclUint8,
@@ -328,7 +337,7 @@ impl Drop for RawComm {
         // SAFETY: `self.0` came from `ncclCommInitRankConfig` and is released exactly once,
         // here. `ncclCommAbort` is valid in every state of a non-blocking communicator: during
         // its init, with operations hung on a dead peer, or idle.
-        let result = unsafe { sys::ncclCommAbort(self.0) };
+        let result = unsafe { library::ncclCommAbort(self.0) };
         if !matches!(
             result,
             ncclResult_t::ncclSuccess | ncclResult_t::ncclInProgress

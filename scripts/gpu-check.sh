@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The NCCL checks on a GPU machine, from binaries built elsewhere (`scripts/gpu-pack.sh` puts
+# them in .gpu/): the SDK's NCCL unit tests, the `nccl_check` example under `muster-agent
+# launch` (one rank per GPU; with one GPU, a second rank must be refused naming the device), and
+# `muster.torch` with torch's NCCL backend (bench/python/nccl_gpu.py) through `muster.torch`,
+# `muster://` and, for comparison, torchrun's `env://`. Needs python3 with torch and the
+# `nvidia-nccl` wheel (the GPU image has both); the CI machine has no GPU and never runs this.
+#
+# Usage: scripts/gpu-check.sh [ARTIFACTS_DIR [OUT_DIR]]; exits 1 if any check failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+art=$(realpath "${1:-.gpu}")
+out=${2:-${OUT:-/tmp/gpu-check}}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+nvidia-smi -L
+nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' || true)
+# The nvidia-nccl wheel's libnccl.so.2, found by name as a user's LD_LIBRARY_PATH would have it.
+export LD_LIBRARY_PATH="$nccl_lib:${LD_LIBRARY_PATH:-}"
+py=$(command -v python3)
+export PYTHONPATH="$art/site"
+agent="$art/bin/muster-agent"
+failed=()
+
+# step NAME SECONDS COMMAND...: runs COMMAND with a time limit, logging to $out/NAME.log.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: $*"
+    local start=$(date +%s%N)
+    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    local rc=$?
+    cat "$out/$name.log"
+    echo "== $name: rc=$rc after $(( ($(date +%s%N) - start) / 1000000 )) ms"
+    return $rc
+}
+
+step unit 120 "$art/bin/muster-lib-tests" comm::nccl --test-threads=1 --nocapture || failed+=(unit)
+# A test that found no GPU prints "skipped:" and passes: here that is a failure.
+if grep -q "skipped:" "$out/unit.log"; then failed+=(unit-skipped); fi
+step check-1 90 "$agent" launch --nproc-per-node 1 -- "$art/bin/nccl_check" --mib 64 --iters 20 \
+    || failed+=(check-1)
+step check-1-256 90 "$agent" launch --nproc-per-node 1 -- "$art/bin/nccl_check" --mib 256 --iters 10 \
+    || failed+=(check-1-256)
+# Two ranks on one GPU: rank 1 must fail fast, naming the missing device, and the job end.
+if step check-2 60 "$agent" launch --nproc-per-node 2 --max-restarts 0 -- "$art/bin/nccl_check" --mib 1; then
+    failed+=(check-2-succeeded)
+elif ! grep -q "needs CUDA device 1" "$out/check-2.log"; then
+    failed+=(check-2-unclear)
+fi
+for how in muster url; do
+    step "torch-$how" 120 "$agent" launch --nproc-per-node 1 -- "$py" bench/python/nccl_gpu.py --how "$how" \
+        || failed+=("torch-$how")
+done
+step torch-env 120 torchrun --standalone --nproc-per-node 1 bench/python/nccl_gpu.py --how env || failed+=(torch-env)
+grep -h "allreduce_gpu_ms\|per call" "$out"/*.log
+if [ ${#failed[@]} -gt 0 ]; then
+    echo "gpu-check.sh: FAILED: ${failed[*]}"
+    exit 1
+fi
+echo "gpu-check.sh: every check passed"
