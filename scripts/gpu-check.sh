@@ -18,6 +18,8 @@ nccl_lib=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nc
 # The nvidia-nccl wheel's libnccl.so.2, found by name as a user's LD_LIBRARY_PATH would have it.
 export LD_LIBRARY_PATH="$nccl_lib:${LD_LIBRARY_PATH:-}"
 py=$(command -v python3)
+# Where the unit test that loads PyTorch's NCCL wheel looks for it.
+export MUSTER_PEERS_VENV=$("$py" -c 'import sys; print(sys.prefix)')
 export PYTHONPATH="$art/site"
 agent="$art/bin/muster-agent"
 failed=()

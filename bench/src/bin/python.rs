@@ -203,16 +203,29 @@ fn torch_barrier(s: &Setup, n: u32, iters: u32) -> anyhow::Result<(f64, f64)> {
     Ok((gloo, store))
 }
 
-/// Rank 0's `init_process_group` time in milliseconds at 8 processes under the agent.
+/// Rank 0's `init_process_group` time in milliseconds at 8 processes under the agent. The
+/// ranks start the call together (`--start-dir`, a file barrier), so that the figure times the
+/// store rather than the spread of the interpreters' `import torch`; `env://` runs with
+/// `--no-agent-store`, so that it is torch's own TCPStore on rank 0 (the peer), not the agent's
+/// store that the launcher serves by default.
 fn init_ms(s: &Setup, how: &str) -> anyhow::Result<f64> {
-    let (out, _) = run_output(
-        Command::new(&s.agent)
-            .args(["launch", "--nproc-per-node", "8", "--"])
-            .arg(&s.python)
-            .arg(&s.init_pg)
-            .args(["--how", how])
-            .env("OMP_NUM_THREADS", "1"),
-    )?;
+    let start = s.dir.join(format!("init-start-{how}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&start);
+    let mut command = Command::new(&s.agent);
+    command.args(["launch", "--nproc-per-node", "8"]);
+    if how == "env" {
+        command.arg("--no-agent-store");
+    }
+    command
+        .arg("--")
+        .arg(&s.python)
+        .arg(&s.init_pg)
+        .args(["--how", how])
+        .arg("--start-dir")
+        .arg(&start)
+        .env("OMP_NUM_THREADS", "1");
+    let (out, _) = run_output(&mut command)?;
+    let _ = std::fs::remove_dir_all(&start);
     out.lines()
         .find_map(|l| field(l, "init_ms="))
         .with_context(|| format!("no init_ms in {out}"))
