@@ -209,7 +209,9 @@ fn torch_barrier(s: &Setup, n: u32, iters: u32) -> anyhow::Result<(f64, f64)> {
 /// `--no-agent-store`, so that it is torch's own TCPStore on rank 0 (the peer), not the agent's
 /// store that the launcher serves by default.
 fn init_ms(s: &Setup, how: &str) -> anyhow::Result<f64> {
-    let start = s.dir.join(format!("init-start-{how}-{}", std::process::id()));
+    let start = s
+        .dir
+        .join(format!("init-start-{how}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&start);
     let mut command = Command::new(&s.agent);
     command.args(["launch", "--nproc-per-node", "8"]);
