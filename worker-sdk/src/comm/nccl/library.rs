@@ -45,6 +45,10 @@ macro_rules! nccl_functions {
             _library: Library,
         }
 
+        /// Every function the table holds, by name (for the tests' stand-in library).
+        #[cfg(test)]
+        const FUNCTIONS: &[&str] = &[$(stringify!($name)),*];
+
         impl Nccl {
             /// Resolves every function in `library`, or names the first one missing.
             #[allow(unsafe_code)]
@@ -249,33 +253,11 @@ mod tests {
     fn a_runtime_named_library_loads_and_its_functions_are_called() {
         let dir = std::env::temp_dir().join(format!("muster-nccl-library-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let source = dir.join("nccl.c");
         let mut c = String::from("int ncclGetVersion(int *v) { *v = 22703; return 0; }\n");
-        for name in [
-            "ncclGetUniqueId",
-            "ncclCommInitRankConfig",
-            "ncclCommGetAsyncError",
-            "ncclGetLastError",
-            "ncclCommAbort",
-            "ncclAllReduce",
-            "ncclBroadcast",
-            "ncclReduce",
-            "ncclAllGather",
-            "ncclReduceScatter",
-            "ncclSend",
-            "ncclRecv",
-        ] {
+        for name in FUNCTIONS.iter().filter(|name| **name != "ncclGetVersion") {
             c.push_str(&format!("int {name}(void) {{ return 3; }}\n"));
         }
-        std::fs::write(&source, c).unwrap();
-        let path = dir.join("libnccl.so.2");
-        let built = std::process::Command::new("cc")
-            .args(["-shared", "-fPIC", "-o"])
-            .arg(&path)
-            .arg(&source)
-            .status()
-            .unwrap();
-        assert!(built.success(), "cc failed: {built}");
+        let path = build_library(&dir, "libnccl.so.2", &c);
 
         let nccl = load_from(Some(path.clone().into())).unwrap();
         assert_eq!(nccl.path, path.to_string_lossy());
@@ -291,23 +273,29 @@ mod tests {
         assert_eq!(result, ncclResult_t::ncclInternalError);
 
         // The same library without one function is refused naming it.
-        let partial = dir.join("partial.c");
-        std::fs::write(
-            &partial,
+        let short = build_library(
+            &dir,
+            "libshort.so.2",
             "int ncclGetVersion(int *v) { *v = 1; return 0; }\n",
-        )
-        .unwrap();
-        let short = dir.join("libshort.so.2");
-        let built = std::process::Command::new("cc")
-            .args(["-shared", "-fPIC", "-o"])
-            .arg(&short)
-            .arg(&partial)
-            .status()
-            .unwrap();
-        assert!(built.success());
+        );
         let error = load_from(Some(short.into())).err().unwrap();
         assert!(error.contains("has no ncclGetUniqueId"), "{error}");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// Compiles C `source` into the shared library `dir/name` with the system's `cc`.
+    fn build_library(dir: &std::path::Path, name: &str, source: &str) -> std::path::PathBuf {
+        let file = dir.join(format!("{name}.c"));
+        std::fs::write(&file, source).unwrap();
+        let path = dir.join(name);
+        let built = std::process::Command::new("cc")
+            .args(["-shared", "-fPIC", "-o"])
+            .arg(&path)
+            .arg(&file)
+            .status()
+            .unwrap();
+        assert!(built.success(), "cc failed: {built}");
+        path
     }
 
     /// The real NCCL that PyTorch's wheel installs (`nvidia/nccl/lib/libnccl.so.2` in the
