@@ -301,3 +301,18 @@ def test_errors_are_one_family() -> None:
     assert issubclass(muster.WaitTimeoutError, TimeoutError)
     e = muster.RankFailedError("rank 3 failed", rank=3, node=1, host="h", cause="killed")
     assert (e.rank, e.node, e.host, e.cause) == (3, 1, "h", "killed")
+
+
+def test_barrier_names_are_the_callers_file_and_line() -> None:
+    from muster.accelerator import _call_site
+
+    def site() -> str:
+        return _call_site(1)
+
+    looped = [site() for _ in range(3)]  # one line: one name, however often it runs
+    here = site()
+    assert len(set(looped)) == 1 and looped[0].startswith("test_accelerator.py:"), looped
+    assert here == f"test_accelerator.py:{int(looped[0].split(':')[1]) + 1}", (here, looped)
+    # Another file at the same line: its own base name, not the cached one of this file.
+    elsewhere = eval(compile("site()", "/elsewhere/other.py", "eval"), {"site": site})
+    assert elsewhere == "other.py:1"

@@ -29,12 +29,21 @@ Quorum = _native.Quorum
 NCCL_UNIQUE_ID_BYTES: int = _native.NCCL_UNIQUE_ID_BYTES
 
 
+#: ``file:line`` names by (path, line): a program has few call sites, and a barrier's name is
+#: then a dictionary lookup (0.7 us) instead of a path split and a format (1.7 us).
+_SITES: dict[tuple[str, int], str] = {}
+
+
 def _call_site(depth: int) -> str:
     """``file:line`` of the caller ``depth`` frames up: what names a barrier, so that ranks
     arriving from different lines raise :class:`muster.errors.DivergedError`. The file's base
     name only, so that checkouts at different paths on different nodes agree."""
     frame = sys._getframe(depth + 1)
-    return f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno}"
+    where = (frame.f_code.co_filename, frame.f_lineno)
+    site = _SITES.get(where)
+    if site is None:
+        site = _SITES[where] = f"{os.path.basename(where[0])}:{where[1]}"
+    return site
 
 
 def _as_bytes(value: str | bytes | bytearray | memoryview) -> bytes:
