@@ -166,7 +166,7 @@ fn abandon_main_waiter() {
         .take();
 }
 
-/// Whether this is the process's initial thread, the one Python runs signal handlers on.
+/// The barrier scope a Python call asks for: this node's ranks, or every rank.
 fn scope(node: bool) -> Scope {
     if node { Scope::Node } else { Scope::Global }
 }
