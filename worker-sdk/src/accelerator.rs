@@ -915,10 +915,18 @@ impl KvStore<'_> {
     /// single-process mode a missing key fails at once with [`Error::NotFound`].
     pub fn get_wait(&self, key: &str, wait: Duration) -> Result<Vec<u8>, Error> {
         match self.target() {
-            Target::Local(store) => store.kv.get(key).cloned().ok_or_else(|| Error::NotFound {
-                what: format!("key '{key}' (single-process mode: nothing else can set it)"),
-            }),
+            Target::Local(store) => local_wait(&store, key),
             Target::Remote(remote) => remote.block_on(remote.kv.get_wait(key, wait)),
+        }
+    }
+
+    /// The values of `keys`, in their order, waiting up to `wait` for each (torch's
+    /// `multi_get`): one concurrent batch of gets, about one round trip in all. In
+    /// single-process mode a missing key fails at once, as [`KvStore::get_wait`].
+    pub fn get_wait_many(&self, keys: &[String], wait: Duration) -> Result<Vec<Vec<u8>>, Error> {
+        match self.target() {
+            Target::Local(store) => keys.iter().map(|key| local_wait(&store, key)).collect(),
+            Target::Remote(remote) => remote.block_on(remote.kv.get_wait_many(keys, wait)),
         }
     }
 
@@ -1006,6 +1014,14 @@ impl KvStore<'_> {
             Target::Remote(remote) => remote.block_on(remote.kv.list(prefix)),
         }
     }
+}
+
+/// A wait for `key` in single-process mode: its value, or at once [`Error::NotFound`] (nothing
+/// else can set it).
+fn local_wait(store: &LocalStore, key: &str) -> Result<Vec<u8>, Error> {
+    store.kv.get(key).cloned().ok_or_else(|| Error::NotFound {
+        what: format!("key '{key}' (single-process mode: nothing else can set it)"),
+    })
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -339,6 +339,28 @@ async fn kv_unique_ids_and_shared_values_round_trip() {
         .await
         .unwrap_err();
     assert!(error.is_timeout(), "{error:?}");
+    // A batch: every value in the order asked, each waited for; one unset key fails it.
+    let keys = ["late".to_owned(), "a".to_owned(), "later".to_owned()];
+    let other = sessions[1].kv();
+    let waiter =
+        tokio::spawn(async move { other.get_wait_many(&keys, Duration::from_secs(5)).await });
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    kv.set("later", "too").await.unwrap();
+    assert_eq!(
+        waiter.await.unwrap().unwrap(),
+        [b"here".to_vec(), b"1".to_vec(), b"too".to_vec()]
+    );
+    let error = kv
+        .get_wait_many(
+            &["a".to_owned(), "never".to_owned()],
+            Duration::from_millis(100),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        error.is_timeout() && error.to_string().contains("never"),
+        "{error}"
+    );
     assert_eq!(kv.add("n", 5).await.unwrap(), 5);
     assert_eq!(kv.add("n", -2).await.unwrap(), 3);
     let cas = kv.compare_and_set("c", None, "x").await.unwrap();

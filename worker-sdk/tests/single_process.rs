@@ -97,6 +97,18 @@ fn the_key_value_store_is_an_in_memory_map() {
     kv.set("a", "1").unwrap();
     assert_eq!(kv.get("a").unwrap(), Some(b"1".to_vec()));
     assert_eq!(kv.get_wait("a", Duration::ZERO).unwrap(), b"1");
+    let keys = ["a".to_owned(), "a".to_owned()];
+    assert_eq!(
+        kv.get_wait_many(&keys, Duration::ZERO).unwrap(),
+        [b"1", b"1"]
+    );
+    let error = kv
+        .get_wait_many(&["a".to_owned(), "b".to_owned()], Duration::from_secs(3600))
+        .unwrap_err();
+    assert!(
+        matches!(&error, Error::NotFound { what } if what.contains("'b'")),
+        "{error:?}"
+    );
     assert_eq!(kv.add("a", 4).unwrap(), 5);
     assert_eq!(kv.add("n", -1).unwrap(), -1);
     kv.set("text", "abc").unwrap();

@@ -314,6 +314,19 @@ impl Native {
         Ok(PyBytes::new(py, &value))
     }
 
+    /// The values of `keys`, in their order, waiting up to `timeout` seconds for each to be
+    /// set: one concurrent batch of gets (torch's `multi_get`).
+    fn kv_wait_many<'py>(
+        &self,
+        py: Python<'py>,
+        keys: Vec<String>,
+        timeout: f64,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let wait = seconds(timeout).map_err(PyValueError::new_err)?;
+        let values = self.wait(py, move |a| a.kv().get_wait_many(&keys, wait))?;
+        PyList::new(py, values.iter().map(|v| PyBytes::new(py, v)))
+    }
+
     /// Adds `delta` to the integer at `key` (0 when unset); returns the new value.
     fn kv_add(&self, py: Python<'_>, key: String, delta: i64) -> PyResult<i64> {
         self.wait(py, move |a| a.kv().add(&key, delta))

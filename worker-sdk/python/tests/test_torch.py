@@ -74,6 +74,19 @@ def test_the_store_serves_what_torch_asks(launch) -> None:
             store.wait(["never"], datetime.timedelta(seconds=0.3))
         except dist.DistStoreError as e:
             print(f"timeout={time.monotonic() - start:.1f},{'never' in str(e)}", flush=True)
+        # multi_get: every key, in the order asked, each waited for (rank 1's own key is set
+        # after rank 0 starts waiting for it).
+        if rank == 1:
+            time.sleep(0.2)
+        store.set(f"m{rank}", f"v{rank}")
+        print(f"multi={[v.decode() for v in store.multi_get(['m1', 'm0', 'k'])]}", flush=True)
+        print(f"extended={store.has_extended_api()}", flush=True)
+        store.set_timeout(datetime.timedelta(seconds=0.3))
+        try:
+            store.multi_get(["m0", "never"])
+        except dist.DistStoreError as e:
+            print(f"multi_timeout={'never' in str(e)}", flush=True)
+        store.set_timeout(datetime.timedelta(seconds=30))
         muster.Accelerator().wait_for_everyone()
         if rank == 0:
             print(f"deleted={store.delete_key('k')},{store.delete_key('k')}", flush=True)
@@ -89,9 +102,60 @@ def test_the_store_serves_what_torch_asks(launch) -> None:
         assert run.value(rank, "check") == "True,False"
         waited, named = run.value(rank, "timeout").split(",")
         assert float(waited) < 5 and named == "True", run.dump()
+        assert run.value(rank, "multi") == "['v1', 'v0', 'v0']", run.dump()
+        assert run.value(rank, "extended") == "True", run.dump()
+        assert run.value(rank, "multi_timeout") == "True", run.dump()
     assert run.value(0, "deleted") == "True,False"
-    # count and lock remain.
-    assert run.value(0, "keys") == "2", run.dump()
+    # count, lock, m0 and m1 remain.
+    assert run.value(0, "keys") == "4", run.dump()
+
+
+def test_gloo_reads_every_address_in_one_batch(launch) -> None:
+    """gloo's rendezvous through ``muster.torch.Store`` reads the ranks' addresses with one
+    ``multi_get`` (the store's extended API and ``GLOO_ENABLE_STORE_V2_API``, which the store
+    sets), not a ``wait`` and a ``get`` per rank: one round trip instead of two per rank."""
+    run = launch(
+        4,
+        """
+        import collections, os
+        import torch, torch.distributed as dist
+        import muster.torch
+
+        calls = collections.Counter()
+
+        class Counting(muster.torch.Store):
+            def get(self, key):
+                calls["get"] += 1
+                return super().get(key)
+
+            def wait(self, keys, timeout=None):
+                calls["wait"] += 1
+                return super().wait(keys, timeout)
+
+            def multi_get(self, keys):
+                calls[f"multi_get{len(keys)}"] += 1
+                return super().multi_get(keys)
+
+        accelerator = muster.Accelerator()
+        store = Counting(accelerator)
+        dist.init_process_group(
+            "gloo", store=store, rank=accelerator.process_index,
+            world_size=accelerator.num_processes,
+        )
+        print(f"reads={sorted(calls.items())}", flush=True)
+        print(f"env={os.environ['GLOO_ENABLE_STORE_V2_API']}", flush=True)
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        print(f"sum={int(t.item())}", flush=True)
+        dist.destroy_process_group()
+        """,
+        timeout=120,
+    )
+    assert run.code == 0, run.dump()
+    for rank in range(4):
+        assert run.value(rank, "reads") == "[('multi_get4', 1)]", run.dump()
+        assert run.value(rank, "env") == "1", run.dump()
+        assert run.value(rank, "sum") == "4", run.dump()
 
 
 def test_the_agent_store_and_muster_torch_store_are_two_doors_to_the_same_keys(launch) -> None:

@@ -116,6 +116,17 @@ impl Kv {
         Ok(response.value)
     }
 
+    /// The values of `keys`, in their order, waiting up to `wait` for each to be set (torch's
+    /// `multi_get`). The gets run concurrently on the one connection, so the whole call costs
+    /// about one round trip, not one per key; the first failure is the answer.
+    pub async fn get_wait_many(
+        &self,
+        keys: &[String],
+        wait: Duration,
+    ) -> Result<Vec<Vec<u8>>, Error> {
+        futures::future::try_join_all(keys.iter().map(|key| self.get_wait(key, wait))).await
+    }
+
     /// Adds `delta` to the counter at `key` (absent counts as 0) and returns the new value.
     /// An add of 0 reads the counter (creating it at 0, as torch's store does), and is retried
     /// like a read: torch polls counters so (its store-based barrier), and applying it twice

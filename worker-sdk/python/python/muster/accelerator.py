@@ -71,6 +71,12 @@ class KeyValueStore:
             return self._native.kv_get(key)
         return self._native.kv_wait(key, float(timeout))
 
+    def get_many(self, keys: list[str], timeout: float) -> list[bytes]:
+        """The values of ``keys``, in their order, waiting up to ``timeout`` seconds for every
+        one to be set (:class:`muster.errors.WaitTimeoutError` naming a key that was not). The
+        reads go out together: about one round trip in all, not one per key."""
+        return self._native.kv_wait_many(list(keys), float(timeout))
+
     def add(self, key: str, delta: int = 1) -> int:
         """Adds ``delta`` to the integer at ``key`` (0 when unset), atomically at the
         coordinator; returns the new value."""
