@@ -23,6 +23,13 @@ with a.main_process_first():
 assert a.main_process_first_share(lambda: [1, 2]) == [1, 2]
 a.store.set("k", "v")
 assert a.store.get("k") == b"v" and a.store.get("nope") is None
+assert a.store.get_many(["k", "k"], timeout=0) == [b"v", b"v"]
+try:
+    a.store.get_many(["k", "nope"], timeout=3600)
+except muster.NotFoundError as e:
+    assert "'nope'" in str(e), e
+else:
+    raise AssertionError("a batch with a key nobody can set returned")
 try:
     a.store.get("nope", timeout=0.05)
 except muster.NotFoundError as e:
@@ -244,6 +251,9 @@ def test_the_key_value_store_is_shared_and_atomic(launch) -> None:
         print(f"count={int(kv.get('count'))}", flush=True)
         print(f"swapped={swapped}", flush=True)
         print(f"greeting={kv.get('greeting', timeout=30).decode()}", flush=True)
+        kv.set(f"rank{a.process_index}", str(a.process_index))
+        every = kv.get_many([f"rank{r}" for r in reversed(range(4))], timeout=30)
+        print(f"every={b','.join(every).decode()}", flush=True)
         try:
             kv.get("never-set", timeout=0.2)
         except muster.WaitTimeoutError as e:
@@ -257,6 +267,7 @@ def test_the_key_value_store_is_shared_and_atomic(launch) -> None:
     for rank in range(4):
         assert run.value(rank, "count") == "100", run.dump()
         assert run.value(rank, "greeting") == "hello"
+        assert run.value(rank, "every") == "3,2,1,0", run.dump()
         assert run.value(rank, "timeout") == "WaitTimeoutError"
 
 
