@@ -45,6 +45,10 @@ use tonic::Code;
 const STALL: Duration = Duration::from_millis(250);
 /// A gap this long is also named on stderr.
 const STALL_NOTICE: Duration = Duration::from_secs(1);
+/// While the watch stream opens, the clock is read this often, so that a stop of this process
+/// in the meantime is measured to within it (a single timer at the lease's end would only see
+/// the part of the stop after its deadline).
+const OPEN_TICK: Duration = Duration::from_millis(100);
 
 /// How long [`Watch::finish`] waits for the coordinator to take the `finished` message (on
 /// top of the failover budget when the stream is being re-attached).
@@ -309,14 +313,14 @@ async fn run(
         let open = client.watch(tokio_stream::wrappers::ReceiverStream::new(out_rx));
         tokio::pin!(open);
         let opened = loop {
-            match tokio::time::timeout_at(open_by, &mut open).await {
+            let due = (Instant::now() + OPEN_TICK).min(open_by);
+            match tokio::time::timeout_at(due, &mut open).await {
                 Ok(answer) => break Some(answer),
-                // A timeout that fired well after its deadline: this process did not run
+                // A timer that fired well after it was due: this process did not run
                 // meanwhile (stopped while the stream was opening), which the lease does not
-                // count. The stop began before the deadline, by an unknown amount: give the
-                // coordinator a whole lease to answer before judging.
-                Err(_) => match state.woke(open_by) {
-                    Some(gap) => {
+                // count. Give the coordinator a whole lease to answer before judging.
+                Err(_) => {
+                    if let Some(gap) = state.woke(due) {
                         state.last_heard = Instant::now();
                         eprintln!(
                             "muster-agent: job {}: this agent did not run for {:.1}s (it was stopped, e.g. by SIGSTOP, or its machine was suspended); not counted against its {:.1}s lease",
@@ -324,10 +328,14 @@ async fn run(
                             gap.as_secs_f64(),
                             lease.as_secs_f64()
                         );
-                        open_by = Instant::now() + state.remaining();
                     }
-                    None => break None,
-                },
+                    // A shorter stall moved `last_heard` on by itself (`Lease::woke`).
+                    let left = state.remaining();
+                    if left.is_zero() {
+                        break None;
+                    }
+                    open_by = Instant::now() + left;
+                }
             }
         };
         let mut stream = match opened {
