@@ -71,14 +71,15 @@ impl Native {
     }
 
     /// Runs a blocking SDK call without the GIL; on the main thread, on a helper thread while
-    /// this one answers signals.
+    /// this one answers signals. Single-process mode never blocks (its store and barriers are
+    /// this process's own), so its calls run in place.
     fn wait<T: Send + 'static>(
         &self,
         py: Python<'_>,
         f: impl FnOnce(&muster::Accelerator) -> Result<T, Error> + Send + 'static,
     ) -> PyResult<T> {
         let accelerator = self.get(py)?;
-        if !on_main_thread() {
+        if !on_main_thread() || !self.info.is_distributed() {
             return py.detach(|| f(&accelerator)).map_err(|e| to_py(py, e));
         }
         let (tx, rx) = mpsc::sync_channel(1);
