@@ -5,8 +5,8 @@
 //! Waits release the GIL. On the process's main thread a wait runs on a helper thread while
 //! the caller checks for signals every 50 ms, so Ctrl-C interrupts it (a barrier instead reads
 //! the relay in place and checks between reads); other threads, and single-process mode,
-//! wait in place. A forked child (a DataLoader worker) gets a clear error instead of the deadlock that
-//! the parent's runtime threads, absent after `fork`, would cause.
+//! wait in place. A forked child (a DataLoader worker) gets a clear error instead of the
+//! deadlock that the parent's runtime threads, absent after `fork`, would cause.
 
 use std::sync::mpsc::{self, RecvTimeoutError};
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};

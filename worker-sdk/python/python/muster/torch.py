@@ -57,8 +57,8 @@ class Store(dist.Store):
 
     ``multi_get`` reads its keys as one batch (about one round trip), and making a Store sets
     ``GLOO_ENABLE_STORE_V2_API=1`` unless the environment already says otherwise: gloo then
-    reads every rank's address with one ``multi_get`` instead of a wait and a get per rank,
-    which is most of what ``init_process_group`` costs."""
+    reads every rank's address with one ``multi_get`` instead of a wait and a get per rank
+    (at 8 processes, 2 store calls per rank instead of 17)."""
 
     def __init__(
         self,
