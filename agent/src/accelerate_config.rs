@@ -49,6 +49,11 @@ pub struct AccelerateConfig {
     pub muster_agent_store: Option<bool>,
     /// `muster_recovery` (muster's own key, as `--recovery`): `restart` or `in-place`.
     pub muster_recovery: Option<crate::env::Recovery>,
+    /// `muster_hang_timeout` (muster's own key, as `--hang-timeout`): `90s`, `5m`, `off`;
+    /// `Some(None)` is off.
+    pub muster_hang_timeout: Option<Option<std::time::Duration>>,
+    /// `muster_on_hang` (muster's own key, as `--on-hang`): `report`, `fail` or `restart`.
+    pub muster_on_hang: Option<muster_core::requests::OnHang>,
     /// `monitor_interval`, in seconds: checked, not used (muster learns of exits at once).
     pub monitor_interval: Option<f64>,
     /// `distributed_type`, upper case (`FSDP`, `DEEPSPEED`, `MULTI_GPU`, ...).
@@ -372,6 +377,27 @@ fn read_setting(config: &mut AccelerateConfig, key: &str, value: &Yaml) -> Resul
                 None => None,
             };
         }
+        "muster_hang_timeout" => {
+            // A bare number is seconds, as on the command line.
+            let text = match v.value {
+                Yaml::Integer(i) => Some(i.to_string()),
+                _ => v.string()?.map(str::to_owned),
+            };
+            config.muster_hang_timeout = match text {
+                Some(s) => {
+                    Some(crate::cli::values::parse_duration(&s).map_err(|why| v.invalid(&why))?)
+                }
+                None => None,
+            };
+        }
+        "muster_on_hang" => {
+            config.muster_on_hang = match v.string()? {
+                Some(s) => {
+                    Some(muster_core::requests::OnHang::parse(s).map_err(|why| v.invalid(&why))?)
+                }
+                None => None,
+            };
+        }
         "monitor_interval" => config.monitor_interval = v.seconds()?,
         "distributed_type" => {
             if let Some(t) = v.string()? {
@@ -619,6 +645,8 @@ mod tests {
                 add("restarts", c.max_restarts.map(|v| v.to_string()));
                 add("agent_store", c.muster_agent_store.map(|v| v.to_string()));
                 add("recovery", c.muster_recovery.map(|v| v.to_string()));
+                add("hang", c.muster_hang_timeout.map(|v| format!("{v:?}")));
+                add("on_hang", c.muster_on_hang.map(|v| v.to_string()));
                 add("monitor", c.monitor_interval.map(|v| v.to_string()));
                 for w in &c.warnings {
                     parts.push(format!("warning: {w}"));
@@ -724,6 +752,24 @@ dynamo_config:
             got.as_ref()
                 .is_err_and(|e| e.to_string().contains("muster_agent_store")),
             "{got:?}"
+        );
+    }
+
+    /// muster's own keys for `--hang-timeout` and `--on-hang`, with the flags' spellings.
+    #[test]
+    fn the_hang_keys() {
+        check("muster_hang_timeout: 90s", "hang=Some(90s)");
+        check("muster_hang_timeout: 5m", "hang=Some(300s)");
+        check("muster_hang_timeout: \"off\"", "hang=None");
+        check("muster_hang_timeout: 0", "hang=None");
+        check("muster_on_hang: fail", "on_hang=fail");
+        check(
+            "muster_on_hang: stop",
+            "error: muster_on_hang: 'stop' is not a hang action: expected report, fail or restart",
+        );
+        check(
+            "muster_hang_timeout: soon",
+            "error: muster_hang_timeout: 'soon' is not a duration: expected e.g. 90s, 5m, 1h, 500ms or off",
         );
     }
 

@@ -102,6 +102,7 @@ pub async fn submit(args: SubmitArgs) -> Result<u8, String> {
                     println!("job {}: {}", summary.job_id, summary.reason);
                     launch::CANCELLED_EXIT
                 }
+                _ if d.failure.as_ref().is_some_and(|f| f.hang) => launch::HUNG_EXIT,
                 _ => 1,
             });
         }
@@ -264,6 +265,10 @@ fn update(job_id: &str, result: &Result<Outcome, String>) -> pb::AgentMessage {
             "this node was drained; the job goes on without it".to_owned(),
         ),
         Ok(Outcome::Failed) => (pb::JobOutcome::Failed, "failed".to_owned()),
+        Ok(Outcome::Hung) => (
+            pb::JobOutcome::Failed,
+            "failed: the job hung (--on-hang)".to_owned(),
+        ),
         Ok(Outcome::Interrupted(sig)) => (
             pb::JobOutcome::Cancelled,
             format!("stopped by {}", sig.as_str()),

@@ -8,7 +8,7 @@
 //! without a coordinator.
 
 use crate::cli::daemon_args::DescribeArgs;
-use crate::operator::{connect, describe as describe_job};
+use crate::operator::{connect, describe as describe_job, dump_stacks};
 use muster_proto::v1 as pb;
 use std::fmt::Write as _;
 
@@ -36,15 +36,46 @@ pub async fn run(args: DescribeArgs) -> Result<u8, String> {
                 ),
             })
     };
-    let show = |d: &pb::DescribeJobResponse| -> Result<String, String> {
+    let stacks = || async {
+        if !args.stacks {
+            return Ok(None);
+        }
+        dump_stacks(&coordinators, &args.job_id, args.full)
+            .await
+            .map(Some)
+            .map_err(|s| {
+                format!(
+                    "cannot read the stacks of job '{}': {}",
+                    args.job_id,
+                    crate::security::explain(&s)
+                )
+            })
+    };
+    let show = |d: &pb::DescribeJobResponse,
+                s: Option<&pb::DumpStacksResponse>|
+     -> Result<String, String> {
         Ok(if args.json {
-            format!("{}\n", json(d)?)
+            let mut out = format!("{}\n", json(d)?);
+            if let Some(s) = s {
+                out.push_str(&muster_proto::json::grpcurl(
+                    "muster.v1.DumpStacksResponse",
+                    s,
+                )?);
+                out.push('\n');
+            }
+            out
         } else {
-            render(d)
+            let mut out = render(d);
+            if let Some(s) = s {
+                out.push_str(&render_stacks(s));
+            }
+            out
         })
     };
     let Some(every) = args.watch else {
-        print!("{}", show(&fetch().await?)?);
+        let d = fetch().await?;
+        let s = stacks().await?;
+        print!("{}", show(&d, s.as_ref())?);
         return Ok(0);
     };
     // Registered now, before the first frame: a Ctrl-C right after it is not lost.
@@ -52,19 +83,19 @@ pub async fn run(args: DescribeArgs) -> Result<u8, String> {
         .map_err(|e| format!("cannot watch for Ctrl-C: {e}"))?;
     loop {
         // A call may wait out a coordinator failover: Ctrl-C must not wait for it.
-        let d = tokio::select! {
-            d = fetch() => d?,
+        let (d, s) = tokio::select! {
+            d = async { Ok::<_, String>((fetch().await?, stacks().await?)) } => d?,
             _ = ctrl_c.recv() => return Ok(0),
         };
         if args.json {
-            print!("{}", show(&d)?);
+            print!("{}", show(&d, s.as_ref())?);
         } else {
             print!(
                 "{CLEAR}Every {:.1}s: muster-agent describe {}    {}\n\n{}",
                 every.as_secs_f64(),
                 args.job_id,
                 clock(),
-                render(&d)
+                show(&d, s.as_ref())?
             );
         }
         // Each frame whole, even into a pipe.
@@ -87,6 +118,34 @@ pub async fn run(args: DescribeArgs) -> Result<u8, String> {
 /// one gRPC reflection serves), so that it is what grpcurl would print for the same reply.
 pub fn json(d: &pb::DescribeJobResponse) -> Result<String, String> {
     muster_proto::json::grpcurl("muster.v1.DescribeJobResponse", d)
+}
+
+/// The grouped stacks of one DumpStacks reply, after the job's view.
+pub fn render_stacks(s: &pb::DumpStacksResponse) -> String {
+    let mut out = format!("\nstacks (generation {}):\n", s.generation);
+    for line in s.report.lines() {
+        let _ = writeln!(out, "  {line}");
+    }
+    out
+}
+
+/// The hangs the coordinator detected, newest first: the headline and the grouped stacks.
+fn render_hangs(d: &pb::DescribeJobResponse, out: &mut String) {
+    for (i, h) in d.hangs.iter().enumerate() {
+        out.push('\n');
+        let mut lines = h.report.lines();
+        let headline = lines.next().unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "{} {headline}",
+            if i == 0 { "HANG" } else { "earlier hang:" }
+        );
+        if i == 0 {
+            for line in lines {
+                let _ = writeln!(out, "  {line}");
+            }
+        }
+    }
 }
 
 /// The time of day (UTC) for the watch header, as `watch(1)` shows one.
@@ -405,6 +464,7 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
             let _ = writeln!(out, "  last stderr line: {}", last.trim_end());
         }
     }
+    render_hangs(d, &mut out);
     // What made the restarts: the earlier generations' failures (the current one's is above).
     let current = d.failure.as_ref().map(|f| f.generation);
     let earlier: Vec<_> = d

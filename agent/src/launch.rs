@@ -63,6 +63,10 @@ pub const FAILURE_SETTLE: Duration = Duration::from_millis(500);
 /// scheduler can tell a cancel from a failure. 2 is taken by usage errors.
 pub const CANCELLED_EXIT: u8 = 3;
 
+/// The exit status of an agent whose job hung and was ended by `--on-hang fail` (or
+/// `restart` without restarts left): a scheduler can tell a hang from a crash.
+pub const HUNG_EXIT: u8 = 4;
+
 /// How a launch ended; [`Outcome::exit_code`] is the agent's exit status.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
@@ -72,6 +76,8 @@ pub enum Outcome {
     Failed,
     /// An operator cancelled the job.
     Cancelled,
+    /// The job hung (no progress for its hang timeout) and `--on-hang` ended it.
+    Hung,
     /// An operator drained this node (`Ops.DrainNode`): its workers were stopped and the job
     /// goes on without it. Exits 0: nothing failed here.
     Drained,
@@ -80,13 +86,14 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    /// 0, 1, [`CANCELLED_EXIT`] (3), or 128 + the signal number (130 for SIGINT, 143 for
+    /// 0, 1, [`CANCELLED_EXIT`] (3), [`HUNG_EXIT`] (4), or 128 + the signal number (130 for SIGINT, 143 for
     /// SIGTERM).
     pub fn exit_code(self) -> u8 {
         match self {
             Self::Succeeded | Self::Drained => 0,
             Self::Failed => 1,
             Self::Cancelled => CANCELLED_EXIT,
+            Self::Hung => HUNG_EXIT,
             Self::Interrupted(sig) => u8::try_from(128 + sig as i32).unwrap_or(1),
         }
     }
@@ -354,6 +361,17 @@ async fn run_at(
         } else {
             None
         };
+        // The stack sampler lives as long as the watch that answers the coordinator's dumps.
+        let registry = crate::stacks::Workers::default();
+        let sampler = match crate::stacks::Sampler::start(registry.clone(), spec.sample_hz) {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!(
+                    "muster-agent: job {job}: cannot start the stack sampler ({e}); stacks and hang detection are off on this node"
+                );
+                None
+            }
+        };
         let watch = Watch::start(
             coordinators.clone(),
             pb::NodeAttach {
@@ -364,6 +382,7 @@ async fn run_at(
                 resume: false,
             },
             spec.lease,
+            sampler,
         );
         let end = Supervisor::new(
             &spec,
@@ -373,6 +392,7 @@ async fn run_at(
             stops,
             previous.take(),
         )
+        .with_registry(registry)
         .run()
         .await;
         drop(relay);
@@ -469,6 +489,9 @@ async fn run_at(
                         "muster-agent: job {job}: no restarts left ({} of {} used)",
                         v.restart_count, v.max_restarts
                     );
+                }
+                if last_failure.as_ref().is_some_and(|f| f.hang) {
+                    return Ok(Outcome::Hung);
                 }
                 return Ok(Outcome::Failed);
             }
@@ -739,6 +762,7 @@ mod tests {
         assert_eq!(Outcome::Succeeded.exit_code(), 0);
         assert_eq!(Outcome::Failed.exit_code(), 1);
         assert_eq!(Outcome::Cancelled.exit_code(), 3);
+        assert_eq!(Outcome::Hung.exit_code(), 4);
         assert_eq!(Outcome::Interrupted(Signal::SIGINT).exit_code(), 130);
         assert_eq!(Outcome::Interrupted(Signal::SIGTERM).exit_code(), 143);
     }

@@ -39,6 +39,7 @@ pub mod program;
 pub mod relay;
 pub mod security;
 pub mod spec;
+pub mod stacks;
 pub mod store;
 pub mod systemd;
 pub mod watch;

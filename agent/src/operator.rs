@@ -52,6 +52,24 @@ pub(crate) async fn describe(
     .map(tonic::Response::into_inner)
 }
 
+/// `Ops.DumpStacks` on the leader: every rank's stacks, grouped (`full`: every frame).
+pub(crate) async fn dump_stacks(
+    coordinators: &Coordinators,
+    job_id: &str,
+    full: bool,
+) -> Result<pb::DumpStacksResponse, tonic::Status> {
+    let request = pb::DumpStacksRequest {
+        job_id: job_id.to_owned(),
+        full,
+    };
+    failover::call(coordinators, "Ops.DumpStacks", |ch| {
+        let request = request.clone();
+        async move { OpsClient::new(ch).dump_stacks(request).await }
+    })
+    .await
+    .map(tonic::Response::into_inner)
+}
+
 /// The first words operators read about a job, in `status` and `describe` alike: `job J:
 /// STATE[ (over)], generation G, N nodes, W <unit>, restarts R/M`.
 pub(crate) fn job_headline(s: &pb::JobSummary, unit: &str) -> String {

@@ -57,6 +57,10 @@ pub struct LaunchSpec {
     pub max_restarts: u32,
     /// `--recovery`: what a worker's death does (the job's first joiner fixes it).
     pub recovery: Recovery,
+    /// `--hang-timeout` and `--on-hang` (the job's first joiner fixes them).
+    pub hang: muster_core::requests::Hang,
+    /// `--sample-stacks`: stack samples a second per worker (0: only on demand).
+    pub sample_hz: f64,
     /// How long the rendezvous waits for MIN nodes; `None`: the coordinator's default.
     pub join_timeout: Option<Duration>,
     /// How long a round with MIN nodes stays open for more; `None`: the coordinator's default.

@@ -20,6 +20,11 @@
 //! In-place recovery: the coordinator's `replace` (a rank of this node died and restarts are
 //! left) is passed on as [`WatchEvent::Replace`]; the supervisor respawns that rank alone.
 //!
+//! Stacks (`docs/hangs.md`): the coordinator's `dump_stacks` is answered with the node's
+//! workers' stacks, read by the generation's [`Sampler`] (a task per dump, so heartbeats go
+//! on meanwhile); the sampler's progress notices go out as `progress` messages (the job's
+//! hang timeout starts again); a `hang` report is printed on the agent's stderr.
+//!
 //! The lease counts the time this process runs: a heartbeat tick that comes much later than
 //! its interval means the process did not run meanwhile (SIGSTOP, a suspended machine), and
 //! the coordinator's silence during that gap says nothing about the coordinator. The gap is
@@ -32,6 +37,7 @@
 //! re-attach) and ends once the coordinator closes the stream.
 
 use crate::failover::{self, Coordinators, Retry};
+use crate::stacks::Sampler;
 use muster_proto::v1 as pb;
 use muster_proto::v1::rendezvous_client::RendezvousClient;
 use std::time::Duration;
@@ -86,7 +92,14 @@ pub struct Watch {
 impl Watch {
     /// Starts watching the generation `attach` names, with this lease, on the coordinators'
     /// leader.
-    pub fn start(coordinators: Coordinators, attach: pb::NodeAttach, lease: Duration) -> Self {
+    /// `sampler` reads the node's workers' stacks for the coordinator's dumps and reports
+    /// their progress.
+    pub fn start(
+        coordinators: Coordinators,
+        attach: pb::NodeAttach,
+        lease: Duration,
+        sampler: Option<Sampler>,
+    ) -> Self {
         let (tx, events) = mpsc::unbounded_channel();
         let (finish, finish_rx) = oneshot::channel();
         let (reattaching_tx, reattaching) = watch::channel(false);
@@ -98,6 +111,7 @@ impl Watch {
             tx,
             finish_rx,
             reattaching_tx,
+            sampler,
         ));
         Self {
             events,
@@ -243,7 +257,10 @@ async fn run(
     tx: mpsc::UnboundedSender<WatchEvent>,
     mut finish: oneshot::Receiver<()>,
     reattaching: watch::Sender<bool>,
+    mut sampler: Option<Sampler>,
 ) {
+    let mut progress = sampler.as_mut().and_then(Sampler::progress);
+    let dumper = sampler.as_ref().map(Sampler::dumper);
     let mut state = Lease {
         lease,
         // With one address the lease alone decides (`failover::reattach_budget`).
@@ -415,6 +432,12 @@ async fn run(
                             Some(pb::node_event::Kind::Replace(replace)) => {
                                 let _ = tx.send(WatchEvent::Replace(replace));
                             }
+                            Some(pb::node_event::Kind::DumpStacks(cmd)) => {
+                                answer_dump(dumper.clone(), cmd.request_id, out.clone());
+                            }
+                            Some(pb::node_event::Kind::Hang(hang)) => {
+                                print_hang(&attach.job_id, &hang);
+                            }
                             Some(pb::node_event::Kind::Heartbeat(_)) | None => {}
                         }
                     }
@@ -472,6 +495,11 @@ async fn run(
                         kind: Some(pb::node_message::Kind::Heartbeat(pb::Heartbeat {})),
                     });
                 }
+                Some(()) = next_progress(&mut progress) => {
+                    let _ = out.try_send(pb::NodeMessage {
+                        kind: Some(pb::node_message::Kind::Progress(pb::NodeProgress {})),
+                    });
+                }
                 r = &mut finish, if !finishing => {
                     if r.is_err() {
                         return;
@@ -501,6 +529,57 @@ async fn run(
         }
         pause(&mut state, &mut backoff).await;
     }
+}
+
+/// The sampler's next progress notice; pends forever without a sampler (or once it ended).
+async fn next_progress(progress: &mut Option<mpsc::UnboundedReceiver<()>>) -> Option<()> {
+    match progress {
+        Some(rx) => match rx.recv().await {
+            Some(()) => Some(()),
+            None => {
+                *progress = None;
+                std::future::pending().await
+            }
+        },
+        None => std::future::pending().await,
+    }
+}
+
+/// Task "stack-dump" (one per `dump_stacks`): reads the node's stacks and answers on the
+/// watch stream; on error (the stream gone), the answer is dropped (the coordinator names the
+/// node as unanswered); it ends with its answer.
+fn answer_dump(
+    dumper: Option<crate::stacks::Dumper>,
+    request_id: u64,
+    out: mpsc::Sender<pb::NodeMessage>,
+) {
+    tokio::spawn(async move {
+        let ranks = match dumper {
+            Some(d) => d.dump().await,
+            None => Vec::new(),
+        };
+        let _ = out
+            .send(pb::NodeMessage {
+                kind: Some(pb::node_message::Kind::Stacks(pb::NodeStacks {
+                    request_id,
+                    ranks,
+                })),
+            })
+            .await;
+    });
+}
+
+/// The coordinator's hang report, on this agent's stderr.
+fn print_hang(job: &str, hang: &pb::HangReport) {
+    let mut text = String::new();
+    for (i, line) in hang.report.lines().enumerate() {
+        if i == 0 {
+            text.push_str(&format!("muster-agent: job {job}: {line}\n"));
+        } else {
+            text.push_str(&format!("    {line}\n"));
+        }
+    }
+    eprint!("{text}");
 }
 
 /// Sleeps one backoff step, cut short at the deadline (a stall meanwhile moves it on).

@@ -248,6 +248,28 @@ pub async fn serve_with_store(
             }
         })
     };
+    // Task "hang-watch": every HANG_TICK, finds jobs whose running generation made no
+    // progress for their hang timeout, dumps their stacks and records the hang (a task per
+    // hang, so one slow dump delays no other job); aborted when serving ends.
+    let hang_task = {
+        let coordinator = Arc::clone(&coordinator);
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(HANG_TICK);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                for job in coordinator.job_list() {
+                    if let Some(due) = job.hang_due() {
+                        tokio::spawn(async move {
+                            if let Ok(dump) = job.dump_stacks(false).await {
+                                job.record_hang(&due, &dump);
+                            }
+                        });
+                    }
+                }
+            }
+        })
+    };
     let values = ValuesService(Arc::clone(&coordinator));
     tracing::info!(%addr, advertise = %me, store = if durable { "etcd" } else { "memory" }, "coordinator serving");
     let mut server = tonic::transport::Server::builder();
@@ -334,6 +356,7 @@ pub async fn serve_with_store(
         )
         .await;
     expiry_task.abort();
+    hang_task.abort();
     for task in [metrics_task, web_task, health_task].into_iter().flatten() {
         task.abort();
     }
@@ -411,6 +434,10 @@ fn server_tls(
 }
 
 /// The muster services, by their gRPC names (for health reporting).
+/// How often the "hang-watch" task looks for jobs past their hang timeout: a hang is
+/// reported at most this long after its timeout.
+const HANG_TICK: std::time::Duration = std::time::Duration::from_millis(500);
+
 const SERVICES: &[&str] = &[
     "muster.v1.Rendezvous",
     "muster.v1.Session",

@@ -7,6 +7,7 @@
 //! with the agent). This module imports nothing of the service or the store: `lib.rs` reads
 //! the snapshot and gives the store its timing hook ([`store_op`]).
 
+use muster_core::requests::OnHang;
 use muster_proto::v1 as pb;
 use muster_telemetry::metrics::{
     DurationHistogram, LATENCY_BUCKETS, Labeled, OTHER_METHOD, RpcLatencyLayer,
@@ -36,15 +37,19 @@ pub enum Cause {
     NodeLost,
     /// An operator cancelled the job while a generation ran.
     Cancelled,
+    /// The generation made no progress for the job's hang timeout (`--on-hang fail` or
+    /// `restart`).
+    Hung,
 }
 
 impl Cause {
-    const ALL: [Cause; 5] = [
+    const ALL: [Cause; 6] = [
         Cause::WorkerExited,
         Cause::WorkerSignaled,
         Cause::SessionLost,
         Cause::NodeLost,
         Cause::Cancelled,
+        Cause::Hung,
     ];
 
     /// The label value.
@@ -55,6 +60,7 @@ impl Cause {
             Cause::SessionLost => "session_lost",
             Cause::NodeLost => "node_lost",
             Cause::Cancelled => "cancelled",
+            Cause::Hung => "hung",
         }
     }
 }
@@ -69,6 +75,7 @@ struct Metrics {
     recoveries: Counter,
     quorum: DurationHistogram,
     cancelled: Counter,
+    hangs: Labeled<Counter>,
     failures: Labeled<Counter>,
     rpc: Labeled<DurationHistogram>,
     store: Labeled<DurationHistogram>,
@@ -114,10 +121,20 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         "Jobs an operator cancelled (Ops.CancelJob, muster-agent cancel), whatever phase they were in",
         cancelled.clone(),
     );
+    let hangs = Labeled::new(
+        "action",
+        [OnHang::Report, OnHang::Fail, OnHang::Restart].map(OnHang::name),
+        Counter::default,
+    );
+    registry.register(
+        "hangs",
+        "Hangs detected (a generation without progress for its job's hang timeout), by what followed (report, fail, restart)",
+        hangs.clone(),
+    );
     let failures = Labeled::new("cause", Cause::ALL.map(Cause::as_str), Counter::default);
     registry.register(
         "generation_failures",
-        "Generations ended early, by cause (worker_exited, worker_signaled, session_lost, node_lost, cancelled)",
+        "Generations ended early, by cause (worker_exited, worker_signaled, session_lost, node_lost, cancelled, hung)",
         failures.clone(),
     );
     let rpc = Labeled::new(
@@ -146,6 +163,7 @@ static METRICS: LazyLock<Metrics> = LazyLock::new(|| {
         recoveries,
         quorum,
         cancelled,
+        hangs,
         failures,
         rpc,
         store,
@@ -213,7 +231,9 @@ pub fn job_cancelled() {
 
 /// Hook: a generation failed with `failure`.
 pub fn generation_failed(failure: &muster_core::failure::Failure) {
-    let cause = if !failure.node_id.is_empty() {
+    let cause = if failure.hang.is_some() {
+        Cause::Hung
+    } else if !failure.node_id.is_empty() {
         Cause::NodeLost
     } else if failure.detail.signal.is_some() {
         Cause::WorkerSignaled
@@ -223,6 +243,13 @@ pub fn generation_failed(failure: &muster_core::failure::Failure) {
         Cause::SessionLost
     };
     generation_ended(cause);
+}
+
+/// Hook: a hang was detected in a job whose hang action is `action`.
+pub fn hang_detected(action: OnHang) {
+    if let Some(c) = METRICS.hangs.get(action.name()) {
+        c.inc();
+    }
 }
 
 /// Hook: a generation ended early for `cause`.

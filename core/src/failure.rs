@@ -23,6 +23,8 @@ pub struct Failure {
     pub detail: FailureDetail,
     /// The failed node's id, for a node-level failure (a lost agent).
     pub node_id: String,
+    /// A hang the coordinator detected, and what it does (`reason` holds the report).
+    pub hang: Option<crate::requests::OnHang>,
 }
 
 /// What an agent reports about a worker's end beyond the one-line reason.
@@ -78,6 +80,7 @@ impl Failure {
             error_traceback: self.detail.error_traceback.clone(),
             stderr_tail: self.detail.stderr_tail.clone(),
             node_id: self.node_id.clone(),
+            hang: self.hang.is_some(),
         }
     }
 

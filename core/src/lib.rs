@@ -22,3 +22,5 @@ pub mod job_token;
 pub mod model;
 /// Requests from the wire turned into domain values (`TryFrom`), checked once at the edge.
 pub mod requests;
+/// Ranks' stacks folded and grouped: where a hang's ranks stand, and which are elsewhere.
+pub mod stacks;

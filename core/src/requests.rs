@@ -24,6 +24,110 @@ pub struct RoundConfig {
     pub max_restarts: u32,
     /// What a worker's death does.
     pub recovery: Recovery,
+    /// How a hang is detected and what it does.
+    pub hang: Hang,
+}
+
+/// A job's hang detection (`RendezvousConfig.hang_timeout_ms` and `on_hang`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Hang {
+    /// How long the running generation may make no progress; `None`: no detection.
+    pub timeout: Option<Duration>,
+    /// What a detected hang does.
+    pub action: OnHang,
+}
+
+/// The shortest hang timeout: below it, a healthy step between two samples would be a hang.
+pub const MIN_HANG_TIMEOUT: Duration = Duration::from_secs(1);
+
+impl Hang {
+    /// Checks the wire's pair; `None` when the timeout is absent (the job's, or none).
+    pub fn from_wire(timeout_ms: Option<u64>, action: i32) -> Result<Option<Self>, Invalid> {
+        let action = OnHang::from_wire("on_hang", action)?.unwrap_or_default();
+        let Some(ms) = timeout_ms else {
+            return Ok(None);
+        };
+        let timeout = match model::wait("hang_timeout_ms", ms)? {
+            Some(d) if d < MIN_HANG_TIMEOUT => {
+                return Err(Invalid(format!(
+                    "hang_timeout_ms is {ms} ms; the least is {} ms (0 turns hang detection off)",
+                    MIN_HANG_TIMEOUT.as_millis()
+                )));
+            }
+            d => d,
+        };
+        Ok(Some(Self { timeout, action }))
+    }
+
+    /// The wire's timeout (0: off).
+    pub fn timeout_ms(&self) -> u64 {
+        self.timeout
+            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+    }
+}
+
+/// What a detected hang does (the wire's `OnHang`, never unspecified here).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnHang {
+    /// The report is recorded and printed; the job goes on.
+    #[default]
+    Report,
+    /// The job fails with the report as its root cause, without a restart.
+    Fail,
+    /// The generation fails and the job restarts (counted against `max_restarts`).
+    Restart,
+}
+
+impl OnHang {
+    /// The wire value; `None` for ON_HANG_UNSPECIFIED. A value outside the enum is an
+    /// [`Invalid`] naming `field`.
+    pub fn from_wire(field: &str, v: i32) -> Result<Option<Self>, Invalid> {
+        match pb::OnHang::try_from(v) {
+            Ok(pb::OnHang::Unspecified) => Ok(None),
+            Ok(pb::OnHang::Report) => Ok(Some(Self::Report)),
+            Ok(pb::OnHang::Fail) => Ok(Some(Self::Fail)),
+            Ok(pb::OnHang::Restart) => Ok(Some(Self::Restart)),
+            Err(_) => Err(Invalid(format!(
+                "{field} {v} is not a hang action (1: report, 2: fail, 3: restart)"
+            ))),
+        }
+    }
+
+    /// The wire value.
+    pub fn to_wire(self) -> i32 {
+        match self {
+            Self::Report => pb::OnHang::Report as i32,
+            Self::Fail => pb::OnHang::Fail as i32,
+            Self::Restart => pb::OnHang::Restart as i32,
+        }
+    }
+
+    /// The name an operator types (`--on-hang`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Report => "report",
+            Self::Fail => "fail",
+            Self::Restart => "restart",
+        }
+    }
+
+    /// Reads an operator's spelling; the error lists the ones accepted.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "report" => Ok(Self::Report),
+            "fail" => Ok(Self::Fail),
+            "restart" => Ok(Self::Restart),
+            other => Err(format!(
+                "'{other}' is not a hang action: expected report, fail or restart"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for OnHang {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
 }
 
 /// What a worker's death does (the wire's `RecoveryMode`, never unspecified here).
@@ -89,6 +193,8 @@ pub struct RoundSpec {
     pub max_restarts: Option<u32>,
     /// The recovery mode, when set: a join that leaves it unset takes the existing job's.
     pub recovery: Option<Recovery>,
+    /// Hang detection, when set: a join that leaves it unset takes the existing job's.
+    pub hang: Option<Hang>,
 }
 
 impl RoundSpec {
@@ -102,6 +208,8 @@ impl RoundSpec {
             && c.join_timeout_ms == 0
             && c.max_restarts.is_none()
             && c.recovery == 0
+            && c.hang_timeout_ms.is_none()
+            && c.on_hang == 0
         {
             return Ok(None);
         }
@@ -137,17 +245,19 @@ impl RoundSpec {
             join_timeout: model::wait("join_timeout_ms", c.join_timeout_ms)?,
             max_restarts: c.max_restarts,
             recovery: Recovery::from_wire("recovery", c.recovery)?,
+            hang: Hang::from_wire(c.hang_timeout_ms, c.on_hang)?,
         }))
     }
 
     /// The configuration with the waits it left unset taken from `defaults` and, when it
-    /// left the restart budget or the recovery mode unset, `max_restarts` and `recovery`
-    /// (the existing job's, or restart and 0 for a new one).
+    /// left the restart budget, the recovery mode or hang detection unset, `max_restarts`,
+    /// `recovery` and `hang` (the existing job's, or restart, 0 and none for a new one).
     pub fn resolve(
         self,
         defaults: RoundConfig,
         max_restarts: u32,
         recovery: Recovery,
+        hang: Hang,
     ) -> RoundConfig {
         RoundConfig {
             min_nodes: self.min_nodes,
@@ -156,6 +266,7 @@ impl RoundSpec {
             join_timeout: self.join_timeout.unwrap_or(defaults.join_timeout),
             max_restarts: self.max_restarts.unwrap_or(max_restarts),
             recovery: self.recovery.unwrap_or(recovery),
+            hang: self.hang.unwrap_or(hang),
         }
     }
 }
@@ -579,9 +690,10 @@ mod tests {
             join_timeout: Duration::from_secs(2),
             max_restarts: 0,
             recovery: Recovery::Restart,
+            hang: Hang::default(),
         };
         assert_eq!(
-            spec.map(|s| s.map(|s| s.resolve(defaults, 7, Recovery::Restart))),
+            spec.map(|s| s.map(|s| s.resolve(defaults, 7, Recovery::Restart, Hang::default()))),
             Ok(Some(RoundConfig {
                 min_nodes: 2,
                 max_nodes: 2,
@@ -589,6 +701,51 @@ mod tests {
                 ..defaults
             }))
         );
+    }
+
+    /// A hang timeout is off at 0, at least a second otherwise, within the wait limit; an
+    /// unknown action is named; a join that sets neither leaves the job's.
+    #[test]
+    fn hang_settings_are_checked_naming_the_field() {
+        let round = |hang_timeout_ms, on_hang| {
+            RoundSpec::from_wire(Some(pb::RendezvousConfig {
+                hang_timeout_ms,
+                on_hang,
+                ..Default::default()
+            }))
+            .map(|s| s.and_then(|s| s.hang))
+        };
+        assert_eq!(round(None, 0), Ok(None));
+        assert_eq!(
+            round(Some(90_000), pb::OnHang::Fail as i32),
+            Ok(Some(Hang {
+                timeout: Some(Duration::from_secs(90)),
+                action: OnHang::Fail
+            }))
+        );
+        assert_eq!(
+            round(Some(0), 0),
+            Ok(Some(Hang {
+                timeout: None,
+                action: OnHang::Report
+            }))
+        );
+        assert_eq!(
+            round(Some(999), 0).unwrap_err().0,
+            "hang_timeout_ms is 999 ms; the least is 1000 ms (0 turns hang detection off)"
+        );
+        assert!(
+            round(Some(u64::MAX), 0)
+                .unwrap_err()
+                .0
+                .starts_with("hang_timeout_ms is ")
+        );
+        assert_eq!(
+            round(Some(5_000), 7).unwrap_err().0,
+            "on_hang 7 is not a hang action (1: report, 2: fail, 3: restart)"
+        );
+        assert_eq!(OnHang::parse("restart"), Ok(OnHang::Restart));
+        assert!(OnHang::parse("stop").is_err());
     }
 
     #[test]
@@ -615,6 +772,7 @@ mod tests {
             join_timeout: Duration::from_secs(2),
             max_restarts: 0,
             recovery: Recovery::Restart,
+            hang: Hang::default(),
         };
         // Unset: the job's mode; set: the join's.
         let unset = RoundSpec {
@@ -622,11 +780,14 @@ mod tests {
             ..spec
         };
         assert_eq!(
-            unset.resolve(defaults, 0, Recovery::InPlace).recovery,
+            unset
+                .resolve(defaults, 0, Recovery::InPlace, Hang::default())
+                .recovery,
             Recovery::InPlace
         );
         assert_eq!(
-            spec.resolve(defaults, 0, Recovery::Restart).recovery,
+            spec.resolve(defaults, 0, Recovery::Restart, Hang::default())
+                .recovery,
             Recovery::InPlace
         );
         let ask = |f: fn(&mut pb::QuorumRequest)| {

@@ -555,6 +555,7 @@ fn sigterm_drains_a_coordinator_with_a_waiting_client() {
                         join_timeout_ms: 120_000,
                         max_restarts: None,
                         recovery: 0,
+                        ..Default::default()
                     }),
                     request_id: String::new(),
                 })

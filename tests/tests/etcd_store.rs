@@ -304,6 +304,7 @@ async fn form(ch: &Channel, job: &str, local: u32) -> u64 {
                 join_timeout_ms: 60_000,
                 max_restarts: None,
                 recovery: 0,
+                ..Default::default()
             }),
             request_id: String::new(),
         })

@@ -87,6 +87,7 @@ fn join_req(job: &str, node: u32, request_id: &str) -> pb::JoinRequest {
             join_timeout_ms: 60_000,
             max_restarts: None,
             recovery: 0,
+            ..Default::default()
         }),
         request_id: request_id.into(),
     }

@@ -76,6 +76,7 @@ async fn form(addr: &str, id: &str, nodes: u32, local: u32) -> Job {
                 join_timeout_ms: 60_000,
                 max_restarts: None,
                 recovery: 0,
+                ..Default::default()
             }),
             request_id: format!("{id}-{n}-{}-{:?}", std::process::id(), Instant::now()),
         })

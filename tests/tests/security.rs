@@ -85,6 +85,7 @@ fn join(job: &str) -> pb::JoinRequest {
             join_timeout_ms: 10_000,
             max_restarts: None,
             recovery: 0,
+            ..Default::default()
         }),
         request_id: String::new(),
     }

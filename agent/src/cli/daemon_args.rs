@@ -3,9 +3,11 @@
 //! ([`ServeArgs::launch_args`]), so that it is validated as a launch without an argv.
 
 use super::launch_args::{LaunchArgs, Nproc};
+use super::values::Limit;
 use crate::env::Recovery;
 use crate::security::SecurityArgs;
 use clap::Args;
+use muster_core::requests::OnHang;
 use muster_proto::v1 as pb;
 use std::collections::HashMap;
 use std::ffi::OsString;
@@ -55,6 +57,13 @@ pub struct ServeArgs {
     /// says otherwise.
     #[arg(long, value_name = "MS", default_value_t = 5000)]
     pub grace_period_ms: u64,
+    /// The hang timeout of the jobs run here that set none (`90s`, `5m`, `off`), as
+    /// `launch --hang-timeout`. Default: launch's (5m).
+    #[arg(long, value_name = "DURATION", value_parser = super::values::parse_limit)]
+    pub hang_timeout: Option<super::values::Limit>,
+    /// What a hang does in the jobs run here that set nothing, as `launch --on-hang`.
+    #[arg(long, value_name = "ACTION", value_parser = OnHang::parse)]
+    pub on_hang: Option<OnHang>,
     /// Where to serve Prometheus metrics (`GET /metrics`, plain HTTP), as an IP address and
     /// port (0.0.0.0:29472): the workers of the jobs run here by state, restarts, failures by
     /// cause, coordinator failovers and the relays' barrier latency. Default: none.
@@ -100,6 +109,15 @@ impl ServeArgs {
         } else {
             self.grace_period_ms
         });
+        // Hang detection: the job's, else this agent's defaults, else a bare launch's.
+        args.hang_timeout = match job.hang_timeout_ms {
+            Some(0) => Some(Limit(None)),
+            Some(ms) => Some(Limit(Some(Duration::from_millis(ms)))),
+            None => self.hang_timeout,
+        };
+        args.on_hang = OnHang::from_wire("on_hang", job.on_hang)
+            .map_err(|e| format!("job '{}': {}", job.job_id, e.0))?
+            .or(self.on_hang);
         // A job that opts out does so on every agent; one that does not leaves it to the
         // serving agent's own MUSTER_NO_AGENT_STORE, as a bare launch would.
         args.no_agent_store |= job.no_agent_store;
@@ -145,6 +163,14 @@ pub struct SubmitArgs {
     /// SIGTERM-to-SIGKILL grace when workers are stopped (0: the agents' default).
     #[arg(long, value_name = "MS", default_value_t = 0)]
     pub grace_period_ms: u64,
+    /// How long the job may make no progress before it is a hang (`90s`, `5m`, `off`), as
+    /// `launch --hang-timeout`. Default: the serving agents'.
+    #[arg(long, value_name = "DURATION", value_parser = super::values::parse_limit)]
+    pub hang_timeout: Option<super::values::Limit>,
+    /// What a hang does (report, fail, restart), as `launch --on-hang`. Default: the serving
+    /// agents'.
+    #[arg(long, value_name = "ACTION", value_parser = OnHang::parse)]
+    pub on_hang: Option<OnHang>,
     /// Give the workers rank 0's own torch TCPStore instead of their agents' store (as
     /// `launch --no-agent-store`).
     #[arg(long, alias = "no_agent_store")]
@@ -193,6 +219,10 @@ impl SubmitArgs {
             grace_period_ms: self.grace_period_ms,
             no_agent_store: self.no_agent_store,
             recovery: self.recovery.unwrap_or_default().to_wire(),
+            hang_timeout_ms: self
+                .hang_timeout
+                .map(|Limit(t)| t.map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))),
+            on_hang: self.on_hang.map_or(0, OnHang::to_wire),
         })
     }
 }
@@ -518,6 +548,14 @@ pub struct DescribeArgs {
     /// mapping as grpcurl prints it (zero values left out; ranks always shown).
     #[arg(long)]
     pub json: bool,
+    /// Also read every rank's stack (each node's agent reads its workers from outside, no
+    /// code change needed) and print them grouped: each distinct stack once with its ranks,
+    /// the ranks elsewhere than the waiting majority first. With --json, the DumpStacks reply.
+    #[arg(long)]
+    pub stacks: bool,
+    /// With --stacks: every frame, library frames not folded.
+    #[arg(long, requires = "stacks")]
+    pub full: bool,
     /// TLS and the cluster token.
     #[command(flatten)]
     pub security: SecurityArgs,

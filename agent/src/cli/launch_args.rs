@@ -7,6 +7,7 @@ use crate::env::Recovery;
 use crate::gpu::GpuMapping;
 use crate::security::SecurityArgs;
 use clap::{Args, FromArgMatches};
+use muster_core::requests::OnHang;
 use std::ffi::OsString;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -92,6 +93,28 @@ pub struct LaunchArgs {
     /// muster_recovery in --config-file).
     #[arg(long, value_enum, value_name = "MODE", alias = "recovery_mode")]
     pub recovery: Option<Recovery>,
+
+    /// How long the job may make no progress before it is a hang (`90s`, `5m`, `off`):
+    /// progress is a muster barrier completing, a worker's sampled stack changing, or a
+    /// worker outside any wait using the CPU (docs/hangs.md). A hang is reported with every
+    /// rank's stack, grouped, and the odd rank named (`--on-hang`). The job's first node
+    /// sets it. Default: 5m (or muster_hang_timeout in --config-file); off when
+    /// --sample-stacks is 0.
+    #[arg(long, value_name = "DURATION", value_parser = super::values::parse_limit)]
+    pub hang_timeout: Option<super::values::Limit>,
+
+    /// What a hang does: `report` (print and record the grouped stacks; the job goes on),
+    /// `fail` (end the job with the report as its root cause, exit status 4) or `restart`
+    /// (restart the job, counted against --max-restarts). Default: report (or muster_on_hang
+    /// in --config-file).
+    #[arg(long, value_name = "ACTION", value_parser = OnHang::parse)]
+    pub on_hang: Option<OnHang>,
+
+    /// How often the agent samples its workers' stacks (times a second; 0: only on demand).
+    /// Samples tell progress (the hang timeout) and the share of time each rank waits; a
+    /// sample reads the worker's memory without stopping it. Default: 2.
+    #[arg(long, value_name = "HZ", default_value_t = 2.0)]
+    pub sample_stacks: f64,
 
     /// How long workers get between SIGTERM and SIGKILL when they are stopped. Default:
     /// 5000 (or --shutdown-timeout, in seconds).

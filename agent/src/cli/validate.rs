@@ -17,6 +17,15 @@ use crate::net::{host_port, plain_host};
 use crate::program::{Program, PythonChoice};
 use crate::security::Security;
 use crate::spec::{LaunchSpec, NodeRange, SelfHost};
+
+/// The hang timeout of a launch that sets none: half NCCL's 10-minute watchdog (a third of a
+/// minute-long checkpoint write's worst case on a slow disk is still well inside it), and
+/// long past any healthy stall, since a rank that computes (CPU) or moves (its stack
+/// changes) is progress (docs/hangs.md).
+pub const DEFAULT_HANG_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// The most stack samples a second `--sample-stacks` takes.
+pub const MAX_SAMPLE_HZ: f64 = 100.0;
 use muster_core::model::{self, JobId};
 use std::ffi::OsStr;
 use std::time::Duration;
@@ -181,6 +190,7 @@ impl LaunchArgs {
         let accelerate = self.accelerate_only() || acc.given;
         let max_restarts = self.max_restarts.or(config.max_restarts).unwrap_or(0);
         let recovery = self.recovery.or(config.muster_recovery).unwrap_or_default();
+        let (hang, sample_hz) = self.hang(&config)?;
         self.check_monitor_interval()?;
 
         // The rendezvous, the main machine, and where the job is coordinated.
@@ -217,6 +227,8 @@ impl LaunchArgs {
             grace_period,
             max_restarts,
             recovery,
+            hang,
+            sample_hz,
             join_timeout,
             last_call,
             lease: Duration::from_millis(self.lease_ms),
@@ -523,6 +535,38 @@ impl LaunchArgs {
             );
         }
         Ok(acc)
+    }
+
+    /// Hang detection (`--hang-timeout`, `--on-hang`, their config keys) and the sampling
+    /// rate. The default timeout is [`DEFAULT_HANG_TIMEOUT`] with sampling on, off without
+    /// (nothing but barriers would tell progress).
+    fn hang(
+        &self,
+        config: &AccelerateConfig,
+    ) -> Result<(muster_core::requests::Hang, f64), UsageError> {
+        let hz = self.sample_stacks;
+        if !hz.is_finite() || !(0.0..=MAX_SAMPLE_HZ).contains(&hz) {
+            return Err(UsageError::Invalid(format!(
+                "--sample-stacks {hz}: expected 0 (only on demand) to {MAX_SAMPLE_HZ} samples a second"
+            )));
+        }
+        let default = (hz > 0.0).then_some(DEFAULT_HANG_TIMEOUT);
+        let timeout = self
+            .hang_timeout
+            .map(|l| l.0)
+            .or(config.muster_hang_timeout)
+            .unwrap_or(default);
+        if let Some(t) = timeout
+            && t < muster_core::requests::MIN_HANG_TIMEOUT
+        {
+            return Err(UsageError::Invalid(format!(
+                "--hang-timeout {:?}: the least is {}s (or off)",
+                t,
+                muster_core::requests::MIN_HANG_TIMEOUT.as_secs()
+            )));
+        }
+        let action = self.on_hang.or(config.muster_on_hang).unwrap_or_default();
+        Ok((muster_core::requests::Hang { timeout, action }, hz))
     }
 
     /// `--monitor-interval` is accepted (torchrun's) but must be a number of seconds.

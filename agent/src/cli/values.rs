@@ -31,6 +31,59 @@ pub(crate) fn derived_job_id(addr: &str, port: u16) -> String {
     id
 }
 
+/// A duration flag that can also be `off` (clap reads a plain `Option<Option<_>>` as a flag
+/// with an optional value, so the "off" is wrapped).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limit(pub Option<std::time::Duration>);
+
+/// [`parse_duration`] as a flag's value.
+pub fn parse_limit(s: &str) -> Result<Limit, String> {
+    parse_duration(s).map(Limit)
+}
+
+/// A duration as an operator writes it: `90s`, `5m`, `1h`, `500ms`, `2m30s`, or a bare number
+/// of seconds; `0` or `off` is `None` (the thing it bounds is off).
+pub fn parse_duration(s: &str) -> Result<Option<std::time::Duration>, String> {
+    let t = s.trim();
+    if t == "off" || t == "0" {
+        return Ok(None);
+    }
+    let bad = || format!("'{s}' is not a duration: expected e.g. 90s, 5m, 1h, 500ms or off");
+    if let Ok(secs) = t.parse::<f64>() {
+        return if secs.is_finite() && secs > 0.0 {
+            Ok(Some(std::time::Duration::from_secs_f64(secs)))
+        } else {
+            Err(bad())
+        };
+    }
+    let mut total = std::time::Duration::ZERO;
+    let mut rest = t;
+    while !rest.is_empty() {
+        let digits = rest
+            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+            .ok_or_else(bad)?;
+        let (number, tail) = rest.split_at(digits);
+        let n: f64 = number.parse().map_err(|_| bad())?;
+        let unit_len = tail
+            .find(|c: char| c.is_ascii_digit())
+            .unwrap_or(tail.len());
+        let (unit, next) = tail.split_at(unit_len);
+        let scale = match unit {
+            "ms" => 0.001,
+            "s" => 1.0,
+            "m" | "min" => 60.0,
+            "h" => 3600.0,
+            _ => return Err(bad()),
+        };
+        total += std::time::Duration::try_from_secs_f64(n * scale).map_err(|_| bad())?;
+        rest = next;
+    }
+    if total.is_zero() {
+        return Ok(None);
+    }
+    Ok(Some(total))
+}
+
 /// Parses `MIN` or `MIN:MAX` with `1 <= MIN <= MAX <= MAX_NODES`.
 pub fn parse_nnodes(s: &str) -> Result<NodeRange, UsageError> {
     let bad = |why| UsageError::Nnodes(s.to_owned(), why);

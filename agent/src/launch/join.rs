@@ -45,6 +45,8 @@ pub(super) async fn join(
             join_timeout_ms: millis(spec.join_timeout),
             max_restarts: Some(spec.max_restarts),
             recovery: spec.recovery.to_wire(),
+            hang_timeout_ms: Some(spec.hang.timeout_ms()),
+            on_hang: spec.hang.action.to_wire(),
         }),
         request_id: failover::request_id(),
     };

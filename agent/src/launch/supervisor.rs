@@ -135,6 +135,8 @@ pub(super) struct Supervisor<'a> {
     previous: Option<PreviousEnd>,
     /// This generation's workers in `muster_agent_workers{state}`.
     states: WorkerStates,
+    /// The running workers' pids, for the stack sampler.
+    registry: crate::stacks::Workers,
 }
 
 /// In place: a failed worker awaiting its replacement.
@@ -178,7 +180,24 @@ impl<'a> Supervisor<'a> {
             error_dirs,
             previous,
             states: WorkerStates::starting(spec.nproc_per_node),
+            registry: crate::stacks::Workers::default(),
         }
+    }
+
+    /// Keeps `registry` up to date with the running workers' pids (the stack sampler's list).
+    pub(super) fn with_registry(mut self, registry: crate::stacks::Workers) -> Self {
+        self.registry = registry;
+        self
+    }
+
+    fn registered(&self, worker: &Worker) {
+        self.registry.started(
+            worker.rank,
+            crate::stacks::WorkerRef {
+                local_rank: worker.local_rank,
+                pid: worker.pid.as_raw().cast_unsigned(),
+            },
+        );
     }
 
     pub(super) async fn run(mut self) -> End {
@@ -323,6 +342,7 @@ impl<'a> Supervisor<'a> {
                 Ok((worker, exit)) => {
                     self.states
                         .moved(WorkerState::Starting, WorkerState::Running);
+                    self.registered(&worker);
                     self.workers.push(worker);
                     self.exits.push(Box::pin(exit));
                 }
@@ -340,6 +360,10 @@ impl<'a> Supervisor<'a> {
     }
 
     fn on_exit(&mut self, exit: Exit) {
+        if let Some(w) = self.workers.get(exit.local_rank as usize) {
+            self.registry
+                .ended(exit.rank, w.pid.as_raw().cast_unsigned());
+        }
         if let Some((replace, at)) = self.killing.remove(&exit.rank) {
             // A rank the coordinator replaces, killed here (or whose exit was still on its
             // way): its replacement starts now, unless the generation ended meanwhile.
@@ -549,6 +573,7 @@ impl<'a> Supervisor<'a> {
                 self.states
                     .moved(WorkerState::Starting, WorkerState::Running);
                 let pid = worker.pid;
+                self.registered(&worker);
                 self.workers[local_rank as usize] = worker;
                 self.error_dirs[local_rank as usize] = error_dir;
                 self.exits.push(Box::pin(exit));
@@ -590,6 +615,7 @@ impl<'a> Supervisor<'a> {
             None => (String::new(), String::new()),
         };
         pb::FailureInfo {
+            hang: false,
             rank: Some(exit.rank),
             node_rank: Some(self.node.node_rank),
             host: self.node.host.clone(),

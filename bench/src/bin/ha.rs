@@ -167,6 +167,7 @@ fn join_req(job: &str, node: u32, nodes: u32) -> pb::JoinRequest {
             join_timeout_ms: 60_000,
             max_restarts: None,
             recovery: 0,
+            ..Default::default()
         }),
         request_id: format!("{job}-{node}-{}", std::process::id()),
     }

@@ -41,6 +41,7 @@ fn join_req(job: &str, node: u32, local: u32, nodes: u32) -> pb::JoinRequest {
             join_timeout_ms: 600_000,
             max_restarts: None,
             recovery: 0,
+            ..Default::default()
         }),
         request_id: String::new(),
     }

@@ -78,6 +78,7 @@ impl Job {
             precise,
             detail: detail.unwrap_or_default(),
             node_id: String::new(),
+            hang: None,
         };
         self.fail_generation(&mut st, generation, failure);
     }
@@ -96,11 +97,12 @@ impl Job {
             return;
         }
         let (restarts, max_restarts) = (st.restarts, st.config.max_restarts);
-        let rejoin = restarts < max_restarts;
+        // A hang with `--on-hang fail` ends the job whatever budget is left.
+        let rejoin = restarts < max_restarts && f.hang != Some(OnHang::Fail);
         let id = self.id.clone();
         let text = f.describe(&id, generation);
         if !rejoin {
-            st.done = Some(Done::Failed(if max_restarts == 0 {
+            st.done = Some(Done::Failed(if max_restarts == 0 || f.hang.is_some() {
                 text.clone()
             } else {
                 format!("{text} (no restarts left: {restarts} of {max_restarts} used)")

@@ -99,6 +99,8 @@ pub(super) struct Gen {
     pub(super) recoveries: std::collections::VecDeque<Recovered>,
     /// The parked `Quorum` calls, one per rank.
     pub(super) quorum: HashMap<u32, QuorumWait>,
+    /// Hang detection: when the generation last made progress.
+    pub(super) progress: super::hangs::Progress,
 }
 
 /// One in-place recovery of the running generation, for the ops view.

@@ -16,11 +16,13 @@
 //! - `recovery.rs`: in-place recovery (a dead rank replaced alone, and `Quorum`);
 //! - `push.rs`: the wire messages the job pushes (barrier results, failures, ends, join
 //!   answers);
+//! - `hangs.rs`: stack dumps across the nodes (`DumpStacks`) and hang detection;
 //! - `views.rs`: the ops views (`DescribeJob`, the job list).
 
 mod barriers;
 mod ending;
 mod generation;
+mod hangs;
 mod nodes;
 mod persist;
 mod push;
@@ -31,9 +33,10 @@ mod tests;
 mod views;
 
 pub use barriers::Registration;
+pub use hangs::HangDue;
 pub use muster_core::error::DRAINED_METADATA;
 pub use muster_core::failure::{Failure, FailureDetail};
-pub use muster_core::requests::{JoinReq, NodeRef, Recovery, RoundConfig};
+pub use muster_core::requests::{Hang, JoinReq, NodeRef, OnHang, Recovery, RoundConfig};
 pub use nodes::Drained;
 pub use persist::{RECORDS_PREFIX, record_key};
 pub use recovery::QuorumAnswer;
@@ -41,6 +44,7 @@ pub use recovery::QuorumAnswer;
 use crate::store::Store;
 use ending::*;
 use generation::*;
+use hangs::Progress;
 use muster_core::barrier::{self, Place};
 use muster_core::error::Error;
 use muster_core::model::{JobId, Scope, barrier_error as simple_error, scope_name};
@@ -100,6 +104,10 @@ struct JobState {
     drained: HashMap<String, String>,
     /// The failures of the job's generations, newest first, at most [`RECENT_FAILURES`].
     recent_failures: std::collections::VecDeque<pb::FailureInfo>,
+    /// The hangs detected in this job, newest first, at most [`hangs::RECENT_HANGS`].
+    hangs: std::collections::VecDeque<pb::HangReport>,
+    /// The stack dumps in flight: where each node's answer goes.
+    dumps: hangs::Dumps,
 }
 
 /// How many generations' failures a job keeps for its view.
@@ -174,6 +182,8 @@ impl Job {
             next_watch: 1,
             drained: HashMap::new(),
             recent_failures: Default::default(),
+            hangs: Default::default(),
+            dumps: Default::default(),
             phase: Phase::Open(OpenRound {
                 seq: 0,
                 joiners: vec![],

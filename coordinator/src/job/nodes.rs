@@ -89,6 +89,7 @@ impl Job {
             precise: true,
             detail: FailureDetail::default(),
             node_id,
+            hang: None,
         };
         self.fail_generation(&mut st, generation, failure);
     }
@@ -231,6 +232,7 @@ impl Job {
                 precise: true,
                 detail: FailureDetail::default(),
                 node_id: node.node_id.clone(),
+                hang: None,
             }
         } else if let Some(r) = lost_rank {
             let loc = g.location(r as u32);
@@ -243,6 +245,7 @@ impl Job {
                 precise: false,
                 detail: FailureDetail::default(),
                 node_id: String::new(),
+                hang: None,
             }
         } else {
             if self.check_finished(&mut st) {

@@ -166,6 +166,8 @@ impl Gen {
                 stderr_tail: f.stderr_tail.clone(),
             },
             node_id: f.node_id.clone(),
+            // Only whether it was a hang matters once the generation failed.
+            hang: f.hang.then_some(OnHang::Fail),
         });
         Ok(Self {
             generation: r.generation,
@@ -188,6 +190,8 @@ impl Gen {
             },
             recoveries: r.recoveries.iter().map(Recovered::restore).collect(),
             quorum: HashMap::new(),
+            // A new leader's clock starts at its takeover: the silence before it is unknown.
+            progress: Progress::new(),
         })
     }
 }
@@ -210,6 +214,11 @@ impl Job {
             max_restarts: record.max_restarts,
             // An older record (or an unknown value) reads as restart, today's behaviour.
             recovery: Recovery::from_wire("recovery", record.recovery)
+                .ok()
+                .flatten()
+                .unwrap_or_default(),
+            // An older record reads as no hang detection.
+            hang: Hang::from_wire(Some(record.hang_timeout_ms), record.on_hang)
                 .ok()
                 .flatten()
                 .unwrap_or_default(),
@@ -255,6 +264,8 @@ impl Job {
             next_watch: 1,
             drained: record.drained.clone(),
             recent_failures: Default::default(),
+            hangs: Default::default(),
+            dumps: Default::default(),
         };
         Ok(Self::with_state(id, state, kv_bytes, ctx))
     }
@@ -321,6 +332,8 @@ impl Job {
             drained: st.drained.clone(),
             finished,
             recovery: c.recovery.to_wire(),
+            hang_timeout_ms: c.hang.timeout_ms(),
+            on_hang: c.hang.action.to_wire(),
         }
     }
 

@@ -205,6 +205,7 @@ impl Job {
             precise: true,
             detail: FailureDetail::default(),
             node_id: node.node_id.clone(),
+            hang: None,
         };
         self.fail_generation(st, generation, failure);
         let why = match &st.done {
@@ -431,6 +432,7 @@ impl Job {
             quorum_epoch: 0,
             recoveries: Default::default(),
             quorum: HashMap::new(),
+            progress: Progress::new(),
         }));
         let version = self.persist(st);
         self.answer_when_persisted(version, replies);

@@ -29,6 +29,7 @@ async fn the_drained_set_is_in_the_record_and_a_restored_job_still_refuses_the_n
         join_timeout: Duration::from_secs(60),
         max_restarts: 2,
         recovery: Recovery::Restart,
+        hang: Hang::default(),
     };
     let job = Job::new(JobId::parse("j").unwrap(), config, &ctx);
     let (_, _, a) = job.join(req("a")).unwrap();
@@ -67,6 +68,7 @@ fn config(nodes: u32, max_restarts: u32) -> RoundConfig {
         join_timeout: Duration::from_secs(60),
         max_restarts,
         recovery: Recovery::Restart,
+        hang: Hang::default(),
     }
 }
 
@@ -296,6 +298,7 @@ type Inbox = UnboundedReceiver<Result<pb::CoordinatorMessage, Status>>;
 async fn in_place(nodes: u32, max_restarts: u32) -> (Arc<Job>, Vec<(Outbox, Inbox)>, Vec<u64>) {
     let config = RoundConfig {
         recovery: Recovery::InPlace,
+        hang: Hang::default(),
         ..config(nodes, max_restarts)
     };
     let job = Job::new(JobId::parse("j").unwrap(), config, &ctx());
@@ -778,6 +781,7 @@ async fn the_stored_record_carries_the_mode_the_epoch_and_the_replacing_ranks() 
     };
     let config = RoundConfig {
         recovery: Recovery::InPlace,
+        hang: Hang::default(),
         ..config(2, 2)
     };
     let job = Job::new(JobId::parse("j").unwrap(), config, &ctx);

@@ -117,6 +117,8 @@ impl Job {
             join_timeout_ms: st.config.join_timeout.as_millis() as u64,
             max_restarts: Some(st.config.max_restarts),
             recovery: st.config.recovery.to_wire(),
+            hang_timeout_ms: Some(st.config.hang.timeout_ms()),
+            on_hang: st.config.hang.action.to_wire(),
         };
         let mut resp = pb::DescribeJobResponse {
             summary: Some(self.summary_locked(&st)),
@@ -124,6 +126,9 @@ impl Job {
             restart_count: st.restarts,
             drained: st.drained.clone(),
             recent_failures: st.recent_failures.iter().cloned().collect(),
+            hangs: st.hangs.iter().cloned().collect(),
+            hang_timeout_ms: st.config.hang.timeout_ms(),
+            on_hang: st.config.hang.action.to_wire(),
             ..Default::default()
         };
         let now = Instant::now();

@@ -29,8 +29,8 @@ use crate::pool::{self, Pool};
 use crate::store::{Store, StoreError};
 use muster_core::model::{self, JobId, Scope};
 use muster_core::requests::{
-    BarrierEntry, Cancel, Drain, FailureReport, GroupEntry, Join, NodeAttach, QuorumAsk, Recovery,
-    RelayRegister, RoundConfig, SessionRegister,
+    BarrierEntry, Cancel, Drain, FailureReport, GroupEntry, Hang, Join, NodeAttach, QuorumAsk,
+    Recovery, RelayRegister, RoundConfig, SessionRegister,
 };
 
 use muster_proto::v1 as pb;
@@ -205,6 +205,7 @@ impl Coordinator {
             join_timeout: self.config.join_timeout,
             max_restarts: spec.max_restarts,
             recovery: Recovery::from_wire("recovery", spec.recovery)?.unwrap_or_default(),
+            hang: Hang::from_wire(spec.hang_timeout_ms, spec.on_hang)?.unwrap_or_default(),
         };
         jobs.insert(id.clone(), Job::new(id, config, &self.ctx));
         Ok(())
@@ -289,6 +290,11 @@ impl Coordinator {
         self.stored.total()
     }
 
+    /// The jobs held now (a copy of the list: the lock is not held while they are used).
+    pub fn job_list(&self) -> Vec<Arc<Job>> {
+        self.jobs().values().cloned().collect()
+    }
+
     fn jobs(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, Arc<Job>>> {
         self.jobs.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -318,6 +324,7 @@ impl Coordinator {
             join_timeout: self.config.join_timeout,
             max_restarts: 0,
             recovery: Recovery::Restart,
+            hang: Hang::default(),
         }
     }
 }

@@ -111,6 +111,15 @@ impl pb::ops_server::Ops for OpsService {
         Ok(Response::new(pb::CancelJobResponse { cancelled }))
     }
 
+    async fn dump_stacks(
+        &self,
+        request: Request<pb::DumpStacksRequest>,
+    ) -> Rpc<pb::DumpStacksResponse> {
+        let r = request.into_inner();
+        let job = self.0.job(&r.job_id)?;
+        Ok(Response::new(job.dump_stacks(r.full).await?))
+    }
+
     async fn list_agents(&self, _: Request<pb::ListAgentsRequest>) -> Rpc<pb::ListAgentsResponse> {
         Ok(Response::new(pb::ListAgentsResponse {
             agents: self.0.pool.list(),

@@ -91,8 +91,11 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
                     let have = job.config();
                     if let Some(spec) = round {
                         // A join that leaves the restart budget or the recovery mode unset
-                        // takes the job's.
-                        let c = spec.resolve(defaults, have.max_restarts, have.recovery);
+                        // takes the job's; hang detection is the first joiner's.
+                        let c = RoundConfig {
+                            hang: have.hang,
+                            ..spec.resolve(defaults, have.max_restarts, have.recovery, have.hang)
+                        };
                         if c != have {
                             return Err(Status::failed_precondition(format!(
                                 "job '{id}' exists with min_nodes={} max_nodes={} last_call_ms={} join_timeout_ms={} max_restarts={} recovery={}; this join asks for {}:{} {} {} {} {}",
@@ -116,7 +119,7 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
                 None => {
                     self.0.may_create(&id, jobs.len())?;
                     let c = round.map_or(defaults, |spec| {
-                        spec.resolve(defaults, 0, Recovery::Restart)
+                        spec.resolve(defaults, 0, Recovery::Restart, Hang::default())
                     });
                     let job = Job::new(id.clone(), c, &self.0.ctx);
                     jobs.insert(id, Arc::clone(&job));
@@ -195,6 +198,12 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
                             let _ = tx.send(Ok(pb::NodeEvent {
                                 kind: Some(pb::node_event::Kind::Heartbeat(pb::Heartbeat {})),
                             }));
+                        }
+                        Some(Kind::Progress(_)) => {
+                            job.node_progress(generation);
+                        }
+                        Some(Kind::Stacks(answer)) => {
+                            job.stacks_reply(generation, node_rank, answer);
                         }
                         Some(Kind::Finished(_)) => {
                             // Ending the stream is the answer the agent waits for: it exits

@@ -65,6 +65,7 @@ pub fn join_req(job: &str, node: &str, local: u32, min: u32, max: u32) -> pb::Jo
             join_timeout_ms: 60_000,
             max_restarts: None,
             recovery: 0,
+            ..Default::default()
         }),
         request_id: String::new(),
     }

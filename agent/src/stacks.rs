@@ -1,0 +1,779 @@
+//! The node's workers' stacks, read from outside their processes: every Python thread's
+//! frames through py-spy (as a library, reading the worker's memory with
+//! `process_vm_readv`; nothing is installed in the worker and the worker is never paused), a
+//! line saying what a worker that is not Python is doing, or a line naming why a rank cannot
+//! be read and what fixes it.
+//!
+//! One sampler thread per generation (`stack-sampler`) owns the readers: it reads every
+//! worker at the sampling rate (`--sample-stacks`), keeps for each rank since when its stack
+//! has been as it is and the share of samples it spent in a wait, and tells the watch when
+//! the node made progress ([`Sampler::progress`], the coordinator's hang timeout starts
+//! again). A dump the coordinator asks for ([`Sampler::dump`]) is read fresh on the same
+//! thread. The supervisor keeps the list of running workers ([`Workers`]) as it spawns and
+//! reaps them.
+//!
+//! Progress, as this node sees it (the rule of `docs/hangs.md`): a rank's stack changed
+//! between two samples, a worker started or ended, or a rank whose main thread is not in a
+//! wait ([`muster_core::stacks::is_wait`]) used at least [`BUSY_SHARE`] of a CPU since the
+//! last sample (a long healthy step inside one native call: a big matmul, a checkpoint
+//! write). A rank in `time.sleep`, or blocked in a collective, a barrier or a lock, makes
+//! none.
+//!
+//! Thread "stack-sampler" (one per generation): on error (a worker that cannot be read),
+//! records the reason in that rank's answer and goes on; on shutdown, ends when its
+//! [`Sampler`] is dropped (its command channel closes).
+
+use muster_proto::v1 as pb;
+use py_spy::{Config, PythonSpy};
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+use std::sync::mpsc as std_mpsc;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, oneshot};
+
+/// A rank outside any wait that used this share of one CPU between two samples is working:
+/// progress, even when its Python stack stands still.
+pub const BUSY_SHARE: f64 = 0.25;
+
+/// The sampler tells the watch about progress at most this often.
+const PROGRESS_EVERY: Duration = Duration::from_secs(1);
+
+/// The kernel's unit for a process's CPU times in `/proc/PID/stat` (`USER_HZ`, 100 on every
+/// Linux architecture this runs on).
+const USER_HZ: f64 = 100.0;
+
+/// A running worker of this node, as the sampler reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WorkerRef {
+    /// Its rank within the node.
+    pub local_rank: u32,
+    /// Its process id.
+    pub pid: u32,
+}
+
+/// The node's running workers by global rank, kept by the supervisor (spawn, respawn, reap)
+/// and read by the sampler.
+#[derive(Debug, Clone, Default)]
+pub struct Workers(Arc<Mutex<BTreeMap<u32, WorkerRef>>>);
+
+impl Workers {
+    /// `rank` runs as `worker` (a spawn or a respawn in place).
+    pub fn started(&self, rank: u32, worker: WorkerRef) {
+        self.lock().insert(rank, worker);
+    }
+
+    /// `rank`'s process `pid` was reaped (a later respawn's entry is left alone).
+    pub fn ended(&self, rank: u32, pid: u32) {
+        let mut map = self.lock();
+        if map.get(&rank).is_some_and(|w| w.pid == pid) {
+            map.remove(&rank);
+        }
+    }
+
+    fn snapshot(&self) -> BTreeMap<u32, WorkerRef> {
+        self.lock().clone()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, BTreeMap<u32, WorkerRef>> {
+        // A panic elsewhere while holding it leaves a plain map: still usable.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+enum Command {
+    Dump(oneshot::Sender<Vec<pb::RankStack>>),
+}
+
+/// The handle of a generation's sampler thread; dropping it ends the thread.
+pub struct Sampler {
+    commands: std_mpsc::Sender<Command>,
+    progress: Option<mpsc::UnboundedReceiver<()>>,
+}
+
+impl Sampler {
+    /// Starts the sampler over `workers`, sampling `hz` times a second (0: only on demand, so
+    /// the node reports no progress of its own).
+    pub fn start(workers: Workers, hz: f64) -> std::io::Result<Self> {
+        let (commands, rx) = std_mpsc::channel();
+        let (progress_tx, progress) = mpsc::unbounded_channel();
+        let interval = (hz > 0.0).then(|| Duration::from_secs_f64(1.0 / hz));
+        std::thread::Builder::new()
+            .name("stack-sampler".into())
+            .spawn(move || {
+                let mut state = State::new(workers, progress_tx);
+                state.run(&rx, interval);
+            })?;
+        Ok(Self {
+            commands,
+            progress: Some(progress),
+        })
+    }
+
+    /// Every running worker's stacks, read now. Empty if the thread has gone.
+    pub async fn dump(&self) -> Vec<pb::RankStack> {
+        let (tx, rx) = oneshot::channel();
+        if self.commands.send(Command::Dump(tx)).is_err() {
+            return Vec::new();
+        }
+        rx.await.unwrap_or_default()
+    }
+
+    /// A handle that asks for dumps (the watch's answers run as tasks of their own).
+    pub fn dumper(&self) -> Dumper {
+        Dumper(self.commands.clone())
+    }
+
+    /// The progress notices (one `()` per [`PROGRESS_EVERY`] at most); taken once.
+    pub fn progress(&mut self) -> Option<mpsc::UnboundedReceiver<()>> {
+        self.progress.take()
+    }
+}
+
+/// Asks a [`Sampler`] for dumps; it does not keep the thread alive once the sampler is dropped.
+#[derive(Clone)]
+pub struct Dumper(std_mpsc::Sender<Command>);
+
+impl Dumper {
+    /// As [`Sampler::dump`].
+    pub async fn dump(&self) -> Vec<pb::RankStack> {
+        let (tx, rx) = oneshot::channel();
+        if self.0.send(Command::Dump(tx)).is_err() {
+            return Vec::new();
+        }
+        rx.await.unwrap_or_default()
+    }
+}
+
+/// What the sampler keeps about one rank's process.
+struct Tracked {
+    pid: u32,
+    /// The reader, once attached (attaching parses the interpreter's binaries: milliseconds).
+    spy: Option<PythonSpy>,
+    /// The program, once known not to be Python (not attached again).
+    native: Option<String>,
+    fingerprint: Option<u64>,
+    since: Instant,
+    samples: u64,
+    waiting: u64,
+    cpu_ticks: Option<(u64, Instant)>,
+}
+
+struct State {
+    workers: Workers,
+    tracked: HashMap<u32, Tracked>,
+    progress: mpsc::UnboundedSender<()>,
+    last_progress_sent: Option<Instant>,
+    sources: HashMap<(String, u32), String>,
+}
+
+impl State {
+    fn new(workers: Workers, progress: mpsc::UnboundedSender<()>) -> Self {
+        Self {
+            workers,
+            tracked: HashMap::new(),
+            progress,
+            last_progress_sent: None,
+            sources: HashMap::new(),
+        }
+    }
+
+    fn run(&mut self, rx: &std_mpsc::Receiver<Command>, interval: Option<Duration>) {
+        let mut next = interval.map(|i| Instant::now() + i);
+        loop {
+            let command = match next {
+                Some(due) => match rx.recv_timeout(due.saturating_duration_since(Instant::now())) {
+                    Ok(c) => Some(c),
+                    Err(std_mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(std_mpsc::RecvTimeoutError::Disconnected) => return,
+                },
+                None => match rx.recv() {
+                    Ok(c) => Some(c),
+                    Err(_) => return,
+                },
+            };
+            match command {
+                Some(Command::Dump(reply)) => {
+                    let stacks = self.read_all(false);
+                    let _ = reply.send(stacks);
+                }
+                None => {
+                    self.read_all(true);
+                    if let (Some(i), Some(due)) = (interval, next.as_mut()) {
+                        // A late wake (a stopped agent) does not make up for the lost samples.
+                        *due = (*due + i).max(Instant::now());
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reads every running worker; a sample (`sample`) also counts waits and decides progress.
+    fn read_all(&mut self, sample: bool) -> Vec<pb::RankStack> {
+        let workers = self.workers.snapshot();
+        let mut progressed = false;
+        // Workers that ended, or were replaced by a new process.
+        let before = self.tracked.len();
+        self.tracked
+            .retain(|rank, t| workers.get(rank).is_some_and(|w| w.pid == t.pid));
+        progressed |= self.tracked.len() != before;
+        let mut out = Vec::with_capacity(workers.len());
+        for (&rank, w) in &workers {
+            let now = Instant::now();
+            let t = self.tracked.entry(rank).or_insert_with(|| {
+                progressed = true;
+                Tracked {
+                    pid: w.pid,
+                    spy: None,
+                    native: None,
+                    fingerprint: None,
+                    since: now,
+                    samples: 0,
+                    waiting: 0,
+                    cpu_ticks: None,
+                }
+            });
+            let mut stack = read(t, w, &mut self.sources);
+            stack.rank = Some(rank);
+            stack.local_rank = Some(w.local_rank);
+            let fingerprint = muster_core::stacks::fingerprint(&stack);
+            if t.fingerprint != Some(fingerprint) {
+                if t.fingerprint.is_some() {
+                    progressed = true;
+                }
+                t.fingerprint = Some(fingerprint);
+                t.since = now;
+            }
+            let waiting = stack
+                .threads
+                .first()
+                .is_some_and(|main| muster_core::stacks::is_wait(&main.frames));
+            if sample {
+                t.samples += 1;
+                t.waiting += u64::from(waiting);
+                let ticks = cpu_ticks(w.pid);
+                if let (Some(ticks), Some((was, at))) = (ticks, t.cpu_ticks) {
+                    let used = ticks.saturating_sub(was) as f64 / USER_HZ;
+                    let span = now.saturating_duration_since(at).as_secs_f64();
+                    if !waiting && stack.error.is_empty() && span > 0.0 && used / span >= BUSY_SHARE
+                    {
+                        progressed = true;
+                    }
+                }
+                t.cpu_ticks = ticks.map(|n| (n, now));
+            }
+            if t.samples > 0 {
+                stack.waiting_share = t.waiting as f64 / t.samples as f64;
+                stack.unchanged_ms = now.saturating_duration_since(t.since).as_millis() as u64;
+            }
+            out.push(stack);
+        }
+        if sample && progressed {
+            let due = self
+                .last_progress_sent
+                .is_none_or(|at| at.elapsed() >= PROGRESS_EVERY);
+            if due {
+                self.last_progress_sent = Some(Instant::now());
+                let _ = self.progress.send(());
+            }
+        }
+        out
+    }
+}
+
+/// One worker's stacks: its Python threads (main first), else what it is, else why not.
+fn read(
+    t: &mut Tracked,
+    w: &WorkerRef,
+    sources: &mut HashMap<(String, u32), String>,
+) -> pb::RankStack {
+    let mut stack = pb::RankStack {
+        pid: w.pid,
+        ..Default::default()
+    };
+    if !Path::new(&format!("/proc/{}", w.pid)).exists() {
+        stack.error = format!("process {} exited while it was being read", w.pid);
+        return stack;
+    }
+    if let Some(exe) = &t.native {
+        // A wrapper may exec its Python later, or start it as a child (a shim that is still
+        // resolving it): the verdict holds while the program is the same and has no Python
+        // child.
+        let now = std::fs::read_link(format!("/proc/{}/exe", w.pid))
+            .map(|p| p.display().to_string())
+            .unwrap_or_default();
+        let target = if now == *exe {
+            python_descendant(w.pid)
+        } else {
+            Some(w.pid)
+        };
+        match target.and_then(|pid| attach(pid).ok()) {
+            Some(spy) => {
+                t.spy = Some(spy);
+                t.native = None;
+            }
+            None => {
+                stack.native = native_line(w.pid, exe);
+                return stack;
+            }
+        }
+    }
+    if t.spy.is_none() {
+        match attach(w.pid) {
+            Ok(spy) => t.spy = Some(spy),
+            Err(Unreadable::NotPython(exe)) => {
+                // A wrapper (a pyenv shim, `sh -c` without exec, `conda run`) may run the
+                // Python as its child: read that one.
+                let child = python_descendant(w.pid).and_then(|pid| attach(pid).ok());
+                match child {
+                    Some(spy) => t.spy = Some(spy),
+                    None => {
+                        stack.native = native_line(w.pid, &exe);
+                        t.native = Some(exe);
+                        return stack;
+                    }
+                }
+            }
+            Err(Unreadable::Error(why)) => {
+                stack.error = why;
+                return stack;
+            }
+        }
+    }
+    let Some(spy) = t.spy.as_mut() else {
+        return stack;
+    };
+    stack.pid = u32::try_from(spy.pid).unwrap_or(w.pid);
+    match spy.get_stack_traces() {
+        Ok(traces) => {
+            let mut threads: Vec<pb::ThreadStack> = traces
+                .into_iter()
+                .map(|trace| pb::ThreadStack {
+                    thread_id: trace.os_thread_id.unwrap_or(trace.thread_id),
+                    name: trace.thread_name.clone().unwrap_or_default(),
+                    active: trace.active,
+                    frames: trace
+                        .frames
+                        .iter()
+                        .map(|f| pb::StackFrame {
+                            function: f.name.clone(),
+                            file: f.filename.clone(),
+                            line: u32::try_from(f.line).unwrap_or(0),
+                            source: String::new(),
+                        })
+                        .collect(),
+                })
+                .collect();
+            // The main thread first: its OS thread id is the process id.
+            let pid = u64::from(stack.pid);
+            threads.sort_by_key(|th| (th.thread_id != pid, th.thread_id));
+            for th in &mut threads {
+                annotate_source(&mut th.frames, sources);
+            }
+            stack.threads = threads;
+        }
+        Err(e) => {
+            // Attached earlier, unreadable now: the process is ending or changed under us.
+            t.spy = None;
+            stack.error = if Path::new(&format!("/proc/{}", w.pid)).exists() {
+                format!("py-spy could not read process {}: {e}", w.pid)
+            } else {
+                format!("process {} exited while it was being read", w.pid)
+            };
+        }
+    }
+    stack
+}
+
+/// The source text of the innermost frame of the user's own code (not a library's), read
+/// from the file on this machine, so that `train.py:9 slow_data_step` says what line 9 does.
+fn annotate_source(frames: &mut [pb::StackFrame], sources: &mut HashMap<(String, u32), String>) {
+    let Some(f) = frames
+        .iter_mut()
+        .find(|f| !f.file.is_empty() && !muster_core::stacks::is_library(&f.file))
+    else {
+        return;
+    };
+    if f.line == 0 {
+        return;
+    }
+    let key = (f.file.clone(), f.line);
+    if let Some(text) = sources.get(&key) {
+        f.source = text.clone();
+        return;
+    }
+    let text = std::fs::read_to_string(&f.file)
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .nth(f.line as usize - 1)
+                .map(|l| l.trim().to_owned())
+        })
+        .map(|mut l| {
+            if l.chars().count() > 80 {
+                l = l.chars().take(77).collect::<String>() + "...";
+            }
+            l
+        })
+        .unwrap_or_default();
+    sources.insert(key, text.clone());
+    f.source = text;
+}
+
+enum Unreadable {
+    /// Not a Python process: its program.
+    NotPython(String),
+    /// Cannot be read: the cause and the fix (one line).
+    Error(String),
+}
+
+fn attach(pid: u32) -> Result<PythonSpy, Unreadable> {
+    let config = Config {
+        // Never pause the worker: a sample is read while it runs.
+        blocking: py_spy::config::LockingStrategy::NonBlocking,
+        include_idle: true,
+        collect_thread_names: true,
+        dump_locals: 0,
+        ..Config::default()
+    };
+    match PythonSpy::new(pid as py_spy::Pid, &config) {
+        Ok(spy) => Ok(spy),
+        Err(e) => Err(explain(pid, &e)),
+    }
+}
+
+/// Why py-spy could not attach to `pid`, as one line with the fix.
+fn explain(pid: u32, e: &anyhow::Error) -> Unreadable {
+    let chain = format!("{e:#}");
+    let proc_dir = format!("/proc/{pid}");
+    if !Path::new(&proc_dir).exists() {
+        return Unreadable::Error(format!("process {pid} exited while it was being read"));
+    }
+    let denied = e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>().is_some_and(|io| {
+            matches!(io.kind(), std::io::ErrorKind::PermissionDenied)
+                || io.raw_os_error() == Some(1)
+        })
+    }) || chain.contains("Permission denied")
+        || chain.contains("Operation not permitted")
+        || chain.contains("os error 1)");
+    if denied {
+        return Unreadable::Error(permission_cause(pid));
+    }
+    let exe = std::fs::read_link(format!("{proc_dir}/exe"))
+        .map(|p| p.display().to_string())
+        .unwrap_or_default();
+    if !is_python(pid) {
+        return Unreadable::NotPython(exe);
+    }
+    Unreadable::Error(format!(
+        "py-spy cannot read this Python (pid {pid}, {exe}): {chain}; py-spy {} knows CPython 2.3 to 3.13, upgrade muster for a newer one",
+        env!("CARGO_PKG_VERSION")
+    ))
+}
+
+/// The first Python process among `pid`'s descendants (three generations at most), for a
+/// worker that runs its Python under a wrapper.
+fn python_descendant(pid: u32) -> Option<u32> {
+    let mut level = vec![pid];
+    for _ in 0..3 {
+        let mut next = Vec::new();
+        for p in level {
+            let tasks = std::fs::read_dir(format!("/proc/{p}/task")).ok()?;
+            for task in tasks.flatten() {
+                let children =
+                    std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
+                next.extend(
+                    children
+                        .split_whitespace()
+                        .filter_map(|c| c.parse::<u32>().ok()),
+                );
+            }
+        }
+        if let Some(&python) = next.iter().find(|&&c| is_python(c)) {
+            return Some(python);
+        }
+        if next.is_empty() {
+            return None;
+        }
+        level = next;
+    }
+    None
+}
+
+/// Whether `pid` runs a Python interpreter: its program is `python*`, or it maps libpython.
+fn is_python(pid: u32) -> bool {
+    let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
+    exe.file_name()
+        .and_then(|n| n.to_str())
+        .is_some_and(|n| n.starts_with("python"))
+        || std::fs::read_to_string(format!("/proc/{pid}/maps"))
+            .is_ok_and(|m| m.contains("libpython"))
+}
+
+/// The cause of a refused read of `pid`'s memory, and what fixes it.
+fn permission_cause(pid: u32) -> String {
+    let scope = std::fs::read_to_string("/proc/sys/kernel/yama/ptrace_scope")
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok());
+    if let Some(n) = scope.filter(|&n| n >= 2) {
+        return format!(
+            "cannot read process {pid}'s memory: kernel.yama.ptrace_scope is {n}; set it to 1 (sysctl kernel.yama.ptrace_scope=1) or give the agent CAP_SYS_PTRACE"
+        );
+    }
+    let ours = uid_of("/proc/self/status");
+    let theirs = uid_of(&format!("/proc/{pid}/status"));
+    if ours.is_some() && theirs.is_some() && ours != theirs {
+        return format!(
+            "cannot read process {pid}'s memory: it runs as uid {} and the agent as uid {}; run them as one user or give the agent CAP_SYS_PTRACE",
+            theirs.unwrap_or_default(),
+            ours.unwrap_or_default()
+        );
+    }
+    format!(
+        "cannot read process {pid}'s memory: it is not dumpable (it called prctl(PR_SET_DUMPABLE, 0), or runs a setuid or setgid program) and the agent lacks CAP_SYS_PTRACE; give the agent CAP_SYS_PTRACE (in Kubernetes, securityContext.capabilities.add: [SYS_PTRACE]), or leave the worker dumpable"
+    )
+}
+
+fn uid_of(status: &str) -> Option<u32> {
+    let text = std::fs::read_to_string(status).ok()?;
+    let line = text.lines().find(|l| l.starts_with("Uid:"))?;
+    line.split_whitespace().nth(2)?.parse().ok()
+}
+
+/// What a process that is not Python is doing, in one line: its program, its state and where
+/// the kernel has it waiting.
+fn native_line(pid: u32, exe: &str) -> String {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // The state follows the command name, which is in parentheses and may hold spaces.
+    let state = stat
+        .rsplit_once(')')
+        .and_then(|(_, rest)| rest.split_whitespace().next())
+        .map(|s| match s {
+            "R" => "running",
+            "S" => "sleeping",
+            "D" => "in uninterruptible I/O",
+            "T" | "t" => "stopped",
+            "Z" => "a zombie",
+            _ => "in state ?",
+        })
+        .unwrap_or("in state ?");
+    let wchan = std::fs::read_to_string(format!("/proc/{pid}/wchan"))
+        .map(|w| w.trim().to_owned())
+        .unwrap_or_default();
+    let program = if exe.is_empty() {
+        "an unknown program"
+    } else {
+        exe
+    };
+    let mut line = format!("{program} (pid {pid}) is not Python; it is {state}");
+    if !wchan.is_empty() && wchan != "0" {
+        line.push_str(&format!(" in the kernel at {wchan}"));
+    }
+    line.push_str(" (no native stack: this agent does not unwind native code)");
+    line
+}
+
+/// The process's CPU time so far (user and system, all threads), in clock ticks.
+fn cpu_ticks(pid: u32) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(')')?;
+    // After the command: state is field 3; utime and stime are fields 14 and 15.
+    let mut fields = rest.split_whitespace().skip(11);
+    let utime: u64 = fields.next()?.parse().ok()?;
+    let stime: u64 = fields.next()?.parse().ok()?;
+    Some(utime + stime)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    /// A program that is not Python gets a line naming it and its state, not an error.
+    #[tokio::test]
+    async fn a_program_that_is_not_python_is_named_with_its_state() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("30")
+            .spawn()
+            .expect("sleep");
+        let workers = Workers::default();
+        workers.started(
+            0,
+            WorkerRef {
+                local_rank: 0,
+                pid: child.id(),
+            },
+        );
+        let sampler = Sampler::start(workers, 0.0).expect("sampler");
+        // Let it reach its sleep.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let stacks = sampler.dump().await;
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(stacks.len(), 1);
+        let s = &stacks[0];
+        assert_eq!(s.rank, Some(0));
+        assert!(s.error.is_empty(), "{s:?}");
+        assert!(s.threads.is_empty());
+        assert!(
+            s.native.contains("sleep") && s.native.contains("is not Python; it is sleeping"),
+            "{}",
+            s.native
+        );
+    }
+
+    /// A rank whose process is gone says so.
+    #[tokio::test]
+    async fn an_exited_worker_is_named_as_exited() {
+        let mut child = std::process::Command::new("true").spawn().expect("true");
+        let pid = child.id();
+        child.wait().expect("wait");
+        let workers = Workers::default();
+        workers.started(3, WorkerRef { local_rank: 1, pid });
+        let sampler = Sampler::start(workers, 0.0).expect("sampler");
+        let stacks = sampler.dump().await;
+        assert_eq!(stacks.len(), 1);
+        assert_eq!(
+            stacks[0].error,
+            format!("process {pid} exited while it was being read")
+        );
+    }
+
+    /// A child process, killed and reaped on drop.
+    struct Child(std::process::Child);
+
+    impl Drop for Child {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+
+    fn spawn(program: &str, args: &[&str]) -> Child {
+        Child(
+            std::process::Command::new(program)
+                .args(args)
+                .spawn()
+                .expect("spawn"),
+        )
+    }
+
+    fn sampler_of(child: &Child, hz: f64) -> Sampler {
+        let workers = Workers::default();
+        workers.started(
+            0,
+            WorkerRef {
+                local_rank: 0,
+                pid: child.0.id(),
+            },
+        );
+        Sampler::start(workers, hz).expect("sampler")
+    }
+
+    /// A Python worker's main thread is read from outside, innermost frame first, with the
+    /// source of the user's line; nothing in the worker imports anything for it.
+    #[tokio::test]
+    async fn a_python_workers_stack_is_read_with_its_source_line() {
+        let dir = std::env::temp_dir().join(format!("muster-stacks-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = dir.join("slow.py");
+        std::fs::write(
+            &script,
+            "import time\n\n\ndef slow_data_step():\n    time.sleep(60)\n\n\nslow_data_step()\n",
+        )
+        .unwrap();
+        let child = spawn("python3", &[script.to_str().unwrap()]);
+        let sampler = sampler_of(&child, 0.0);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let stack = loop {
+            let stacks = sampler.dump().await;
+            let s = stacks.into_iter().next().expect("one rank");
+            let settled = s.threads.first().is_some_and(|t| {
+                t.frames
+                    .first()
+                    .is_some_and(|f| f.function == "slow_data_step")
+            });
+            if settled {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "never read: {s:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let _ = std::fs::remove_dir_all(&dir);
+        let main = &stack.threads[0];
+        // Under a pyenv shim the Python is the shim's child: that one is read.
+        assert_eq!(
+            main.thread_id,
+            u64::from(stack.pid),
+            "the main thread first"
+        );
+        let f = &main.frames[0];
+        assert_eq!((f.line, f.source.as_str()), (5, "time.sleep(60)"));
+        assert!(f.file.ends_with("slow.py"), "{f:?}");
+        assert_eq!(main.frames[1].function, "<module>");
+        assert_eq!(main.frames[1].line, 8);
+        assert!(
+            main.frames[1].source.is_empty(),
+            "only the innermost user frame"
+        );
+    }
+
+    /// The progress rule's boundary: a worker that uses the CPU outside any wait makes
+    /// progress even with a constant stack; one that sleeps makes none after it started.
+    #[tokio::test]
+    async fn a_busy_worker_makes_progress_and_a_sleeping_one_does_not() {
+        let busy = spawn("sh", &["-c", "while :; do :; done"]);
+        let mut sampler = sampler_of(&busy, 20.0);
+        let mut progress = sampler.progress().unwrap();
+        // Its start, then its CPU use, at most once a second.
+        for _ in 0..2 {
+            tokio::time::timeout(Duration::from_secs(3), progress.recv())
+                .await
+                .expect("a busy worker makes progress")
+                .unwrap();
+        }
+        drop(busy);
+
+        let idle = spawn("sleep", &["30"]);
+        let mut sampler = sampler_of(&idle, 20.0);
+        let mut progress = sampler.progress().unwrap();
+        tokio::time::timeout(Duration::from_secs(3), progress.recv())
+            .await
+            .expect("its start is progress")
+            .unwrap();
+        let more = tokio::time::timeout(Duration::from_millis(2500), progress.recv()).await;
+        assert!(more.is_err(), "a sleeping worker made progress");
+        let stacks = sampler.dump().await;
+        assert!(stacks[0].unchanged_ms >= 2000, "{:?}", stacks[0]);
+    }
+
+    /// The registry forgets a reaped worker, but not its respawn.
+    #[test]
+    fn a_respawn_outlives_its_predecessors_reaping() {
+        let workers = Workers::default();
+        workers.started(
+            1,
+            WorkerRef {
+                local_rank: 1,
+                pid: 10,
+            },
+        );
+        workers.started(
+            1,
+            WorkerRef {
+                local_rank: 1,
+                pid: 11,
+            },
+        );
+        workers.ended(1, 10);
+        assert_eq!(workers.snapshot().get(&1).map(|w| w.pid), Some(11));
+        workers.ended(1, 11);
+        assert!(workers.snapshot().is_empty());
+    }
+
+    #[test]
+    fn cpu_ticks_read_this_process() {
+        assert!(cpu_ticks(std::process::id()).is_some());
+    }
+}

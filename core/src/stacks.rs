@@ -1,0 +1,878 @@
+//! Ranks' stacks made readable: library frames folded, ranks grouped by where their main
+//! threads stand, and the ranks elsewhere than the waiting majority named as the likely cause.
+//!
+//! A frame's origin is read from its file path alone:
+//! - no file: a native frame (or one the reader could not place), shown as its function;
+//! - under the last `site-packages/` or `dist-packages/` component: the library named by the
+//!   top-level package below it (`torch`, `accelerate`, `muster`, `numpy`, ...);
+//! - under a `muster/` directory whose parent is `python/`: muster's Python package run from a
+//!   source checkout (`worker-sdk/python/python/muster/`), the library `muster`;
+//! - under `lib/python3.N/` (or `lib64/`), or a `<frozen module>` file: Python's standard
+//!   library, the library `stdlib`;
+//! - anything else: the user's own code (a library run from a source checkout included).
+//!
+//! A library frame is shown as the dotted path of its module's directory below the library's
+//! root, then the function (`torch.distributed.barrier`); a module file at the root is named by
+//! itself (`threading.wait`). A user frame is shown as `file:line function (source)`.
+
+use muster_proto::v1 as pb;
+use std::cmp::Reverse;
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::hash::{DefaultHasher, Hash, Hasher};
+
+/// The library name of Python's standard library.
+const STDLIB: &str = "stdlib";
+
+/// Function names of decorators' inner functions: a run's entry point by one of these names
+/// says nothing the innermost frame does not, so folding drops it.
+const WRAPPERS: &[&str] = &[
+    "wrapper",
+    "inner",
+    "_fn",
+    "wrapped",
+    "decorate_context",
+    "<lambda>",
+];
+
+/// The most frames a group's line shows when not `full`: the innermost [`LINE_INNER`], a
+/// `...`, and the outermost one.
+const LINE_FRAMES: usize = 8;
+/// The innermost frames a shortened line keeps.
+const LINE_INNER: usize = 6;
+
+/// Where a frame's code comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Origin<'a> {
+    /// No file: a native frame, or one the reader could not place.
+    Native,
+    /// The user's own code.
+    User,
+    /// A library: its name (its top-level package, or [`STDLIB`]) and the dotted path of the
+    /// frame's module directory.
+    Library { name: &'a str, module: String },
+}
+
+/// Whether `file` is a library's (an installed package, muster's, or Python's standard
+/// library) rather than the user's own code or a native frame: the agent reads the source line
+/// of the innermost frame that is not.
+pub fn is_library(file: &str) -> bool {
+    matches!(classify(file), Origin::Library { .. })
+}
+
+/// A thread's frames (innermost first) as text, innermost first.
+///
+/// Unless `full`, each run of consecutive frames of one library is folded to its innermost
+/// frame and its entry point (the run's outermost frame); the entry is left out when it reads
+/// the same as the innermost or is a decorator's wrapper. The user's own frames and native
+/// frames are always kept.
+pub fn fold(frames: &[pb::StackFrame], full: bool) -> Vec<String> {
+    let origins: Vec<Origin<'_>> = frames.iter().map(|f| classify(&f.file)).collect();
+    if full {
+        return frames
+            .iter()
+            .zip(&origins)
+            .map(|(f, o)| render(f, o))
+            .collect();
+    }
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start < frames.len() {
+        let end = run_end(&origins, start);
+        let inner = render(&frames[start], &origins[start]);
+        let entry = (end - start > 1)
+            .then(|| &frames[end - 1])
+            .filter(|f| !WRAPPERS.contains(&last_segment(&f.function)))
+            .map(|f| render(f, &origins[end - 1]))
+            .filter(|text| *text != inner);
+        out.push(inner);
+        out.extend(entry);
+        start = end;
+    }
+    out
+}
+
+/// Whether a thread stands in a known wait, judged by its innermost library run (the frames
+/// from the innermost Python frame on, while they are of one library; leading native frames
+/// are skipped). It waits when any frame of that run is in `torch.distributed` (a collective,
+/// a barrier, a store wait), in muster's package, is accelerate's `wait_for_everyone`, or is
+/// a standard-library wait: threading `wait`/`acquire`/`join`, queue `get`,
+/// concurrent.futures `result`/`wait`, selectors `select`, and multiprocessing's connection
+/// and queue waits (`wait`, `poll`, `recv`, `recv_bytes`, `get`, `join`, `acquire`).
+///
+/// A user frame innermost is not a wait, even when the line calls one: a C function such as
+/// `time.sleep` has no Python frame, so the user's line is all a reader sees of it.
+pub fn is_wait(frames: &[pb::StackFrame]) -> bool {
+    let origins: Vec<Origin<'_>> = frames.iter().map(|f| classify(&f.file)).collect();
+    let Some(start) = origins.iter().position(|o| *o != Origin::Native) else {
+        return false;
+    };
+    let Origin::Library { name, .. } = &origins[start] else {
+        return false;
+    };
+    (start..run_end(&origins, start)).any(|i| match &origins[i] {
+        Origin::Library { module, .. } => waits(name, module, &frames[i].function),
+        _ => false,
+    })
+}
+
+/// Ranks as people write them: sorted, each once, consecutive ranks as a range
+/// (`0,2-7`).
+pub fn ranks_text(ranks: &[u32]) -> String {
+    let mut sorted = ranks.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let mut text = String::new();
+    let mut i = 0;
+    while i < sorted.len() {
+        let mut j = i;
+        while j + 1 < sorted.len() && sorted[j + 1] == sorted[j] + 1 {
+            j += 1;
+        }
+        if !text.is_empty() {
+            text.push(',');
+        }
+        if j > i {
+            let _ = write!(text, "{}-{}", sorted[i], sorted[j]);
+        } else {
+            let _ = write!(text, "{}", sorted[i]);
+        }
+        i = j + 1;
+    }
+    text
+}
+
+/// A hash of what a rank is doing, for the agent's sampler to tell whether a rank's stack
+/// changed between samples: every thread's frames (function, file, line), `native` and
+/// `error`. What changes without the rank moving (`unchanged_ms`, `waiting_share`, the source
+/// text, pids, thread ids and names, whether a thread was active) is left out.
+///
+/// Stable within one build of muster, not across builds: never store or send it.
+pub fn fingerprint(stack: &pb::RankStack) -> u64 {
+    let mut h = DefaultHasher::new();
+    stack.threads.len().hash(&mut h);
+    for thread in &stack.threads {
+        thread.frames.len().hash(&mut h);
+        for f in &thread.frames {
+            (&f.function, &f.file, f.line).hash(&mut h);
+        }
+    }
+    stack.native.hash(&mut h);
+    stack.error.hash(&mut h);
+    h.finish()
+}
+
+/// The grouped view: ranks whose main threads stand at the same folded stack, one group each,
+/// the likely causes first, then by size (largest first), ties by lowest rank.
+///
+/// The waiting majority is the largest group whose main thread [`is_wait`] (ties: the group
+/// holding the lowest rank). When there is one, every other group whose ranks could be read is
+/// a likely cause; when no group waits, none is. A rank that cannot be read stands as
+/// `cannot read: {error}`, a process that is not Python as `not Python: {native}`, a Python
+/// process without threads as `no Python thread` and a main thread without frames as
+/// `no Python frame`. A rank without a rank number is left out. `world_size` is the "of N" in
+/// each line (at least the number of ranks given).
+pub fn group(ranks: &[pb::RankStack], world_size: u32, full: bool) -> Vec<pb::StackGroup> {
+    let mut sorted: Vec<(u32, &pb::RankStack)> =
+        ranks.iter().filter_map(|r| Some((r.rank?, r))).collect();
+    sorted.sort_by_key(|(rank, _)| *rank);
+    sorted.dedup_by_key(|(rank, _)| *rank);
+
+    let mut drafts: Vec<Draft> = Vec::new();
+    let mut index: HashMap<Vec<String>, usize> = HashMap::new();
+    for (rank, stack) in &sorted {
+        let key = key(stack, full);
+        match index.get(&key) {
+            Some(&i) => {
+                let d = &mut drafts[i];
+                d.ranks.push(*rank);
+                d.unchanged_ms = d.unchanged_ms.min(stack.unchanged_ms);
+            }
+            None => {
+                index.insert(key.clone(), drafts.len());
+                drafts.push(Draft {
+                    frames: key,
+                    ranks: vec![*rank],
+                    unchanged_ms: stack.unchanged_ms,
+                    readable: stack.error.is_empty(),
+                    // Ranks are taken in order, so this is the group's lowest rank's stack.
+                    waits: stack.error.is_empty()
+                        && stack.threads.first().is_some_and(|t| is_wait(&t.frames)),
+                });
+            }
+        }
+    }
+
+    let majority = drafts
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| d.waits)
+        .max_by_key(|(_, d)| (d.ranks.len(), Reverse(d.ranks.first().copied())))
+        .map(|(i, _)| i);
+    let world = world_size.max(u32::try_from(sorted.len()).unwrap_or(u32::MAX));
+
+    let mut groups: Vec<pb::StackGroup> = drafts
+        .into_iter()
+        .enumerate()
+        .map(|(i, d)| {
+            let likely_cause = majority.is_some_and(|m| m != i) && d.readable;
+            let line = line(&d, likely_cause, world, full);
+            pb::StackGroup {
+                ranks: d.ranks,
+                frames: d.frames,
+                likely_cause,
+                unchanged_ms: d.unchanged_ms,
+                line,
+            }
+        })
+        .collect();
+    groups.sort_by_key(|g| {
+        (
+            !g.likely_cause,
+            Reverse(g.ranks.len()),
+            g.ranks.first().copied(),
+        )
+    });
+    groups
+}
+
+/// The grouped view as text, what `muster-agent describe --stacks` prints: each group's line,
+/// then `no answer from {node}` for each node that did not answer; `no ranks running` when
+/// there is neither. Lines are joined by newlines, with none after the last.
+pub fn report(groups: &[pb::StackGroup], unanswered: &[String]) -> String {
+    if groups.is_empty() && unanswered.is_empty() {
+        return "no ranks running".to_owned();
+    }
+    let lines = groups
+        .iter()
+        .map(|g| g.line.clone())
+        .chain(unanswered.iter().map(|n| format!("no answer from {n}")));
+    lines.collect::<Vec<_>>().join("\n")
+}
+
+/// A group while ranks are added to it.
+struct Draft {
+    frames: Vec<String>,
+    /// In ascending order.
+    ranks: Vec<u32>,
+    unchanged_ms: u64,
+    /// Whether its ranks could be read (no `error`).
+    readable: bool,
+    /// Whether its lowest rank's main thread waits.
+    waits: bool,
+}
+
+/// What a rank is grouped by: its main thread's folded frames, or the one line saying why
+/// there are none.
+fn key(stack: &pb::RankStack, full: bool) -> Vec<String> {
+    if !stack.error.is_empty() {
+        return vec![format!("cannot read: {}", stack.error)];
+    }
+    match stack.threads.first() {
+        Some(main) => {
+            let frames = fold(&main.frames, full);
+            if frames.is_empty() {
+                vec!["no Python frame".to_owned()]
+            } else {
+                frames
+            }
+        }
+        None if !stack.native.is_empty() => vec![format!("not Python: {}", stack.native)],
+        None => vec!["no Python thread".to_owned()],
+    }
+}
+
+/// A group's line of the report.
+fn line(d: &Draft, likely_cause: bool, world: u32, full: bool) -> String {
+    let ranks = ranks_text(&d.ranks);
+    let mut text = match (likely_cause, d.ranks.len()) {
+        (true, 1) => format!("rank {ranks} is elsewhere: "),
+        (true, _) => format!("ranks {ranks} are elsewhere: "),
+        (false, 1) => format!("rank {ranks} (1 of {world}): "),
+        (false, n) => format!("ranks {ranks} ({n} of {world}): "),
+    };
+    if full || d.frames.len() <= LINE_FRAMES {
+        text.push_str(&d.frames.join(" <- "));
+    } else {
+        let shown: Vec<&str> = d.frames[..LINE_INNER]
+            .iter()
+            .map(String::as_str)
+            .chain(["..."])
+            .chain(d.frames.last().map(String::as_str))
+            .collect();
+        text.push_str(&shown.join(" <- "));
+    }
+    text.push_str(&for_text(d.unchanged_ms));
+    text
+}
+
+/// `, for 42 s`: how long a stack stood still, rounded down; empty when unknown (0).
+fn for_text(ms: u64) -> String {
+    match ms {
+        0 => String::new(),
+        1..1000 => format!(", for 0.{} s", ms / 100),
+        1000..120_000 => format!(", for {} s", ms / 1000),
+        _ => match (ms / 60_000, ms / 1000 % 60) {
+            (min, 0) => format!(", for {min} min"),
+            (min, s) => format!(", for {min} min {s} s"),
+        },
+    }
+}
+
+/// Where the run of frames starting at `start` ends (exclusive): consecutive frames of the
+/// same library form one run; any other frame is a run by itself.
+fn run_end(origins: &[Origin<'_>], start: usize) -> usize {
+    let Origin::Library { name, .. } = &origins[start] else {
+        return start + 1;
+    };
+    let same = |o: &Origin<'_>| matches!(o, Origin::Library { name: n, .. } if n == name);
+    start + 1 + origins[start + 1..].iter().take_while(|o| same(o)).count()
+}
+
+/// Whether a frame of a library is one of its known waits.
+fn waits(library: &str, module: &str, function: &str) -> bool {
+    let f = last_segment(function);
+    match library {
+        "torch" => module == "torch.distributed" || module.starts_with("torch.distributed."),
+        "muster" => true,
+        "accelerate" => f == "wait_for_everyone",
+        STDLIB => match module {
+            "threading" => matches!(f, "wait" | "acquire" | "join"),
+            "queue" => f == "get",
+            "concurrent.futures" => matches!(f, "result" | "wait"),
+            "selectors" => f == "select",
+            "multiprocessing" => matches!(
+                f,
+                "wait"
+                    | "poll"
+                    | "_poll"
+                    | "recv"
+                    | "_recv"
+                    | "recv_bytes"
+                    | "_recv_bytes"
+                    | "get"
+                    | "join"
+                    | "acquire"
+            ),
+            _ => false,
+        },
+        _ => false,
+    }
+}
+
+/// A frame as text: see the module's doc.
+fn render(frame: &pb::StackFrame, origin: &Origin<'_>) -> String {
+    let function = if frame.function.is_empty() {
+        "?"
+    } else {
+        &frame.function
+    };
+    match origin {
+        Origin::Native => function.to_owned(),
+        Origin::Library { module, .. } => format!("{module}.{function}"),
+        Origin::User => {
+            let base = frame.file.rsplit('/').next().unwrap_or(&frame.file);
+            let mut text = format!("{base}:{} {function}", frame.line);
+            let source = frame.source.trim();
+            if !source.is_empty() {
+                let _ = write!(text, " ({source})");
+            }
+            text
+        }
+    }
+}
+
+/// Where a file's code comes from: see the module's doc.
+fn classify(file: &str) -> Origin<'_> {
+    if file.is_empty() {
+        return Origin::Native;
+    }
+    if let Some(module) = file
+        .strip_prefix("<frozen ")
+        .and_then(|m| m.strip_suffix('>'))
+    {
+        let parts: Vec<&str> = module.split('.').collect();
+        return Origin::Library {
+            name: STDLIB,
+            module: module_path(&parts),
+        };
+    }
+    let parts: Vec<&str> = file.split('/').collect();
+    if let Some(i) = parts
+        .iter()
+        .rposition(|p| *p == "site-packages" || *p == "dist-packages")
+        && let Some(origin) = library(&parts[i + 1..], None)
+    {
+        return origin;
+    }
+    if let Some(i) = parts.iter().rposition(|p| *p == "muster")
+        && i > 0
+        && parts[i - 1] == "python"
+        && let Some(origin) = library(&parts[i..], None)
+    {
+        return origin;
+    }
+    if let Some(i) = parts
+        .windows(2)
+        .rposition(|w| matches!(w[0], "lib" | "lib64") && is_python_dir(w[1]))
+        && let Some(origin) = library(&parts[i + 2..], Some(STDLIB))
+    {
+        return origin;
+    }
+    Origin::User
+}
+
+/// The library of a file at `rest` below a library root (`torch/distributed/x.py`), named by
+/// its top-level package unless `name` is given; `None` when there is no file below the root.
+fn library<'a>(rest: &[&'a str], name: Option<&'a str>) -> Option<Origin<'a>> {
+    let top = rest.first()?;
+    Some(Origin::Library {
+        name: name.unwrap_or_else(|| stem(top)),
+        module: module_path(rest),
+    })
+}
+
+/// The dotted module directory of a file at `rest` below a library root; a module file at
+/// the root is named by itself.
+fn module_path(rest: &[&str]) -> String {
+    match rest {
+        [file] => stem(file).to_owned(),
+        [dirs @ .., _] => dirs.join("."),
+        [] => String::new(),
+    }
+}
+
+/// A file name without its extension.
+fn stem(file: &str) -> &str {
+    file.split('.').next().unwrap_or(file)
+}
+
+/// Whether a directory is a Python 3 install's library (`python3.11`, `python3.13t`).
+fn is_python_dir(dir: &str) -> bool {
+    dir.strip_prefix("python3.")
+        .map(|v| v.strip_suffix('t').unwrap_or(v))
+        .is_some_and(|v| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()))
+}
+
+/// The last part of a qualified function name (`Accelerator.wait_for_everyone`).
+fn last_segment(function: &str) -> &str {
+    function.rsplit('.').next().unwrap_or(function)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SITE: &str = "/v/lib/python3.11/site-packages";
+
+    fn frame(file: &str, line: u32, function: &str) -> pb::StackFrame {
+        pb::StackFrame {
+            function: function.to_owned(),
+            file: file.to_owned(),
+            line,
+            source: String::new(),
+        }
+    }
+
+    fn lib(path: &str, function: &str) -> pb::StackFrame {
+        frame(&format!("{SITE}/{path}"), 100, function)
+    }
+
+    fn user(line: u32, function: &str) -> pb::StackFrame {
+        frame("/home/u/train.py", line, function)
+    }
+
+    fn rank(rank: u32, frames: Vec<pb::StackFrame>, unchanged_ms: u64) -> pb::RankStack {
+        pb::RankStack {
+            rank: Some(rank),
+            threads: vec![pb::ThreadStack {
+                thread_id: 1000 + u64::from(rank),
+                name: "MainThread".to_owned(),
+                active: false,
+                frames,
+            }],
+            unchanged_ms,
+            ..Default::default()
+        }
+    }
+
+    /// Accelerate's `wait_for_everyone` into torch's barrier, from `train.py:15`.
+    fn accelerate_barrier() -> Vec<pb::StackFrame> {
+        vec![
+            lib("torch/distributed/distributed_c10d.py", "barrier"),
+            lib("torch/distributed/c10d_logger.py", "wrapper"),
+            lib("accelerate/utils/other.py", "wait_for_everyone"),
+            lib("accelerate/accelerator.py", "wait_for_everyone"),
+            user(15, "<module>"),
+        ]
+    }
+
+    fn lines(groups: &[pb::StackGroup]) -> Vec<&str> {
+        groups.iter().map(|g| g.line.as_str()).collect()
+    }
+
+    fn check_frame(file: &str, function: &str, expected: &str) {
+        assert_eq!(
+            fold(&[frame(file, 7, function)], false),
+            [expected],
+            "{file}"
+        );
+    }
+
+    #[test]
+    fn frames_render_by_origin() {
+        check_frame(
+            "/v/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py",
+            "barrier",
+            "torch.distributed.barrier",
+        );
+        check_frame(
+            "/usr/lib/python3/dist-packages/accelerate/accelerator.py",
+            "Accelerator.wait_for_everyone",
+            "accelerate.Accelerator.wait_for_everyone",
+        );
+        check_frame(
+            "/v/lib/python3.11/site-packages/six.py",
+            "reraise",
+            "six.reraise",
+        );
+        check_frame("/usr/lib/python3.11/threading.py", "wait", "threading.wait");
+        check_frame(
+            "/usr/lib/python3.11/concurrent/futures/_base.py",
+            "result",
+            "concurrent.futures.result",
+        );
+        check_frame("<frozen runpy>", "_run_code", "runpy._run_code");
+        check_frame(
+            "<frozen importlib._bootstrap>",
+            "_call_with_frames_removed",
+            "importlib._call_with_frames_removed",
+        );
+        check_frame(
+            "/home/u/muster/worker-sdk/python/python/muster/accelerator.py",
+            "wait_for_everyone",
+            "muster.wait_for_everyone",
+        );
+        check_frame("/home/u/muster/train.py", "main", "train.py:7 main");
+        check_frame("/home/u/proj/lib/util.py", "load", "util.py:7 load");
+        check_frame("", "PyEval_EvalFrame", "PyEval_EvalFrame");
+        let mut with_source = user(9, "slow_data_step");
+        with_source.source = "    time.sleep(600)\n".to_owned();
+        assert_eq!(
+            fold(&[with_source], false),
+            ["train.py:9 slow_data_step (time.sleep(600))"]
+        );
+    }
+
+    #[test]
+    fn library_runs_fold_to_innermost_and_entry() {
+        assert_eq!(
+            fold(&accelerate_barrier(), false),
+            [
+                "torch.distributed.barrier",
+                "accelerate.utils.wait_for_everyone",
+                "accelerate.wait_for_everyone",
+                "train.py:15 <module>",
+            ]
+        );
+        // A run's middle goes; an entry reading as the innermost goes; user frames all stay.
+        let frames = [
+            frame("/usr/lib/python3.11/threading.py", 320, "wait"),
+            frame("/usr/lib/python3.11/threading.py", 600, "wait"),
+            frame(
+                "/usr/lib/python3.11/concurrent/futures/_base.py",
+                40,
+                "wait",
+            ),
+            frame(
+                "/usr/lib/python3.11/concurrent/futures/_base.py",
+                450,
+                "result",
+            ),
+            user(30, "fetch"),
+            lib("torch/nn/modules/module.py", "_call_impl"),
+            lib("torch/nn/modules/module.py", "_call_impl"),
+            user(40, "main"),
+        ];
+        assert_eq!(
+            fold(&frames, false),
+            [
+                "threading.wait",
+                "concurrent.futures.result",
+                "train.py:30 fetch",
+                "torch.nn.modules._call_impl",
+                "train.py:40 main",
+            ]
+        );
+    }
+
+    #[test]
+    fn full_keeps_every_frame() {
+        assert_eq!(
+            fold(&accelerate_barrier(), true),
+            [
+                "torch.distributed.barrier",
+                "torch.distributed.wrapper",
+                "accelerate.utils.wait_for_everyone",
+                "accelerate.wait_for_everyone",
+                "train.py:15 <module>",
+            ]
+        );
+    }
+
+    #[test]
+    fn waits_are_read_from_the_innermost_library_run() {
+        assert!(is_wait(&accelerate_barrier()));
+        let stdlib =
+            |path: &str, function: &str| frame(&format!("/usr/lib/python3.11/{path}"), 1, function);
+        assert!(is_wait(&[stdlib("threading.py", "wait"), user(3, "main")]));
+        assert!(is_wait(&[
+            stdlib("threading.py", "Condition.wait"),
+            stdlib("concurrent/futures/_base.py", "result"),
+            user(3, "main"),
+        ]));
+        assert!(is_wait(&[stdlib("queue.py", "get"), user(3, "main")]));
+        assert!(is_wait(&[
+            stdlib("selectors.py", "select"),
+            user(3, "main")
+        ]));
+        assert!(is_wait(&[
+            stdlib("multiprocessing/connection.py", "_recv_bytes"),
+            user(3, "main"),
+        ]));
+        assert!(is_wait(&[
+            frame("", 0, "pthread_cond_wait"),
+            lib("muster/comm.py", "barrier"),
+            user(3, "main"),
+        ]));
+        // The user's own line innermost: `time.sleep` shows as the user's line.
+        assert!(!is_wait(&[user(9, "slow_data_step"), user(14, "<module>")]));
+        // Torch computing, not waiting; a wait further out than the innermost run is not one.
+        assert!(!is_wait(&[
+            lib("torch/nn/functional.py", "linear"),
+            user(9, "step"),
+            lib("torch/distributed/distributed_c10d.py", "barrier"),
+        ]));
+        assert!(!is_wait(&[
+            stdlib("json/decoder.py", "decode"),
+            user(3, "main")
+        ]));
+        assert!(!is_wait(&[]));
+    }
+
+    #[test]
+    fn ranks_read_as_ranges() {
+        for (ranks, text) in [
+            (&[0, 2, 3, 4, 5, 6, 7][..], "0,2-7"),
+            (&[1], "1"),
+            (&[1, 3], "1,3"),
+            (&[7, 6, 0, 1, 1], "0-1,6-7"),
+            (&[], ""),
+        ] {
+            assert_eq!(ranks_text(ranks), text, "{ranks:?}");
+        }
+    }
+
+    #[test]
+    fn durations_round_down() {
+        for (ms, text) in [
+            (0, ""),
+            (400, ", for 0.4 s"),
+            (999, ", for 0.9 s"),
+            (42_900, ", for 42 s"),
+            (119_999, ", for 119 s"),
+            (120_000, ", for 2 min"),
+            (185_000, ", for 3 min 5 s"),
+        ] {
+            assert_eq!(for_text(ms), text, "{ms}");
+        }
+    }
+
+    #[test]
+    fn fingerprint_follows_frames_not_timing() {
+        let a = rank(0, accelerate_barrier(), 1_000);
+        let mut later = a.clone();
+        later.unchanged_ms = 60_000;
+        later.waiting_share = 0.9;
+        later.pid = 4242;
+        later.threads[0].thread_id = 7;
+        later.threads[0].frames[4].source = "accelerator.wait_for_everyone()".to_owned();
+        assert_eq!(fingerprint(&a), fingerprint(&later));
+
+        let mut moved = a.clone();
+        moved.threads[0].frames[4].line = 16;
+        assert_ne!(fingerprint(&a), fingerprint(&moved));
+        let mut failed = a.clone();
+        failed.error = "exited".to_owned();
+        assert_ne!(fingerprint(&a), fingerprint(&failed));
+    }
+
+    #[test]
+    fn accelerate_hang_names_the_rank_elsewhere() {
+        let mut slow = user(9, "slow_data_step");
+        slow.source = "time.sleep(600)".to_owned();
+        let ranks = [
+            rank(0, accelerate_barrier(), 43_500),
+            rank(1, vec![slow, user(14, "<module>")], 42_100),
+            rank(2, accelerate_barrier(), 42_000),
+        ];
+        let groups = group(&ranks, 3, false);
+        assert_eq!(
+            lines(&groups),
+            [
+                "rank 1 is elsewhere: train.py:9 slow_data_step (time.sleep(600)) \
+                 <- train.py:14 <module>, for 42 s",
+                "ranks 0,2 (2 of 3): torch.distributed.barrier \
+                 <- accelerate.utils.wait_for_everyone <- accelerate.wait_for_everyone \
+                 <- train.py:15 <module>, for 42 s",
+            ]
+        );
+        assert_eq!(groups[0].ranks, [1]);
+        assert!(groups[0].likely_cause);
+        assert_eq!(groups[1].ranks, [0, 2]);
+        assert!(!groups[1].likely_cause);
+        assert_eq!(groups[1].unchanged_ms, 42_000);
+        assert_eq!(groups[1].frames, fold(&accelerate_barrier(), false));
+    }
+
+    #[test]
+    fn balanced_ranks_form_one_group_and_no_cause() {
+        let ranks: Vec<_> = (0..4).map(|r| rank(r, accelerate_barrier(), 0)).collect();
+        let groups = group(&ranks, 4, false);
+        assert_eq!(
+            lines(&groups),
+            ["ranks 0-3 (4 of 4): torch.distributed.barrier \
+              <- accelerate.utils.wait_for_everyone <- accelerate.wait_for_everyone \
+              <- train.py:15 <module>"]
+        );
+        assert!(!groups[0].likely_cause);
+        assert_eq!(groups[0].unchanged_ms, 0);
+    }
+
+    fn all_reduce_at(line: u32) -> Vec<pb::StackFrame> {
+        vec![
+            lib("torch/distributed/distributed_c10d.py", "all_reduce"),
+            lib("torch/distributed/c10d_logger.py", "wrapper"),
+            user(line, "step"),
+            user(30, "<module>"),
+        ]
+    }
+
+    #[test]
+    fn of_two_collective_sites_the_other_is_the_cause() {
+        // Equal sizes: the group holding rank 0 is the majority.
+        let ranks = [
+            rank(2, all_reduce_at(22), 5_000),
+            rank(0, all_reduce_at(20), 5_000),
+            rank(3, all_reduce_at(22), 5_000),
+            rank(1, all_reduce_at(20), 5_000),
+        ];
+        let groups = group(&ranks, 4, false);
+        assert_eq!(
+            lines(&groups),
+            [
+                "ranks 2-3 are elsewhere: torch.distributed.all_reduce <- train.py:22 step \
+                 <- train.py:30 <module>, for 5 s",
+                "ranks 0-1 (2 of 4): torch.distributed.all_reduce <- train.py:20 step \
+                 <- train.py:30 <module>, for 5 s",
+            ]
+        );
+        assert!(groups[0].likely_cause && !groups[1].likely_cause);
+
+        // The larger group is the majority, whatever its ranks.
+        let ranks = [
+            rank(0, all_reduce_at(20), 0),
+            rank(1, all_reduce_at(22), 0),
+            rank(2, all_reduce_at(22), 0),
+        ];
+        let groups = group(&ranks, 3, false);
+        assert_eq!(groups[0].ranks, [0]);
+        assert!(groups[0].likely_cause);
+        assert_eq!(groups[1].ranks, [1, 2]);
+        assert!(!groups[1].likely_cause);
+    }
+
+    #[test]
+    fn without_a_waiting_group_nobody_is_marked() {
+        let ranks = [
+            rank(0, vec![user(9, "step"), user(14, "<module>")], 0),
+            rank(1, vec![user(9, "step"), user(14, "<module>")], 0),
+            rank(2, vec![user(11, "log"), user(14, "<module>")], 0),
+        ];
+        let groups = group(&ranks, 3, false);
+        assert_eq!(
+            lines(&groups),
+            [
+                "ranks 0-1 (2 of 3): train.py:9 step <- train.py:14 <module>",
+                "rank 2 (1 of 3): train.py:11 log <- train.py:14 <module>",
+            ]
+        );
+        assert!(groups.iter().all(|g| !g.likely_cause));
+    }
+
+    #[test]
+    fn unreadable_and_non_python_ranks() {
+        let ranks = [
+            rank(0, accelerate_barrier(), 0),
+            rank(1, accelerate_barrier(), 0),
+            pb::RankStack {
+                rank: Some(2),
+                error: "ptrace denied: run the agent with CAP_SYS_PTRACE".to_owned(),
+                ..Default::default()
+            },
+            pb::RankStack {
+                rank: Some(3),
+                native: "bash (pid 77), waiting in wait4".to_owned(),
+                unchanged_ms: 400,
+                ..Default::default()
+            },
+            pb::RankStack {
+                rank: Some(4),
+                ..Default::default()
+            },
+            // No rank number: left out.
+            pb::RankStack::default(),
+        ];
+        let groups = group(&ranks, 5, false);
+        assert_eq!(
+            lines(&groups),
+            [
+                "rank 3 is elsewhere: not Python: bash (pid 77), waiting in wait4, for 0.4 s",
+                "rank 4 is elsewhere: no Python thread",
+                "ranks 0-1 (2 of 5): torch.distributed.barrier \
+                 <- accelerate.utils.wait_for_everyone <- accelerate.wait_for_everyone \
+                 <- train.py:15 <module>",
+                "rank 2 (1 of 5): cannot read: ptrace denied: run the agent with \
+                 CAP_SYS_PTRACE",
+            ]
+        );
+        let marked: Vec<bool> = groups.iter().map(|g| g.likely_cause).collect();
+        assert_eq!(marked, [true, true, false, false]);
+    }
+
+    #[test]
+    fn long_stacks_are_cut_in_the_line_only() {
+        let frames: Vec<_> = (1..=10).map(|n| user(n, &format!("f{n}"))).collect();
+        let groups = group(&[rank(0, frames.clone(), 0)], 1, false);
+        assert_eq!(
+            groups[0].line,
+            "rank 0 (1 of 1): train.py:1 f1 <- train.py:2 f2 <- train.py:3 f3 \
+             <- train.py:4 f4 <- train.py:5 f5 <- train.py:6 f6 <- ... <- train.py:10 f10"
+        );
+        assert_eq!(groups[0].frames.len(), 10);
+
+        let full = group(&[rank(0, frames, 0)], 1, true);
+        assert_eq!(full[0].line.matches(" <- ").count(), 9);
+        assert!(!full[0].line.contains("..."));
+    }
+
+    #[test]
+    fn report_lists_groups_then_silent_nodes() {
+        let groups = group(&[rank(0, vec![user(9, "step")], 0)], 2, false);
+        assert_eq!(
+            report(&groups, &["node 1 (host b): no reply in 2 s".to_owned()]),
+            "rank 0 (1 of 2): train.py:9 step\nno answer from node 1 (host b): no reply in 2 s"
+        );
+        assert_eq!(report(&[], &[]), "no ranks running");
+    }
+}
