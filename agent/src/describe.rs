@@ -257,6 +257,9 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
         let _ = write!(out, ", membership epoch {}", d.epoch);
     }
     out.push('\n');
+    if !d.straggler.is_empty() {
+        let _ = writeln!(out, "{}", d.straggler);
+    }
 
     let rank_info = |r: u32| d.ranks.iter().find(|i| i.rank() == r);
     let node_info = |n: u32| d.nodes.iter().find(|i| i.node_rank == Some(n));
@@ -403,11 +406,31 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
                 ]
             })
             .collect();
+        // With stack samples, each rank's share of them spent waiting, before the activity.
+        let sampled = shown.iter().any(|r| r.sampled.is_some());
+        let rows: Vec<Vec<String>> = if sampled {
+            rows.into_iter()
+                .zip(&shown)
+                .map(|(mut row, r)| {
+                    let share = r.sampled.as_ref().map_or_else(
+                        || "-".to_owned(),
+                        |s| format!("{:.0}%", s.waiting_share * 100.0),
+                    );
+                    row.insert(row.len() - 1, share);
+                    row
+                })
+                .collect()
+        } else {
+            rows
+        };
+        let header = if sampled {
+            "RANK NODE LOCAL PID STATE SEEN WAITING ACTIVITY"
+        } else {
+            "RANK NODE LOCAL PID STATE SEEN ACTIVITY"
+        };
         out.push_str(&table(
             // The headers as words of one literal: RANK quoted alone reads as the worker variable.
-            &"RANK NODE LOCAL PID STATE SEEN ACTIVITY"
-                .split(' ')
-                .collect::<Vec<_>>(),
+            &header.split(' ').collect::<Vec<_>>(),
             &rows,
         ));
         if shown.len() < d.ranks.len() {

@@ -39,6 +39,21 @@ pub const BUSY_SHARE: f64 = 0.25;
 /// The sampler tells the watch about progress at most this often.
 const PROGRESS_EVERY: Duration = Duration::from_secs(1);
 
+/// The sampler sends its ranks' recent samples this often.
+const SAMPLES_EVERY: Duration = Duration::from_secs(2);
+
+/// How many recent samples per rank the straggler view is over (30 s at the default 2 Hz).
+const WINDOW: usize = 60;
+
+/// What the sampler tells the watch.
+#[derive(Debug)]
+pub enum Notice {
+    /// The node's workers made progress.
+    Progress,
+    /// Each rank's recent samples, summed up.
+    Samples(Vec<pb::RankSample>),
+}
+
 /// The kernel's unit for a process's CPU times in `/proc/PID/stat` (`USER_HZ`, 100 on every
 /// Linux architecture this runs on).
 const USER_HZ: f64 = 100.0;
@@ -88,7 +103,7 @@ enum Command {
 /// The handle of a generation's sampler thread; dropping it ends the thread.
 pub struct Sampler {
     commands: std_mpsc::Sender<Command>,
-    progress: Option<mpsc::UnboundedReceiver<()>>,
+    progress: Option<mpsc::UnboundedReceiver<Notice>>,
 }
 
 impl Sampler {
@@ -124,8 +139,9 @@ impl Sampler {
         Dumper(self.commands.clone())
     }
 
-    /// The progress notices (one `()` per [`PROGRESS_EVERY`] at most); taken once.
-    pub fn progress(&mut self) -> Option<mpsc::UnboundedReceiver<()>> {
+    /// The notices: progress (once per [`PROGRESS_EVERY`] at most) and the ranks' samples
+    /// (every [`SAMPLES_EVERY`]); taken once.
+    pub fn progress(&mut self) -> Option<mpsc::UnboundedReceiver<Notice>> {
         self.progress.take()
     }
 }
@@ -157,23 +173,27 @@ struct Tracked {
     samples: u64,
     waiting: u64,
     cpu_ticks: Option<(u64, Instant)>,
+    /// The recent samples: whether the main thread stood where ranks sync, and where.
+    window: std::collections::VecDeque<(bool, String)>,
 }
 
 struct State {
     workers: Workers,
     tracked: HashMap<u32, Tracked>,
-    progress: mpsc::UnboundedSender<()>,
+    progress: mpsc::UnboundedSender<Notice>,
     last_progress_sent: Option<Instant>,
+    last_samples_sent: Instant,
     sources: HashMap<(String, u32), String>,
 }
 
 impl State {
-    fn new(workers: Workers, progress: mpsc::UnboundedSender<()>) -> Self {
+    fn new(workers: Workers, progress: mpsc::UnboundedSender<Notice>) -> Self {
         Self {
             workers,
             tracked: HashMap::new(),
             progress,
             last_progress_sent: None,
+            last_samples_sent: Instant::now(),
             sources: HashMap::new(),
         }
     }
@@ -231,6 +251,7 @@ impl State {
                     samples: 0,
                     waiting: 0,
                     cpu_ticks: None,
+                    window: std::collections::VecDeque::with_capacity(WINDOW),
                 }
             });
             let mut stack = read(t, w, &mut self.sources);
@@ -251,6 +272,17 @@ impl State {
             if sample {
                 t.samples += 1;
                 t.waiting += u64::from(waiting);
+                let main = stack.threads.first().map_or(&[][..], |m| &m.frames[..]);
+                let sync = muster_core::stacks::is_sync(main);
+                let at = match (main.is_empty(), sync) {
+                    (true, _) => String::new(),
+                    (false, true) => muster_core::stacks::wait_site(main),
+                    (false, false) => muster_core::stacks::site(main),
+                };
+                if t.window.len() == WINDOW {
+                    t.window.pop_front();
+                }
+                t.window.push_back((sync, at));
                 let ticks = cpu_ticks(w.pid);
                 if let (Some(ticks), Some((was, at))) = (ticks, t.cpu_ticks) {
                     let used = ticks.saturating_sub(was) as f64 / USER_HZ;
@@ -274,10 +306,51 @@ impl State {
                 .is_none_or(|at| at.elapsed() >= PROGRESS_EVERY);
             if due {
                 self.last_progress_sent = Some(Instant::now());
-                let _ = self.progress.send(());
+                let _ = self.progress.send(Notice::Progress);
             }
         }
+        if sample && self.last_samples_sent.elapsed() >= SAMPLES_EVERY {
+            self.last_samples_sent = Instant::now();
+            let mut ranks: Vec<(u32, pb::RankSample)> = self
+                .tracked
+                .iter()
+                .map(|(&rank, t)| (rank, summary(rank, &t.window)))
+                .collect();
+            ranks.sort_by_key(|(r, _)| *r);
+            let _ = self
+                .progress
+                .send(Notice::Samples(ranks.into_iter().map(|(_, s)| s).collect()));
+        }
         out
+    }
+}
+
+/// A rank's recent samples, summed up: the share in syncs, and the most frequent spot in and
+/// outside them.
+fn summary(rank: u32, window: &std::collections::VecDeque<(bool, String)>) -> pb::RankSample {
+    let n = window.len();
+    let most = |sync: bool| {
+        let mut counts: HashMap<&str, usize> = HashMap::new();
+        for (s, at) in window {
+            if *s == sync && !at.is_empty() {
+                *counts.entry(at.as_str()).or_default() += 1;
+            }
+        }
+        counts
+            .into_iter()
+            .max_by(|a, b| a.1.cmp(&b.1).then(b.0.cmp(a.0)))
+            .map(|(at, c)| (at.to_owned(), c))
+    };
+    let waits = window.iter().filter(|(s, _)| *s).count();
+    let share = |c: usize| if n == 0 { 0.0 } else { c as f64 / n as f64 };
+    let (busy_at, busy) = most(false).unwrap_or_default();
+    pb::RankSample {
+        rank: Some(rank),
+        samples: u32::try_from(n).unwrap_or(u32::MAX),
+        waiting_share: share(waits),
+        busy_at,
+        busy_share: share(busy),
+        waiting_at: most(true).map(|(at, _)| at).unwrap_or_default(),
     }
 }
 
@@ -728,24 +801,55 @@ mod tests {
         let mut progress = sampler.progress().unwrap();
         // Its start, then its CPU use, at most once a second.
         for _ in 0..2 {
-            tokio::time::timeout(Duration::from_secs(3), progress.recv())
+            tokio::time::timeout(Duration::from_secs(3), next_progress(&mut progress))
                 .await
-                .expect("a busy worker makes progress")
-                .unwrap();
+                .expect("a busy worker makes progress");
         }
         drop(busy);
 
         let idle = spawn("sleep", &["30"]);
         let mut sampler = sampler_of(&idle, 20.0);
         let mut progress = sampler.progress().unwrap();
-        tokio::time::timeout(Duration::from_secs(3), progress.recv())
+        tokio::time::timeout(Duration::from_secs(3), next_progress(&mut progress))
             .await
-            .expect("its start is progress")
-            .unwrap();
-        let more = tokio::time::timeout(Duration::from_millis(2500), progress.recv()).await;
+            .expect("its start is progress");
+        let more =
+            tokio::time::timeout(Duration::from_millis(2500), next_progress(&mut progress)).await;
         assert!(more.is_err(), "a sleeping worker made progress");
         let stacks = sampler.dump().await;
         assert!(stacks[0].unchanged_ms >= 2000, "{:?}", stacks[0]);
+    }
+
+    /// The next progress notice (sample summaries skipped).
+    async fn next_progress(rx: &mut mpsc::UnboundedReceiver<Notice>) {
+        loop {
+            if let Notice::Progress = rx.recv().await.unwrap() {
+                return;
+            }
+        }
+    }
+
+    /// A rank's window sums up to its share in syncs and its most frequent spots.
+    #[test]
+    fn a_window_sums_up_to_shares_and_spots() {
+        let mut w = std::collections::VecDeque::new();
+        for i in 0..10 {
+            w.push_back((
+                i < 7,
+                if i < 7 {
+                    "torch.autograd.backward"
+                } else {
+                    "train.py:9 load"
+                }
+                .to_owned(),
+            ));
+        }
+        let s = summary(3, &w);
+        assert_eq!(s.rank, Some(3));
+        assert_eq!(s.samples, 10);
+        assert!((s.waiting_share - 0.7).abs() < 1e-9);
+        assert_eq!((s.busy_at.as_str(), s.busy_share), ("train.py:9 load", 0.3));
+        assert_eq!(s.waiting_at, "torch.autograd.backward");
     }
 
     /// The registry forgets a reaped worker, but not its respawn.

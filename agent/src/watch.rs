@@ -495,10 +495,16 @@ async fn run(
                         kind: Some(pb::node_message::Kind::Heartbeat(pb::Heartbeat {})),
                     });
                 }
-                Some(()) = next_progress(&mut progress) => {
-                    let _ = out.try_send(pb::NodeMessage {
-                        kind: Some(pb::node_message::Kind::Progress(pb::NodeProgress {})),
-                    });
+                Some(notice) = next_progress(&mut progress) => {
+                    let kind = match notice {
+                        crate::stacks::Notice::Progress => {
+                            pb::node_message::Kind::Progress(pb::NodeProgress {})
+                        }
+                        crate::stacks::Notice::Samples(ranks) => {
+                            pb::node_message::Kind::Samples(pb::NodeSamples { ranks })
+                        }
+                    };
+                    let _ = out.try_send(pb::NodeMessage { kind: Some(kind) });
                 }
                 r = &mut finish, if !finishing => {
                     if r.is_err() {
@@ -531,11 +537,13 @@ async fn run(
     }
 }
 
-/// The sampler's next progress notice; pends forever without a sampler (or once it ended).
-async fn next_progress(progress: &mut Option<mpsc::UnboundedReceiver<()>>) -> Option<()> {
+/// The sampler's next notice; pends forever without a sampler (or once it ended).
+async fn next_progress(
+    progress: &mut Option<mpsc::UnboundedReceiver<crate::stacks::Notice>>,
+) -> Option<crate::stacks::Notice> {
     match progress {
         Some(rx) => match rx.recv().await {
-            Some(()) => Some(()),
+            Some(n) => Some(n),
             None => {
                 *progress = None;
                 std::future::pending().await

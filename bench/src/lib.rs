@@ -3,10 +3,12 @@
 //! a run records about the machine (date, commit, CPU).
 
 use anyhow::{Context, bail};
+use muster_proto::v1 as pb;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
 use tonic::transport::Channel;
 
 /// The directory holding this workspace's built binaries (next to the running benchmark).
@@ -440,4 +442,70 @@ pub fn cpu_model() -> String {
         .find_map(|l| l.strip_prefix("model name"))
         .map(|v| v.trim_start_matches([' ', '\t', ':']).trim().to_owned())
         .unwrap_or_else(|| "unknown CPU model".into())
+}
+
+/// A join of simulated node `node` (of `nodes`, `local` ranks each) to `job`.
+pub fn join_req(job: &str, node: u32, local: u32, nodes: u32) -> pb::JoinRequest {
+    pb::JoinRequest {
+        job_id: job.into(),
+        node_id: format!("node-{node}"),
+        host: format!("10.0.{}.{}", node / 250, node % 250),
+        local_world_size: local,
+        requested_node_rank: None,
+        config: Some(pb::RendezvousConfig {
+            min_nodes: nodes,
+            max_nodes: nodes,
+            last_call_ms: 0,
+            join_timeout_ms: 600_000,
+            max_restarts: None,
+            recovery: 0,
+            ..Default::default()
+        }),
+        request_id: String::new(),
+    }
+}
+
+/// Joins `nodes - 1` nodes, waits until they are all in, then times the last join until every
+/// node holds its assignment.
+pub async fn rendezvous(
+    chs: &[Channel],
+    job: &str,
+    nodes: u32,
+    local: u32,
+) -> anyhow::Result<Duration> {
+    let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+    for n in 0..nodes - 1 {
+        let mut c =
+            pb::rendezvous_client::RendezvousClient::new(chs[n as usize % chs.len()].clone());
+        let tx = done_tx.clone();
+        let req = join_req(job, n, local, nodes);
+        tokio::spawn(async move {
+            let r = c.join(req).await;
+            let _ = tx.send((Instant::now(), r.map(|r| r.into_inner())));
+        });
+    }
+    while waiting(&chs[0], job).await < nodes - 1 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let mut c = pb::rendezvous_client::RendezvousClient::new(chs[0].clone());
+    let t0 = Instant::now();
+    let last = c
+        .join(join_req(job, nodes - 1, local, nodes))
+        .await?
+        .into_inner();
+    let mut latest = Instant::now();
+    let mut answers = vec![last];
+    for _ in 0..nodes - 1 {
+        let (at, r) = done_rx
+            .recv()
+            .await
+            .ok_or_else(|| anyhow::anyhow!("a joiner vanished"))?;
+        answers.push(r?);
+        latest = latest.max(at);
+    }
+    anyhow::ensure!(
+        answers.iter().all(|a| a.num_nodes == nodes),
+        "wrong node count"
+    );
+    Ok(latest - t0)
 }

@@ -1,8 +1,10 @@
 //! The live web view (`--web-addr`): a read-only page of jobs, nodes, ranks, pending barriers
 //! with who they wait for, failures and restarts, refreshing itself from a JSON view.
 //!
-//! Two routes over plain HTTP/1: `GET /` is one embedded file (`web/index.html`, HTML and
-//! script, no build step) and `GET /api/view` the JSON it polls. The JSON is built from the
+//! Three routes over plain HTTP/1: `GET /` is one embedded file (`web/index.html`, HTML and
+//! script, no build step), `GET /api/view` the JSON it polls, and `GET /api/stacks?job=ID` a
+//! job's grouped stacks (`Ops.DumpStacks`), read when the page's "read stacks" is pressed
+//! (each read asks every node's agent to read its workers, so the poll does not). The JSON is built from the
 //! Ops handlers' own answers (`ListJobs`, `DescribeJob`, `ListAgents`; their content comes from
 //! `job/views.rs`), written in protobuf's JSON mapping with every field present, so the page
 //! reads the same field names as `grpcurl` and the `.proto` file, and rank 0 shows as `0`.
@@ -10,7 +12,9 @@
 //! Exposure is the metrics endpoint's (`--metrics-addr`): off unless an address is given, plain
 //! HTTP, no credentials. What it shows is chosen for that: the Ops views hold no token or
 //! unique id, and the worker's stderr tail and traceback (which could hold anything a program
-//! prints) are left out; `DescribeJob` with a credential still has them.
+//! prints) are left out; `DescribeJob` with a credential still has them. Stacks are frames
+//! (function, file, line, and the user's own line of source as the report prints it), never
+//! local variables, arguments or the environment: the agents do not read those.
 
 use crate::ha::Gate;
 use crate::service::{Coordinator, OpsService};
@@ -110,7 +114,13 @@ pub async fn serve(listener: TcpListener, view: View) {
     let app = axum::Router::new()
         .route("/", get(page))
         .route("/api/view", get(api))
-        .fallback(|| async { (StatusCode::NOT_FOUND, "not found; try / or /api/view\n") })
+        .route("/api/stacks", get(stacks))
+        .fallback(|| async {
+            (
+                StatusCode::NOT_FOUND,
+                "not found; try /, /api/view or /api/stacks?job=ID\n",
+            )
+        })
         .with_state(view);
     if let Err(e) = axum::serve(listener, app).await {
         tracing::error!(%e, "the web view stopped serving");
@@ -138,6 +148,48 @@ async fn api(axum::extract::State(view): axum::extract::State<View>) -> impl Int
         ],
         view.json().await.to_string(),
     )
+}
+
+/// `GET /api/stacks?job=ID`: the job's grouped stacks as `DumpStacksResponse` JSON, or
+/// `{"error": ...}` naming what went wrong (no such job, no running generation, a follower).
+async fn stacks(
+    axum::extract::State(view): axum::extract::State<View>,
+    uri: axum::http::Uri,
+) -> impl IntoResponse {
+    let body = view.stacks(uri.query().unwrap_or_default()).await;
+    (
+        [
+            (header::CONTENT_TYPE, "application/json"),
+            (header::CACHE_CONTROL, "no-store"),
+            (header::X_CONTENT_TYPE_OPTIONS, "nosniff"),
+        ],
+        body.to_string(),
+    )
+}
+
+impl View {
+    /// The stacks of the job a query string (`job=ID`) names.
+    pub async fn stacks(&self, query: &str) -> Value {
+        if let Err(status) = self.gate.check() {
+            return json!({ "error": status.message() });
+        }
+        let Some(job) = query
+            .split('&')
+            .find_map(|kv| kv.strip_prefix("job="))
+            .filter(|j| !j.is_empty())
+        else {
+            return json!({ "error": "name the job: /api/stacks?job=ID" });
+        };
+        let ops = OpsService(Arc::clone(&self.coordinator));
+        let request = tonic::Request::new(pb::DumpStacksRequest {
+            job_id: job.to_owned(),
+            full: false,
+        });
+        match ops.dump_stacks(request).await {
+            Ok(r) => to_json("muster.v1.DumpStacksResponse", &r.into_inner()),
+            Err(status) => json!({ "error": status.message() }),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -237,6 +289,30 @@ mod tests {
             (&json!(true), &json!("")),
             "{v}"
         );
+    }
+
+    /// The stacks route names what is wrong instead of failing: no job named, an unknown job.
+    #[tokio::test]
+    async fn the_stacks_route_names_a_missing_or_unknown_job() {
+        let coordinator = Coordinator::new(
+            crate::Config::default(),
+            Arc::new(crate::MemoryStore::default()),
+        );
+        let view = View::new(
+            coordinator,
+            Gate::new(crate::ha::Readiness::Serving, "127.0.0.1:29470"),
+        );
+        let v = view.stacks("").await;
+        assert_eq!(v["error"], "name the job: /api/stacks?job=ID", "{v}");
+        let v = view.stacks("job=nope").await;
+        assert!(
+            v["error"]
+                .as_str()
+                .unwrap()
+                .contains("job 'nope' not found"),
+            "{v}"
+        );
+        assert!(PAGE.contains("/api/stacks?job=") && PAGE.contains("d.hangs"));
     }
 
     #[test]

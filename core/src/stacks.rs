@@ -116,6 +116,109 @@ pub fn is_wait(frames: &[pb::StackFrame]) -> bool {
     })
 }
 
+/// Whether the frames stand where ranks wait for each other: a wait ([`is_wait`]), or a
+/// backward pass (torch's autograd, where DDP all-reduces the gradients, so a rank that
+/// waits for a slower one spends its wait there). The straggler view counts these samples.
+pub fn is_sync(frames: &[pb::StackFrame]) -> bool {
+    is_wait(frames)
+        || frames.iter().any(|f| match classify(&f.file) {
+            Origin::Library { name, module } => {
+                name == "torch"
+                    && (module.starts_with("torch.autograd") || f.function.ends_with("backward"))
+            }
+            _ => false,
+        })
+}
+
+/// Where a thread stands, in one folded frame: its innermost frame of the user's own code,
+/// else its innermost folded frame (`train.py:21 load_batch (time.sleep(0.03))`).
+pub fn site(frames: &[pb::StackFrame]) -> String {
+    match frames
+        .iter()
+        .find(|f| !f.file.is_empty() && classify(&f.file) == Origin::User)
+    {
+        Some(f) => fold(std::slice::from_ref(f), true).remove(0),
+        None => fold(frames, false).into_iter().next().unwrap_or_default(),
+    }
+}
+
+/// Where a thread waits, in one line: the wait's innermost folded frame, and the user's line
+/// it was called from when there is one (`torch.autograd._engine_run_backward <-
+/// train.py:30 train_step`).
+pub fn wait_site(frames: &[pb::StackFrame]) -> String {
+    let inner = fold(frames, false).into_iter().next().unwrap_or_default();
+    let user = site(frames);
+    if user.is_empty() || user == inner {
+        inner
+    } else {
+        format!("{inner} <- {user}")
+    }
+}
+
+/// The fewest samples per rank before the straggler view judges.
+pub const STRAGGLER_MIN_SAMPLES: u32 = 16;
+/// How much less than the others' median share of samples in waits a rank must wait to be
+/// named, and how much less than every other rank.
+pub const STRAGGLER_GAP: f64 = 0.3;
+const STRAGGLER_MARGIN: f64 = 0.15;
+
+/// The rank the others wait for, from the ranks' recent samples, and the evidence: the rank
+/// that waits least, when it waits at least [`STRAGGLER_GAP`] less than the others' median
+/// and clearly less than each of them, every rank having [`STRAGGLER_MIN_SAMPLES`]. In a
+/// balanced job every rank waits about as much, and nobody is named.
+pub fn straggler(samples: &[pb::RankSample]) -> Option<(u32, String)> {
+    if samples.len() < 2
+        || samples
+            .iter()
+            .any(|s| s.rank.is_none() || s.samples < STRAGGLER_MIN_SAMPLES)
+    {
+        return None;
+    }
+    let low = samples
+        .iter()
+        .min_by(|a, b| a.waiting_share.total_cmp(&b.waiting_share))?;
+    let mut others: Vec<f64> = samples
+        .iter()
+        .filter(|s| s.rank != low.rank)
+        .map(|s| s.waiting_share)
+        .collect();
+    others.sort_by(f64::total_cmp);
+    let median = others[others.len() / 2];
+    let next = others[0];
+    if median - low.waiting_share < STRAGGLER_GAP || next - low.waiting_share < STRAGGLER_MARGIN {
+        return None;
+    }
+    let rank = low.rank?;
+    // Where the others wait most: the most common of their waiting spots.
+    let mut spots: HashMap<&str, usize> = HashMap::new();
+    for s in samples
+        .iter()
+        .filter(|s| s.rank != low.rank && !s.waiting_at.is_empty())
+    {
+        *spots.entry(s.waiting_at.as_str()).or_default() += 1;
+    }
+    let mut spots: Vec<(&str, usize)> = spots.into_iter().collect();
+    spots.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+    let pct = |x: f64| (x * 100.0).round() as u32;
+    let mut line = format!(
+        "rank {rank} waits in {}% of its samples, the others in {}% (median)",
+        pct(low.waiting_share),
+        pct(median)
+    );
+    if !low.busy_at.is_empty() {
+        let _ = write!(
+            line,
+            "; it spends {}% at {}",
+            pct(low.busy_share),
+            low.busy_at
+        );
+    }
+    if let Some((spot, _)) = spots.first() {
+        let _ = write!(line, "; the others wait at {spot}");
+    }
+    Some((rank, line))
+}
+
 /// Ranks as people write them: sorted, each once, consecutive ranks as a range
 /// (`0,2-7`).
 pub fn ranks_text(ranks: &[u32]) -> String {
@@ -874,5 +977,80 @@ mod tests {
             "rank 0 (1 of 2): train.py:9 step\nno answer from node 1 (host b): no reply in 2 s"
         );
         assert_eq!(report(&[], &[]), "no ranks running");
+    }
+
+    /// A backward pass counts as a wait for the straggler view (DDP all-reduces there), a
+    /// user's data step does not; a thread's site is its innermost user frame.
+    #[test]
+    fn backward_is_where_ranks_sync_and_sites_name_the_users_line() {
+        let backward = vec![
+            lib("torch/autograd/graph.py", "_engine_run_backward"),
+            lib("torch/autograd/__init__.py", "backward"),
+            lib("torch/_tensor.py", "backward"),
+            user(30, "train_step"),
+        ];
+        assert!(is_sync(&backward) && !is_wait(&backward));
+        assert!(is_sync(&accelerate_barrier()));
+        let mut data = vec![user(21, "load_batch"), user(40, "<module>")];
+        data[0].source = "time.sleep(0.03)".into();
+        assert!(!is_sync(&data));
+        assert_eq!(site(&data), "train.py:21 load_batch (time.sleep(0.03))");
+        assert_eq!(site(&backward), "train.py:30 train_step");
+        assert_eq!(
+            wait_site(&backward),
+            "torch.autograd._engine_run_backward <- train.py:30 train_step"
+        );
+        assert_eq!(
+            site(&[lib("torch/distributed/distributed_c10d.py", "barrier")]),
+            "torch.distributed.barrier"
+        );
+    }
+
+    fn sample(rank: u32, waiting_share: f64, samples: u32) -> pb::RankSample {
+        pb::RankSample {
+            rank: Some(rank),
+            samples,
+            waiting_share,
+            busy_at: format!("train.py:21 load_batch (rank {rank})"),
+            busy_share: 1.0 - waiting_share,
+            waiting_at: "torch.autograd.backward".into(),
+        }
+    }
+
+    /// The rank that waits far less than the others is named with its evidence; a balanced
+    /// job, a close second or too few samples name nobody.
+    #[test]
+    fn the_rank_the_others_wait_for_is_named_only_when_it_stands_out() {
+        let skewed = [
+            sample(0, 0.80, 40),
+            sample(1, 0.75, 40),
+            sample(2, 0.82, 40),
+            sample(3, 0.08, 40),
+        ];
+        assert_eq!(
+            straggler(&skewed),
+            Some((
+                3,
+                "rank 3 waits in 8% of its samples, the others in 80% (median); it spends 92% at train.py:21 load_batch (rank 3); the others wait at torch.autograd.backward".to_owned()
+            ))
+        );
+        let balanced = [
+            sample(0, 0.40, 40),
+            sample(1, 0.25, 40),
+            sample(2, 0.45, 40),
+            sample(3, 0.35, 40),
+        ];
+        assert_eq!(straggler(&balanced), None);
+        // Two slow ranks: neither stands out from every other.
+        let two = [
+            sample(0, 0.80, 40),
+            sample(1, 0.10, 40),
+            sample(2, 0.82, 40),
+            sample(3, 0.12, 40),
+        ];
+        assert_eq!(straggler(&two), None);
+        let young = [sample(0, 0.8, 40), sample(1, 0.0, 5)];
+        assert_eq!(straggler(&young), None);
+        assert_eq!(straggler(&[sample(0, 0.9, 40)]), None);
     }
 }

@@ -4,7 +4,7 @@
 //! `cargo run --release -p muster-bench --bin scale -- [--nodes 1000,10000] [--ranks 512,4096]`
 
 use clap::Parser;
-use muster_bench::{CoordinatorProcess, channels, quantile, waiting};
+use muster_bench::{CoordinatorProcess, channels, quantile, rendezvous};
 use muster_proto::v1 as pb;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -25,71 +25,6 @@ struct Args {
     /// Connections the simulated clients share.
     #[arg(long, default_value_t = 8)]
     connections: usize,
-}
-
-fn join_req(job: &str, node: u32, local: u32, nodes: u32) -> pb::JoinRequest {
-    pb::JoinRequest {
-        job_id: job.into(),
-        node_id: format!("node-{node}"),
-        host: format!("10.0.{}.{}", node / 250, node % 250),
-        local_world_size: local,
-        requested_node_rank: None,
-        config: Some(pb::RendezvousConfig {
-            min_nodes: nodes,
-            max_nodes: nodes,
-            last_call_ms: 0,
-            join_timeout_ms: 600_000,
-            max_restarts: None,
-            recovery: 0,
-            ..Default::default()
-        }),
-        request_id: String::new(),
-    }
-}
-
-/// Joins `nodes - 1` nodes, waits until they are all in, then times the last join until every
-/// node holds its assignment.
-async fn rendezvous(
-    chs: &[Channel],
-    job: &str,
-    nodes: u32,
-    local: u32,
-) -> anyhow::Result<Duration> {
-    let (done_tx, mut done_rx) = mpsc::unbounded_channel();
-    for n in 0..nodes - 1 {
-        let mut c =
-            pb::rendezvous_client::RendezvousClient::new(chs[n as usize % chs.len()].clone());
-        let tx = done_tx.clone();
-        let req = join_req(job, n, local, nodes);
-        tokio::spawn(async move {
-            let r = c.join(req).await;
-            let _ = tx.send((Instant::now(), r.map(|r| r.into_inner())));
-        });
-    }
-    while waiting(&chs[0], job).await < nodes - 1 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let mut c = pb::rendezvous_client::RendezvousClient::new(chs[0].clone());
-    let t0 = Instant::now();
-    let last = c
-        .join(join_req(job, nodes - 1, local, nodes))
-        .await?
-        .into_inner();
-    let mut latest = Instant::now();
-    let mut answers = vec![last];
-    for _ in 0..nodes - 1 {
-        let (at, r) = done_rx
-            .recv()
-            .await
-            .ok_or_else(|| anyhow::anyhow!("a joiner vanished"))?;
-        answers.push(r?);
-        latest = latest.max(at);
-    }
-    anyhow::ensure!(
-        answers.iter().all(|a| a.num_nodes == nodes),
-        "wrong node count"
-    );
-    Ok(latest - t0)
 }
 
 struct Rank {

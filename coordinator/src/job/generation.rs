@@ -57,6 +57,8 @@ pub(super) struct RankSlot {
     /// In-place recovery: the replacement order sent for it while it is REPLACING (sent
     /// again when its node's agent re-attaches its watch).
     pub(super) replace: Option<pb::RankReplace>,
+    /// Its agent's latest summary of its stack samples.
+    pub(super) sampled: Option<pb::RankSample>,
 }
 
 /// What the coordinator keeps per arrival in the shared barrier table.
@@ -101,6 +103,8 @@ pub(super) struct Gen {
     pub(super) quorum: HashMap<u32, QuorumWait>,
     /// Hang detection: when the generation last made progress.
     pub(super) progress: super::hangs::Progress,
+    /// The rank the others wait for, from the agents' samples.
+    pub(super) straggler: Option<super::hangs::Straggler>,
 }
 
 /// One in-place recovery of the running generation, for the ops view.
@@ -178,6 +182,7 @@ impl RankSlot {
             last_scope: None,
             session: 0,
             replace: None,
+            sampled: None,
         }
     }
 

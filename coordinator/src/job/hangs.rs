@@ -55,6 +55,13 @@ impl Progress {
     }
 }
 
+/// The rank the others wait for, as the straggler view named it, and since when.
+pub(super) struct Straggler {
+    rank: u32,
+    line: String,
+    since: Instant,
+}
+
 /// A stall long enough to be a hang, found by [`Job::hang_due`].
 #[derive(Debug, Clone, Copy)]
 pub struct HangDue {
@@ -69,6 +76,24 @@ pub struct HangDue {
 }
 
 impl Gen {
+    /// The straggler view's line: the rank, where it is, and for how long it has stood out.
+    pub(super) fn straggler_line(&self) -> String {
+        let Some(s) = &self.straggler else {
+            return String::new();
+        };
+        let loc = self.location(s.rank);
+        format!(
+            "straggler: rank {} (node {}, host {}): {}; for {}",
+            s.rank,
+            loc.node_rank(),
+            loc.host,
+            s.line
+                .strip_prefix(&format!("rank {} ", s.rank))
+                .unwrap_or(&s.line),
+            seconds(s.since.elapsed())
+        )
+    }
+
     /// Every barrier seq the coordinator has seen complete, summed over scopes and nodes: it
     /// grows with every completion.
     fn released_total(&self) -> u64 {
@@ -149,6 +174,35 @@ impl Job {
             timeout,
             action,
         })
+    }
+
+    /// An agent's summary of its ranks' recent stack samples: kept per rank (ranks outside the
+    /// node are dropped), and the straggler view decided again.
+    pub fn node_samples(&self, generation: u64, node_rank: u32, samples: Vec<pb::RankSample>) {
+        let mut st = self.lock();
+        let Ok(g) = self.running(&mut st, generation) else {
+            return;
+        };
+        let Some(node) = g.nodes.get(node_rank as usize) else {
+            return;
+        };
+        let mine = node.rank_offset..node.rank_offset + node.local_world_size;
+        for s in samples {
+            if let Some(r) = s.rank.filter(|r| mine.contains(r)) {
+                g.ranks[r as usize].sampled = Some(s);
+            }
+        }
+        let all: Option<Vec<pb::RankSample>> = g.ranks.iter().map(|r| r.sampled.clone()).collect();
+        let found = all.as_deref().and_then(stacks::straggler);
+        g.straggler = match (found, g.straggler.take()) {
+            (Some((rank, line)), Some(was)) if was.rank == rank => Some(Straggler { line, ..was }),
+            (Some((rank, line)), _) => Some(Straggler {
+                rank,
+                line,
+                since: Instant::now(),
+            }),
+            (None, _) => None,
+        };
     }
 
     /// An agent's answer to dump `request_id` of `generation`: the stacks of its node's ranks

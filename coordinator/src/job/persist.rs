@@ -192,6 +192,7 @@ impl Gen {
             quorum: HashMap::new(),
             // A new leader's clock starts at its takeover: the silence before it is unknown.
             progress: Progress::new(),
+            straggler: None,
         })
     }
 }

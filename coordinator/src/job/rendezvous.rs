@@ -433,6 +433,7 @@ impl Job {
             recoveries: Default::default(),
             quorum: HashMap::new(),
             progress: Progress::new(),
+            straggler: None,
         }));
         let version = self.persist(st);
         self.answer_when_persisted(version, replies);

@@ -150,6 +150,7 @@ impl Job {
             }
             Phase::Running(g) => {
                 resp.epoch = g.epoch;
+                resp.straggler = g.straggler_line();
                 resp.recoveries = g.recoveries_view();
                 let cancelled = match &st.done {
                     Some(Done::Cancelled(why)) => Some(cancelled_text(why)),
@@ -240,6 +241,7 @@ impl Job {
                             last_barrier: s
                                 .last_scope
                                 .map_or_else(String::new, |i| s.names[i].clone()),
+                            sampled: s.sampled.clone(),
                             activity: match &cancelled {
                                 // Its workers were stopped by the cancel, not by a failure.
                                 Some(why) if stopped => format!("stopped: the job was {why}"),

@@ -202,6 +202,9 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
                         Some(Kind::Progress(_)) => {
                             job.node_progress(generation);
                         }
+                        Some(Kind::Samples(s)) => {
+                            job.node_samples(generation, node_rank, s.ranks);
+                        }
                         Some(Kind::Stacks(answer)) => {
                             job.stacks_reply(generation, node_rank, answer);
                         }
