@@ -138,7 +138,7 @@ fn render_hangs(d: &pb::DescribeJobResponse, out: &mut String) {
         let _ = writeln!(
             out,
             "{} {headline}",
-            if i == 0 { "HANG" } else { "earlier hang:" }
+            if i == 0 { "HANG:" } else { "earlier hang:" }
         );
         if i == 0 {
             for line in lines {

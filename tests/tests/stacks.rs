@@ -149,18 +149,26 @@ fn an_unmodified_accelerate_hang_is_explained_and_reported() {
     // The hang timeout: reported once on the launch's stderr, with the same groups.
     let headline = agent
         .wait_for_lines(Stream::Stderr, 1, SLOW, |l| {
-            l.contains("made no progress for") && l.contains("(hang timeout 6 s): reported")
+            l.contains("no progress in generation") && l.contains("(hang timeout 6 s): reported")
         })
         .remove(0);
     assert!(
-        headline.contains("job 'stacks-acc' generation 1"),
+        headline.starts_with("muster-agent: job stacks-acc: no progress in generation 1 for "),
         "{headline}"
     );
     let report = agent.wait_for_lines(Stream::Stderr, 1, SLOW, |l| l.contains("is elsewhere"));
     assert!(report[0].contains("rank 1 is elsewhere"), "{report:?}");
     let view = describe(&addr, "stacks-acc", &[]);
     let text = view.stdout.join("\n");
-    assert!(text.contains("\nHANG job 'stacks-acc'"), "{text}");
+    assert!(
+        text.contains("\nHANG: no progress in generation 1 for "),
+        "{text}"
+    );
+    // Sampled from outside: a rank without a muster session reads as running.
+    assert!(
+        text.contains("running without a muster session (its agent samples it: waiting in "),
+        "{text}"
+    );
     assert!(text.contains("rank 1 is elsewhere"), "{text}");
     let scraped = http(metrics, "GET", "/metrics", "").unwrap();
     assert!(
@@ -172,7 +180,7 @@ fn an_unmodified_accelerate_hang_is_explained_and_reported() {
     let reports = agent
         .lines(Stream::Stderr)
         .iter()
-        .filter(|l| l.contains("made no progress for"))
+        .filter(|l| l.contains("no progress in generation"))
         .count();
     assert_eq!(reports, 1, "{}", agent.output());
 }

@@ -369,7 +369,7 @@ impl Job {
             ),
         };
         let headline = format!(
-            "job '{id}' generation {} made no progress for {} (hang timeout {}): {follows}",
+            "no progress in generation {} for {} (hang timeout {}): {follows}",
             due.generation,
             seconds(idle),
             seconds(due.timeout)

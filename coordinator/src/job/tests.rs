@@ -867,3 +867,210 @@ async fn a_session_that_does_not_reattach_after_a_failover_is_replaced_in_place(
         "{why}"
     );
 }
+
+/// A formed job of `nodes` single-rank nodes with a hang timeout of 1 s and `action`.
+async fn hanging(nodes: u32, max_restarts: u32, action: OnHang) -> Arc<Job> {
+    let job = formed(nodes, max_restarts).await;
+    job.lock().config.hang = Hang {
+        timeout: Some(Duration::from_secs(1)),
+        action,
+    };
+    job
+}
+
+/// Answers the next dump command on `rx` as node `node` would, with `ranks`.
+fn answer_dump(
+    job: &Job,
+    rx: &mut UnboundedReceiver<Result<pb::NodeEvent, Status>>,
+    node: u32,
+    ranks: Vec<u32>,
+) {
+    loop {
+        let ev = rx.try_recv().unwrap().unwrap();
+        if let Some(pb::node_event::Kind::DumpStacks(cmd)) = ev.kind {
+            let ranks = ranks
+                .iter()
+                .map(|&r| pb::RankStack {
+                    rank: Some(r),
+                    native: format!("/bin/prog{r} (pid {r}) is not Python"),
+                    ..Default::default()
+                })
+                .collect();
+            job.stacks_reply(
+                1,
+                node,
+                pb::NodeStacks {
+                    request_id: cmd.request_id,
+                    ranks,
+                },
+            );
+            return;
+        }
+    }
+}
+
+/// No progress for the timeout is a hang, taken once; progress re-arms it; a hang whose
+/// generation made progress while its stacks were read is dropped (no decision after the
+/// stall ended).
+#[tokio::test]
+async fn a_stall_is_a_hang_once_and_progress_meanwhile_drops_it() {
+    let job = hanging(2, 0, OnHang::Report).await;
+    assert!(job.hang_due().is_none(), "not before the timeout");
+    std::thread::sleep(Duration::from_millis(1100));
+    let due = job.hang_due().expect("a hang after the timeout");
+    assert_eq!((due.generation, due.action), (1, OnHang::Report));
+    assert!(job.hang_due().is_none(), "the same stall is taken once");
+    // Progress came while its stacks were read: nothing is recorded.
+    job.node_progress(1);
+    let dump = pb::DumpStacksResponse::default();
+    assert!(job.record_hang(&due, &dump).is_none());
+    assert!(job.describe().hangs.is_empty());
+    // A new stall: recorded, pushed to every watch, kept for the view; the job goes on.
+    std::thread::sleep(Duration::from_millis(1100));
+    let due = job.hang_due().expect("a second stall");
+    let mut w0 = watch_of(&job, 0);
+    let hang = job.record_hang(&due, &dump).expect("recorded");
+    assert!(
+        hang.report.starts_with(
+            "no progress in generation 1 for 1 s (hang timeout 1 s): reported; the job goes on"
+        ),
+        "{}",
+        hang.report
+    );
+    let pushed = std::iter::from_fn(|| w0.try_recv().ok())
+        .filter_map(|e| e.ok()?.kind)
+        .any(|k| matches!(k, pb::node_event::Kind::Hang(_)));
+    assert!(pushed, "the agents are told");
+    assert_eq!(job.describe().hangs.len(), 1);
+    assert_eq!(outcome(&job).0, pb::RoundState::Running as i32);
+    // A stale progress notice (another generation) changes nothing.
+    job.node_progress(7);
+    assert!(job.hang_due().is_none());
+}
+
+/// `--on-hang fail` ends the job with the odd rank as the root cause whatever budget is
+/// left; `restart` spends a restart.
+#[tokio::test]
+async fn on_hang_fail_ends_the_job_and_restart_spends_a_restart() {
+    let dump = pb::DumpStacksResponse {
+        groups: vec![
+            pb::StackGroup {
+                ranks: vec![1],
+                likely_cause: true,
+                line: "rank 1 is elsewhere: train.py:9 slow".into(),
+                ..Default::default()
+            },
+            pb::StackGroup {
+                ranks: vec![0, 2],
+                line: "ranks 0,2 (2 of 3): torch.distributed.barrier".into(),
+                ..Default::default()
+            },
+        ],
+        ..Default::default()
+    };
+    let job = hanging(3, 2, OnHang::Fail).await;
+    std::thread::sleep(Duration::from_millis(1100));
+    let due = job.hang_due().unwrap();
+    let hang = job.record_hang(&due, &dump).unwrap();
+    assert_eq!(hang.odd_ranks, [1]);
+    let (state, restarts, why) = outcome(&job);
+    assert_eq!((state, restarts), (pb::RoundState::Failed as i32, 0));
+    assert!(
+        why.starts_with("rank 1 (node 1, host host-n1) of job 'j' generation 1 failed: the job hung: no progress for 1 s (hang timeout 1 s); rank 1 is elsewhere: train.py:9 slow"),
+        "{why}"
+    );
+    let f = job.describe().failure.unwrap();
+    assert!(f.hang, "{f:?}");
+
+    let job = hanging(3, 2, OnHang::Restart).await;
+    std::thread::sleep(Duration::from_millis(1100));
+    let due = job.hang_due().unwrap();
+    job.record_hang(&due, &dump).unwrap();
+    // The generation failed and the job goes on: not over, the nodes told to rejoin.
+    assert!(!job.summary().done);
+    let (_, _, why) = outcome(&job);
+    assert_eq!(why, "", "not a final state");
+    let ended = job.record(&job.lock()).ended.unwrap();
+    assert!(ended.rejoin && ended.failure.unwrap().hang, "{:?}", ended.message);
+}
+
+/// A dump asks every watched node and names the silent ones; an answer's ranks outside its
+/// node and a stray answer (an unknown request) are dropped.
+#[tokio::test]
+async fn a_dump_gathers_the_nodes_and_drops_what_is_not_theirs() {
+    let job = formed(3, 0).await;
+    let mut w0 = watch_of(&job, 0);
+    let mut w1 = watch_of(&job, 1);
+    // A stray answer changes nothing.
+    job.stacks_reply(
+        1,
+        0,
+        pb::NodeStacks {
+            request_id: 99,
+            ranks: vec![],
+        },
+    );
+    let dumping = {
+        let job = Arc::clone(&job);
+        tokio::spawn(async move { job.dump_stacks(false).await })
+    };
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    // Node 0 also claims rank 2 (node 2's): dropped.
+    answer_dump(&job, &mut w0, 0, vec![0, 2]);
+    answer_dump(&job, &mut w1, 1, vec![1]);
+    let r = dumping.await.unwrap().unwrap();
+    assert_eq!(
+        r.unanswered,
+        ["node 2 (host-n2): its agent has no watch attached"]
+    );
+    assert_eq!(r.ranks.len(), 3);
+    assert!(r.ranks[0].native.starts_with("/bin/prog0"));
+    assert!(r.ranks[1].native.starts_with("/bin/prog1"));
+    assert!(
+        r.ranks[2].native.is_empty(),
+        "not node 0's to answer: {:?}",
+        r.ranks[2]
+    );
+    assert!(
+        r.ranks[2].error.starts_with("no stack from its agent: "),
+        "{:?}",
+        r.ranks[2]
+    );
+    assert!(
+        r.report
+            .ends_with("no answer from node 2 (host-n2): its agent has no watch attached"),
+        "{}",
+        r.report
+    );
+}
+
+/// The straggler view: samples of a rank outside its node are dropped; the rank that waits
+/// far less than the others is named, with how long.
+#[tokio::test]
+async fn samples_name_a_straggler_and_only_a_node_speaks_for_its_ranks() {
+    let job = formed(3, 0).await;
+    let sample = |rank, share| pb::RankSample {
+        rank: Some(rank),
+        samples: 40,
+        waiting_share: share,
+        busy_at: format!("train.py:{rank} load"),
+        busy_share: 1.0 - share,
+        waiting_at: "torch.autograd.backward".into(),
+    };
+    job.node_samples(1, 0, vec![sample(0, 0.8)]);
+    // Node 0 speaking for rank 2: dropped.
+    job.node_samples(1, 0, vec![sample(2, 0.05)]);
+    job.node_samples(1, 1, vec![sample(1, 0.82)]);
+    assert_eq!(job.describe().straggler, "", "rank 2 has no samples yet");
+    job.node_samples(1, 2, vec![sample(2, 0.05)]);
+    let d = job.describe();
+    assert!(
+        d.straggler.starts_with("straggler: rank 2 (node 2, host host-n2): waits in 5% of its samples, the others in 82% (median); it spends 95% at train.py:2 load; the others wait at torch.autograd.backward; for 0 s"),
+        "{}",
+        d.straggler
+    );
+    assert!((d.ranks[2].sampled.as_ref().unwrap().waiting_share - 0.05).abs() < 1e-9);
+    // Balanced again: nobody.
+    job.node_samples(1, 2, vec![sample(2, 0.7)]);
+    assert_eq!(job.describe().straggler, "");
+}

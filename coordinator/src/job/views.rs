@@ -20,6 +20,14 @@ pub(super) fn rank_state(s: &RankSlot) -> pb::RankState {
     }
 }
 
+/// Whether the rank's agent samples Python stacks of it (a script without muster's SDK reads
+/// as running then; a program that is not Python and never connected stays pending).
+fn python_sampled(s: &RankSlot) -> bool {
+    s.sampled
+        .as_ref()
+        .is_some_and(|x| !x.busy_at.is_empty() || !x.waiting_at.is_empty())
+}
+
 impl Gen {
     /// One line saying what `rank` is doing, for the ops view. `held` is the wait its relay
     /// reported, if any: (scope index, seq, name, milliseconds waited).
@@ -50,6 +58,23 @@ impl Gen {
         match s.state {
             RankState::Pending if s.had_session => {
                 format!("re-attaching after a coordinator failover ({last})")
+            }
+            // A script that does not use muster's SDK: its agent's samples say what it does.
+            RankState::Pending if python_sampled(s) => {
+                let smp = s
+                    .sampled
+                    .as_ref()
+                    .map(|x| (x.waiting_share, x.busy_at.as_str()));
+                let (share, busy) = smp.unwrap_or_default();
+                let mut line = format!(
+                    "running without a muster session (its agent samples it: waiting in {:.0}% of samples",
+                    share * 100.0
+                );
+                if !busy.is_empty() {
+                    let _ = write!(line, ", mostly elsewhere at {busy}");
+                }
+                line.push(')');
+                line
             }
             RankState::Pending => format!(
                 "no session yet (the worker has not connected; {}s since the generation started or it was last heard)",
@@ -221,6 +246,10 @@ impl Job {
                         let mut state = rank_state(s);
                         if state == pb::RankState::Running && held.contains_key(&r) {
                             state = pb::RankState::Waiting;
+                        }
+                        // Sampled by its agent: running, if without a muster session.
+                        if state == pb::RankState::Pending && !s.had_session && python_sampled(s) {
+                            state = pb::RankState::Running;
                         }
                         let stopped = cancelled.is_some()
                             && matches!(s.state, RankState::Pending | RankState::Running);
