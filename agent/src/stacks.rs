@@ -852,6 +852,44 @@ mod tests {
         assert_eq!(s.waiting_at, "torch.autograd.backward");
     }
 
+    /// A Python worker that exits while it is being sampled and dumped: every read answers
+    /// (a stack, or a line saying it exited), none fails the sampler.
+    #[tokio::test]
+    async fn a_worker_that_exits_while_sampled_is_named_as_exited() {
+        let child = spawn(
+            "python3",
+            &[
+                "-c",
+                "import time\nfor _ in range(30):\n    time.sleep(0.01)\n",
+            ],
+        );
+        let pid = child.0.id();
+        let sampler = sampler_of(&child, 50.0);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut child = Some(child);
+        loop {
+            let s = sampler.dump().await.remove(0);
+            assert!(
+                !s.threads.is_empty()
+                    || !s.native.is_empty()
+                    || s.error.starts_with(&format!("process {pid} exited"))
+                    || s.error.starts_with("py-spy could not read process")
+                    || s.error.starts_with("py-spy cannot read this Python"),
+                "{s:?}"
+            );
+            if let Some(c) = child.as_mut()
+                && let Ok(Some(_)) = c.0.try_wait()
+            {
+                child = None;
+            }
+            if child.is_none() && s.error == format!("process {pid} exited while it was being read")
+            {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{s:?}");
+        }
+    }
+
     /// The registry forgets a reaped worker, but not its respawn.
     #[test]
     fn a_respawn_outlives_its_predecessors_reaping() {

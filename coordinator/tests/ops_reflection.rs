@@ -148,6 +148,7 @@ async fn a_client_discovers_the_ops_api_through_reflection_alone_and_calls_it() 
         ("CancelJob", "CancelJobRequest", "CancelJobResponse"),
         ("DrainNode", "DrainNodeRequest", "DrainNodeResponse"),
         ("ListAgents", "ListAgentsRequest", "ListAgentsResponse"),
+        ("DumpStacks", "DumpStacksRequest", "DumpStacksResponse"),
     ] {
         let m = method(name);
         assert_eq!(m.input_type(), format!(".muster.v1.{input}"), "{name}");

@@ -217,6 +217,15 @@ async fn calls_without_valid_credentials_are_unauthenticated_and_change_nothing(
             .await
             .unwrap_err();
         assert_eq!(cancel.code(), Code::Unauthenticated);
+        // Stacks hold file paths: no credential, no stacks.
+        let stacks = OpsClient::new(channel.clone())
+            .dump_stacks(pb::DumpStacksRequest {
+                job_id: "a".into(),
+                full: false,
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(stacks.code(), Code::Unauthenticated);
     }
     let value = KeyValueClient::new(admin.clone())
         .get(get("a", "k"))
@@ -341,6 +350,15 @@ async fn a_job_token_opens_its_own_job_only() {
         .unwrap_err();
     assert_eq!(ops.code(), Code::PermissionDenied, "{ops:?}");
     assert!(ops.message().contains("muster.v1.Ops"), "{ops:?}");
+    // Not even its own job's stacks: they are the cluster's (an operator's) to read.
+    let stacks = OpsClient::new(worker_a.clone())
+        .dump_stacks(pb::DumpStacksRequest {
+            job_id: "a".into(),
+            full: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(stacks.code(), Code::PermissionDenied, "{stacks:?}");
     let rdzv = RendezvousClient::new(worker_a)
         .join(join("a"))
         .await

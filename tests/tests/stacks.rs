@@ -10,6 +10,8 @@
 //!   coordinator's `muster_hangs_total`;
 //! - `--on-hang fail`: the job ends within the hang timeout plus 5 s, exit status 4, the odd
 //!   rank named as the root cause;
+//! - a gloo script where rank 1 calls one all_reduce fewer: both collective call sites named
+//!   with their ranks;
 //! - a Rust SDK worker at a barrier, a program that is not Python (`sleep`) and a worker that
 //!   already exited, in one job: each gets its line, and the SDK worker its barrier state;
 //! - a worker that makes itself non-dumpable under an agent without CAP_SYS_PTRACE: one line
@@ -233,6 +235,53 @@ fn on_hang_fail_ends_the_job_naming_the_odd_rank() {
         cause.contains("rank 1 is elsewhere: hang_accelerate.py:"),
         "{cause}"
     );
+}
+
+/// A gloo script where rank 1 calls one all_reduce fewer: ranks 0 and 2 wait in the second
+/// all_reduce, rank 1 in the barrier after it. Both call sites are named with their ranks,
+/// rank 1's as the one elsewhere.
+#[test]
+fn ranks_at_two_collective_call_sites_are_named_with_their_sites() {
+    let Some(python) = peers_python(&["torch"]) else {
+        return;
+    };
+    let agent = launch_python(
+        &python,
+        "fewer_all_reduce.py",
+        "stacks-fewer",
+        "3",
+        &["--hang-timeout", "off"],
+    );
+    let addr = coordinator_of(&agent);
+    agent.wait_for_lines(Stream::Stdout, 3, PYTHON_START, |l| {
+        l.contains("] ready rank=")
+    });
+    let second = line_of("fewer_all_reduce.py", "    dist.all_reduce(t)");
+    let barrier = line_of("fewer_all_reduce.py", "dist.barrier()");
+    let odd = format!(
+        "rank 1 is elsewhere: torch.distributed.barrier <- fewer_all_reduce.py:{barrier} <module> (dist.barrier())"
+    );
+    let majority = format!(
+        "ranks 0,2 (2 of 3): torch.distributed.all_reduce <- fewer_all_reduce.py:{second} <module> (dist.all_reduce(t))"
+    );
+    let deadline = Instant::now() + SLOW;
+    loop {
+        let run = describe(&addr, "stacks-fewer", &["--stacks"]);
+        assert_eq!(run.code(), Some(0), "{}", run.dump());
+        let text = run.stdout.join("\n");
+        let lines: Vec<&str> = text.lines().map(str::trim).collect();
+        let at = lines
+            .iter()
+            .position(|l| l.starts_with("rank 1 is elsewhere"));
+        if let Some(i) = at
+            && lines[i].starts_with(&odd)
+            && lines.get(i + 1).is_some_and(|l| l.starts_with(&majority))
+        {
+            return;
+        }
+        assert!(Instant::now() < deadline, "not both sites:\n{text}");
+        std::thread::sleep(Duration::from_millis(300));
+    }
 }
 
 /// Two agents on one coordinator, two ranks each; rank 2 (node 1) is stuck: `describe

@@ -991,7 +991,11 @@ async fn on_hang_fail_ends_the_job_and_restart_spends_a_restart() {
     let (_, _, why) = outcome(&job);
     assert_eq!(why, "", "not a final state");
     let ended = job.record(&job.lock()).ended.unwrap();
-    assert!(ended.rejoin && ended.failure.unwrap().hang, "{:?}", ended.message);
+    assert!(
+        ended.rejoin && ended.failure.unwrap().hang,
+        "{:?}",
+        ended.message
+    );
 }
 
 /// A dump asks every watched node and names the silent ones; an answer's ranks outside its
