@@ -287,8 +287,8 @@ impl State {
                 if let (Some(ticks), Some((was, at))) = (ticks, t.cpu_ticks) {
                     let used = ticks.saturating_sub(was) as f64 / USER_HZ;
                     let span = now.saturating_duration_since(at).as_secs_f64();
-                    if !waiting && stack.error.is_empty() && span > 0.0 && used / span >= BUSY_SHARE
-                    {
+                    // A rank that cannot be read counts by its CPU alone (nothing says it waits).
+                    if !waiting && span > 0.0 && used / span >= BUSY_SHARE {
                         progressed = true;
                     }
                 }

@@ -180,7 +180,7 @@ fn describe_runs(coordinator: &str, job: &str, ranks: u32, rounds: usize) -> any
             .expect("muster-agent describe");
         (t.elapsed().as_secs_f64() * 1000.0, out)
     };
-    let want = format!("({ranks} of {ranks}): threading.wait");
+    let want = format!("({ranks} of {ranks}): threading.Condition.wait");
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let (_, out) = run();
