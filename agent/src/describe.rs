@@ -9,6 +9,7 @@
 
 use crate::cli::daemon_args::DescribeArgs;
 use crate::operator::{connect, describe as describe_job, dump_stacks};
+use muster_core::stacks::ranks_text;
 use muster_proto::v1 as pb;
 use std::fmt::Write as _;
 
@@ -183,30 +184,6 @@ pub fn ago(ms: u64) -> String {
     }
 }
 
-/// Ranks as short ranges: `0-3,5,7-8`.
-pub fn ranges(ranks: &[u32]) -> String {
-    let mut sorted = ranks.to_vec();
-    sorted.sort_unstable();
-    sorted.dedup();
-    let mut out: Vec<String> = vec![];
-    let mut i = 0;
-    while i < sorted.len() {
-        let start = sorted[i];
-        let mut end = start;
-        while i + 1 < sorted.len() && sorted[i + 1] == end + 1 {
-            i += 1;
-            end = sorted[i];
-        }
-        out.push(if start == end {
-            start.to_string()
-        } else {
-            format!("{start}-{end}")
-        });
-        i += 1;
-    }
-    out.join(",")
-}
-
 /// Rows as columns padded to their widest cell, indented by two spaces; the last column is
 /// not padded (it holds free text).
 fn table(header: &[&str], rows: &[Vec<String>]) -> String {
@@ -287,14 +264,14 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
             if arrived.is_empty() {
                 "none".to_owned()
             } else {
-                format!("ranks {}", ranges(&arrived))
+                format!("ranks {}", ranks_text(&arrived))
             },
             b.missing.len()
         );
         if b.names.len() > 1 {
             let _ = write!(out, "  DIVERGENCE: ranks entered under different names:");
             for n in &b.names {
-                let _ = write!(out, " '{}' by ranks {};", n.name, ranges(&n.ranks));
+                let _ = write!(out, " '{}' by ranks {};", n.name, ranks_text(&n.ranks));
             }
             out.pop();
             out.push('\n');
@@ -801,9 +778,9 @@ mod tests {
         ] {
             assert_eq!(ago(ms), text);
         }
-        assert_eq!(ranges(&[5, 0, 1, 2, 7, 8, 3]), "0-3,5,7-8");
-        assert_eq!(ranges(&[]), "");
-        assert_eq!(ranges(&[4]), "4");
+        assert_eq!(ranks_text(&[5, 0, 1, 2, 7, 8, 3]), "0-3,5,7-8");
+        assert_eq!(ranks_text(&[]), "");
+        assert_eq!(ranks_text(&[4]), "4");
     }
 
     /// `--json` is proto3 JSON as grpcurl prints it: zero values are left out, but rank 0 and

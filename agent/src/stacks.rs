@@ -540,8 +540,7 @@ fn explain(pid: u32, e: &anyhow::Error) -> Unreadable {
         return Unreadable::NotPython(exe);
     }
     Unreadable::Error(format!(
-        "py-spy cannot read this Python (pid {pid}, {exe}): {chain}; py-spy {} knows CPython 2.3 to 3.13, upgrade muster for a newer one",
-        env!("CARGO_PKG_VERSION")
+        "py-spy cannot read this Python (pid {pid}, {exe}): {chain} (an interpreter still starting is read at the next sample; a Python version this agent's py-spy does not know stays unreadable until the agent is upgraded)"
     ))
 }
 
@@ -869,9 +868,12 @@ mod tests {
         let mut child = Some(child);
         loop {
             let s = sampler.dump().await.remove(0);
+            // A stack, a program (a zombie before it is reaped), no Python thread (the
+            // interpreter finalizing), or why not.
             assert!(
                 !s.threads.is_empty()
                     || !s.native.is_empty()
+                    || (s.error.is_empty() && s.threads.is_empty())
                     || s.error.starts_with(&format!("process {pid} exited"))
                     || s.error.starts_with("py-spy could not read process")
                     || s.error.starts_with("py-spy cannot read this Python"),

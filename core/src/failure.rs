@@ -24,7 +24,7 @@ pub struct Failure {
     /// The failed node's id, for a node-level failure (a lost agent).
     pub node_id: String,
     /// A hang the coordinator detected, and what it does (`reason` holds the report).
-    pub hang: Option<crate::requests::OnHang>,
+    pub hang: Option<crate::model::OnHang>,
 }
 
 /// What an agent reports about a worker's end beyond the one-line reason.

@@ -290,3 +290,67 @@ mod tests {
         assert!(wait("wait_ms", u64::MAX).is_err());
     }
 }
+
+/// What a detected hang does (the wire's `OnHang`, never unspecified here).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnHang {
+    /// The report is recorded and printed; the job goes on.
+    #[default]
+    Report,
+    /// The job fails with the report as its root cause, without a restart.
+    Fail,
+    /// The generation fails and the job restarts (counted against `max_restarts`).
+    Restart,
+}
+
+impl OnHang {
+    /// The wire value; `None` for ON_HANG_UNSPECIFIED. A value outside the enum is an
+    /// [`Invalid`] naming `field`.
+    pub fn from_wire(field: &str, v: i32) -> Result<Option<Self>, Invalid> {
+        match muster_proto::v1::OnHang::try_from(v) {
+            Ok(muster_proto::v1::OnHang::Unspecified) => Ok(None),
+            Ok(muster_proto::v1::OnHang::Report) => Ok(Some(Self::Report)),
+            Ok(muster_proto::v1::OnHang::Fail) => Ok(Some(Self::Fail)),
+            Ok(muster_proto::v1::OnHang::Restart) => Ok(Some(Self::Restart)),
+            Err(_) => Err(Invalid(format!(
+                "{field} {v} is not a hang action (1: report, 2: fail, 3: restart)"
+            ))),
+        }
+    }
+
+    /// The wire value.
+    pub fn to_wire(self) -> i32 {
+        match self {
+            Self::Report => muster_proto::v1::OnHang::Report as i32,
+            Self::Fail => muster_proto::v1::OnHang::Fail as i32,
+            Self::Restart => muster_proto::v1::OnHang::Restart as i32,
+        }
+    }
+
+    /// The name an operator types (`--on-hang`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Report => "report",
+            Self::Fail => "fail",
+            Self::Restart => "restart",
+        }
+    }
+
+    /// Reads an operator's spelling; the error lists the ones accepted.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "report" => Ok(Self::Report),
+            "fail" => Ok(Self::Fail),
+            "restart" => Ok(Self::Restart),
+            other => Err(format!(
+                "'{other}' is not a hang action: expected report, fail or restart"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for OnHang {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}

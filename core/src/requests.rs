@@ -5,6 +5,7 @@
 //! first bad field is the one named.
 
 use crate::failure::FailureDetail;
+pub use crate::model::OnHang;
 use crate::model::{self, Invalid, JobId, Scope};
 use muster_proto::v1 as pb;
 use std::time::Duration;
@@ -63,70 +64,6 @@ impl Hang {
     pub fn timeout_ms(&self) -> u64 {
         self.timeout
             .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
-    }
-}
-
-/// What a detected hang does (the wire's `OnHang`, never unspecified here).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum OnHang {
-    /// The report is recorded and printed; the job goes on.
-    #[default]
-    Report,
-    /// The job fails with the report as its root cause, without a restart.
-    Fail,
-    /// The generation fails and the job restarts (counted against `max_restarts`).
-    Restart,
-}
-
-impl OnHang {
-    /// The wire value; `None` for ON_HANG_UNSPECIFIED. A value outside the enum is an
-    /// [`Invalid`] naming `field`.
-    pub fn from_wire(field: &str, v: i32) -> Result<Option<Self>, Invalid> {
-        match pb::OnHang::try_from(v) {
-            Ok(pb::OnHang::Unspecified) => Ok(None),
-            Ok(pb::OnHang::Report) => Ok(Some(Self::Report)),
-            Ok(pb::OnHang::Fail) => Ok(Some(Self::Fail)),
-            Ok(pb::OnHang::Restart) => Ok(Some(Self::Restart)),
-            Err(_) => Err(Invalid(format!(
-                "{field} {v} is not a hang action (1: report, 2: fail, 3: restart)"
-            ))),
-        }
-    }
-
-    /// The wire value.
-    pub fn to_wire(self) -> i32 {
-        match self {
-            Self::Report => pb::OnHang::Report as i32,
-            Self::Fail => pb::OnHang::Fail as i32,
-            Self::Restart => pb::OnHang::Restart as i32,
-        }
-    }
-
-    /// The name an operator types (`--on-hang`).
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Report => "report",
-            Self::Fail => "fail",
-            Self::Restart => "restart",
-        }
-    }
-
-    /// Reads an operator's spelling; the error lists the ones accepted.
-    pub fn parse(s: &str) -> Result<Self, String> {
-        match s {
-            "report" => Ok(Self::Report),
-            "fail" => Ok(Self::Fail),
-            "restart" => Ok(Self::Restart),
-            other => Err(format!(
-                "'{other}' is not a hang action: expected report, fail or restart"
-            )),
-        }
-    }
-}
-
-impl std::fmt::Display for OnHang {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
     }
 }
 
