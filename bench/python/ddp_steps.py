@@ -38,4 +38,7 @@ if dist.get_rank() == 0:
         f"step_ms_p50={statistics.median(times):.3f} step_ms_mean={statistics.fmean(times):.3f} steps={len(times)}",
         flush=True,
     )
+# Both ranks past their last collective before either tears gloo down (a rank destroying its
+# group while the other is still in the last all_reduce can abort the other one).
+dist.barrier()
 dist.destroy_process_group()
