@@ -8,8 +8,7 @@ use std::time::Duration;
 
 /// Warnings, but not the embedded coordinator's (the agent reports failures itself) nor
 /// py-spy's (a worker that cannot be read is named in its stack's line).
-const DEFAULT_LOG_FILTER: &str =
-    "warn,muster_coordinator=error,py_spy=error,remoteprocess=error";
+const DEFAULT_LOG_FILTER: &str = "warn,muster_coordinator=error,py_spy=error,remoteprocess=error";
 
 /// Runs the command with `args` (the program name first) and returns its exit status.
 pub fn main(args: Vec<OsString>) -> u8 {

@@ -868,11 +868,19 @@ async fn a_session_that_does_not_reattach_after_a_failover_is_replaced_in_place(
     );
 }
 
-/// A formed job of `nodes` single-rank nodes with a hang timeout of 1 s and `action`.
+/// A formed job of `nodes` single-rank nodes with a hang timeout of [`HANG`] (set directly:
+/// below what a join may ask, to keep the tests short) and `action`.
+const HANG: Duration = Duration::from_millis(50);
+
+/// A little more than [`HANG`] (the job's clock is the real one).
+fn stall() {
+    std::thread::sleep(HANG + Duration::from_millis(30));
+}
+
 async fn hanging(nodes: u32, max_restarts: u32, action: OnHang) -> Arc<Job> {
     let job = formed(nodes, max_restarts).await;
     job.lock().config.hang = Hang {
-        timeout: Some(Duration::from_secs(1)),
+        timeout: Some(HANG),
         action,
     };
     job
@@ -916,7 +924,7 @@ fn answer_dump(
 async fn a_stall_is_a_hang_once_and_progress_meanwhile_drops_it() {
     let job = hanging(2, 0, OnHang::Report).await;
     assert!(job.hang_due().is_none(), "not before the timeout");
-    std::thread::sleep(Duration::from_millis(1100));
+    stall();
     let due = job.hang_due().expect("a hang after the timeout");
     assert_eq!((due.generation, due.action), (1, OnHang::Report));
     assert!(job.hang_due().is_none(), "the same stall is taken once");
@@ -926,13 +934,13 @@ async fn a_stall_is_a_hang_once_and_progress_meanwhile_drops_it() {
     assert!(job.record_hang(&due, &dump).is_none());
     assert!(job.describe().hangs.is_empty());
     // A new stall: recorded, pushed to every watch, kept for the view; the job goes on.
-    std::thread::sleep(Duration::from_millis(1100));
+    stall();
     let due = job.hang_due().expect("a second stall");
     let mut w0 = watch_of(&job, 0);
     let hang = job.record_hang(&due, &dump).expect("recorded");
     assert!(
         hang.report.starts_with(
-            "no progress in generation 1 for 1 s (hang timeout 1 s): reported; the job goes on"
+            "no progress in generation 1 for 0 s (hang timeout 0 s): reported; the job goes on"
         ),
         "{}",
         hang.report
@@ -969,21 +977,21 @@ async fn on_hang_fail_ends_the_job_and_restart_spends_a_restart() {
         ..Default::default()
     };
     let job = hanging(3, 2, OnHang::Fail).await;
-    std::thread::sleep(Duration::from_millis(1100));
+    stall();
     let due = job.hang_due().unwrap();
     let hang = job.record_hang(&due, &dump).unwrap();
     assert_eq!(hang.odd_ranks, [1]);
     let (state, restarts, why) = outcome(&job);
     assert_eq!((state, restarts), (pb::RoundState::Failed as i32, 0));
     assert!(
-        why.starts_with("rank 1 (node 1, host host-n1) of job 'j' generation 1 failed: the job hung: no progress for 1 s (hang timeout 1 s); rank 1 is elsewhere: train.py:9 slow"),
+        why.starts_with("rank 1 (node 1, host host-n1) of job 'j' generation 1 failed: the job hung: no progress for 0 s (hang timeout 0 s); rank 1 is elsewhere: train.py:9 slow"),
         "{why}"
     );
     let f = job.describe().failure.unwrap();
     assert!(f.hang, "{f:?}");
 
     let job = hanging(3, 2, OnHang::Restart).await;
-    std::thread::sleep(Duration::from_millis(1100));
+    stall();
     let due = job.hang_due().unwrap();
     job.record_hang(&due, &dump).unwrap();
     // The generation failed and the job goes on: not over, the nodes told to rejoin.

@@ -64,13 +64,15 @@ impl Gen {
                 let smp = s
                     .sampled
                     .as_ref()
-                    .map(|x| (x.waiting_share, x.busy_at.as_str()));
-                let (share, busy) = smp.unwrap_or_default();
+                    .map(|x| (x.waiting_share, x.busy_at.as_str(), x.busy_share));
+                let (share, busy, busy_share) = smp.unwrap_or_default();
                 let mut line = format!(
                     "running without a muster session (its agent samples it: waiting in {:.0}% of samples",
                     share * 100.0
                 );
-                if !busy.is_empty() {
+                // Where it spends its time outside waits, when that is a good share of it
+                // (not a start-up's import still in the window).
+                if !busy.is_empty() && busy_share >= 0.25 {
                     let _ = write!(line, ", mostly elsewhere at {busy}");
                 }
                 line.push(')');
