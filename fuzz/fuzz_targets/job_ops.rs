@@ -93,6 +93,7 @@ async fn run(input: Input) {
         } else {
             muster_coordinator::job::Recovery::Restart
         },
+        hang: muster_coordinator::job::Hang::default(),
     };
     let ctx = JobContext {
         incarnation: 1,
