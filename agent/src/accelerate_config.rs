@@ -54,6 +54,8 @@ pub struct AccelerateConfig {
     pub muster_hang_timeout: Option<Option<std::time::Duration>>,
     /// `muster_on_hang` (muster's own key, as `--on-hang`): `report`, `fail` or `restart`.
     pub muster_on_hang: Option<muster_core::requests::OnHang>,
+    /// `muster_sample_stacks` (muster's own key, as `--sample-stacks`): samples a second.
+    pub muster_sample_stacks: Option<f64>,
     /// `monitor_interval`, in seconds: checked, not used (muster learns of exits at once).
     pub monitor_interval: Option<f64>,
     /// `distributed_type`, upper case (`FSDP`, `DEEPSPEED`, `MULTI_GPU`, ...).
@@ -398,6 +400,8 @@ fn read_setting(config: &mut AccelerateConfig, key: &str, value: &Yaml) -> Resul
                 None => None,
             };
         }
+        // A rate is a non-negative number, as a number of seconds is.
+        "muster_sample_stacks" => config.muster_sample_stacks = v.seconds()?,
         "monitor_interval" => config.monitor_interval = v.seconds()?,
         "distributed_type" => {
             if let Some(t) = v.string()? {
@@ -647,6 +651,7 @@ mod tests {
                 add("recovery", c.muster_recovery.map(|v| v.to_string()));
                 add("hang", c.muster_hang_timeout.map(|v| format!("{v:?}")));
                 add("on_hang", c.muster_on_hang.map(|v| v.to_string()));
+                add("sample", c.muster_sample_stacks.map(|v| v.to_string()));
                 add("monitor", c.monitor_interval.map(|v| v.to_string()));
                 for w in &c.warnings {
                     parts.push(format!("warning: {w}"));
@@ -763,6 +768,8 @@ dynamo_config:
         check("muster_hang_timeout: \"off\"", "hang=None");
         check("muster_hang_timeout: 0", "hang=None");
         check("muster_on_hang: fail", "on_hang=fail");
+        check("muster_sample_stacks: 10", "sample=10");
+        check("muster_sample_stacks: 0.5", "sample=0.5");
         check(
             "muster_on_hang: stop",
             "error: muster_on_hang: 'stop' is not a hang action: expected report, fail or restart",

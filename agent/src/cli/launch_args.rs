@@ -112,9 +112,10 @@ pub struct LaunchArgs {
 
     /// How often the agent samples its workers' stacks (times a second; 0: only on demand).
     /// Samples tell progress (the hang timeout) and the share of time each rank waits; a
-    /// sample reads the worker's memory without stopping it. Default: 2.
-    #[arg(long, value_name = "HZ", default_value_t = 2.0)]
-    pub sample_stacks: f64,
+    /// sample reads the worker's memory without stopping it. Default: 2 (or
+    /// muster_sample_stacks in --config-file).
+    #[arg(long, value_name = "HZ")]
+    pub sample_stacks: Option<f64>,
 
     /// How long workers get between SIGTERM and SIGKILL when they are stopped. Default:
     /// 5000 (or --shutdown-timeout, in seconds).

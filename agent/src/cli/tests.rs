@@ -69,6 +69,18 @@ pub(super) fn summary(s: &LaunchSpec, warnings: &[String]) -> String {
     if s.recovery != crate::env::Recovery::Restart {
         add(format!("recovery={}", s.recovery));
     }
+    if s.hang.timeout != Some(crate::cli::validate::DEFAULT_HANG_TIMEOUT) {
+        add(match s.hang.timeout {
+            Some(d) => format!("hang={}s", d.as_secs()),
+            None => "hang=off".to_owned(),
+        });
+    }
+    if s.hang.action != muster_core::requests::OnHang::Report {
+        add(format!("on_hang={}", s.hang.action));
+    }
+    if s.sample_hz != crate::cli::validate::DEFAULT_SAMPLE_HZ {
+        add(format!("sample={}", s.sample_hz));
+    }
     if let Some(d) = s.join_timeout {
         add(format!("join={}ms", d.as_millis()));
     }
@@ -318,6 +330,55 @@ fn supervision_and_rendezvous_flags() {
     ] {
         check(&format!("{args} -- sh"), Ok(&one_node(1, rest)));
     }
+}
+
+/// `--hang-timeout`, `--on-hang` and `--sample-stacks` (and their config-file keys): 5 min
+/// and report unless asked, off when sampling is off and no timeout is given; the flags beat
+/// the file; a bad value is one line naming the flag.
+#[test]
+fn hang_detection_and_sampling() {
+    for (args, rest) in [
+        ("", ""),
+        (
+            "--hang-timeout 90s --on-hang fail",
+            " hang=90s on_hang=fail",
+        ),
+        (
+            "--hang-timeout off --on-hang restart",
+            " hang=off on_hang=restart",
+        ),
+        ("--hang-timeout 1m30s", " hang=90s"),
+        ("--sample-stacks 0", " hang=off sample=0"),
+        ("--sample-stacks 0 --hang-timeout 2m", " hang=120s sample=0"),
+        ("--sample-stacks 10", " sample=10"),
+    ] {
+        check(&format!("{args} -- sh"), Ok(&one_node(1, rest)));
+    }
+    for (args, expected) in [
+        (
+            "--sample-stacks 500 -- sh",
+            "--sample-stacks 500: expected 0 (only on demand) to 100 samples a second",
+        ),
+        (
+            "--hang-timeout 500ms -- sh",
+            "--hang-timeout 500ms: the least is 1s (or off)",
+        ),
+    ] {
+        check(args, Err(expected));
+    }
+    let file = ConfigFile::new(
+        "hang",
+        "muster_hang_timeout: 90s\nmuster_on_hang: fail\nmuster_sample_stacks: 10\n",
+    );
+    let p = file.path();
+    check(
+        &format!("--config-file {p} -- sh"),
+        Ok(&one_node(1, " hang=90s on_hang=fail sample=10")),
+    );
+    check(
+        &format!("--config-file {p} --hang-timeout off --on-hang report --sample-stacks 2 -- sh"),
+        Ok(&one_node(1, " hang=off")),
+    );
 }
 
 /// `--recovery` (and its config-file key): restart unless asked; the flag beats the file; a

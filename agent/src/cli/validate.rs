@@ -24,6 +24,11 @@ use crate::spec::{LaunchSpec, NodeRange, SelfHost};
 /// changes) is progress (docs/hangs.md).
 pub const DEFAULT_HANG_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 
+/// Stack samples a second per worker when nothing sets `--sample-stacks`: enough for the
+/// progress rule and a straggler named within 30 s (60 samples a rank), at no measurable step
+/// time (docs/benchmarks.md, "Stacks and hangs").
+pub const DEFAULT_SAMPLE_HZ: f64 = 2.0;
+
 /// The most stack samples a second `--sample-stacks` takes.
 pub const MAX_SAMPLE_HZ: f64 = 100.0;
 use muster_core::model::{self, JobId};
@@ -544,7 +549,10 @@ impl LaunchArgs {
         &self,
         config: &AccelerateConfig,
     ) -> Result<(muster_core::requests::Hang, f64), UsageError> {
-        let hz = self.sample_stacks;
+        let hz = self
+            .sample_stacks
+            .or(config.muster_sample_stacks)
+            .unwrap_or(DEFAULT_SAMPLE_HZ);
         if !hz.is_finite() || !(0.0..=MAX_SAMPLE_HZ).contains(&hz) {
             return Err(UsageError::Invalid(format!(
                 "--sample-stacks {hz}: expected 0 (only on demand) to {MAX_SAMPLE_HZ} samples a second"
