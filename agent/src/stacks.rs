@@ -110,6 +110,7 @@ impl Sampler {
     /// Starts the sampler over `workers`, sampling `hz` times a second (0: only on demand, so
     /// the node reports no progress of its own).
     pub fn start(workers: Workers, hz: f64) -> std::io::Result<Self> {
+        quiet_sampler_panics();
         let (commands, rx) = std_mpsc::channel();
         let (progress_tx, progress) = mpsc::unbounded_channel();
         let interval = (hz > 0.0).then(|| Duration::from_secs_f64(1.0 / hz));
@@ -144,6 +145,23 @@ impl Sampler {
     pub fn progress(&mut self) -> Option<mpsc::UnboundedReceiver<Notice>> {
         self.progress.take()
     }
+}
+
+/// A panic on the sampler thread is py-spy's on a torn read (caught: one failed sample), so
+/// it is logged at debug level instead of printed on the agent's stderr; every other thread's
+/// panics print as before. Installed once per process.
+fn quiet_sampler_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if std::thread::current().name() == Some("stack-sampler") {
+                tracing::debug!("a stack read failed: {info}");
+                return;
+            }
+            default(info);
+        }));
+    });
 }
 
 /// Asks a [`Sampler`] for dumps; it does not keep the thread alive once the sampler is dropped.
@@ -417,7 +435,13 @@ fn read(
         return stack;
     };
     stack.pid = u32::try_from(spy.pid).unwrap_or(w.pid);
-    match spy.get_stack_traces() {
+    // A read races with the running worker (py-spy's non-blocking mode): memory read half
+    // before and half after a change can make py-spy itself panic (an index or an overflow on
+    // a torn structure). That is one failed sample, never the end of the sampler.
+    let read = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| spy.get_stack_traces()));
+    let read =
+        read.unwrap_or_else(|_| Err(anyhow::anyhow!("a read raced with the running worker")));
+    match read {
         Ok(traces) => {
             let mut threads: Vec<pb::ThreadStack> = traces
                 .into_iter()
@@ -509,7 +533,9 @@ fn attach(pid: u32) -> Result<PythonSpy, Unreadable> {
         dump_locals: 0,
         ..Config::default()
     };
-    match PythonSpy::new(pid as py_spy::Pid, &config) {
+    // As for a read, a panic of py-spy's on memory that changed under it is a failed attach.
+    let spy = std::panic::catch_unwind(|| PythonSpy::new(pid as py_spy::Pid, &config));
+    match spy.unwrap_or_else(|_| Err(anyhow::anyhow!("an attach raced with the starting worker"))) {
         Ok(spy) => Ok(spy),
         Err(e) => Err(explain(pid, &e)),
     }
