@@ -257,6 +257,19 @@ impl Agent {
         }
     }
 
+    /// The address of the coordinator a `launch` without `--coordinator` embeds, from the line
+    /// it prints on stderr (its port is picked at random).
+    pub fn embedded_coordinator(&self) -> String {
+        let line = self
+            .wait_for_lines(Stream::Stderr, 1, SLOW, |l| l.contains("coordinator at "))
+            .remove(0);
+        line.split("coordinator at ")
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .unwrap_or_else(|| panic!("no address in {line:?}"))
+            .to_owned()
+    }
+
     /// The process's pid (also its process group).
     pub fn pid(&self) -> nix::unistd::Pid {
         nix::unistd::Pid::from_raw(i32::try_from(self.child.id()).expect("pids fit in i32"))

@@ -29,18 +29,6 @@ use std::time::{Duration, Instant};
 /// torch's import takes seconds on a 2-core machine, and every rank imports it at once.
 const PYTHON_START: Duration = Duration::from_secs(120);
 
-/// The coordinator address a launch with an embedded coordinator prints.
-fn coordinator_of(agent: &Agent) -> String {
-    let line = agent
-        .wait_for_lines(Stream::Stderr, 1, SLOW, |l| l.contains("coordinator at "))
-        .remove(0);
-    line.split("coordinator at ")
-        .nth(1)
-        .and_then(|rest| rest.split_whitespace().next())
-        .unwrap()
-        .to_owned()
-}
-
 /// `muster-agent describe --coordinator ADDR JOB <extra>`, run to its end.
 fn describe(addr: &str, job: &str, extra: &[&str]) -> Finished {
     let mut args = vec!["describe", "--coordinator", addr, job];
@@ -48,6 +36,30 @@ fn describe(addr: &str, job: &str, extra: &[&str]) -> Finished {
     let mut cmd = Command::new(agent_bin());
     cmd.args(&args);
     Agent::spawn(cmd, format!("muster-agent {args:?}")).finish(SLOW)
+}
+
+/// Runs `describe --stacks` until its output satisfies `settled` (the stacks settle within a
+/// second of the workers reaching their waits), and returns that output and how long that
+/// run took; panics with the last output, saying `what` was expected, after [`SLOW`].
+fn stacks_until(
+    addr: &str,
+    job: &str,
+    what: &str,
+    settled: impl Fn(&str) -> bool,
+) -> (String, Duration) {
+    let deadline = Instant::now() + SLOW;
+    loop {
+        let started = Instant::now();
+        let run = describe(addr, job, &["--stacks"]);
+        let took = started.elapsed();
+        assert_eq!(run.code(), Some(0), "{}", run.dump());
+        let text = run.stdout.join("\n");
+        if settled(&text) {
+            return (text, took);
+        }
+        assert!(Instant::now() < deadline, "{what}:\n{text}");
+        std::thread::sleep(Duration::from_millis(300));
+    }
 }
 
 /// The line number of the first line of `tests/python/<script>` that starts with `text`.
@@ -130,22 +142,12 @@ fn an_unmodified_accelerate_hang_is_explained_and_reported() {
     agent.wait_for_lines(Stream::Stdout, 3, PYTHON_START, |l| {
         l.contains("] ready rank=")
     });
-    // Until the waiting ranks are inside the barrier (their stacks settle within a second).
-    let deadline = Instant::now() + SLOW;
-    let text = loop {
-        let started = Instant::now();
-        let run = describe(&addr, "stacks-acc", &["--stacks"]);
-        let took = started.elapsed();
-        assert_eq!(run.code(), Some(0), "{}", run.dump());
-        let text = run.stdout.join("\n");
-        if text.contains("is elsewhere") && text.contains("torch.distributed.barrier") {
-            eprintln!("describe --stacks took {took:?}");
-            assert!(took < Duration::from_secs(5), "{took:?}");
-            break text;
-        }
-        assert!(Instant::now() < deadline, "no grouped stacks:\n{text}");
-        std::thread::sleep(Duration::from_millis(300));
-    };
+    // Until the waiting ranks are inside the barrier.
+    let (text, took) = stacks_until(&addr, "stacks-acc", "no grouped stacks", |t| {
+        t.contains("is elsewhere") && t.contains("torch.distributed.barrier")
+    });
+    eprintln!("describe --stacks took {took:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
     assert_accelerate_hang(&text, 1, "0,2", 3);
 
     // The hang timeout: reported once on the launch's stderr, with the same groups.
@@ -252,7 +254,7 @@ fn ranks_at_two_collective_call_sites_are_named_with_their_sites() {
         "3",
         &["--hang-timeout", "off"],
     );
-    let addr = coordinator_of(&agent);
+    let addr = agent.embedded_coordinator();
     agent.wait_for_lines(Stream::Stdout, 3, PYTHON_START, |l| {
         l.contains("] ready rank=")
     });
@@ -264,24 +266,15 @@ fn ranks_at_two_collective_call_sites_are_named_with_their_sites() {
     let majority = format!(
         "ranks 0,2 (2 of 3): torch.distributed.all_reduce <- fewer_all_reduce.py:{second} <module> (dist.all_reduce(t))"
     );
-    let deadline = Instant::now() + SLOW;
-    loop {
-        let run = describe(&addr, "stacks-fewer", &["--stacks"]);
-        assert_eq!(run.code(), Some(0), "{}", run.dump());
-        let text = run.stdout.join("\n");
+    stacks_until(&addr, "stacks-fewer", "not both sites", |text| {
         let lines: Vec<&str> = text.lines().map(str::trim).collect();
         let at = lines
             .iter()
             .position(|l| l.starts_with("rank 1 is elsewhere"));
-        if let Some(i) = at
-            && lines[i].starts_with(&odd)
-            && lines.get(i + 1).is_some_and(|l| l.starts_with(&majority))
-        {
-            return;
-        }
-        assert!(Instant::now() < deadline, "not both sites:\n{text}");
-        std::thread::sleep(Duration::from_millis(300));
-    }
+        at.is_some_and(|i| {
+            lines[i].starts_with(&odd) && lines.get(i + 1).is_some_and(|l| l.starts_with(&majority))
+        })
+    });
 }
 
 /// Two agents on one coordinator, two ranks each; rank 2 (node 1) is stuck: `describe
@@ -323,20 +316,10 @@ fn an_accelerate_hang_across_two_agents_names_the_odd_rank_on_its_node() {
             l.contains("] ready rank=")
         });
     }
-    let deadline = Instant::now() + SLOW;
-    let text = loop {
-        let started = Instant::now();
-        let run = describe(&addr, "stacks-two", &["--stacks"]);
-        let took = started.elapsed();
-        assert_eq!(run.code(), Some(0), "{}", run.dump());
-        let text = run.stdout.join("\n");
-        if text.contains("is elsewhere") && text.contains("torch.distributed.barrier") {
-            eprintln!("describe --stacks over 2 nodes took {took:?}");
-            break text;
-        }
-        assert!(Instant::now() < deadline, "no grouped stacks:\n{text}");
-        std::thread::sleep(Duration::from_millis(300));
-    };
+    let (text, took) = stacks_until(&addr, "stacks-two", "no grouped stacks", |t| {
+        t.contains("is elsewhere") && t.contains("torch.distributed.barrier")
+    });
+    eprintln!("describe --stacks over 2 nodes took {took:?}");
     assert_accelerate_hang(&text, 2, "0-1,3", 4);
     // Off: no hang is reported, however long the job stands.
     assert!(!text.contains("HANG"), "{text}");
@@ -366,20 +349,12 @@ fn native_workers_and_exited_ones_get_a_line_each() {
         "-c",
         &script,
     ]);
-    let addr = coordinator_of(&agent);
+    let addr = agent.embedded_coordinator();
     agent.wait_for_lines(Stream::Stdout, 1, SLOW, |l| l == "[rank 1] sleeping");
     agent.wait_for_lines(Stream::Stdout, 1, SLOW, |l| l == "[rank 2] done");
-    let deadline = Instant::now() + SLOW;
-    let text = loop {
-        let run = describe(&addr, "stacks-native", &["--stacks"]);
-        assert_eq!(run.code(), Some(0), "{}", run.dump());
-        let text = run.stdout.join("\n");
-        if text.contains("muster: rank 0 is waiting at") && text.contains("is sleeping") {
-            break text;
-        }
-        assert!(Instant::now() < deadline, "not settled:\n{text}");
-        std::thread::sleep(Duration::from_millis(300));
-    };
+    let (text, _) = stacks_until(&addr, "stacks-native", "not settled", |t| {
+        t.contains("muster: rank 0 is waiting at") && t.contains("is sleeping")
+    });
     let bin = barrier_loop.display().to_string();
     assert!(
         text.contains(&format!("not Python: {bin} (pid ")),
@@ -428,7 +403,7 @@ fn a_non_dumpable_worker_gets_a_line_naming_the_cause_and_the_fix() {
             &worker,
         ]);
     let agent = Agent::spawn(cmd, "setpriv muster-agent launch");
-    let addr = coordinator_of(&agent);
+    let addr = agent.embedded_coordinator();
     agent.wait_for_lines(Stream::Stdout, 1, SLOW, |l| l == "[rank 0] not dumpable");
     agent.wait_for_lines(Stream::Stdout, 1, SLOW, |l| l == "[rank 1] readable");
     let run = describe(&addr, "stacks-dumpable", &["--stacks"]);

@@ -9,7 +9,7 @@
 //! prints `skipped: ...` and passes.
 #![allow(clippy::unwrap_used, missing_docs)]
 
-use muster_tests::{Agent, SLOW, Stream, agent_bin, peers_python, workspace_root};
+use muster_tests::{Agent, Stream, agent_bin, peers_python, workspace_root};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -36,15 +36,7 @@ fn start(job: &str, env: &[(&str, &str)]) -> Option<(Agent, String, Instant)> {
         ],
         env,
     );
-    let line = agent
-        .wait_for_lines(Stream::Stderr, 1, SLOW, |l| l.contains("coordinator at "))
-        .remove(0);
-    let addr = line
-        .split("coordinator at ")
-        .nth(1)
-        .and_then(|r| r.split_whitespace().next())
-        .unwrap()
-        .to_owned();
+    let addr = agent.embedded_coordinator();
     agent.wait_for_lines(Stream::Stdout, 4, PYTHON_START, |l| {
         l.ends_with("] training")
     });
