@@ -54,9 +54,14 @@ pub(super) struct RankSlot {
     /// Which session holds the slot (a replacement's is newer than the dead worker's, whose
     /// late end must not fail it).
     pub(super) session: u64,
-    /// In-place recovery: the replacement order sent for it while it is REPLACING (sent
-    /// again when its node's agent re-attaches its watch).
+    /// In-place recovery: the replacement order for it while it is REPLACING (sent again
+    /// when its node's agent re-attaches its watch).
     pub(super) replace: Option<pb::RankReplace>,
+    /// The version of the job record that holds `replace` (0: one a new leader restored).
+    /// The order goes to the agent only once that record is in the store: a process started
+    /// for a decision the next leader would not know breaks the rule that a membership epoch
+    /// names one decision.
+    pub(super) replace_version: u64,
     /// Its agent's latest summary of its stack samples.
     pub(super) sampled: Option<pb::RankSample>,
 }
@@ -182,6 +187,7 @@ impl RankSlot {
             last_scope: None,
             session: 0,
             replace: None,
+            replace_version: 0,
             sampled: None,
         }
     }

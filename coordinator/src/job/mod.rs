@@ -131,6 +131,8 @@ pub struct Job {
     /// Whether this coordinator leads now (its lease deadline has not passed): without it,
     /// the job decides nothing, as if retired (`ha.rs`, "A leader that did not run").
     tenure: crate::tenure::Tenure,
+    /// The job itself, for tasks that act on it once its record is stored.
+    me: std::sync::Weak<Job>,
 }
 
 /// What every job of one coordinator shares: how new generations are named and where job
@@ -213,8 +215,9 @@ impl Job {
             ));
             Persist { pending, written }
         });
-        Arc::new(Self {
+        Arc::new_cyclic(|me| Self {
             id,
+            me: me.clone(),
             state: Mutex::new(state),
             changed: watch::channel(0).0,
             kv_bytes: tokio::sync::Mutex::new(kv_bytes),

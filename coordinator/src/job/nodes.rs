@@ -135,9 +135,15 @@ impl Job {
         } else {
             // In-place recovery: a replacement order the agent may have missed (its watch
             // was down, or a new leader took over) is sent again; the agent ignores one for a
-            // rank it already respawned in that epoch.
+            // rank it already respawned in that epoch. One not stored yet goes out when it is
+            // (`Job::order_replacement`).
             for r in node.rank_offset..node.rank_offset + node.local_world_size {
-                if let Some(replace) = &g.ranks[r as usize].replace {
+                let slot = &g.ranks[r as usize];
+                if let Some(replace) = slot
+                    .replace
+                    .as_ref()
+                    .filter(|_| self.stored(slot.replace_version))
+                {
                     let _ = outbox.send(Ok(pb::NodeEvent {
                         kind: Some(pb::node_event::Kind::Replace(replace.clone())),
                     }));

@@ -221,22 +221,23 @@ impl Gen {
                 },
             );
         }
-        let replace = pb::RankReplace {
+        // The order goes out once the record holding it is stored ([`Job::order_replacement`]).
+        self.ranks[rank as usize].replace = Some(pb::RankReplace {
             generation,
             rank: Some(rank),
             epoch,
             restart_count,
             max_restarts,
             message,
-        };
-        self.send_replace(&replace);
-        self.ranks[rank as usize].replace = Some(replace);
+        });
     }
 
-    /// Sends a replacement order to its rank's node watch (if the agent is attached).
-    pub(super) fn send_replace(&self, replace: &pb::RankReplace) {
-        let node = self.ranks[replace.rank() as usize].node_rank;
-        if let Some((_, w)) = &self.nodes[node as usize].watch {
+    /// Sends `rank`'s replacement order to its node's watch (if the agent is attached).
+    fn send_replace(&self, rank: u32) {
+        let slot = &self.ranks[rank as usize];
+        if let (Some(replace), Some((_, w))) =
+            (&slot.replace, &self.nodes[slot.node_rank as usize].watch)
+        {
             let _ = w.send(Ok(pb::NodeEvent {
                 kind: Some(pb::node_event::Kind::Replace(replace.clone())),
             }));
@@ -326,9 +327,59 @@ impl Job {
             max_restarts,
         );
         crate::metrics::recovered_in_place();
-        self.persist(st);
+        let version = self.persist(st);
+        self.order_replacement(st, rank, version);
         self.notify();
         true
+    }
+
+    /// Sends `rank`'s replacement order once the record of `version` (which holds it) is in
+    /// the store: at once without a durable store, else from a task. A leader that dies
+    /// before the write leaves no process started for a decision its successor never saw
+    /// (the successor replaces the rank itself, under the same epoch).
+    fn order_replacement(&self, st: &mut JobState, rank: u32, version: u64) {
+        let Phase::Running(g) = &mut st.phase else {
+            return;
+        };
+        g.ranks[rank as usize].replace_version = version;
+        let Some(p) = &self.persist else {
+            g.send_replace(rank);
+            return;
+        };
+        let generation = g.generation;
+        let mut written = p.written.subscribe();
+        let retired = self.retired.clone();
+        let job = self.me.clone();
+        // Task "replace-order", one per in-place replacement with a durable store: ends
+        // once the record is written (sending the order if it still stands) or the job is
+        // retired.
+        tokio::spawn(async move {
+            tokio::select! {
+                ok = written.wait_for(|w| *w >= version) => {
+                    if ok.is_err() {
+                        return;
+                    }
+                }
+                () = retired.cancelled() => return,
+            }
+            let Some(job) = job.upgrade() else { return };
+            let mut st = job.lock();
+            if job.retired() {
+                return;
+            }
+            if let Ok(g) = job.running(&mut st, generation)
+                && g.ranks[rank as usize].replace_version == version
+            {
+                g.send_replace(rank);
+            }
+        });
+    }
+
+    /// Whether the record of `version` is in the store (always without a durable store).
+    pub(super) fn stored(&self, version: u64) -> bool {
+        self.persist
+            .as_ref()
+            .is_none_or(|p| *p.written.borrow() >= version)
     }
 
     /// `Rendezvous.Quorum`: checks the call and parks it; the answer comes through the

@@ -771,6 +771,110 @@ async fn a_new_leader_keeps_the_epoch_and_sends_the_replacement_order_again() {
     );
 }
 
+/// A memory store whose puts wait while `open` is false: a leader's record write in flight.
+struct Gated {
+    inner: crate::MemoryStore,
+    open: watch::Sender<bool>,
+}
+
+#[async_trait::async_trait]
+impl Store for Gated {
+    fn durable(&self) -> bool {
+        true
+    }
+    async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, crate::store::StoreError> {
+        self.inner.get(key).await
+    }
+    async fn put(&self, key: &str, value: Vec<u8>) -> Result<(), crate::store::StoreError> {
+        let _ = self.open.subscribe().wait_for(|o| *o).await;
+        self.inner.put(key, value).await
+    }
+    async fn put_all(
+        &self,
+        entries: Vec<(String, Vec<u8>)>,
+    ) -> Result<(), crate::store::StoreError> {
+        self.inner.put_all(entries).await
+    }
+    async fn create(
+        &self,
+        key: &str,
+        value: Vec<u8>,
+    ) -> Result<Option<Vec<u8>>, crate::store::StoreError> {
+        self.inner.create(key, value).await
+    }
+    async fn delete(&self, key: &str) -> Result<bool, crate::store::StoreError> {
+        self.inner.delete(key).await
+    }
+    async fn list(&self, prefix: &str) -> Result<Vec<(String, Vec<u8>)>, crate::store::StoreError> {
+        self.inner.list(prefix).await
+    }
+    async fn delete_prefix(&self, prefix: &str) -> Result<u64, crate::store::StoreError> {
+        self.inner.delete_prefix(prefix).await
+    }
+}
+
+/// A replacement order starts a process: it reaches the agent only once the record holding
+/// it is stored, on the watch it has then (a CI run had a leader die between its order and
+/// its write, and the next leader reissue the same epoch for a new decision, which the agent
+/// took for a repeat). A leader that dies first sends nothing.
+#[tokio::test]
+async fn a_replacement_order_waits_for_its_record() {
+    let gate = Arc::new(Gated {
+        inner: crate::MemoryStore::default(),
+        open: watch::channel(true).0,
+    });
+    let ctx = JobContext {
+        store: Some(Arc::clone(&gate) as Arc<dyn Store>),
+        ..ctx()
+    };
+    let config = RoundConfig {
+        recovery: Recovery::InPlace,
+        hang: Hang::default(),
+        ..config(2, 2)
+    };
+    let run = |job: Arc<Job>| async move {
+        let answers = [
+            job.join(req("n0")).unwrap().2,
+            job.join(req("n1")).unwrap().2,
+        ];
+        for a in answers {
+            a.await.unwrap().unwrap();
+        }
+        job
+    };
+    // Stored late: nothing before the write, on the first watch nor on one attached since;
+    // one order after it, on the watch attached last.
+    let job = run(Job::new(JobId::parse("j").unwrap(), config.clone(), &ctx)).await;
+    let mut first = watch_of(&job, 0);
+    gate.open.send_replace(false);
+    job.fail_rank(1, 0, "exited with status 1".into(), exited(1));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(replaces(&mut first).is_empty());
+    let mut second = watch_of(&job, 0);
+    assert!(replaces(&mut second).is_empty());
+    gate.open.send_replace(true);
+    job.persisted().await;
+    tokio::task::yield_now().await;
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let orders: Vec<_> = replaces(&mut second)
+        .iter()
+        .map(|o| (o.rank, o.epoch))
+        .collect();
+    assert_eq!(orders, [(Some(0), 1)]);
+    // Attached after the write: the stored order at once.
+    assert_eq!(replaces(&mut watch_of(&job, 0)).len(), 1);
+    job.retire("test over");
+    // Retired before the write (the leader died): never sent.
+    let job = run(Job::new(JobId::parse("k").unwrap(), config, &ctx)).await;
+    let mut watch = watch_of(&job, 0);
+    gate.open.send_replace(false);
+    job.fail_rank(1, 0, "exited with status 1".into(), exited(1));
+    job.retire("stopped leading");
+    gate.open.send_replace(true);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(replaces(&mut watch).is_empty());
+}
+
 #[tokio::test]
 async fn the_stored_record_carries_the_mode_the_epoch_and_the_replacing_ranks() {
     use prost::Message as _;
