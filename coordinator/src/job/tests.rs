@@ -844,7 +844,7 @@ async fn a_replacement_order_waits_for_its_record() {
     };
     // Stored late: nothing before the write, on the first watch nor on one attached since;
     // one order after it, on the watch attached last.
-    let job = run(Job::new(JobId::parse("j").unwrap(), config.clone(), &ctx)).await;
+    let job = run(Job::new(JobId::parse("j").unwrap(), config, &ctx)).await;
     let mut first = watch_of(&job, 0);
     gate.open.send_replace(false);
     job.fail_rank(1, 0, "exited with status 1".into(), exited(1));
