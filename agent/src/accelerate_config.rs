@@ -56,6 +56,8 @@ pub struct AccelerateConfig {
     pub muster_on_hang: Option<muster_core::requests::OnHang>,
     /// `muster_sample_stacks` (muster's own key, as `--sample-stacks`): samples a second.
     pub muster_sample_stacks: Option<f64>,
+    /// `muster_flight_recorder` (muster's own key; `false` as `--no-flight-recorder`).
+    pub muster_flight_recorder: Option<bool>,
     /// `monitor_interval`, in seconds: checked, not used (muster learns of exits at once).
     pub monitor_interval: Option<f64>,
     /// `distributed_type`, upper case (`FSDP`, `DEEPSPEED`, `MULTI_GPU`, ...).
@@ -373,6 +375,7 @@ fn read_setting(config: &mut AccelerateConfig, key: &str, value: &Yaml) -> Resul
         "debug" => config.debug = v.boolean()?,
         "enable_cpu_affinity" => config.enable_cpu_affinity = v.boolean()?,
         "muster_agent_store" => config.muster_agent_store = v.boolean()?,
+        "muster_flight_recorder" => config.muster_flight_recorder = v.boolean()?,
         "muster_recovery" => {
             config.muster_recovery = match v.string()? {
                 Some(s) => Some(crate::env::Recovery::parse(s).map_err(|why| v.invalid(&why))?),
@@ -648,6 +651,7 @@ mod tests {
                 add("affinity", c.enable_cpu_affinity.map(|v| v.to_string()));
                 add("restarts", c.max_restarts.map(|v| v.to_string()));
                 add("agent_store", c.muster_agent_store.map(|v| v.to_string()));
+                add("flight", c.muster_flight_recorder.map(|v| v.to_string()));
                 add("recovery", c.muster_recovery.map(|v| v.to_string()));
                 add("hang", c.muster_hang_timeout.map(|v| format!("{v:?}")));
                 add("on_hang", c.muster_on_hang.map(|v| v.to_string()));
@@ -752,6 +756,8 @@ dynamo_config:
         check("muster_agent_store: true", "agent_store=true");
         check("muster_agent_store: off", "agent_store=false");
         check("muster_agent_store: ~", "");
+        check("muster_flight_recorder: false", "flight=false");
+        check("muster_flight_recorder: true", "flight=true");
         let got = parse("muster_agent_store: sometimes").map(|c| c.muster_agent_store);
         assert!(
             got.as_ref()

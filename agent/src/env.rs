@@ -110,6 +110,9 @@ pub struct NodeAssignment {
     /// gets `TORCHELASTIC_ERROR_FILE` (and `MUSTER_ERROR_FILE`) =
     /// [`crate::error_file::error_path`]`(dir, rank)`.
     pub error_dir: Option<std::path::PathBuf>,
+    /// The generation's Flight Recorder folder ([`crate::flight::Flight`]), when the
+    /// recorder is on: each worker gets [`crate::flight::worker_env`].
+    pub flight_dir: Option<std::path::PathBuf>,
 }
 
 /// What a launch adds to every worker's environment besides the rendezvous' answer: its GPUs
@@ -287,6 +290,15 @@ pub fn worker_env(
     if !inherited(var::TORCH_NCCL_ASYNC_ERROR_HANDLING) {
         env.push((var::TORCH_NCCL_ASYNC_ERROR_HANDLING, "1".to_owned()));
     }
+    if let Some(dir) = &node.flight_dir {
+        let python_path = std::env::var(crate::flight::PYTHONPATH).ok();
+        env.extend(crate::flight::worker_env(
+            dir,
+            rank,
+            &inherited,
+            python_path.as_deref(),
+        ));
+    }
     if node.local_world_size > 1 && !inherited(OMP_NUM_THREADS) {
         env.push((OMP_NUM_THREADS, "1".to_owned()));
     }
@@ -365,6 +377,7 @@ mod tests {
             master_port: 29500,
             agent_socket: Some("/tmp/muster-1-2/relay.sock".into()),
             error_dir: None,
+            flight_dir: None,
         }
     }
 
@@ -486,6 +499,7 @@ mod tests {
             master_port: 1234,
             agent_socket: None,
             error_dir: None,
+            flight_dir: None,
         };
         let common = "MUSTER_COORDINATOR=127.0.0.1:40000 MUSTER_JOB_ID=j MUSTER_GENERATION=1
              MUSTER_RANK=0 MUSTER_LOCAL_RANK=0 MUSTER_WORLD_SIZE=1 MUSTER_LOCAL_WORLD_SIZE=1

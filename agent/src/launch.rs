@@ -361,10 +361,26 @@ async fn run_at(
         } else {
             None
         };
+        // torch's Flight Recorder: its folder (the hook, the ranks' sockets) lives as long as
+        // this generation's workers.
+        let flight = if spec.flight_recorder {
+            match crate::flight::Flight::prepare() {
+                Ok(f) => Some(f),
+                Err(e) => {
+                    eprintln!(
+                        "muster-agent: job {job}: cannot prepare torch's Flight Recorder ({e}); stack dumps on this node show no collectives"
+                    );
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        node.flight_dir = flight.as_ref().map(|f| f.dir().to_owned());
         // The stack sampler lives as long as the watch that answers the coordinator's dumps.
         let registry = crate::stacks::Workers::default();
         let sampler = match crate::stacks::Sampler::start(registry.clone(), spec.sample_hz) {
-            Ok(s) => Some(s),
+            Ok(s) => Some(s.with_flight(node.flight_dir.clone())),
             Err(e) => {
                 eprintln!(
                     "muster-agent: job {job}: cannot start the stack sampler ({e}); stacks and hang detection are off on this node"
@@ -397,6 +413,7 @@ async fn run_at(
         .await;
         drop(relay);
         drop(store);
+        drop(flight);
         match end {
             End::Succeeded { spawned, watch } => {
                 watch.finish().await;

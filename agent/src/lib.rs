@@ -29,6 +29,7 @@ pub mod entry;
 pub mod env;
 pub mod error_file;
 pub mod failover;
+pub mod flight;
 pub mod gpu;
 pub mod guard;
 pub mod launch;

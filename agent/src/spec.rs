@@ -61,6 +61,9 @@ pub struct LaunchSpec {
     pub hang: muster_core::requests::Hang,
     /// `--sample-stacks`: stack samples a second per worker (0: only on demand).
     pub sample_hz: f64,
+    /// torch's Flight Recorder on for the workers and read in stack dumps (`flight.rs`);
+    /// off with `--no-flight-recorder`.
+    pub flight_recorder: bool,
     /// How long the rendezvous waits for MIN nodes; `None`: the coordinator's default.
     pub join_timeout: Option<Duration>,
     /// How long a round with MIN nodes stays open for more; `None`: the coordinator's default.

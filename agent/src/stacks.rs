@@ -104,6 +104,8 @@ enum Command {
 pub struct Sampler {
     commands: std_mpsc::Sender<Command>,
     progress: Option<mpsc::UnboundedReceiver<Notice>>,
+    /// The generation's Flight Recorder folder, read in every dump ([`crate::flight`]).
+    flight: Option<std::path::PathBuf>,
 }
 
 impl Sampler {
@@ -123,21 +125,29 @@ impl Sampler {
         Ok(Self {
             commands,
             progress: Some(progress),
+            flight: None,
         })
     }
 
-    /// Every running worker's stacks, read now. Empty if the thread has gone.
+    /// Dumps also read each rank's Flight Recorder from the sockets in `dir`.
+    #[must_use]
+    pub fn with_flight(mut self, dir: Option<std::path::PathBuf>) -> Self {
+        self.flight = dir;
+        self
+    }
+
+    /// Every running worker's stacks, read now (with their Flight Recorders). Empty if the
+    /// thread has gone.
     pub async fn dump(&self) -> Vec<pb::RankStack> {
-        let (tx, rx) = oneshot::channel();
-        if self.commands.send(Command::Dump(tx)).is_err() {
-            return Vec::new();
-        }
-        rx.await.unwrap_or_default()
+        self.dumper().dump().await
     }
 
     /// A handle that asks for dumps (the watch's answers run as tasks of their own).
     pub fn dumper(&self) -> Dumper {
-        Dumper(self.commands.clone())
+        Dumper {
+            commands: self.commands.clone(),
+            flight: self.flight.clone(),
+        }
     }
 
     /// The notices: progress (once per [`PROGRESS_EVERY`] at most) and the ranks' samples
@@ -166,16 +176,23 @@ fn quiet_sampler_panics() {
 
 /// Asks a [`Sampler`] for dumps; it does not keep the thread alive once the sampler is dropped.
 #[derive(Clone)]
-pub struct Dumper(std_mpsc::Sender<Command>);
+pub struct Dumper {
+    commands: std_mpsc::Sender<Command>,
+    flight: Option<std::path::PathBuf>,
+}
 
 impl Dumper {
     /// As [`Sampler::dump`].
     pub async fn dump(&self) -> Vec<pb::RankStack> {
         let (tx, rx) = oneshot::channel();
-        if self.0.send(Command::Dump(tx)).is_err() {
+        if self.commands.send(Command::Dump(tx)).is_err() {
             return Vec::new();
         }
-        rx.await.unwrap_or_default()
+        let mut stacks = rx.await.unwrap_or_default();
+        if let Some(dir) = &self.flight {
+            crate::flight::annotate(dir, &mut stacks).await;
+        }
+        stacks
     }
 }
 

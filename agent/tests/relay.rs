@@ -168,6 +168,7 @@ fn assignment(addr: &str, n: &pb::JoinResponse) -> NodeAssignment {
         master_port: 1,
         agent_socket: None,
         error_dir: None,
+        flight_dir: None,
     }
 }
 

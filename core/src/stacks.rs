@@ -353,6 +353,151 @@ pub fn report(groups: &[pb::StackGroup], unanswered: &[String]) -> String {
     lines.collect::<Vec<_>>().join("\n")
 }
 
+/// What torch's Flight Recorder says of the ranks (`RankStack.collectives`), as report
+/// lines: for each process group, each distinct last collective with its ranks, then the
+/// verdict, if any: the ranks behind the others in the group's sequence (the likely cause
+/// of a hang: the others wait in a collective they never entered), or, where every rank
+/// reached the same sequence number, ranks that disagree on what that collective is (one
+/// called another operation or other sizes). Ranks whose recorder could not be read are
+/// named with why, once per reason, where some rank's could (a job that never uses
+/// torch.distributed gets nothing). Empty where no rank has anything to say.
+pub fn collectives(ranks: &[pb::RankStack]) -> Vec<String> {
+    // Ranks whose recorder answered with no entry: at sequence 0 in every group.
+    let mut none_yet: Vec<u32> = vec![];
+    // Process group -> rank -> its last collective there.
+    let mut groups: std::collections::BTreeMap<&str, Vec<(u32, &pb::Collective)>> =
+        Default::default();
+    let mut unread: std::collections::BTreeMap<&str, Vec<u32>> = Default::default();
+    for stack in ranks {
+        let Some(rank) = stack.rank else { continue };
+        if stack.flight_recorder == NO_COLLECTIVE {
+            none_yet.push(rank);
+        } else if !stack.flight_recorder.is_empty() {
+            unread
+                .entry(stack.flight_recorder.as_str())
+                .or_default()
+                .push(rank);
+        }
+        let mut last: HashMap<&str, &pb::Collective> = HashMap::new();
+        for c in stack.collectives.iter().filter(|c| !c.p2p) {
+            let slot = last.entry(c.process_group.as_str()).or_insert(c);
+            if c.seq >= slot.seq {
+                *slot = c;
+            }
+        }
+        for (pg, c) in last {
+            groups.entry(pg).or_default().push((rank, c));
+        }
+    }
+    let what = |c: &pb::Collective| {
+        let mut text = format!("#{} {}", c.seq, c.op);
+        if !c.input_sizes.is_empty() {
+            let _ = write!(text, " {}", c.input_sizes.join(" "));
+        }
+        text
+    };
+    let mut lines = vec![];
+    if groups.is_empty() {
+        return lines;
+    }
+    for (pg, mut at) in groups {
+        at.sort_by_key(|(rank, _)| *rank);
+        // Distinct last collectives, the lowest sequence first.
+        let mut distinct: Vec<(String, u64, Vec<u32>, &str)> = vec![];
+        for (rank, c) in &at {
+            let text = what(c);
+            match distinct.iter_mut().find(|d| d.0 == text) {
+                Some(d) => d.2.push(*rank),
+                None => distinct.push((text, c.seq, vec![*rank], c.state.as_str())),
+            }
+        }
+        distinct.sort_by_key(|d| (d.1, d.2.first().copied()));
+        for (text, _, ranks, state) in &distinct {
+            lines.push(format!(
+                "flight recorder ({pg}): {} last called collective {text} ({state})",
+                who(ranks)
+            ));
+        }
+        if !none_yet.is_empty() {
+            distinct.insert(0, ("none".to_owned(), 0, none_yet.clone(), ""));
+            lines.push(format!(
+                "flight recorder ({pg}): {} called no collective yet",
+                who(&none_yet)
+            ));
+        }
+        let top = at.iter().map(|(_, c)| c.seq).max().unwrap_or(0);
+        let mut behind: Vec<u32> = at
+            .iter()
+            .filter(|(_, c)| c.seq < top)
+            .map(|(r, _)| *r)
+            .chain(none_yet.iter().copied())
+            .collect();
+        behind.sort_unstable();
+        if !behind.is_empty() {
+            let (is, its) = if behind.len() == 1 {
+                ("is", "its last collective is")
+            } else {
+                ("are", "their last collectives are")
+            };
+            let theirs: Vec<String> = distinct
+                .iter()
+                .filter(|d| d.1 < top)
+                .map(|d| {
+                    if d.0 == "none" {
+                        "none".to_owned()
+                    } else {
+                        format!("#{}", d.1)
+                    }
+                })
+                .collect();
+            let said = if theirs.iter().all(|t| t == "none") {
+                if behind.len() == 1 {
+                    "it has"
+                } else {
+                    "they have"
+                }
+                .to_owned()
+                    + " called no collective yet"
+            } else {
+                format!("{its} {}", theirs.join(", "))
+            };
+            lines.push(format!(
+                "flight recorder: rank{} {} {is} behind in {pg}: {said}, the others reached #{top}",
+                if behind.len() == 1 { "" } else { "s" },
+                ranks_text(&behind),
+            ));
+        } else if distinct.len() > 1 {
+            let sides: Vec<String> = distinct
+                .iter()
+                .map(|(text, _, ranks, _)| {
+                    let op = text.split_once(' ').map_or(text.as_str(), |(_, rest)| rest);
+                    format!("{} {op}", ranks_text(ranks))
+                })
+                .collect();
+            lines.push(format!(
+                "flight recorder: the ranks disagree on collective #{top} of {pg}: {}",
+                sides.join("; ")
+            ));
+        }
+    }
+    for (why, ranks) in unread {
+        lines.push(format!("flight recorder: {}: {why}", who(&ranks)));
+    }
+    lines
+}
+
+/// What a Flight Recorder that answered with no entry says (`RankStack.flight_recorder`):
+/// the rank has called no collective yet.
+pub const NO_COLLECTIVE: &str = "no collective recorded yet";
+
+/// `rank 3` or `ranks 0,2`.
+fn who(ranks: &[u32]) -> String {
+    match ranks.len() {
+        1 => format!("rank {}", ranks_text(ranks)),
+        _ => format!("ranks {}", ranks_text(ranks)),
+    }
+}
+
 /// A group while ranks are added to it.
 struct Draft {
     frames: Vec<String>,
@@ -1052,5 +1197,99 @@ mod tests {
         let young = [sample(0, 0.8, 40), sample(1, 0.0, 5)];
         assert_eq!(straggler(&young), None);
         assert_eq!(straggler(&[sample(0, 0.9, 40)]), None);
+    }
+
+    fn recorded(rank: u32, calls: &[(u64, &str)]) -> pb::RankStack {
+        pb::RankStack {
+            rank: Some(rank),
+            collectives: calls
+                .iter()
+                .map(|(seq, op)| pb::Collective {
+                    seq: *seq,
+                    op: (*op).to_owned(),
+                    process_group: "default_pg".into(),
+                    input_sizes: vec!["[4]".into()],
+                    state: "scheduled".into(),
+                    p2p: false,
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn the_flight_recorder_names_the_rank_behind() {
+        let ranks = [
+            recorded(0, &[(1, "gloo:all_reduce"), (2, "gloo:barrier")]),
+            recorded(1, &[(1, "gloo:all_reduce")]),
+            recorded(2, &[(1, "gloo:all_reduce"), (2, "gloo:barrier")]),
+            pb::RankStack {
+                rank: Some(3),
+                flight_recorder: "no answer".into(),
+                ..Default::default()
+            },
+        ];
+        assert_eq!(
+            collectives(&ranks),
+            [
+                "flight recorder (default_pg): rank 1 last called collective #1 gloo:all_reduce [4] (scheduled)",
+                "flight recorder (default_pg): ranks 0,2 last called collective #2 gloo:barrier [4] (scheduled)",
+                "flight recorder: rank 1 is behind in default_pg: its last collective is #1, the others reached #2",
+                "flight recorder: rank 3: no answer",
+            ]
+        );
+    }
+
+    #[test]
+    fn the_flight_recorder_names_ranks_that_disagree_and_nothing_when_all_agree() {
+        let ranks = [
+            recorded(0, &[(2, "gloo:all_reduce")]),
+            recorded(1, &[(2, "gloo:barrier")]),
+            recorded(2, &[(2, "gloo:all_reduce")]),
+        ];
+        let lines = collectives(&ranks);
+        assert_eq!(
+            lines.last().map(String::as_str),
+            Some(
+                "flight recorder: the ranks disagree on collective #2 of default_pg: 0,2 gloo:all_reduce [4]; 1 gloo:barrier [4]"
+            )
+        );
+        let same = [
+            recorded(0, &[(2, "gloo:all_reduce")]),
+            recorded(1, &[(2, "gloo:all_reduce")]),
+        ];
+        assert_eq!(
+            collectives(&same),
+            [
+                "flight recorder (default_pg): ranks 0-1 last called collective #2 gloo:all_reduce [4] (scheduled)"
+            ]
+        );
+        assert!(collectives(&[pb::RankStack::default()]).is_empty());
+    }
+
+    /// The Accelerate hang: rank 1 sleeps before its first collective, the others wait in
+    /// the first barrier.
+    #[test]
+    fn a_rank_that_called_no_collective_is_behind() {
+        let none = pb::RankStack {
+            rank: Some(1),
+            flight_recorder: NO_COLLECTIVE.into(),
+            ..Default::default()
+        };
+        let ranks = [
+            recorded(0, &[(1, "gloo:barrier")]),
+            none.clone(),
+            recorded(2, &[(1, "gloo:barrier")]),
+        ];
+        assert_eq!(
+            collectives(&ranks),
+            [
+                "flight recorder (default_pg): ranks 0,2 last called collective #1 gloo:barrier [4] (scheduled)",
+                "flight recorder (default_pg): rank 1 called no collective yet",
+                "flight recorder: rank 1 is behind in default_pg: it has called no collective yet, the others reached #1",
+            ]
+        );
+        // Nobody has called one: nothing to say.
+        assert!(collectives(&[none]).is_empty());
     }
 }

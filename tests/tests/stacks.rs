@@ -117,6 +117,17 @@ fn assert_accelerate_hang(text: &str, stuck: u32, waiting: &str, world: u32) {
             )),
         "{text}"
     );
+    // torch's Flight Recorder, on by default: the stuck rank never reached the barrier.
+    let recorded = format!(
+        "flight recorder (default_pg): ranks {waiting} last called collective #1 gloo:barrier (scheduled)"
+    );
+    let behind = format!(
+        "flight recorder: rank {stuck} is behind in default_pg: it has called no collective yet, the others reached #1"
+    );
+    assert!(
+        lines.contains(&recorded.as_str()) && lines.contains(&behind.as_str()),
+        "{text}"
+    );
 }
 
 /// One node, three ranks: `describe --stacks` names rank 1 in its slow data step first and
@@ -162,6 +173,10 @@ fn an_unmodified_accelerate_hang_is_explained_and_reported() {
     );
     let report = agent.wait_for_lines(Stream::Stderr, 1, SLOW, |l| l.contains("is elsewhere"));
     assert!(report[0].contains("rank 1 is elsewhere"), "{report:?}");
+    // The hang report carries the Flight Recorder's verdict too.
+    agent.wait_for_lines(Stream::Stderr, 1, SLOW, |l| {
+        l.trim() == "flight recorder: rank 1 is behind in default_pg: it has called no collective yet, the others reached #1"
+    });
     let view = describe(&addr, "stacks-acc", &[]);
     let text = view.stdout.join("\n");
     assert!(
@@ -275,6 +290,14 @@ fn ranks_at_two_collective_call_sites_are_named_with_their_sites() {
             lines[i].starts_with(&odd) && lines.get(i + 1).is_some_and(|l| l.starts_with(&majority))
         })
     });
+    // torch's Flight Recorder: the same sequence number, two different collectives.
+    let (text, _) = stacks_until(&addr, "stacks-fewer", "no disagreement", |text| {
+        text.contains("flight recorder: the ranks disagree on collective #2 of default_pg: 0,2 gloo:all_reduce [1]; 1 gloo:barrier")
+    });
+    assert!(
+        text.contains("flight recorder (default_pg): ranks 0,2 last called collective #2 gloo:all_reduce [1] (scheduled)"),
+        "{text}"
+    );
 }
 
 /// Two agents on one coordinator, two ranks each; rank 2 (node 1) is stuck: `describe

@@ -117,6 +117,14 @@ pub struct LaunchArgs {
     #[arg(long, value_name = "HZ")]
     pub sample_stacks: Option<f64>,
 
+    /// Do not turn on torch's Flight Recorder. By default every worker gets
+    /// TORCH_FR_BUFFER_SIZE=2000 (unless set) and torch's worker server on a socket of the
+    /// agent's, so that stack dumps and hang reports show each rank's last collectives and
+    /// name the rank behind the others (docs/hangs.md). Also muster_flight_recorder: false in
+    /// --config-file.
+    #[arg(long)]
+    pub no_flight_recorder: bool,
+
     /// How long workers get between SIGTERM and SIGKILL when they are stopped. Default:
     /// 5000 (or --shutdown-timeout, in seconds).
     #[arg(long, value_name = "MS", alias = "grace_period_ms")]

@@ -81,6 +81,9 @@ pub(super) fn summary(s: &LaunchSpec, warnings: &[String]) -> String {
     if s.sample_hz != crate::cli::validate::DEFAULT_SAMPLE_HZ {
         add(format!("sample={}", s.sample_hz));
     }
+    if !s.flight_recorder {
+        add("flight=off".to_owned());
+    }
     if let Some(d) = s.join_timeout {
         add(format!("join={}ms", d.as_millis()));
     }
@@ -378,6 +381,21 @@ fn hang_detection_and_sampling() {
     check(
         &format!("--config-file {p} --hang-timeout off --on-hang report --sample-stacks 2 -- sh"),
         Ok(&one_node(1, " hang=off")),
+    );
+    // torch's Flight Recorder: on unless the flag or the file's key turns it off.
+    check(
+        "--no-flight-recorder -- sh",
+        Ok(&one_node(1, " flight=off")),
+    );
+    let off = ConfigFile::new("flight", "muster_flight_recorder: false\n");
+    check(
+        &format!("--config-file {} -- sh", off.path()),
+        Ok(&one_node(1, " flight=off")),
+    );
+    let on = ConfigFile::new("flight-on", "muster_flight_recorder: true\n");
+    check(
+        &format!("--config-file {} --no-flight-recorder -- sh", on.path()),
+        Ok(&one_node(1, " flight=off")),
     );
 }
 

@@ -234,6 +234,8 @@ impl LaunchArgs {
             recovery,
             hang,
             sample_hz,
+            flight_recorder: !self.no_flight_recorder
+                && config.muster_flight_recorder != Some(false),
             join_timeout,
             last_call,
             lease: Duration::from_millis(self.lease_ms),

@@ -134,6 +134,7 @@ pub(super) async fn join(
         master_port,
         agent_socket: None,
         error_dir: None,
+        flight_dir: None,
     };
     Ok(node)
 }

@@ -871,6 +871,7 @@ exit 0"#
             master_port: 1,
             agent_socket: None,
             error_dir: Some(dir.join("attempt_0")),
+            flight_dir: None,
         }
     }
 

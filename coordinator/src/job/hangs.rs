@@ -314,6 +314,10 @@ impl Job {
         ranks.sort_by_key(|r| r.rank);
         let groups = stacks::group(&ranks, dump.world_size, full);
         let mut report = stacks::report(&groups, &dump.unanswered);
+        // torch's Flight Recorder, where the agents read it: who is behind in collectives.
+        for line in stacks::collectives(&ranks) {
+            let _ = write!(report, "\n{line}");
+        }
         // Ranks that use muster's SDK: where its barriers have them.
         for info in &view.ranks {
             if info.state == pb::RankState::Waiting as i32 {

@@ -27,6 +27,7 @@ fn node() -> NodeAssignment {
         master_port: 1,
         agent_socket: None,
         error_dir: None,
+        flight_dir: None,
     }
 }
 

@@ -1,0 +1,345 @@
+//! torch's Flight Recorder, on for every worker and read from outside: each worker gets
+//! `TORCH_FR_BUFFER_SIZE` (torch records its last collectives, gloo's included in torch 2.15)
+//! and a per-rank `TORCH_WORKER_SERVER_SOCKET`, and the agent's start-up hook on `PYTHONPATH`
+//! (`agent/python/sitecustomize.py`) starts torch's own worker server there once the script
+//! imports `torch.distributed`. A stack dump then asks each rank's server for its trace
+//! (`POST /handler/fr_trace_json`, torch's own dump path) and keeps the last collectives
+//! beside the rank's stack (`RankStack.collectives`).
+//!
+//! Nothing here reimplements the recorder: the agent only sets torch's variables, starts
+//! torch's server and reads torch's JSON.
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Empty};
+use hyper_util::rt::TokioIo;
+use muster_proto::v1 as pb;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// torch's variable: how many collectives the recorder keeps per process (0: off).
+pub const TORCH_FR_BUFFER_SIZE: &str = "TORCH_FR_BUFFER_SIZE";
+/// torch's variable: where `worker_main` (and the agent's hook) starts the worker server.
+pub const TORCH_WORKER_SERVER_SOCKET: &str = "TORCH_WORKER_SERVER_SOCKET";
+/// Python's module search path, where the hook goes first.
+pub const PYTHONPATH: &str = "PYTHONPATH";
+
+/// The recorder's size the agent asks for: torch's own examples use 2000 (a few hundred
+/// kilobytes of entries per process).
+const BUFFER: &str = "2000";
+
+/// The most collectives kept per rank in a dump (the newest).
+const KEPT: usize = 8;
+
+/// How long one rank's server may take to answer.
+const READ_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// The hook, written into each generation's folder.
+const SITECUSTOMIZE: &str = include_str!("../python/sitecustomize.py");
+
+/// One generation's folder: the hook (`py/sitecustomize.py`) and the ranks' sockets
+/// (`<rank>.sock`), removed when dropped. Its path is short (`/tmp/muster-fr-<pid>-<n>`):
+/// a Unix socket path has at most 107 bytes.
+#[derive(Debug)]
+pub struct Flight {
+    dir: PathBuf,
+}
+
+impl Flight {
+    /// Creates a fresh folder with the hook in it.
+    pub fn prepare() -> std::io::Result<Self> {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        let dir = std::env::temp_dir().join(format!(
+            "muster-fr-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(dir.join("py"))?;
+        std::fs::write(dir.join("py").join("sitecustomize.py"), SITECUSTOMIZE)?;
+        Ok(Self { dir })
+    }
+
+    /// The folder (what [`worker_env`] and [`annotate`] take).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for Flight {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Rank `rank`'s worker server socket in `dir`.
+pub fn socket(dir: &Path, rank: u32) -> PathBuf {
+    dir.join(format!("{rank}.sock"))
+}
+
+/// What a worker of rank `rank` gets for the recorder: the buffer size unless the agent
+/// inherited one (0 turns torch's recorder off), its socket, and the hook first on
+/// `PYTHONPATH` (before `python_path`, the path it would have had). A user who set
+/// `TORCH_WORKER_SERVER_SOCKET` keeps theirs, and the agent reads nothing.
+pub fn worker_env(
+    dir: &Path,
+    rank: u32,
+    inherited: impl Fn(&str) -> bool,
+    python_path: Option<&str>,
+) -> Vec<(&'static str, String)> {
+    if inherited(TORCH_WORKER_SERVER_SOCKET) {
+        return vec![];
+    }
+    let mut env = vec![];
+    if !inherited(TORCH_FR_BUFFER_SIZE) {
+        env.push((TORCH_FR_BUFFER_SIZE, BUFFER.to_owned()));
+    }
+    env.push((
+        TORCH_WORKER_SERVER_SOCKET,
+        socket(dir, rank).to_string_lossy().into_owned(),
+    ));
+    let hook = dir.join("py").to_string_lossy().into_owned();
+    env.push((
+        PYTHONPATH,
+        match python_path.filter(|p| !p.is_empty()) {
+            Some(rest) => format!("{hook}:{rest}"),
+            None => hook,
+        },
+    ));
+    env
+}
+
+/// Reads each Python rank's recorder in `dir` (all at once), filling `collectives`, or
+/// `flight_recorder` with why not. Ranks that could not be read, that are not Python or that
+/// have exited are left alone.
+pub async fn annotate(dir: &Path, stacks: &mut [pb::RankStack]) {
+    let reads = stacks.iter().map(|s| {
+        let wanted = s.error.is_empty() && !s.threads.is_empty();
+        let path = s.rank.map(|r| socket(dir, r));
+        async move {
+            match path.filter(|_| wanted) {
+                Some(path) => Some(read(&path).await),
+                None => None,
+            }
+        }
+    });
+    let results = futures::future::join_all(reads).await;
+    for (stack, result) in stacks.iter_mut().zip(results) {
+        match result {
+            Some(Ok(collectives)) if collectives.is_empty() => {
+                muster_core::stacks::NO_COLLECTIVE.clone_into(&mut stack.flight_recorder);
+            }
+            Some(Ok(collectives)) => stack.collectives = collectives,
+            Some(Err(why)) => stack.flight_recorder = why,
+            None => {}
+        }
+    }
+}
+
+/// One rank's last collectives from its worker server at `socket`, or why not (one line).
+pub async fn read(socket: &Path) -> Result<Vec<pb::Collective>, String> {
+    if !socket.exists() {
+        return Err(
+            "no Flight Recorder: the rank has not imported torch.distributed (or its Python skipped the agent's start-up hook)"
+                .to_owned(),
+        );
+    }
+    let body = tokio::time::timeout(READ_TIMEOUT, post(socket, "/handler/fr_trace_json"))
+        .await
+        .map_err(|_| {
+            format!(
+                "its Flight Recorder did not answer within {} s",
+                READ_TIMEOUT.as_secs()
+            )
+        })??;
+    parse(&body)
+}
+
+/// `POST path` over HTTP/1.1 to the server at `socket`: the body of a 200 answer.
+async fn post(socket: &Path, path: &str) -> Result<Bytes, String> {
+    let why = |e: &dyn std::fmt::Display| format!("its Flight Recorder did not answer ({e})");
+    let stream = tokio::net::UnixStream::connect(socket)
+        .await
+        .map_err(|e| why(&e))?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .map_err(|e| why(&e))?;
+    // Task "flight-conn", one per read: drives the connection; ends with it.
+    tokio::spawn(conn);
+    let request = http::Request::post(path)
+        .header(http::header::HOST, "localhost")
+        .body(Empty::<Bytes>::new())
+        .map_err(|e| why(&e))?;
+    let answer = sender.send_request(request).await.map_err(|e| why(&e))?;
+    let status = answer.status();
+    let body = answer
+        .into_body()
+        .collect()
+        .await
+        .map_err(|e| why(&e))?
+        .to_bytes();
+    if !status.is_success() {
+        let text = String::from_utf8_lossy(&body);
+        return Err(format!(
+            "its Flight Recorder answered {status}: {}",
+            text.lines().next().unwrap_or_default()
+        ));
+    }
+    Ok(body)
+}
+
+/// The newest [`KEPT`] entries of torch's `fr_trace_json` document, oldest first.
+pub fn parse(body: &[u8]) -> Result<Vec<pb::Collective>, String> {
+    let doc: serde_json::Value = serde_json::from_slice(body)
+        .map_err(|e| format!("its Flight Recorder's trace is not JSON ({e})"))?;
+    let Some(entries) = doc.get("entries").and_then(|e| e.as_array()) else {
+        return Ok(vec![]);
+    };
+    let number = |e: &serde_json::Value, key: &str| e.get(key).and_then(|v| v.as_u64());
+    let text = |e: &serde_json::Value, key: &str| {
+        e.get(key)
+            .and_then(|v| v.as_str())
+            .unwrap_or_default()
+            .to_owned()
+    };
+    let mut all: Vec<(u64, pb::Collective)> = entries
+        .iter()
+        .map(|e| {
+            let p2p = e.get("is_p2p").and_then(|v| v.as_bool()).unwrap_or(false);
+            let seq = if p2p {
+                number(e, "p2p_seq_id")
+            } else {
+                number(e, "collective_seq_id")
+            };
+            let process_group = e
+                .get("process_group")
+                .and_then(|v| v.as_array())
+                .and_then(|pg| pg.get(1))
+                .and_then(|v| v.as_str())
+                .unwrap_or_default()
+                .to_owned();
+            let input_sizes = e
+                .get("input_sizes")
+                .and_then(|v| v.as_array())
+                .map(|sizes| {
+                    sizes
+                        .iter()
+                        .map(|s| {
+                            let dims: Vec<String> = s
+                                .as_array()
+                                .map(|d| d.iter().map(ToString::to_string).collect())
+                                .unwrap_or_default();
+                            format!("[{}]", dims.join(", "))
+                        })
+                        .collect()
+                })
+                .unwrap_or_default();
+            (
+                number(e, "record_id").unwrap_or_default(),
+                pb::Collective {
+                    seq: seq.unwrap_or_default(),
+                    op: text(e, "profiling_name"),
+                    process_group,
+                    input_sizes,
+                    state: text(e, "state"),
+                    p2p,
+                },
+            )
+        })
+        .collect();
+    all.sort_by_key(|(record, _)| *record);
+    let skip = all.len().saturating_sub(KEPT);
+    Ok(all.into_iter().skip(skip).map(|(_, c)| c).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Two entries as torch 2.15's gloo backend writes them (abridged from a real dump).
+    const TRACE: &str = r#"{"comm_lib_version":"","entries":[
+        {"collective_seq_id":2,"input_sizes":[[4]],"is_p2p":false,"p2p_seq_id":0,
+         "process_group":["0","default_pg"],"profiling_name":"gloo:all_reduce","record_id":1,
+         "state":"scheduled"},
+        {"collective_seq_id":1,"input_sizes":[[4, 1024],[3]],"is_p2p":false,"p2p_seq_id":0,
+         "process_group":["0","default_pg"],"profiling_name":"gloo:broadcast","record_id":0,
+         "state":"completed"}],"pg_config":{},"version":"2.10"}"#;
+
+    #[test]
+    fn torchs_trace_is_read_oldest_first() {
+        let got = parse(TRACE.as_bytes()).expect("torch's trace");
+        let view: Vec<_> = got
+            .iter()
+            .map(|c| {
+                (
+                    c.seq,
+                    c.op.as_str(),
+                    c.process_group.as_str(),
+                    c.input_sizes.join(" "),
+                    c.state.as_str(),
+                )
+            })
+            .collect();
+        assert_eq!(
+            view,
+            [
+                (
+                    1,
+                    "gloo:broadcast",
+                    "default_pg",
+                    "[4, 1024] [3]".to_owned(),
+                    "completed"
+                ),
+                (
+                    2,
+                    "gloo:all_reduce",
+                    "default_pg",
+                    "[4]".to_owned(),
+                    "scheduled"
+                ),
+            ]
+        );
+        assert!(parse(b"{}").expect("an empty document").is_empty());
+        assert!(parse(b"not json").expect_err("not JSON").contains("not JSON"));
+    }
+
+    #[test]
+    fn the_env_puts_the_hook_first_and_keeps_what_the_user_set() {
+        let dir = Path::new("/tmp/muster-fr-1-0");
+        let env = worker_env(dir, 3, |_| false, Some("/job"));
+        assert_eq!(
+            env,
+            [
+                (TORCH_FR_BUFFER_SIZE, "2000".to_owned()),
+                (
+                    TORCH_WORKER_SERVER_SOCKET,
+                    "/tmp/muster-fr-1-0/3.sock".to_owned()
+                ),
+                (PYTHONPATH, "/tmp/muster-fr-1-0/py:/job".to_owned()),
+            ]
+        );
+        let env = worker_env(dir, 3, |n| n == TORCH_FR_BUFFER_SIZE, None);
+        assert_eq!(env.len(), 2);
+        assert_eq!(env[1], (PYTHONPATH, "/tmp/muster-fr-1-0/py".to_owned()));
+        assert!(worker_env(dir, 3, |n| n == TORCH_WORKER_SERVER_SOCKET, None).is_empty());
+    }
+
+    #[tokio::test]
+    async fn a_rank_without_a_server_says_why() {
+        let flight = Flight::prepare().expect("a folder");
+        assert!(flight.dir().join("py/sitecustomize.py").exists());
+        let why = read(&socket(flight.dir(), 0)).await.expect_err("no socket");
+        assert!(why.contains("has not imported torch.distributed"), "{why}");
+        // A socket nobody serves: the connection's error.
+        let path = socket(flight.dir(), 1);
+        drop(std::os::unix::net::UnixListener::bind(&path).expect("a socket"));
+        let why = read(&path).await.expect_err("nobody serves");
+        assert!(
+            why.starts_with("its Flight Recorder did not answer ("),
+            "{why}"
+        );
+        let dir = flight.dir().to_owned();
+        drop(flight);
+        assert!(!dir.exists());
+    }
+}
