@@ -3,7 +3,8 @@
 # them in .gpu/): the SDK's NCCL unit tests, the `nccl_check` example under `muster-agent
 # launch` (one rank per GPU; with one GPU, a second rank must be refused naming the device), and
 # `muster.torch` with torch's NCCL backend (bench/python/nccl_gpu.py) through `muster.torch`,
-# `muster://` and, for comparison, torchrun's `env://`. Needs python3 with torch and the
+# `muster://` and, for comparison, torchrun's `env://`, and torch's Flight Recorder over NCCL read by
+# the agent (bench/python/fr_nccl.py). Needs python3 with torch and the
 # `nvidia-nccl` wheel (the GPU image has both); the CI machine has no GPU and never runs this.
 #
 # Usage: scripts/gpu-check.sh [ARTIFACTS_DIR [OUT_DIR]]; exits 1 if any check failed.
@@ -55,6 +56,29 @@ for how in muster url; do
         || failed+=("torch-$how")
 done
 step torch-env 120 torchrun --standalone --nproc-per-node 1 bench/python/nccl_gpu.py --how env || failed+=(torch-env)
+# torch's Flight Recorder over NCCL through the agent (docs/hangs.md): an unmodified NCCL
+# script, its stacks dumped while it sleeps; the rank's last collective must be NCCL's.
+flight() {
+    FR_SLEEP=60 "$agent" launch --nproc-per-node 1 --job-id fr-nccl --hang-timeout off -- \
+        "$py" bench/python/fr_nccl.py > "$out/fr-launch.out" 2> "$out/fr-launch.err" &
+    local launch=$! addr="" i
+    for i in $(seq 90); do
+        grep -q "ready rank=0" "$out/fr-launch.out" && break
+        sleep 1
+    done
+    addr=$(grep -o "coordinator 127[0-9.:]*" "$out/fr-launch.err" | head -1 | cut -d' ' -f2)
+    "$agent" describe --coordinator "$addr" fr-nccl --stacks
+    local rc=$?
+    kill "$launch"
+    wait "$launch"
+    cat "$out/fr-launch.err"
+    return $rc
+}
+export -f flight
+export agent py out
+step flight-recorder 150 bash -c flight || failed+=(flight-recorder)
+grep -q "last called collective #[0-9]* nccl:all_reduce \[1024\]" "$out/flight-recorder.log" \
+    || failed+=(flight-recorder-no-nccl)
 grep -h "allreduce_gpu_ms\|per call" "$out"/*.log
 if [ ${#failed[@]} -gt 0 ]; then
     echo "gpu-check.sh: FAILED: ${failed[*]}"

@@ -31,8 +31,10 @@ const BUFFER: &str = "2000";
 /// The most collectives kept per rank in a dump (the newest).
 const KEPT: usize = 8;
 
-/// How long one rank's server may take to answer.
-const READ_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long one rank's server may take to answer: well inside the coordinator's wait for a
+/// node's stacks (2 s, `DUMP_WAIT`), so that a slow recorder costs its own lines, never the
+/// node's answer.
+const READ_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The hook, written into each generation's folder.
 const SITECUSTOMIZE: &str = include_str!("../python/sitecustomize.py");
@@ -109,15 +111,20 @@ pub fn worker_env(
     env
 }
 
-/// Reads each Python rank's recorder in `dir` (all at once), filling `collectives`, or
-/// `flight_recorder` with why not. Ranks that could not be read, that are not Python or that
-/// have exited are left alone.
+/// Reads each rank's recorder in `dir` (all at once), filling `collectives`, or
+/// `flight_recorder` with why not. A rank whose server is there is read even where its stack
+/// could not be (ptrace refused); one without a server is told why only if it is a Python
+/// rank whose stack was read (a program that is not Python, or one that exited, is left
+/// alone).
 pub async fn annotate(dir: &Path, stacks: &mut [pb::RankStack]) {
     let reads = stacks.iter().map(|s| {
-        let wanted = s.error.is_empty() && !s.threads.is_empty();
-        let path = s.rank.map(|r| socket(dir, r));
+        let python = s.error.is_empty() && !s.threads.is_empty();
+        let path = s
+            .rank
+            .map(|r| socket(dir, r))
+            .filter(|p| python || p.exists());
         async move {
-            match path.filter(|_| wanted) {
+            match path {
                 Some(path) => Some(read(&path).await),
                 None => None,
             }
@@ -136,7 +143,11 @@ pub async fn annotate(dir: &Path, stacks: &mut [pb::RankStack]) {
     }
 }
 
-/// One rank's last collectives from its worker server at `socket`, or why not (one line).
+/// torch's two recorders, each behind its own handler: the CPU-event one (gloo) and NCCL's.
+const HANDLERS: [&str; 2] = ["/handler/fr_trace_json", "/handler/dump_nccl_trace_json"];
+
+/// One rank's last collectives from its worker server at `socket` (both recorders, merged),
+/// or why not (one line). A handler this torch lacks is skipped; both failing is the error.
 pub async fn read(socket: &Path) -> Result<Vec<pb::Collective>, String> {
     if !socket.exists() {
         return Err(
@@ -144,15 +155,27 @@ pub async fn read(socket: &Path) -> Result<Vec<pb::Collective>, String> {
                 .to_owned(),
         );
     }
-    let body = tokio::time::timeout(READ_TIMEOUT, post(socket, "/handler/fr_trace_json"))
+    let both = futures::future::join_all(HANDLERS.map(|h| post(socket, h)));
+    let answers = tokio::time::timeout(READ_TIMEOUT, both)
         .await
         .map_err(|_| {
             format!(
-                "its Flight Recorder did not answer within {} s",
-                READ_TIMEOUT.as_secs()
+                "its Flight Recorder did not answer within {} ms",
+                READ_TIMEOUT.as_millis()
             )
-        })??;
-    parse(&body)
+        })?;
+    let mut bodies = vec![];
+    let mut last_error = String::new();
+    for answer in answers {
+        match answer {
+            Ok(body) => bodies.push(body),
+            Err(why) => last_error = why,
+        }
+    }
+    if bodies.is_empty() {
+        return Err(last_error);
+    }
+    parse(&bodies)
 }
 
 /// `POST path` over HTTP/1.1 to the server at `socket`: the body of a 200 answer.
@@ -166,8 +189,10 @@ async fn post(socket: &Path, path: &str) -> Result<Bytes, String> {
         .map_err(|e| why(&e))?;
     // Task "flight-conn", one per read: drives the connection; ends with it.
     tokio::spawn(conn);
+    // An explicit empty body: torch 2.11's server waits for a POST's length.
     let request = http::Request::post(path)
         .header(http::header::HOST, "localhost")
+        .header(http::header::CONTENT_LENGTH, "0")
         .body(Empty::<Bytes>::new())
         .map_err(|e| why(&e))?;
     let answer = sender.send_request(request).await.map_err(|e| why(&e))?;
@@ -188,8 +213,23 @@ async fn post(socket: &Path, path: &str) -> Result<Bytes, String> {
     Ok(body)
 }
 
-/// The newest [`KEPT`] entries of torch's `fr_trace_json` document, oldest first.
-pub fn parse(body: &[u8]) -> Result<Vec<pb::Collective>, String> {
+/// The newest [`KEPT`] entries of torch's trace documents (`fr_trace_json`,
+/// `dump_nccl_trace_json`), oldest first by creation time.
+pub fn parse(bodies: &[Bytes]) -> Result<Vec<pb::Collective>, String> {
+    let mut all = vec![];
+    for body in bodies {
+        all.extend(entries(body)?);
+    }
+    all.sort_by_key(|(at, _)| *at);
+    let skip = all.len().saturating_sub(KEPT);
+    Ok(all.into_iter().skip(skip).map(|(_, c)| c).collect())
+}
+
+/// An entry's place in time: its creation time, then its record id.
+type When = (u64, u64);
+
+/// One trace document's entries, each with its [`When`].
+fn entries(body: &[u8]) -> Result<Vec<(When, pb::Collective)>, String> {
     let doc: serde_json::Value = serde_json::from_slice(body)
         .map_err(|e| format!("its Flight Recorder's trace is not JSON ({e})"))?;
     let Some(entries) = doc.get("entries").and_then(|e| e.as_array()) else {
@@ -202,7 +242,7 @@ pub fn parse(body: &[u8]) -> Result<Vec<pb::Collective>, String> {
             .unwrap_or_default()
             .to_owned()
     };
-    let mut all: Vec<(u64, pb::Collective)> = entries
+    Ok(entries
         .iter()
         .map(|e| {
             let p2p = e.get("is_p2p").and_then(|v| v.as_bool()).unwrap_or(false);
@@ -235,7 +275,10 @@ pub fn parse(body: &[u8]) -> Result<Vec<pb::Collective>, String> {
                 })
                 .unwrap_or_default();
             (
-                number(e, "record_id").unwrap_or_default(),
+                (
+                    number(e, "time_created_ns").unwrap_or_default(),
+                    number(e, "record_id").unwrap_or_default(),
+                ),
                 pb::Collective {
                     seq: seq.unwrap_or_default(),
                     op: text(e, "profiling_name"),
@@ -246,10 +289,7 @@ pub fn parse(body: &[u8]) -> Result<Vec<pb::Collective>, String> {
                 },
             )
         })
-        .collect();
-    all.sort_by_key(|(record, _)| *record);
-    let skip = all.len().saturating_sub(KEPT);
-    Ok(all.into_iter().skip(skip).map(|(_, c)| c).collect())
+        .collect())
 }
 
 #[cfg(test)]
@@ -260,14 +300,24 @@ mod tests {
     const TRACE: &str = r#"{"comm_lib_version":"","entries":[
         {"collective_seq_id":2,"input_sizes":[[4]],"is_p2p":false,"p2p_seq_id":0,
          "process_group":["0","default_pg"],"profiling_name":"gloo:all_reduce","record_id":1,
-         "state":"scheduled"},
+         "state":"scheduled","time_created_ns":300},
         {"collective_seq_id":1,"input_sizes":[[4, 1024],[3]],"is_p2p":false,"p2p_seq_id":0,
          "process_group":["0","default_pg"],"profiling_name":"gloo:broadcast","record_id":0,
-         "state":"completed"}],"pg_config":{},"version":"2.10"}"#;
+         "state":"completed","time_created_ns":100}],"pg_config":{},"version":"2.10"}"#;
+
+    /// NCCL's recorder (`dump_nccl_trace_json`), created between the two.
+    const NCCL: &str = r#"{"entries":[
+        {"collective_seq_id":1,"input_sizes":[[1024]],"is_p2p":false,"p2p_seq_id":0,
+         "process_group":["1","nccl_pg"],"profiling_name":"nccl:all_reduce","record_id":0,
+         "state":"completed","time_created_ns":200}],"version":"2.10"}"#;
 
     #[test]
-    fn torchs_trace_is_read_oldest_first() {
-        let got = parse(TRACE.as_bytes()).expect("torch's trace");
+    fn torchs_two_recorders_are_merged_oldest_first() {
+        let got = parse(&[
+            Bytes::from_static(TRACE.as_bytes()),
+            Bytes::from_static(NCCL.as_bytes()),
+        ])
+        .expect("torch's traces");
         let view: Vec<_> = got
             .iter()
             .map(|c| {
@@ -291,6 +341,13 @@ mod tests {
                     "completed"
                 ),
                 (
+                    1,
+                    "nccl:all_reduce",
+                    "nccl_pg",
+                    "[1024]".to_owned(),
+                    "completed"
+                ),
+                (
                     2,
                     "gloo:all_reduce",
                     "default_pg",
@@ -299,8 +356,16 @@ mod tests {
                 ),
             ]
         );
-        assert!(parse(b"{}").expect("an empty document").is_empty());
-        assert!(parse(b"not json").expect_err("not JSON").contains("not JSON"));
+        assert!(
+            parse(&[Bytes::from_static(b"{}")])
+                .expect("an empty document")
+                .is_empty()
+        );
+        assert!(
+            parse(&[Bytes::from_static(b"not json")])
+                .expect_err("not JSON")
+                .contains("not JSON")
+        );
     }
 
     #[test]
