@@ -9,11 +9,11 @@ torch.distributed pay one environment lookup. The variable is taken out of the e
 that the worker's own children (data loader workers) do not bind the rank's socket, and the
 server's start and stop lines (c10d warnings) are kept off the worker's stderr. A
 ``sitecustomize`` this one shadows is run after it.
+
+It runs in every Python process the agent starts, so it imports nothing beyond ``os`` and
+``sys`` (which the interpreter has already loaded): ``importlib.abc`` alone costs 27 ms.
 """
 
-import importlib.abc
-import importlib.machinery
-import importlib.util
 import os
 import sys
 
@@ -42,6 +42,12 @@ def _start():
     try:
         from torch._C._distributed_c10d import _WorkerServer
 
+        # The socket of this rank's previous worker (a respawn, a restart): the server
+        # refuses a path that exists, and nothing serves it any more.
+        try:
+            os.unlink(_SOCKET)
+        except FileNotFoundError:
+            pass
         server = _quiet(lambda: _WorkerServer(_SOCKET))
     except Exception:  # noqa: BLE001 - an older torch, a socket that cannot be bound
         return
@@ -51,9 +57,10 @@ def _start():
     atexit.register(lambda: _quiet(server.shutdown))
 
 
-class _AfterTorchDistributed(importlib.abc.MetaPathFinder):
-    """Finds ``torch.distributed`` through the other finders and starts the server once its
-    module has run."""
+class _AfterTorchDistributed:
+    """A meta path finder (the protocol of ``importlib.abc.MetaPathFinder``): finds
+    ``torch.distributed`` through the other finders and starts the server once its module has
+    run."""
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname != "torch.distributed":
@@ -78,9 +85,16 @@ class _AfterTorchDistributed(importlib.abc.MetaPathFinder):
 
 
 def _run_shadowed():
-    """Runs the next ``sitecustomize`` on sys.path, the one this file hides."""
+    """Runs the next ``sitecustomize`` on sys.path, the one this file hides (importlib is
+    loaded only when there is one)."""
     here = os.path.dirname(os.path.abspath(__file__))
     path = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    names = ("sitecustomize.py", "sitecustomize")
+    if not any(os.path.exists(os.path.join(p or ".", n)) for p in path for n in names):
+        return
+    import importlib.machinery
+    import importlib.util
+
     spec = importlib.machinery.PathFinder.find_spec("sitecustomize", path)
     if spec is None or spec.loader is None:
         return

@@ -110,7 +110,7 @@ pub struct NodeAssignment {
     /// gets `TORCHELASTIC_ERROR_FILE` (and `MUSTER_ERROR_FILE`) =
     /// [`crate::error_file::error_path`]`(dir, rank)`.
     pub error_dir: Option<std::path::PathBuf>,
-    /// The generation's Flight Recorder folder ([`crate::flight::Flight`]), when the
+    /// The launch's Flight Recorder folder ([`crate::flight::Flight`]), when the
     /// recorder is on: each worker gets [`crate::flight::worker_env`].
     pub flight_dir: Option<std::path::PathBuf>,
 }

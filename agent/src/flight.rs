@@ -39,9 +39,10 @@ const READ_TIMEOUT: Duration = Duration::from_secs(1);
 /// The hook, written into each generation's folder.
 const SITECUSTOMIZE: &str = include_str!("../python/sitecustomize.py");
 
-/// One generation's folder: the hook (`py/sitecustomize.py`) and the ranks' sockets
-/// (`<rank>.sock`), removed when dropped. Its path is short (`/tmp/muster-fr-<pid>-<n>`):
-/// a Unix socket path has at most 107 bytes.
+/// One launch's folder: the hook (`py/sitecustomize.py`, compiled once by the first workers)
+/// and the ranks' sockets (`<rank>.sock`, which a later worker of the same rank, respawned or
+/// restarted, takes over), removed when dropped (by the guardian after a SIGKILL). Its path is
+/// short (`/tmp/muster-fr-<pid>-<n>`): a Unix socket path has at most 107 bytes.
 #[derive(Debug)]
 pub struct Flight {
     dir: PathBuf,

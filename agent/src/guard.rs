@@ -13,7 +13,7 @@
 //! every process collected. After a normal run every worker was reaped, nothing is registered
 //! and the guardian exits quietly. Either way it then removes the agent's private folders under
 //! the temporary folder that a killed agent leaves behind ([`remove_leftovers`]): the relay's
-//! socket folders and the workers' error-file folder.
+//! socket folders, the workers' error-file folder and the Flight Recorder's folder.
 //!
 //! Why not the alternatives: PR_SET_PDEATHSIG fires on the death of the parent *thread* and
 //! reaches only direct children (a worker's own children escape); a child subreaper lets the
@@ -222,8 +222,8 @@ fn run(input: impl BufRead, agent: &str) -> u8 {
 
 /// Removes the dead agent's private folders in `base` (the temporary folder, which the
 /// guardian inherits from the agent): the relay's socket folders, `muster-<pid>-<16 hex
-/// digits>` (`relay.rs`), and the workers' error-file folder, `muster-agent-<pid>-<job>`
-/// (`launch.rs`). The agent removes them itself whenever it lives to; after a SIGKILL only the
+/// digits>` (`relay.rs`), the workers' error-file folder, `muster-agent-<pid>-<job>`
+/// (`launch.rs`), and the Flight Recorder's, `muster-fr-<pid>-<n>` (`flight.rs`). The agent removes them itself whenever it lives to; after a SIGKILL only the
 /// guardian can. Only real folders (not links) owned by this user are touched. The log folder
 /// (`--log-dir`, or `muster-logs-<pid>`) is the user's and stays.
 fn remove_leftovers(base: &std::path::Path, agent: u32) {
@@ -255,6 +255,9 @@ fn remove_leftovers(base: &std::path::Path, agent: u32) {
 fn is_leftover(name: &str, agent: u32) -> bool {
     if let Some(random) = name.strip_prefix(&format!("muster-{agent}-")) {
         return random.len() == 16 && random.bytes().all(|b| b.is_ascii_hexdigit());
+    }
+    if let Some(n) = name.strip_prefix(&format!("muster-fr-{agent}-")) {
+        return !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit());
     }
     name.strip_prefix(&format!("muster-agent-{agent}-"))
         .is_some_and(|job| !job.is_empty())
@@ -438,6 +441,11 @@ mod tests {
             ("muster-42-00112233aabbccdd", true),
             ("muster-42-00112233AABBCCDD", true),
             ("muster-agent-42-train", true),
+            ("muster-fr-42-0", true),
+            ("muster-fr-42-17", true),
+            ("muster-fr-42-", false),
+            ("muster-fr-42-x", false),
+            ("muster-fr-420-0", false),
             ("muster-agent-42-", false),
             ("muster-42-00112233aabbccd", false),
             ("muster-42-00112233aabbccddee", false),

@@ -277,6 +277,22 @@ async fn run_at(
     // Before the first private folder: the guardian removes them if this process is killed.
     crate::guard::start_now();
     let scratch = Scratch::new(&job);
+    // torch's Flight Recorder: one folder for the whole launch (the start-up hook, compiled
+    // once by the first workers, and the ranks' sockets, which a later worker of the same rank
+    // takes over).
+    let flight = if spec.flight_recorder {
+        match crate::flight::Flight::prepare() {
+            Ok(f) => Some(f),
+            Err(e) => {
+                eprintln!(
+                    "muster-agent: job {job}: cannot prepare torch's Flight Recorder ({e}); stack dumps on this node show no collectives"
+                );
+                None
+            }
+        }
+    } else {
+        None
+    };
     // The last failure the coordinator (or this node) reported: the root cause to print if the
     // job ends without a restart.
     let mut last_failure: Option<pb::FailureInfo> = None;
@@ -361,21 +377,6 @@ async fn run_at(
         } else {
             None
         };
-        // torch's Flight Recorder: its folder (the hook, the ranks' sockets) lives as long as
-        // this generation's workers.
-        let flight = if spec.flight_recorder {
-            match crate::flight::Flight::prepare() {
-                Ok(f) => Some(f),
-                Err(e) => {
-                    eprintln!(
-                        "muster-agent: job {job}: cannot prepare torch's Flight Recorder ({e}); stack dumps on this node show no collectives"
-                    );
-                    None
-                }
-            }
-        } else {
-            None
-        };
         node.flight_dir = flight.as_ref().map(|f| f.dir().to_owned());
         // The stack sampler lives as long as the watch that answers the coordinator's dumps.
         let registry = crate::stacks::Workers::default();
@@ -413,7 +414,6 @@ async fn run_at(
         .await;
         drop(relay);
         drop(store);
-        drop(flight);
         match end {
             End::Succeeded { spawned, watch } => {
                 watch.finish().await;

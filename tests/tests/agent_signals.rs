@@ -10,11 +10,11 @@ use nix::sys::signal::Signal;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-/// The agent's private folders in the temporary folder: the relay's `muster-<pid>-<hex>` and
-/// the error-file folder `muster-agent-<pid>-<job>`.
+/// The agent's private folders in the temporary folder: the relay's `muster-<pid>-<hex>`, the
+/// error-file folder `muster-agent-<pid>-<job>` and the Flight Recorder's `muster-fr-<pid>-<n>`.
 fn private_folders(agent: &Agent) -> Vec<PathBuf> {
     let pid = agent.pid().as_raw();
-    let prefixes = [format!("muster-{pid}-"), format!("muster-agent-{pid}-")];
+    let prefixes = prefixes(pid);
     std::fs::read_dir(std::env::temp_dir())
         .map(|dir| {
             dir.filter_map(|e| e.ok())
@@ -27,6 +27,14 @@ fn private_folders(agent: &Agent) -> Vec<PathBuf> {
                 .collect()
         })
         .unwrap_or_default()
+}
+
+fn prefixes(pid: i32) -> [String; 3] {
+    [
+        format!("muster-{pid}-"),
+        format!("muster-agent-{pid}-"),
+        format!("muster-fr-{pid}-"),
+    ]
 }
 
 /// Waits until `done` holds, at most `limit`; returns whether it did.
@@ -66,7 +74,7 @@ fn the_guardian_removes_a_sigkilled_agents_private_folders() {
     agent.wait_for_lines(Stream::Stdout, 1, SLOW, |l| l.contains("ready"));
     let folders = private_folders(&agent);
     let pid = agent.pid().as_raw();
-    for prefix in [format!("muster-{pid}-"), format!("muster-agent-{pid}-")] {
+    for prefix in prefixes(pid) {
         assert!(
             folders.iter().any(|f| f
                 .file_name()
