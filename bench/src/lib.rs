@@ -308,7 +308,9 @@ pub fn restart_ms(log: &Path, workers: u32) -> anyhow::Result<f64> {
 
 /// One restart round under `muster-agent launch --max-restarts 1`: `nodes` agents of
 /// `per_node` workers running `python worker` (a [`RESTART_WORKER`]), against `coordinator`
-/// when several nodes share a job (job id `bench-<round>`); the restart time in milliseconds.
+/// when several nodes share a job (job id `bench-<round>`), each agent also given `extra`; the
+/// restart time in milliseconds.
+#[allow(clippy::too_many_arguments)]
 pub fn muster_restart_round(
     agent: &Path,
     python: &Path,
@@ -317,12 +319,14 @@ pub fn muster_restart_round(
     (nodes, per_node): (u32, u32),
     coordinator: Option<&CoordinatorProcess>,
     round: usize,
+    extra: &[&str],
 ) -> anyhow::Result<f64> {
     let children = (0..nodes)
         .map(|_| {
             let mut cmd = Command::new(agent);
             cmd.args(["launch", "--nproc-per-node", &per_node.to_string()]);
             cmd.args(["--max-restarts", "1", "--grace-period-ms", "3000"]);
+            cmd.args(extra);
             if let Some(c) = coordinator {
                 cmd.args(["--coordinator", &c.addr.to_string()]);
                 cmd.args([

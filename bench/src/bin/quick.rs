@@ -10,7 +10,9 @@
 //!   generation running, against `torchrun --max-restarts 1`. The goal, <= 0.1x, is on the
 //!   launcher's own time: each figure less the floor, 8 interpreters of the same worker started
 //!   directly in the same round (on 2 cores the floor alone is ~0.2x of torchrun's whole
-//!   restart). The whole-restart ratio is printed beside it.
+//!   restart). The whole-restart ratio is printed beside it, and muster's figure with
+//!   `--no-flight-recorder` (the Flight Recorder's start-up hook costs each Python worker
+//!   about 2 ms).
 //! - all_reduce: CPU, 64 MiB of f32 on 2 processes, muster's communicator against gloo;
 //!   goal muster busbw >= 3x gloo's (the same size and process count, so the ratio of the
 //!   median times).
@@ -68,6 +70,9 @@ struct Figures {
     muster: f64,
     peer: f64,
     floor: Option<f64>,
+    /// Restart only: muster's median with `--no-flight-recorder` (no start-up hook in the
+    /// workers), printed beside the headline.
+    without_hook: Option<f64>,
 }
 
 impl From<(f64, f64)> for Figures {
@@ -76,6 +81,7 @@ impl From<(f64, f64)> for Figures {
             muster,
             peer,
             floor: None,
+            without_hook: None,
         }
     }
 }
@@ -95,6 +101,7 @@ impl Headline {
             muster,
             peer,
             floor,
+            without_hook,
         } = match &self.figures {
             Ok(f) => f,
             Err(e) => {
@@ -122,6 +129,13 @@ impl Headline {
                  directly; whole times {:.3}x)",
                 "",
                 muster / peer
+            );
+        }
+        if let (Some(off), Some(floor)) = (without_hook, floor) {
+            println!(
+                "{:<46} (with --no-flight-recorder: {off:.3} {unit}, ratio above the floor {:.3}x)",
+                "",
+                (off - floor).max(0.0) / (peer - floor)
             );
         }
         met
@@ -300,7 +314,7 @@ fn restart(
 ) -> anyhow::Result<Figures> {
     let worker = dir.join("restart_worker.py");
     std::fs::write(&worker, RESTART_WORKER)?;
-    let (mut m, mut t, mut f) = (vec![], vec![], vec![]);
+    let (mut m, mut t, mut f, mut off) = (vec![], vec![], vec![], vec![]);
     for round in 0..args.rounds {
         eprintln!("restart round {}/{}", round + 1, args.rounds);
         f.push(floor_ms(
@@ -318,6 +332,19 @@ fn restart(
             (1, 8),
             None,
             round,
+            &[],
+        )?);
+        // The same without torch's Flight Recorder: what its start-up hook costs.
+        let log = dir.join(format!("muster-restart-off-{round}.log"));
+        off.push(muster_restart_round(
+            agent,
+            python,
+            &worker,
+            &log,
+            (1, 8),
+            None,
+            round,
+            &["--no-flight-recorder"],
         )?);
         let log = dir.join(format!("torch-restart-{round}.log"));
         t.push(torch_restart_round(torchrun, &worker, &log, (1, 8), round)?);
@@ -326,6 +353,7 @@ fn restart(
         muster: quantile(&mut m, 0.5),
         peer: quantile(&mut t, 0.5),
         floor: Some(quantile(&mut f, 0.5)),
+        without_hook: Some(quantile(&mut off, 0.5)),
     })
 }
 

@@ -94,6 +94,7 @@ fn main() -> anyhow::Result<()> {
                 (nodes, per_node),
                 coordinator.as_ref(),
                 round,
+                &[],
             )?);
             drop(coordinator);
 
