@@ -240,7 +240,7 @@ fn describe_wall(python: &Path, args: &Args) -> anyhow::Result<()> {
         let _ = c.wait();
     }
     println!("  8 ranks on 2 nodes of 4: p50 {:.1} ms", m2?);
-    let mut torch = launch_script(&python, &addr, "stacks-bench-3", (1, 8), TORCH_WAITER);
+    let mut torch = launch_script(python, &addr, "stacks-bench-3", (1, 8), TORCH_WAITER);
     let m3 = describe_runs(
         &addr,
         "stacks-bench-3",
