@@ -332,19 +332,21 @@ async fn run(
         let opened = loop {
             let due = (Instant::now() + OPEN_TICK).min(open_by);
             match tokio::time::timeout_at(due, &mut open).await {
-                Ok(answer) => break Some(answer),
+                Ok(answer) => {
+                    // The answer may have come while this process was stopped: the stall is
+                    // named all the same (the loop below starts a fresh timer).
+                    if let Some(gap) = state.woke(due) {
+                        print_stall(&attach.job_id, gap, lease, "");
+                    }
+                    break Some(answer);
+                }
                 // A timer that fired well after it was due: this process did not run
                 // meanwhile (stopped while the stream was opening), which the lease does not
                 // count. Give the coordinator a whole lease to answer before judging.
                 Err(_) => {
                     if let Some(gap) = state.woke(due) {
                         state.last_heard = Instant::now();
-                        eprintln!(
-                            "muster-agent: job {}: this agent did not run for {:.1}s (it was stopped, e.g. by SIGSTOP, or its machine was suspended); not counted against its {:.1}s lease",
-                            attach.job_id,
-                            gap.as_secs_f64(),
-                            lease.as_secs_f64()
-                        );
+                        print_stall(&attach.job_id, gap, lease, "");
                     }
                     // A shorter stall moved `last_heard` on by itself (`Lease::woke`).
                     let left = state.remaining();
@@ -470,11 +472,11 @@ async fn run(
                 },
                 _ = tick.tick() => {
                     if let Some(gap) = state.woke(due) {
-                        eprintln!(
-                            "muster-agent: job {}: this agent did not run for {:.1}s (it was stopped, e.g. by SIGSTOP, or its machine was suspended); not counted against its {:.1}s lease, asking the coordinator at {addr} where the job stands",
-                            attach.job_id,
-                            gap.as_secs_f64(),
-                            lease.as_secs_f64()
+                        print_stall(
+                            &attach.job_id,
+                            gap,
+                            lease,
+                            &format!(", asking the coordinator at {addr} where the job stands"),
                         );
                     }
                     due = Instant::now() + interval;
@@ -575,6 +577,16 @@ fn answer_dump(
             })
             .await;
     });
+}
+
+/// This agent's own stall (it did not run for `gap`), on its stderr, once per stall;
+/// `then` says what it does about it.
+fn print_stall(job: &str, gap: Duration, lease: Duration, then: &str) {
+    eprintln!(
+        "muster-agent: job {job}: this agent did not run for {:.1}s (it was stopped, e.g. by SIGSTOP, or its machine was suspended); not counted against its {:.1}s lease{then}",
+        gap.as_secs_f64(),
+        lease.as_secs_f64()
+    );
 }
 
 /// The coordinator's hang report, on this agent's stderr.
