@@ -237,6 +237,29 @@ pub fn mixed_precision(s: &str) -> Result<String, String> {
     }
 }
 
+/// Where `accelerate launch` looks for its config file without `--config_file` (what
+/// `accelerate config` writes): `$HF_HOME/accelerate/default_config.yaml`, `$HF_HOME` being
+/// `$XDG_CACHE_HOME/huggingface` or `~/.cache/huggingface` when unset, a leading `~`
+/// expanded as Python's `os.path.expanduser` does (accelerate/commands/config/config_args.py).
+/// `None` where `~` cannot be expanded (no `HOME`). `var` reads the environment.
+pub fn default_path(var: impl Fn(&str) -> Option<String>) -> Option<std::path::PathBuf> {
+    let hf_home = var("HF_HOME").unwrap_or_else(|| {
+        let cache = var("XDG_CACHE_HOME").unwrap_or_else(|| "~/.cache".to_owned());
+        format!("{cache}/huggingface")
+    });
+    let expanded = match hf_home.strip_prefix('~') {
+        Some(rest) if rest.is_empty() || rest.starts_with('/') => {
+            format!("{}{rest}", var("HOME").filter(|h| !h.is_empty())?)
+        }
+        _ => hf_home,
+    };
+    Some(
+        std::path::Path::new(&expanded)
+            .join("accelerate")
+            .join("default_config.yaml"),
+    )
+}
+
 /// Reads and checks the file at `path`.
 pub fn load(path: &std::path::Path) -> Result<AccelerateConfig, ConfigError> {
     let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read(e.to_string()))?;
@@ -987,5 +1010,38 @@ parallelism_config:
             panic!("invalid YAML accepted");
         };
         assert!(why.contains("line"), "{why}");
+    }
+
+    #[test]
+    fn accelerates_default_path_follows_hf_home_then_xdg_then_home() {
+        let env = |pairs: &'static [(&'static str, &'static str)]| {
+            move |name: &str| {
+                pairs
+                    .iter()
+                    .find(|(k, _)| *k == name)
+                    .map(|(_, v)| (*v).to_owned())
+            }
+        };
+        let path = |p: Option<std::path::PathBuf>| p.map(|p| p.to_string_lossy().into_owned());
+        assert_eq!(
+            path(default_path(env(&[("HF_HOME", "/hf"), ("HOME", "/h")]))),
+            Some("/hf/accelerate/default_config.yaml".to_owned())
+        );
+        assert_eq!(
+            path(default_path(env(&[("HF_HOME", "~/hf"), ("HOME", "/h")]))),
+            Some("/h/hf/accelerate/default_config.yaml".to_owned())
+        );
+        assert_eq!(
+            path(default_path(env(&[
+                ("XDG_CACHE_HOME", "/x"),
+                ("HOME", "/h")
+            ]))),
+            Some("/x/huggingface/accelerate/default_config.yaml".to_owned())
+        );
+        assert_eq!(
+            path(default_path(env(&[("HOME", "/h")]))),
+            Some("/h/.cache/huggingface/accelerate/default_config.yaml".to_owned())
+        );
+        assert_eq!(path(default_path(env(&[]))), None);
     }
 }

@@ -30,6 +30,13 @@ pub struct AccelerateFlags {
     given: Vec<(&'static str, PyValue)>,
 }
 
+impl AccelerateFlags {
+    /// Whether any of these flags was given.
+    pub fn any(&self) -> bool {
+        !self.given.is_empty()
+    }
+}
+
 impl clap::FromArgMatches for AccelerateFlags {
     fn from_arg_matches(matches: &ArgMatches) -> Result<Self, clap::Error> {
         let mut flags = Self::default();

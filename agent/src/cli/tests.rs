@@ -1221,3 +1221,58 @@ fn agent_store_opt_out() {
         .unwrap_or_default();
     assert!(err.contains("muster_agent_store"), "{err}");
 }
+
+/// Accelerate's default config file (`accelerate config` writes it): read without
+/// `--config_file` in Accelerate's mode, as `accelerate launch` reads it (not with `--cpu`),
+/// never for a torchrun-style command line; `--config_file` names another.
+#[test]
+fn accelerates_default_config_file() {
+    let default = ConfigFile::new("default-config", "num_processes: 3\nmax_restarts: 2\n");
+    let ctx = Context {
+        accelerate_default_config: Some(default.0.clone()),
+        ..machine(None)
+    };
+    let spec = |args: &str| {
+        let argv = ["muster-agent", "launch"]
+            .into_iter()
+            .map(str::to_owned)
+            .chain(args.split_whitespace().map(str::to_owned));
+        match parse_in(argv, &ctx) {
+            Ok((Parsed::Launch(s), warnings)) => summary(&s, &warnings),
+            other => panic!("{args}: {other:?}"),
+        }
+    };
+    // Accelerate's mode: a flag only `accelerate launch` has.
+    let read = spec("--mixed_precision no -- sh");
+    assert!(
+        read.starts_with("n=3 ") && read.contains(" restarts=2"),
+        "{read}"
+    );
+    let read = spec("--same_network -- sh");
+    assert!(read.starts_with("n=3 "), "{read}");
+    // torchrun's form reads no file; `--cpu` skips it as `accelerate launch` does.
+    assert_eq!(spec("-- sh"), one_node(1, ""));
+    assert!(!spec("--cpu -- sh").contains("restarts=2"));
+    // Another file given: that one.
+    let other = ConfigFile::new("other-config", "num_processes: 5\n");
+    let named = spec(&format!("--config_file {} -- sh", other.path()));
+    assert!(named.starts_with("n=5 "), "{named}");
+    // No default file: nothing read.
+    let missing = Context {
+        accelerate_default_config: Some(default.0.with_extension("absent")),
+        ..machine(None)
+    };
+    let argv = [
+        "muster-agent",
+        "launch",
+        "--mixed_precision",
+        "no",
+        "--",
+        "sh",
+    ]
+    .map(str::to_owned);
+    let Ok((Parsed::Launch(s), _)) = parse_in(argv, &missing) else {
+        panic!("no launch");
+    };
+    assert_eq!(s.nproc_per_node, 1);
+}

@@ -61,6 +61,9 @@ pub struct Context<'a> {
     pub python: PythonChoice,
     /// The `SLURM_*` variables, for the defaults under `srun`.
     pub slurm: slurm::SlurmEnv,
+    /// Accelerate's default config file, read in Accelerate's mode without `--config_file`
+    /// ([`crate::accelerate_config::default_path`]).
+    pub accelerate_default_config: Option<std::path::PathBuf>,
 }
 
 impl<'a> Context<'a> {
@@ -75,6 +78,9 @@ impl<'a> Context<'a> {
             omp_num_threads: std::env::var(crate::env::OMP_NUM_THREADS).ok(),
             python: PythonChoice::from_vars(|name| std::env::var_os(name)),
             slurm: slurm::SlurmEnv::of_process(),
+            accelerate_default_config: crate::accelerate_config::default_path(|name| {
+                std::env::var(name).ok()
+            }),
         }
     }
 }
@@ -156,6 +162,20 @@ impl LaunchArgs {
         ctx: &Context<'_>,
     ) -> Result<(LaunchSpec, Vec<String>), UsageError> {
         let mut warnings = Vec::new();
+        // `accelerate launch`'s rule: without --config_file, its default file is read if it
+        // exists, unless --cpu is given; here only in Accelerate's mode (an Accelerate flag on
+        // the command line), since torchrun reads no file.
+        if self.config_file.is_none()
+            && !self.cpu
+            && (self.accelerate_only() || self.accelerate_flags.any())
+            && let Some(path) = ctx
+                .accelerate_default_config
+                .as_ref()
+                .filter(|p| p.is_file())
+        {
+            tracing::info!(file = %path.display(), "Accelerate's default config file");
+            self.config_file = Some(path.clone());
+        }
         let shown_file = self
             .config_file
             .as_ref()
