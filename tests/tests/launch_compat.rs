@@ -333,6 +333,17 @@ const ROWS: &[Row] = &[
         Peer::Accelerate,
         &["--config_file", "fsdp_config.yaml", "dump_worker.py"],
     ),
+    // The same file as Accelerate's default (`$HF_HOME/accelerate/default_config.yaml`), read
+    // by both without --config_file when an Accelerate flag is given: a side that did not read
+    // it would run 1 rank, not 2, without the FSDP variables.
+    Row {
+        env: &[("HF_HOME", "{scripts}/hf_home")],
+        ..Row::new(
+            "accelerate_default_config_file",
+            Peer::Accelerate,
+            &["--mixed_precision", "bf16", "dump_worker.py"],
+        )
+    },
     Row::new(
         "accelerate_generated",
         Peer::Accelerate,
