@@ -364,32 +364,26 @@ impl Job {
             pb::JoinResponse,
         )>,
     ) {
-        let Some(p) = &self.persist else {
+        if self.persist.is_none() {
             for (tx, answer) in replies {
                 let _ = tx.send(Ok(answer));
             }
             return;
-        };
-        let mut written = p.written.subscribe();
-        let retired = self.retired.clone();
+        }
+        let stored = self.stored_then(version);
         let job = self.id.clone();
         // Task "join-answer", one per closed round with a durable store: ends when the
         // record is written or the job is retired.
         tokio::spawn(async move {
-            tokio::select! {
-                ok = written.wait_for(|w| *w >= version) => {
-                    if ok.is_ok() {
-                        for (tx, answer) in replies {
-                            let _ = tx.send(Ok(answer));
-                        }
-                    }
+            if stored.await {
+                for (tx, answer) in replies {
+                    let _ = tx.send(Ok(answer));
                 }
-                () = retired.cancelled() => {
-                    for (tx, _) in replies {
-                        let _ = tx.send(Err(Error::Unavailable(format!(
-                            "the coordinator stopped leading before job '{job}''s new generation was stored; join again"
-                        ))));
-                    }
+            } else {
+                for (tx, _) in replies {
+                    let _ = tx.send(Err(Error::Unavailable(format!(
+                        "the coordinator stopped leading before job '{job}''s new generation was stored; join again"
+                    ))));
                 }
             }
         });
@@ -398,14 +392,33 @@ impl Job {
     /// Waits until the record queued last is in the store (at once without a durable store;
     /// gives up when the job is retired).
     pub(super) async fn persisted(&self) {
-        let Some(p) = &self.persist else {
-            return;
-        };
-        let version = p.pending.borrow().0;
-        let mut written = p.written.subscribe();
-        tokio::select! {
-            _ = written.wait_for(|w| *w >= version) => {}
-            () = self.retired.cancelled() => {}
+        let version = self.persist.as_ref().map_or(0, |p| p.pending.borrow().0);
+        self.stored_then(version).await;
+    }
+
+    /// Resolves once the record of `version` is in the store: `true` (at once without a
+    /// durable store), or `false` if the job is retired first. Owns what it waits on, so a
+    /// task can hold it: the one wait behind join answers and replacement orders.
+    pub(super) fn stored_then(&self, version: u64) -> impl Future<Output = bool> + Send + 'static {
+        let waits = self
+            .persist
+            .as_ref()
+            .map(|p| (p.written.subscribe(), self.retired.clone()));
+        async move {
+            let Some((mut written, retired)) = waits else {
+                return true;
+            };
+            tokio::select! {
+                ok = written.wait_for(|w| *w >= version) => ok.is_ok(),
+                () = retired.cancelled() => false,
+            }
         }
+    }
+
+    /// Whether the record of `version` is in the store (always without a durable store).
+    pub(super) fn stored(&self, version: u64) -> bool {
+        self.persist
+            .as_ref()
+            .is_none_or(|p| *p.written.borrow() >= version)
     }
 }

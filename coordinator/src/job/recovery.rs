@@ -342,25 +342,19 @@ impl Job {
             return;
         };
         g.ranks[rank as usize].replace_version = version;
-        let Some(p) = &self.persist else {
+        if self.persist.is_none() {
             g.send_replace(rank);
             return;
-        };
+        }
         let generation = g.generation;
-        let mut written = p.written.subscribe();
-        let retired = self.retired.clone();
+        let stored = self.stored_then(version);
         let job = self.me.clone();
         // Task "replace-order", one per in-place replacement with a durable store: ends
         // once the record is written (sending the order if it still stands) or the job is
         // retired.
         tokio::spawn(async move {
-            tokio::select! {
-                ok = written.wait_for(|w| *w >= version) => {
-                    if ok.is_err() {
-                        return;
-                    }
-                }
-                () = retired.cancelled() => return,
+            if !stored.await {
+                return;
             }
             let Some(job) = job.upgrade() else { return };
             let mut st = job.lock();
@@ -373,13 +367,6 @@ impl Job {
                 g.send_replace(rank);
             }
         });
-    }
-
-    /// Whether the record of `version` is in the store (always without a durable store).
-    pub(super) fn stored(&self, version: u64) -> bool {
-        self.persist
-            .as_ref()
-            .is_none_or(|p| *p.written.borrow() >= version)
     }
 
     /// `Rendezvous.Quorum`: checks the call and parks it; the answer comes through the

@@ -816,8 +816,9 @@ impl Store for Gated {
 /// A replacement order starts a process: it reaches the agent only once the record holding
 /// it is stored, on the watch it has then (a CI run had a leader die between its order and
 /// its write, and the next leader reissue the same epoch for a new decision, which the agent
-/// took for a repeat). A leader that dies first sends nothing.
-#[tokio::test]
+/// took for a repeat). A leader that dies first sends nothing. Paused time: each sleep only
+/// lets the job's tasks run.
+#[tokio::test(start_paused = true)]
 async fn a_replacement_order_waits_for_its_record() {
     let gate = Arc::new(Gated {
         inner: crate::MemoryStore::default(),
@@ -854,7 +855,6 @@ async fn a_replacement_order_waits_for_its_record() {
     assert!(replaces(&mut second).is_empty());
     gate.open.send_replace(true);
     job.persisted().await;
-    tokio::task::yield_now().await;
     tokio::time::sleep(Duration::from_millis(20)).await;
     let orders: Vec<_> = replaces(&mut second)
         .iter()
