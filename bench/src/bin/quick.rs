@@ -323,29 +323,13 @@ fn restart(
             &dir.join(format!("floor-{round}.log")),
             8,
         )?);
-        let log = dir.join(format!("muster-restart-{round}.log"));
-        m.push(muster_restart_round(
-            agent,
-            python,
-            &worker,
-            &log,
-            (1, 8),
-            None,
-            round,
-            &[],
-        )?);
+        let muster = |name: &str, extra: &[&str]| {
+            let log = dir.join(format!("{name}-{round}.log"));
+            muster_restart_round(agent, python, &worker, &log, (1, 8), None, round, extra)
+        };
+        m.push(muster("muster-restart", &[])?);
         // The same without torch's Flight Recorder: what its start-up hook costs.
-        let log = dir.join(format!("muster-restart-off-{round}.log"));
-        off.push(muster_restart_round(
-            agent,
-            python,
-            &worker,
-            &log,
-            (1, 8),
-            None,
-            round,
-            &["--no-flight-recorder"],
-        )?);
+        off.push(muster("muster-restart-off", &["--no-flight-recorder"])?);
         let log = dir.join(format!("torch-restart-{round}.log"));
         t.push(torch_restart_round(torchrun, &worker, &log, (1, 8), round)?);
     }
