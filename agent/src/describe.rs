@@ -41,7 +41,12 @@ pub async fn run(args: DescribeArgs) -> Result<u8, String> {
         if !args.stacks {
             return Ok(None);
         }
-        dump_stacks(&coordinators, &args.job_id, args.full)
+        let request = pb::DumpStacksRequest {
+            job_id: args.job_id.clone(),
+            full: args.full,
+            native: args.native,
+        };
+        dump_stacks(&coordinators, request)
             .await
             .map(Some)
             .map_err(|s| {

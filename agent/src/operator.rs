@@ -52,16 +52,11 @@ pub(crate) async fn describe(
     .map(tonic::Response::into_inner)
 }
 
-/// `Ops.DumpStacks` on the leader: every rank's stacks, grouped (`full`: every frame).
+/// `Ops.DumpStacks` on the leader: every rank's stacks, grouped.
 pub(crate) async fn dump_stacks(
     coordinators: &Coordinators,
-    job_id: &str,
-    full: bool,
+    request: pb::DumpStacksRequest,
 ) -> Result<pb::DumpStacksResponse, tonic::Status> {
-    let request = pb::DumpStacksRequest {
-        job_id: job_id.to_owned(),
-        full,
-    };
     failover::call(coordinators, "Ops.DumpStacks", |ch| {
         let request = request.clone();
         async move { OpsClient::new(ch).dump_stacks(request).await }

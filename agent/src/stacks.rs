@@ -23,6 +23,8 @@
 //! records the reason in that rank's answer and goes on; on shutdown, ends when its
 //! [`Sampler`] is dropped (its command channel closes).
 
+mod native;
+
 use muster_proto::v1 as pb;
 use py_spy::{Config, PythonSpy};
 use std::collections::{BTreeMap, HashMap};
@@ -97,7 +99,8 @@ impl Workers {
 }
 
 enum Command {
-    Dump(oneshot::Sender<Vec<pb::RankStack>>),
+    /// Read every worker now; `bool`: with Python ranks' native frames.
+    Dump(oneshot::Sender<Vec<pb::RankStack>>, bool),
 }
 
 /// The handle of a generation's sampler thread; dropping it ends the thread.
@@ -136,10 +139,11 @@ impl Sampler {
         self
     }
 
-    /// Every running worker's stacks, read now (with their Flight Recorders). Empty if the
-    /// thread has gone.
-    pub async fn dump(&self) -> Vec<pb::RankStack> {
-        self.dumper().dump().await
+    /// Every running worker's stacks, read now (with their Flight Recorders; `native`: with
+    /// Python ranks' native frames, pausing each worker for the read). A worker that is not
+    /// Python always has its native stack. Empty if the thread has gone.
+    pub async fn dump(&self, native: bool) -> Vec<pb::RankStack> {
+        self.dumper().dump(native).await
     }
 
     /// A handle that asks for dumps (the watch's answers run as tasks of their own).
@@ -183,9 +187,9 @@ pub struct Dumper {
 
 impl Dumper {
     /// As [`Sampler::dump`].
-    pub async fn dump(&self) -> Vec<pb::RankStack> {
+    pub async fn dump(&self, native: bool) -> Vec<pb::RankStack> {
         let (tx, rx) = oneshot::channel();
-        if self.commands.send(Command::Dump(tx)).is_err() {
+        if self.commands.send(Command::Dump(tx, native)).is_err() {
             return Vec::new();
         }
         let mut stacks = rx.await.unwrap_or_default();
@@ -203,6 +207,10 @@ struct Tracked {
     spy: Option<PythonSpy>,
     /// The program, once known not to be Python (not attached again).
     native: Option<String>,
+    /// The reader of its native frames, once a dump asked for them ([`native`]): py-spy's
+    /// blocking reader of a Python worker, or the unwinder of a program that is not Python.
+    native_spy: Option<PythonSpy>,
+    program: Option<native::Program>,
     fingerprint: Option<u64>,
     since: Instant,
     samples: u64,
@@ -248,12 +256,12 @@ impl State {
                 },
             };
             match command {
-                Some(Command::Dump(reply)) => {
-                    let stacks = self.read_all(false);
+                Some(Command::Dump(reply, native)) => {
+                    let stacks = self.read_all(false, native);
                     let _ = reply.send(stacks);
                 }
                 None => {
-                    self.read_all(true);
+                    self.read_all(true, false);
                     if let (Some(i), Some(due)) = (interval, next.as_mut()) {
                         // A late wake (a stopped agent) does not make up for the lost samples.
                         *due = (*due + i).max(Instant::now());
@@ -263,8 +271,11 @@ impl State {
         }
     }
 
-    /// Reads every running worker; a sample (`sample`) also counts waits and decides progress.
-    fn read_all(&mut self, sample: bool) -> Vec<pb::RankStack> {
+    /// Reads every running worker; a sample (`sample`) also counts waits and decides progress,
+    /// a dump (not `sample`) adds native frames: a non-Python worker's always, a Python
+    /// worker's when `native`. The stack's fingerprint is taken before, so that a dump does
+    /// not look like a change to the next sample.
+    fn read_all(&mut self, sample: bool, native: bool) -> Vec<pb::RankStack> {
         let workers = self.workers.snapshot();
         let mut progressed = false;
         // Workers that ended, or were replaced by a new process.
@@ -281,6 +292,8 @@ impl State {
                     pid: w.pid,
                     spy: None,
                     native: None,
+                    native_spy: None,
+                    program: None,
                     fingerprint: None,
                     since: now,
                     samples: 0,
@@ -292,7 +305,16 @@ impl State {
             let mut stack = read(t, w, &mut self.sources);
             stack.rank = Some(rank);
             stack.local_rank = Some(w.local_rank);
+            // A program that is not Python is fingerprinted by the program alone: its state
+            // and kernel wait channel change under a dump's ptrace stop without it moving.
+            let line = match &t.native {
+                Some(exe) => std::mem::replace(&mut stack.native, exe.clone()),
+                None => String::new(),
+            };
             let fingerprint = muster_core::stacks::fingerprint(&stack);
+            if t.native.is_some() {
+                stack.native = line;
+            }
             if t.fingerprint != Some(fingerprint) {
                 if t.fingerprint.is_some() {
                     progressed = true;
@@ -333,6 +355,9 @@ impl State {
                 stack.waiting_share = t.waiting as f64 / t.samples as f64;
                 stack.unchanged_ms = now.saturating_duration_since(t.since).as_millis() as u64;
             }
+            if !sample {
+                add_native(t, &mut stack, native, &mut self.sources);
+            }
             out.push(stack);
         }
         if sample && progressed {
@@ -357,6 +382,36 @@ impl State {
                 .send(Notice::Samples(ranks.into_iter().map(|(_, s)| s).collect()));
         }
         out
+    }
+}
+
+/// A dump's native frames for one rank: a program that is not Python gets its native
+/// threads (or why not, after what it is doing); a Python rank's threads get their native
+/// frames merged in when `python` (or `native` says why not).
+fn add_native(
+    t: &mut Tracked,
+    stack: &mut pb::RankStack,
+    python: bool,
+    sources: &mut HashMap<(String, u32), String>,
+) {
+    if !stack.error.is_empty() {
+        return;
+    }
+    if t.native.is_some() {
+        match native::program_threads(&mut t.program, stack.pid) {
+            Ok(threads) => stack.threads = threads,
+            Err(why) => stack.native.push_str(&format!(" ({why})")),
+        }
+    } else if python && !stack.threads.is_empty() {
+        match native::python_threads(&mut t.native_spy, stack.pid) {
+            Ok(mut threads) => {
+                for th in &mut threads {
+                    annotate_source(&mut th.frames, sources);
+                }
+                stack.threads = threads;
+            }
+            Err(why) => stack.native = why,
+        }
     }
 }
 
@@ -460,31 +515,10 @@ fn read(
         read.unwrap_or_else(|_| Err(anyhow::anyhow!("a read raced with the running worker")));
     match read {
         Ok(traces) => {
-            let mut threads: Vec<pb::ThreadStack> = traces
-                .into_iter()
-                .map(|trace| pb::ThreadStack {
-                    thread_id: trace.os_thread_id.unwrap_or(trace.thread_id),
-                    name: trace.thread_name.clone().unwrap_or_default(),
-                    active: trace.active,
-                    frames: trace
-                        .frames
-                        .iter()
-                        .map(|f| pb::StackFrame {
-                            function: f.name.clone(),
-                            file: f.filename.clone(),
-                            line: u32::try_from(f.line).unwrap_or(0),
-                            source: String::new(),
-                        })
-                        .collect(),
-                })
-                .collect();
-            // The main thread first: its OS thread id is the process id.
-            let pid = u64::from(stack.pid);
-            threads.sort_by_key(|th| (th.thread_id != pid, th.thread_id));
-            for th in &mut threads {
+            stack.threads = frames_of(&traces, stack.pid);
+            for th in &mut stack.threads {
                 annotate_source(&mut th.frames, sources);
             }
-            stack.threads = threads;
         }
         Err(e) => {
             // Attached earlier, unreadable now: the process is ending or changed under us.
@@ -499,13 +533,61 @@ fn read(
     stack
 }
 
+/// py-spy's traces of process `pid` as threads, the main thread first (its OS thread id is
+/// the process id). A native frame (merged in by py-spy's `native` mode) names its module;
+/// one py-spy could not name (it shows its address) has no function.
+fn frames_of(traces: &[py_spy::StackTrace], pid: u32) -> Vec<pb::ThreadStack> {
+    let mut threads: Vec<pb::ThreadStack> = traces
+        .iter()
+        .map(|trace| pb::ThreadStack {
+            thread_id: trace.os_thread_id.unwrap_or(trace.thread_id),
+            name: trace.thread_name.clone().unwrap_or_default(),
+            active: trace.active,
+            frames: trace.frames.iter().map(frame_of).collect(),
+        })
+        .collect();
+    threads.sort_by_key(|th| (th.thread_id != u64::from(pid), th.thread_id));
+    threads
+}
+
+fn frame_of(f: &py_spy::Frame) -> pb::StackFrame {
+    let Some(module) = &f.module else {
+        return pb::StackFrame {
+            function: f.name.clone(),
+            file: f.filename.clone(),
+            line: u32::try_from(f.line).unwrap_or(0),
+            source: String::new(),
+            module: String::new(),
+        };
+    };
+    let unnamed = f
+        .name
+        .strip_prefix("0x")
+        .is_some_and(|hex| hex.bytes().all(|b| b.is_ascii_hexdigit()));
+    let file = (f.filename != *module).then(|| f.filename.clone());
+    pb::StackFrame {
+        function: if unnamed {
+            String::new()
+        } else {
+            native::demangle(&f.name)
+        },
+        line: if file.is_some() {
+            u32::try_from(f.line).unwrap_or(0)
+        } else {
+            0
+        },
+        file: file.unwrap_or_default(),
+        source: String::new(),
+        module: module.clone(),
+    }
+}
+
 /// The source text of the innermost frame of the user's own code (not a library's), read
 /// from the file on this machine, so that `train.py:9 slow_data_step` says what line 9 does.
 fn annotate_source(frames: &mut [pb::StackFrame], sources: &mut HashMap<(String, u32), String>) {
-    let Some(f) = frames
-        .iter_mut()
-        .find(|f| !f.file.is_empty() && !muster_core::stacks::is_library(&f.file))
-    else {
+    let Some(f) = frames.iter_mut().find(|f| {
+        f.module.is_empty() && !f.file.is_empty() && !muster_core::stacks::is_library(&f.file)
+    }) else {
         return;
     };
     if f.line == 0 {
@@ -685,7 +767,6 @@ fn native_line(pid: u32, exe: &str) -> String {
     if !wchan.is_empty() && wchan != "0" {
         line.push_str(&format!(" in the kernel at {wchan}"));
     }
-    line.push_str(" (no native stack: this agent does not unwind native code)");
     line
 }
 
@@ -705,9 +786,10 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
 
-    /// A program that is not Python gets a line naming it and its state, not an error.
+    /// A program that is not Python gets a line naming it and its state, not an error, and
+    /// its native stack, unwound and named from its libraries' symbols.
     #[tokio::test]
-    async fn a_program_that_is_not_python_is_named_with_its_state() {
+    async fn a_program_that_is_not_python_is_named_with_its_state_and_native_stack() {
         let mut child = std::process::Command::new("sleep")
             .arg("30")
             .spawn()
@@ -723,18 +805,38 @@ mod tests {
         let sampler = Sampler::start(workers, 0.0).expect("sampler");
         // Let it reach its sleep.
         tokio::time::sleep(Duration::from_millis(100)).await;
-        let stacks = sampler.dump().await;
+        let stacks = sampler.dump(false).await;
         let _ = child.kill();
         let _ = child.wait();
         assert_eq!(stacks.len(), 1);
         let s = &stacks[0];
         assert_eq!(s.rank, Some(0));
         assert!(s.error.is_empty(), "{s:?}");
-        assert!(s.threads.is_empty());
         assert!(
             s.native.contains("sleep") && s.native.contains("is not Python; it is sleeping"),
             "{}",
             s.native
+        );
+        assert_eq!(s.threads.len(), 1, "{s:?}");
+        let main = &s.threads[0];
+        assert_eq!(main.thread_id, u64::from(s.pid));
+        // Innermost: libc's sleep, named by its dynamic symbols (the program itself is
+        // stripped: its frames are there, unnamed, with their module).
+        let sleep = main
+            .frames
+            .iter()
+            .position(|f| f.function.contains("sleep") && f.module.contains("libc"))
+            .unwrap_or_else(|| panic!("no libc sleep in {:?}", main.frames));
+        assert!(sleep <= 2, "{:?}", main.frames);
+        assert!(
+            main.frames.iter().all(|f| !f.module.is_empty()),
+            "{:?}",
+            main.frames
+        );
+        assert!(
+            main.frames.iter().any(|f| f.module.ends_with("/sleep")),
+            "{:?}",
+            main.frames
         );
     }
 
@@ -747,7 +849,7 @@ mod tests {
         let workers = Workers::default();
         workers.started(3, WorkerRef { local_rank: 1, pid });
         let sampler = Sampler::start(workers, 0.0).expect("sampler");
-        let stacks = sampler.dump().await;
+        let stacks = sampler.dump(false).await;
         assert_eq!(stacks.len(), 1);
         assert_eq!(
             stacks[0].error,
@@ -802,7 +904,7 @@ mod tests {
         let sampler = sampler_of(&child, 0.0);
         let deadline = Instant::now() + Duration::from_secs(20);
         let stack = loop {
-            let stacks = sampler.dump().await;
+            let stacks = sampler.dump(false).await;
             let s = stacks.into_iter().next().expect("one rank");
             let settled = s.threads.first().is_some_and(|t| {
                 t.frames
@@ -834,6 +936,55 @@ mod tests {
         );
     }
 
+    /// A native dump merges a Python worker's native frames into its stack: the C call
+    /// `time.sleep` is in, then the Python frames, as py-spy's `--native` shows them.
+    #[tokio::test]
+    async fn a_python_workers_native_frames_are_merged_in_on_request() {
+        let child = spawn(
+            "python3",
+            &["-c", "import time\nwhile True:\n    time.sleep(60)\n"],
+        );
+        let sampler = sampler_of(&child, 0.0);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let main = loop {
+            let s = sampler.dump(true).await.remove(0);
+            let main = s.threads.into_iter().next();
+            if let Some(main) = main.filter(|m| m.frames.iter().any(|f| f.line == 3)) {
+                assert!(s.native.is_empty(), "{}", s.native);
+                break main;
+            }
+            assert!(Instant::now() < deadline, "never read: {}", s.native);
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let python = main
+            .frames
+            .iter()
+            .position(|f| f.module.is_empty())
+            .unwrap_or_else(|| panic!("no Python frame in {:?}", main.frames));
+        assert_eq!(
+            (
+                main.frames[python].function.as_str(),
+                main.frames[python].line
+            ),
+            ("<module>", 3)
+        );
+        let inner = &main.frames[..python];
+        assert!(
+            inner
+                .iter()
+                .any(|f| f.function.contains("sleep") && f.module.contains("libc")),
+            "no libc sleep before the Python frame: {:?}",
+            main.frames
+        );
+        // Without `native`, the same worker reads as Python frames only.
+        let plain = sampler.dump(false).await.remove(0);
+        assert!(
+            plain.threads[0].frames.iter().all(|f| f.module.is_empty()),
+            "{:?}",
+            plain.threads[0].frames
+        );
+    }
+
     /// The progress rule's boundary: a worker that uses the CPU outside any wait makes
     /// progress even with a constant stack; one that sleeps makes none after it started.
     #[tokio::test]
@@ -855,10 +1006,13 @@ mod tests {
         tokio::time::timeout(Duration::from_secs(3), next_progress(&mut progress))
             .await
             .expect("its start is progress");
+        // A dump (with its native stack) between samples is not a change of stack.
+        let dumped = sampler.dump(true).await;
+        assert!(!dumped[0].threads.is_empty(), "{:?}", dumped[0]);
         let more =
             tokio::time::timeout(Duration::from_millis(2500), next_progress(&mut progress)).await;
         assert!(more.is_err(), "a sleeping worker made progress");
-        let stacks = sampler.dump().await;
+        let stacks = sampler.dump(false).await;
         assert!(stacks[0].unchanged_ms >= 2000, "{:?}", stacks[0]);
     }
 
@@ -894,8 +1048,9 @@ mod tests {
         assert_eq!(s.waiting_at, "torch.autograd.backward");
     }
 
-    /// A Python worker that exits while it is being sampled and dumped: every read answers
-    /// (a stack, or a line saying it exited), none fails the sampler.
+    /// A Python worker that exits while it is being sampled and dumped, with and without its
+    /// native frames: every read answers (a stack, or a line saying it exited), none fails the
+    /// sampler, and the exit is left for its parent to reap (ptrace's stops never reap it).
     #[tokio::test]
     async fn a_worker_that_exits_while_sampled_is_named_as_exited() {
         let child = spawn(
@@ -909,8 +1064,8 @@ mod tests {
         let sampler = sampler_of(&child, 50.0);
         let deadline = Instant::now() + Duration::from_secs(20);
         let mut child = Some(child);
-        loop {
-            let s = sampler.dump().await.remove(0);
+        for native in [false, true].into_iter().cycle() {
+            let s = sampler.dump(native).await.remove(0);
             // A stack, a program (a zombie before it is reaped), no Python thread (the
             // interpreter finalizing), or why not.
             assert!(
@@ -920,6 +1075,14 @@ mod tests {
                     || s.error.starts_with(&format!("process {pid} exited"))
                     || s.error.starts_with("py-spy could not read process")
                     || s.error.starts_with("py-spy cannot read this Python"),
+                "{s:?}"
+            );
+            // A native read that lost the race says why, after the stack.
+            assert!(
+                s.native.is_empty()
+                    || s.native.contains("not Python")
+                    || s.native.starts_with("no native frames")
+                    || s.native.contains("exited"),
                 "{s:?}"
             );
             if let Some(c) = child.as_mut()

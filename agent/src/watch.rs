@@ -435,7 +435,7 @@ async fn run(
                                 let _ = tx.send(WatchEvent::Replace(replace));
                             }
                             Some(pb::node_event::Kind::DumpStacks(cmd)) => {
-                                answer_dump(dumper.clone(), cmd.request_id, out.clone());
+                                answer_dump(dumper.clone(), &cmd, out.clone());
                             }
                             Some(pb::node_event::Kind::Hang(hang)) => {
                                 print_hang(&attach.job_id, &hang);
@@ -560,12 +560,13 @@ async fn next_progress(
 /// node as unanswered); it ends with its answer.
 fn answer_dump(
     dumper: Option<crate::stacks::Dumper>,
-    request_id: u64,
+    command: &pb::DumpStacksCommand,
     out: mpsc::Sender<pb::NodeMessage>,
 ) {
+    let (request_id, native) = (command.request_id, command.native);
     tokio::spawn(async move {
         let ranks = match dumper {
-            Some(d) => d.dump().await,
+            Some(d) => d.dump(native).await,
             None => Vec::new(),
         };
         let _ = out

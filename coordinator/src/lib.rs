@@ -261,7 +261,7 @@ pub async fn serve_with_store(
                 for job in coordinator.job_list() {
                     if let Some(due) = job.hang_due() {
                         tokio::spawn(async move {
-                            if let Ok(dump) = job.dump_stacks(false).await {
+                            if let Ok(dump) = job.dump_stacks(Default::default()).await {
                                 job.record_hang(&due, &dump);
                             }
                         });

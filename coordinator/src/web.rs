@@ -183,7 +183,7 @@ impl View {
         let ops = OpsService(Arc::clone(&self.coordinator));
         let request = tonic::Request::new(pb::DumpStacksRequest {
             job_id: job.to_owned(),
-            full: false,
+            ..Default::default()
         });
         match ops.dump_stacks(request).await {
             Ok(r) => to_json("muster.v1.DumpStacksResponse", &r.into_inner()),

@@ -1,8 +1,12 @@
 //! Ranks' stacks made readable: library frames folded, ranks grouped by where their main
 //! threads stand, and the ranks elsewhere than the waiting majority named as the likely cause.
 //!
-//! A frame's origin is read from its file path alone:
-//! - no file: a native frame (or one the reader could not place), shown as its function;
+//! A frame's origin is read from its module and file path:
+//! - a module (the shared object or program of a native frame: C, C++, Rust), or no file (a
+//!   frame the reader could not place): native, shown as its function and module
+//!   (`c10d::Work::wait (libtorch_cpu.so)`; templates and argument lists left out unless
+//!   `full`); consecutive frames of one shared library fold like a Python library's, the
+//!   program's own are kept;
 //! - under the last `site-packages/` or `dist-packages/` component: the library named by the
 //!   top-level package below it (`torch`, `accelerate`, `muster`, `numpy`, ...);
 //! - under a `muster/` directory whose parent is `python/`: muster's Python package run from a
@@ -44,8 +48,9 @@ const LINE_INNER: usize = 6;
 /// Where a frame's code comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Origin<'a> {
-    /// No file: a native frame, or one the reader could not place.
-    Native,
+    /// A native frame (its module's file name, empty when unknown), or one the reader could
+    /// not place.
+    Native { module: &'a str },
     /// The user's own code.
     User,
     /// A library: its name (its top-level package, or [`STDLIB`]) and the dotted path of the
@@ -60,6 +65,17 @@ pub fn is_library(file: &str) -> bool {
     matches!(classify(file), Origin::Library { .. })
 }
 
+/// Where a frame's code comes from: native when it names a module, else by its file.
+fn origin(frame: &pb::StackFrame) -> Origin<'_> {
+    if frame.module.is_empty() {
+        classify(&frame.file)
+    } else {
+        Origin::Native {
+            module: frame.module.rsplit('/').next().unwrap_or(&frame.module),
+        }
+    }
+}
+
 /// A thread's frames (innermost first) as text, innermost first.
 ///
 /// Unless `full`, each run of consecutive frames of one library is folded to its innermost
@@ -67,23 +83,23 @@ pub fn is_library(file: &str) -> bool {
 /// the same as the innermost or is a decorator's wrapper. The user's own frames and native
 /// frames are always kept.
 pub fn fold(frames: &[pb::StackFrame], full: bool) -> Vec<String> {
-    let origins: Vec<Origin<'_>> = frames.iter().map(|f| classify(&f.file)).collect();
+    let origins: Vec<Origin<'_>> = frames.iter().map(origin).collect();
     if full {
         return frames
             .iter()
             .zip(&origins)
-            .map(|(f, o)| render(f, o))
+            .map(|(f, o)| render(f, o, true))
             .collect();
     }
     let mut out = Vec::new();
     let mut start = 0;
     while start < frames.len() {
         let end = run_end(&origins, start);
-        let inner = render(&frames[start], &origins[start]);
+        let inner = render(&frames[start], &origins[start], false);
         let entry = (end - start > 1)
             .then(|| &frames[end - 1])
             .filter(|f| !WRAPPERS.contains(&last_segment(&f.function)))
-            .map(|f| render(f, &origins[end - 1]))
+            .map(|f| render(f, &origins[end - 1], false))
             .filter(|text| *text != inner);
         out.push(inner);
         out.extend(entry);
@@ -103,8 +119,11 @@ pub fn fold(frames: &[pb::StackFrame], full: bool) -> Vec<String> {
 /// A user frame innermost is not a wait, even when the line calls one: a C function such as
 /// `time.sleep` has no Python frame, so the user's line is all a reader sees of it.
 pub fn is_wait(frames: &[pb::StackFrame]) -> bool {
-    let origins: Vec<Origin<'_>> = frames.iter().map(|f| classify(&f.file)).collect();
-    let Some(start) = origins.iter().position(|o| *o != Origin::Native) else {
+    let origins: Vec<Origin<'_>> = frames.iter().map(origin).collect();
+    let Some(start) = origins
+        .iter()
+        .position(|o| !matches!(o, Origin::Native { .. }))
+    else {
         return false;
     };
     let Origin::Library { name, .. } = &origins[start] else {
@@ -121,7 +140,7 @@ pub fn is_wait(frames: &[pb::StackFrame]) -> bool {
 /// waits for a slower one spends its wait there). The straggler view counts these samples.
 pub fn is_sync(frames: &[pb::StackFrame]) -> bool {
     is_wait(frames)
-        || frames.iter().any(|f| match classify(&f.file) {
+        || frames.iter().any(|f| match origin(f) {
             Origin::Library { name, module } => {
                 name == "torch"
                     && (module.starts_with("torch.autograd") || f.function.ends_with("backward"))
@@ -135,7 +154,7 @@ pub fn is_sync(frames: &[pb::StackFrame]) -> bool {
 pub fn site(frames: &[pb::StackFrame]) -> String {
     match frames
         .iter()
-        .find(|f| !f.file.is_empty() && classify(&f.file) == Origin::User)
+        .find(|f| !f.file.is_empty() && origin(f) == Origin::User)
     {
         Some(f) => fold(std::slice::from_ref(f), true).remove(0),
         None => fold(frames, false).into_iter().next().unwrap_or_default(),
@@ -294,6 +313,7 @@ pub fn group(ranks: &[pb::RankStack], world_size: u32, full: bool) -> Vec<pb::St
             None => {
                 index.insert(key.clone(), drafts.len());
                 drafts.push(Draft {
+                    native_lead: native_lead(stack, full),
                     frames: key,
                     ranks: vec![*rank],
                     unchanged_ms: stack.unchanged_ms,
@@ -351,6 +371,25 @@ pub fn report(groups: &[pb::StackGroup], unanswered: &[String]) -> String {
         .map(|g| g.line.clone())
         .chain(unanswered.iter().map(|n| format!("no answer from {n}")));
     lines.collect::<Vec<_>>().join("\n")
+}
+
+/// The Python ranks of a native dump whose native frames could not be read, as report lines
+/// (`rank 3: no native frames: ...`), ranks with one reason together.
+pub fn native_notes(ranks: &[pb::RankStack]) -> Vec<String> {
+    let mut by_reason: Vec<(&str, Vec<u32>)> = Vec::new();
+    for r in ranks {
+        let (Some(rank), true, false) = (r.rank, has_python(r), r.native.is_empty()) else {
+            continue;
+        };
+        match by_reason.iter_mut().find(|(why, _)| *why == r.native) {
+            Some((_, ranks)) => ranks.push(rank),
+            None => by_reason.push((&r.native, vec![rank])),
+        }
+    }
+    by_reason
+        .into_iter()
+        .map(|(why, ranks)| format!("{}: {why}", who(&ranks)))
+        .collect()
 }
 
 /// What torch's Flight Recorder says of the ranks (`RankStack.collectives`), as report
@@ -501,6 +540,9 @@ fn who(ranks: &[u32]) -> String {
 /// A group while ranks are added to it.
 struct Draft {
     frames: Vec<String>,
+    /// How many of `frames` are a Python stack's innermost native frames (a native dump):
+    /// shown in full before the line's cut, which applies to the Python frames after them.
+    native_lead: usize,
     /// In ascending order.
     ranks: Vec<u32>,
     unchanged_ms: u64,
@@ -510,13 +552,44 @@ struct Draft {
     waits: bool,
 }
 
-/// What a rank is grouped by: its main thread's folded frames, or the one line saying why
-/// there are none.
+/// How many folded frames a readable Python rank's main thread has before its innermost
+/// Python frame (0 for a rank without native or without Python frames).
+fn native_lead(stack: &pb::RankStack, full: bool) -> usize {
+    let Some(main) = stack.threads.first().filter(|_| stack.error.is_empty()) else {
+        return 0;
+    };
+    let n = main
+        .frames
+        .iter()
+        .take_while(|f| !f.module.is_empty())
+        .count();
+    if n == main.frames.len() {
+        0
+    } else {
+        fold(&main.frames[..n], full).len()
+    }
+}
+
+/// Whether a rank's stack has a Python frame (one with a file and no module).
+fn has_python(stack: &pb::RankStack) -> bool {
+    stack
+        .threads
+        .iter()
+        .flat_map(|t| &t.frames)
+        .any(|f| f.module.is_empty() && !f.file.is_empty())
+}
+
+/// What a rank is grouped by: its main thread's folded frames (after what the program is,
+/// for one that is not Python), or the one line saying why there are none.
 fn key(stack: &pb::RankStack, full: bool) -> Vec<String> {
     if !stack.error.is_empty() {
         return vec![format!("cannot read: {}", stack.error)];
     }
+    let python = stack.native.is_empty() || has_python(stack);
     match stack.threads.first() {
+        Some(main) if !python => std::iter::once(format!("not Python: {}", stack.native))
+            .chain(fold(&main.frames, full))
+            .collect(),
         Some(main) => {
             let frames = fold(&main.frames, full);
             if frames.is_empty() {
@@ -539,14 +612,16 @@ fn line(d: &Draft, likely_cause: bool, world: u32, full: bool) -> String {
         (false, 1) => format!("rank {ranks} (1 of {world}): "),
         (false, n) => format!("ranks {ranks} ({n} of {world}): "),
     };
-    if full || d.frames.len() <= LINE_FRAMES {
+    let (lead, rest) = d.frames.split_at(d.native_lead.min(d.frames.len()));
+    if full || rest.len() <= LINE_FRAMES {
         text.push_str(&d.frames.join(" <- "));
     } else {
-        let shown: Vec<&str> = d.frames[..LINE_INNER]
+        let shown: Vec<&str> = lead
             .iter()
+            .chain(&rest[..LINE_INNER])
             .map(String::as_str)
             .chain(["..."])
-            .chain(d.frames.last().map(String::as_str))
+            .chain(rest.last().map(String::as_str))
             .collect();
         text.push_str(&shown.join(" <- "));
     }
@@ -567,13 +642,23 @@ fn for_text(ms: u64) -> String {
     }
 }
 
+/// Whether a native frame's module (a file name) is a shared library (`libc.so.6`) rather
+/// than the program itself, whose frames are the user's own and are kept.
+fn is_shared_library(module: &str) -> bool {
+    module.contains(".so")
+}
+
 /// Where the run of frames starting at `start` ends (exclusive): consecutive frames of the
-/// same library form one run; any other frame is a run by itself.
+/// same library, or native frames of the same shared library, form one run; any other frame
+/// is a run by itself.
 fn run_end(origins: &[Origin<'_>], start: usize) -> usize {
-    let Origin::Library { name, .. } = &origins[start] else {
-        return start + 1;
+    let same = |o: &Origin<'_>| match (&origins[start], o) {
+        (Origin::Library { name, .. }, Origin::Library { name: n, .. }) => n == name,
+        (Origin::Native { module }, Origin::Native { module: m }) => {
+            is_shared_library(module) && m == module
+        }
+        _ => false,
     };
-    let same = |o: &Origin<'_>| matches!(o, Origin::Library { name: n, .. } if n == name);
     start + 1 + origins[start + 1..].iter().take_while(|o| same(o)).count()
 }
 
@@ -608,15 +693,35 @@ fn waits(library: &str, module: &str, function: &str) -> bool {
     }
 }
 
-/// A frame as text: see the module's doc.
-fn render(frame: &pb::StackFrame, origin: &Origin<'_>) -> String {
+/// A frame as text: see the module's doc (`full`: a native function's name as it is).
+fn render(frame: &pb::StackFrame, origin: &Origin<'_>, full: bool) -> String {
     let function = if frame.function.is_empty() {
         "?"
     } else {
         &frame.function
     };
     match origin {
-        Origin::Native => function.to_owned(),
+        Origin::Native { module } => {
+            let mut text = if full {
+                function.to_owned()
+            } else {
+                short_native(function)
+            };
+            let file = frame.file.rsplit('/').next().unwrap_or(&frame.file);
+            match (module.is_empty(), file.is_empty() || frame.line == 0) {
+                (true, true) => {}
+                (false, true) => {
+                    let _ = write!(text, " ({module})");
+                }
+                (true, false) => {
+                    let _ = write!(text, " ({file}:{})", frame.line);
+                }
+                (false, false) => {
+                    let _ = write!(text, " ({module} {file}:{})", frame.line);
+                }
+            }
+            text
+        }
         Origin::Library { module, .. } => format!("{module}.{function}"),
         Origin::User => {
             let base = frame.file.rsplit('/').next().unwrap_or(&frame.file);
@@ -630,10 +735,58 @@ fn render(frame: &pb::StackFrame, origin: &Origin<'_>) -> String {
     }
 }
 
+/// A demangled C++ or Rust name without its template arguments and parameter lists
+/// (`pybind11::cpp_function::initialize<...>::{lambda(...)#1}::_FUN` reads
+/// `pybind11::cpp_function::initialize::{lambda#1}::_FUN`), and without a Rust symbol's hash.
+/// A Rust trait method's leading `<Type as Trait>` keeps its two names.
+fn short_native(function: &str) -> String {
+    let mut out = String::with_capacity(function.len());
+    let (mut angle, mut paren) = (0usize, 0usize);
+    // The depth of angle brackets whose text is kept: 1 inside a leading `<Type as Trait>`.
+    let kept = usize::from(function.starts_with('<'));
+    let bytes = function.as_bytes();
+    for (i, c) in function.char_indices() {
+        let visible = angle <= kept && paren == 0;
+        match c {
+            // `operator<` and `operator()` are names, not brackets; `->` is an arrow.
+            '<' if !function[..i].ends_with("operator")
+                && !function[..i].ends_with("operator<") =>
+            {
+                angle += 1;
+                if angle <= kept && paren == 0 {
+                    out.push(c);
+                }
+            }
+            '>' if angle > 0 && !(i > 0 && bytes[i - 1] == b'-') => {
+                angle -= 1;
+                if angle < kept && paren == 0 {
+                    out.push(c);
+                }
+            }
+            '(' if !function[..i].ends_with("operator") => paren += 1,
+            ')' if paren > 0 => paren -= 1,
+            _ if visible => out.push(c),
+            _ => {}
+        }
+    }
+    // A Rust legacy symbol's hash (`::h0123456789abcdef`).
+    if let Some((head, hash)) = out.rsplit_once("::h")
+        && hash.len() == 16
+        && hash.bytes().all(|b| b.is_ascii_hexdigit())
+    {
+        out.truncate(head.len());
+    }
+    if out.is_empty() {
+        function.to_owned()
+    } else {
+        out
+    }
+}
+
 /// Where a file's code comes from: see the module's doc.
 fn classify(file: &str) -> Origin<'_> {
     if file.is_empty() {
-        return Origin::Native;
+        return Origin::Native { module: "" };
     }
     if let Some(module) = file
         .strip_prefix("<frozen ")
@@ -718,7 +871,16 @@ mod tests {
             function: function.to_owned(),
             file: file.to_owned(),
             line,
-            source: String::new(),
+            ..Default::default()
+        }
+    }
+
+    /// A native frame of `module` (a path), with no line table.
+    fn native(module: &str, function: &str) -> pb::StackFrame {
+        pb::StackFrame {
+            function: function.to_owned(),
+            module: module.to_owned(),
+            ..Default::default()
         }
     }
 
@@ -1056,6 +1218,150 @@ mod tests {
             ]
         );
         assert!(groups.iter().all(|g| !g.likely_cause));
+    }
+
+    #[test]
+    fn native_frames_show_their_module_and_fold_by_it() {
+        const TORCH: &str = "/v/lib/python3.11/site-packages/torch/lib";
+        let frames = vec![
+            native("/usr/lib/x86_64-linux-gnu/libc.so.6", ""),
+            native("/usr/lib/x86_64-linux-gnu/libc.so.6", "pthread_cond_wait"),
+            native(
+                "/usr/lib/x86_64-linux-gnu/libstdc++.so.6.0.30",
+                "std::condition_variable::wait(std::unique_lock<std::mutex>&)",
+            ),
+            native(&format!("{TORCH}/libtorch_cpu.so"), "c10d::Work::wait"),
+            native(
+                &format!("{TORCH}/libtorch_python.so"),
+                "pybind11::cpp_function::initialize<bool (*)(c10d::Work*)>(bool, char [654])::{lambda(pybind11::detail::function_call&)#1}::_FUN",
+            ),
+            native(
+                &format!("{TORCH}/libtorch_python.so"),
+                "pybind11::cpp_function::dispatcher",
+            ),
+            lib("torch/distributed/distributed_c10d.py", "all_reduce"),
+            user(9, "run"),
+        ];
+        assert_eq!(
+            fold(&frames, false),
+            [
+                "? (libc.so.6)",
+                "pthread_cond_wait (libc.so.6)",
+                "std::condition_variable::wait (libstdc++.so.6.0.30)",
+                "c10d::Work::wait (libtorch_cpu.so)",
+                "pybind11::cpp_function::initialize::{lambda#1}::_FUN (libtorch_python.so)",
+                "pybind11::cpp_function::dispatcher (libtorch_python.so)",
+                "torch.distributed.all_reduce",
+                "train.py:9 run",
+            ]
+        );
+        // `full` keeps a native name as it is.
+        assert_eq!(
+            fold(&frames, true)[2],
+            "std::condition_variable::wait(std::unique_lock<std::mutex>&) (libstdc++.so.6.0.30)"
+        );
+        // Leading native frames do not hide the wait, nor the user's line.
+        assert!(is_wait(&frames));
+        assert_eq!(site(&frames), "train.py:9 run");
+        // Nor the Python frames in a group's line: its cut applies after them.
+        let mut deep = frames[..6].to_vec();
+        deep.extend(accelerate_barrier());
+        let groups = group(&[rank(0, deep.clone(), 0), rank(1, deep, 0)], 2, false);
+        assert_eq!(
+            groups[0].line,
+            "ranks 0-1 (2 of 2): ? (libc.so.6) <- pthread_cond_wait (libc.so.6) \
+             <- std::condition_variable::wait (libstdc++.so.6.0.30) \
+             <- c10d::Work::wait (libtorch_cpu.so) \
+             <- pybind11::cpp_function::initialize::{lambda#1}::_FUN (libtorch_python.so) \
+             <- pybind11::cpp_function::dispatcher (libtorch_python.so) \
+             <- torch.distributed.barrier <- accelerate.utils.wait_for_everyone \
+             <- accelerate.wait_for_everyone <- train.py:15 <module>"
+        );
+        // A native frame with a line table names its source position; the program's own
+        // frames are all kept (only a shared library's fold).
+        let rust = vec![
+            pb::StackFrame {
+                function: "muster_worker_sdk::barrier::wait::h0123456789abcdef".to_owned(),
+                file: "/src/worker-sdk/src/barrier.rs".to_owned(),
+                line: 42,
+                module: "/work/target/debug/probe".to_owned(),
+                ..Default::default()
+            },
+            native("/work/target/debug/probe", "tokio::runtime::park"),
+            native("/work/target/debug/probe", "probe::main"),
+        ];
+        assert_eq!(
+            fold(&rust, false),
+            [
+                "muster_worker_sdk::barrier::wait (probe barrier.rs:42)",
+                "tokio::runtime::park (probe)",
+                "probe::main (probe)"
+            ]
+        );
+    }
+
+    #[test]
+    fn native_names_lose_templates_arguments_and_hashes() {
+        for (name, short) in [
+            ("clock_nanosleep", "clock_nanosleep"),
+            (
+                "std::vector<int, std::allocator<int> >::push_back(int const&)",
+                "std::vector::push_back",
+            ),
+            ("operator<<(std::ostream&, char const*)", "operator<<"),
+            ("foo::operator()(int) const", "foo::operator() const"),
+            (
+                "std::_Function_handler<void (), a::b>::_M_invoke(std::_Any_data const&)",
+                "std::_Function_handler::_M_invoke",
+            ),
+            (
+                "core::ops::function::FnOnce::call_once::h9f8e7d6c5b4a3921",
+                "core::ops::function::FnOnce::call_once",
+            ),
+            (
+                "<alloc::boxed::Box<F,A> as core::ops::function::FnOnce<Args>>::call_once",
+                "<alloc::boxed::Box as core::ops::function::FnOnce>::call_once",
+            ),
+        ] {
+            assert_eq!(short_native(name), short, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_program_with_a_native_stack_is_grouped_by_it_after_what_it_is() {
+        let sleeping = |r: u32| pb::RankStack {
+            rank: Some(r),
+            native: "/usr/bin/sleep (pid 7) is not Python; it is sleeping".to_owned(),
+            threads: vec![pb::ThreadStack {
+                frames: vec![
+                    native("/usr/lib/x86_64-linux-gnu/libc.so.6", "clock_nanosleep"),
+                    native("/usr/bin/sleep", ""),
+                ],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let groups = group(&[sleeping(0)], 1, false);
+        assert_eq!(
+            lines(&groups),
+            [
+                "rank 0 (1 of 1): not Python: /usr/bin/sleep (pid 7) is not Python; it is sleeping \
+              <- clock_nanosleep (libc.so.6) <- ? (sleep)"
+            ]
+        );
+        // A Python rank whose native frames could not be read keeps its Python stack; the
+        // reason is a note of its own.
+        let mut python = rank(3, accelerate_barrier(), 0);
+        python.native = "no native frames: it has no thread left to read".to_owned();
+        let mut other = rank(4, accelerate_barrier(), 0);
+        other.native = python.native.clone();
+        let ranks = [rank(2, accelerate_barrier(), 0), python, other, sleeping(5)];
+        assert_eq!(
+            native_notes(&ranks),
+            ["ranks 3-4: no native frames: it has no thread left to read"]
+        );
+        let groups = group(&ranks, 6, false);
+        assert!(groups.iter().any(|g| g.ranks == [2, 3, 4]), "{groups:?}");
     }
 
     #[test]

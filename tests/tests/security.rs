@@ -221,7 +221,7 @@ async fn calls_without_valid_credentials_are_unauthenticated_and_change_nothing(
         let stacks = OpsClient::new(channel.clone())
             .dump_stacks(pb::DumpStacksRequest {
                 job_id: "a".into(),
-                full: false,
+                ..Default::default()
             })
             .await
             .unwrap_err();
@@ -354,7 +354,7 @@ async fn a_job_token_opens_its_own_job_only() {
     let stacks = OpsClient::new(worker_a.clone())
         .dump_stacks(pb::DumpStacksRequest {
             job_id: "a".into(),
-            full: false,
+            ..Default::default()
         })
         .await
         .unwrap_err();

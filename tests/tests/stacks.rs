@@ -12,8 +12,11 @@
 //!   rank named as the root cause;
 //! - a gloo script where rank 1 calls one all_reduce fewer: both collective call sites named
 //!   with their ranks;
+//! - the same with `--native`: the waiting ranks' native frames in torch's C++ below the
+//!   barrier, the grouping unchanged;
 //! - a Rust SDK worker at a barrier, a program that is not Python (`sleep`) and a worker that
-//!   already exited, in one job: each gets its line, and the SDK worker its barrier state;
+//!   already exited, in one job: each gets its line with its native stack, and the SDK worker
+//!   its barrier state;
 //! - a worker that makes itself non-dumpable under an agent without CAP_SYS_PTRACE: one line
 //!   naming the cause and the fix, the other ranks read as usual.
 //!
@@ -160,6 +163,30 @@ fn an_unmodified_accelerate_hang_is_explained_and_reported() {
     eprintln!("describe --stacks took {took:?}");
     assert!(took < Duration::from_secs(5), "{took:?}");
     assert_accelerate_hang(&text, 1, "0,2", 3);
+    // With native frames: the waiting ranks stand in torch's C++ below the Python barrier,
+    // the grouping and the odd rank unchanged.
+    let started = Instant::now();
+    let run = describe(&addr, "stacks-acc", &["--stacks", "--native"]);
+    eprintln!("describe --stacks --native took {:?}", started.elapsed());
+    assert_eq!(run.code(), Some(0), "{}", run.dump());
+    let native = run.stdout.join("\n");
+    let waiting = native
+        .lines()
+        .find(|l| l.trim_start().starts_with("ranks 0,2 (2 of 3): "))
+        .unwrap_or_else(|| panic!("no waiting group:\n{native}"));
+    assert!(
+        waiting.contains("(libtorch_cpu.so)") && waiting.contains("torch.distributed.barrier"),
+        "{waiting}"
+    );
+    assert!(native.contains("rank 1 is elsewhere: "), "{native}");
+    assert!(!native.contains("no native frames"), "{native}");
+    // A later native dump only unwinds: the libraries were parsed by the first.
+    let started = Instant::now();
+    let again = describe(&addr, "stacks-acc", &["--stacks", "--native"]);
+    let took = started.elapsed();
+    eprintln!("a second describe --stacks --native took {took:?}");
+    assert_eq!(again.code(), Some(0), "{}", again.dump());
+    assert!(took < Duration::from_secs(2), "{took:?}");
 
     // The hang timeout: reported once on the launch's stderr, with the same groups.
     let headline = agent
@@ -379,14 +406,19 @@ fn native_workers_and_exited_ones_get_a_line_each() {
         t.contains("muster: rank 0 is waiting at") && t.contains("is sleeping")
     });
     let bin = barrier_loop.display().to_string();
-    assert!(
-        text.contains(&format!("not Python: {bin} (pid ")),
-        "rank 0 (Rust) is not named as native:\n{text}"
-    );
-    assert!(
-        text.contains("not Python: /usr/bin/sleep (pid ") && text.contains("it is sleeping"),
-        "{text}"
-    );
+    let rust = text
+        .lines()
+        .find(|l| l.contains(&format!("not Python: {bin} (pid ")))
+        .unwrap_or_else(|| panic!("rank 0 (Rust) is not named as native:\n{text}"));
+    // Its native stack, named from its symbols, with source lines from its line tables.
+    assert!(rust.contains(" (barrier_loop"), "{rust}");
+    assert!(rust.contains(".rs:"), "{rust}");
+    let sleep = text
+        .lines()
+        .find(|l| l.contains("not Python: /usr/bin/sleep (pid "))
+        .unwrap_or_else(|| panic!("no line for sleep:\n{text}"));
+    assert!(sleep.contains("it is sleeping"), "{sleep}");
+    assert!(sleep.contains("sleep (libc.so.6)"), "{sleep}");
     assert!(
         text.contains("rank 2") && text.contains("cannot read: no stack from its agent: "),
         "the exited rank has no line:\n{text}"

@@ -556,6 +556,12 @@ pub struct DescribeArgs {
     /// With --stacks: every frame, library frames not folded.
     #[arg(long, requires = "stacks")]
     pub full: bool,
+    /// With --stacks: merge native frames (C, C++, Rust) into the Python ranks' stacks. Each
+    /// agent pauses each worker for about a millisecond to read them; the first such read of
+    /// a worker parses its libraries (about a second for a torch worker). Workers that are not
+    /// Python always show their native stacks.
+    #[arg(long, requires = "stacks")]
+    pub native: bool,
     /// TLS and the cluster token.
     #[command(flatten)]
     pub security: SecurityArgs,

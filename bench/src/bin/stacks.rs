@@ -7,6 +7,8 @@
 //! - **`describe --stacks`**: its wall time (the whole command, process start included) for 8
 //!   Python workers on 1 node, for 2 nodes of 4 (two agents on one coordinator), and for 8
 //!   torch gloo ranks whose Flight Recorders the agent reads too; goal <= 200 ms on 1 node;
+//!   then `describe --stacks --native` on the 8 torch ranks: the first (which parses each
+//!   worker's libraries) and the median of the later ones;
 //! - **a dump at 1,000 simulated ranks**: 125 simulated nodes of 8 ranks (tasks holding a
 //!   watch stream each, answering the dump with made-up 20-frame stacks) on one coordinator
 //!   process; the `Ops.DumpStacks` call's median.
@@ -185,6 +187,17 @@ fn launch_script(
         .expect("muster-agent launch")
 }
 
+/// One `describe --stacks` (and `extra`): its wall time in ms and its output.
+fn describe_once(coordinator: &str, job: &str, extra: &[&str]) -> (f64, std::process::Output) {
+    let t = Instant::now();
+    let out = Command::new(bin_dir().join("muster-agent"))
+        .args(["describe", "--coordinator", coordinator, job, "--stacks"])
+        .args(extra)
+        .output()
+        .expect("muster-agent describe");
+    (t.elapsed().as_secs_f64() * 1000.0, out)
+}
+
 /// `describe --stacks`, `rounds` times once every rank reads as waiting (and `also` is in the
 /// view): the median wall time in ms.
 fn describe_runs(
@@ -194,14 +207,7 @@ fn describe_runs(
     rounds: usize,
     also: &str,
 ) -> anyhow::Result<f64> {
-    let run = || {
-        let t = Instant::now();
-        let out = Command::new(bin_dir().join("muster-agent"))
-            .args(["describe", "--coordinator", coordinator, job, "--stacks"])
-            .output()
-            .expect("muster-agent describe");
-        (t.elapsed().as_secs_f64() * 1000.0, out)
-    };
+    let run = || describe_once(coordinator, job, &[]);
     let want = format!("({ranks} of {ranks}): threading.Condition.wait");
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -241,20 +247,39 @@ fn describe_wall(python: &Path, args: &Args) -> anyhow::Result<()> {
     }
     println!("  8 ranks on 2 nodes of 4: p50 {:.1} ms", m2?);
     let mut torch = launch_script(python, &addr, "stacks-bench-3", (1, 8), TORCH_WAITER);
-    let m3 = describe_runs(
-        &addr,
-        "stacks-bench-3",
-        8,
-        args.rounds,
-        "flight recorder (default_pg): ranks 0-7 last called collective #1 gloo:all_reduce",
-    );
+    let measured = torch_describes(&addr, args.rounds);
     let _ = torch.kill();
     let _ = torch.wait();
+    let (m3, first, native) = measured?;
     println!(
-        "  8 torch gloo ranks on 1 node, each rank's Flight Recorder read too: p50 {:.1} ms",
-        m3?
+        "  8 torch gloo ranks on 1 node, each rank's Flight Recorder read too: p50 {m3:.1} ms"
+    );
+    println!(
+        "  the same with --native (each worker paused for its read): first {first:.0} ms (parses each worker's libraries), then p50 {native:.1} ms"
     );
     Ok(())
+}
+
+/// On 8 waiting torch ranks: `describe --stacks`'s median, then with `--native` the first
+/// (which parses each worker's libraries) and the median of the later ones, in ms.
+fn torch_describes(addr: &str, rounds: usize) -> anyhow::Result<(f64, f64, f64)> {
+    let plain = describe_runs(
+        addr,
+        "stacks-bench-3",
+        8,
+        rounds,
+        "flight recorder (default_pg): ranks 0-7 last called collective #1 gloo:all_reduce",
+    )?;
+    let (first, out) = describe_once(addr, "stacks-bench-3", &["--native"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    anyhow::ensure!(
+        text.contains("(libtorch_cpu.so)"),
+        "no native frames in the view:\n{text}"
+    );
+    let mut later: Vec<f64> = (0..rounds.max(5))
+        .map(|_| describe_once(addr, "stacks-bench-3", &["--native"]).0)
+        .collect();
+    Ok((plain, first, quantile(&mut later, 0.5)))
 }
 
 /// A made-up stack of 20 frames, as deep as a DDP step's.
@@ -268,7 +293,7 @@ fn synthetic_stack(rank: u32) -> pb::RankStack {
                 "/home/u/train.py".to_owned()
             },
             line: 10 + i,
-            source: String::new(),
+            ..Default::default()
         })
         .collect();
     pb::RankStack {
@@ -370,7 +395,7 @@ async fn dump_at_scale(ranks: u32, rounds: usize) -> anyhow::Result<()> {
         let r = ops
             .dump_stacks(pb::DumpStacksRequest {
                 job_id: job.into(),
-                full: false,
+                ..Default::default()
             })
             .await?
             .into_inner();

@@ -20,6 +20,19 @@ use muster_core::stacks;
 /// How long a dump waits for the nodes' answers.
 pub const DUMP_WAIT: Duration = Duration::from_secs(2);
 
+/// How long a dump with native frames waits: an agent's first native read of a worker parses
+/// its libraries' symbols (about a second for a torch worker), one worker after another.
+pub const NATIVE_DUMP_WAIT: Duration = Duration::from_secs(15);
+
+/// What a stack dump reads and shows.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StackDump {
+    /// Keep every frame (no folding).
+    pub full: bool,
+    /// Merge Python ranks' native frames in (the agents pause each worker for the read).
+    pub native: bool,
+}
+
 /// How many hangs a job keeps for its view.
 pub(super) const RECENT_HANGS: usize = 4;
 
@@ -229,7 +242,7 @@ impl Job {
         }
     }
 
-    fn begin_dump(&self) -> Result<Dump, Error> {
+    fn begin_dump(&self, native: bool) -> Result<Dump, Error> {
         let mut st = self.lock();
         let id = self.id.clone();
         let Phase::Running(g) = &st.phase else {
@@ -239,7 +252,7 @@ impl Job {
         };
         let generation = g.generation;
         let request_id = st.dumps.next + 1;
-        let event = pb::node_event::Kind::DumpStacks(pb::DumpStacksCommand { request_id });
+        let event = pb::node_event::Kind::DumpStacks(pb::DumpStacksCommand { request_id, native });
         let missing = g.to_watches(&event);
         let mut asked = HashMap::new();
         let mut unanswered = Vec::new();
@@ -268,12 +281,14 @@ impl Job {
         })
     }
 
-    /// Every rank's stacks, read by the nodes' agents now, grouped (`full`: every frame
-    /// kept). Waits at most [`DUMP_WAIT`] for the nodes; cancel-safe (a dropped call's
-    /// collector is removed by the next dump's end or left to the job's end).
-    pub async fn dump_stacks(&self, full: bool) -> Result<pb::DumpStacksResponse, Error> {
-        let mut dump = self.begin_dump()?;
-        let deadline = tokio::time::Instant::now() + DUMP_WAIT;
+    /// Every rank's stacks, read by the nodes' agents now, grouped. Waits at most
+    /// [`DUMP_WAIT`] for the nodes ([`NATIVE_DUMP_WAIT`] with native frames); cancel-safe (a
+    /// dropped call's collector is removed by the next dump's end or left to the job's end).
+    pub async fn dump_stacks(&self, ask: StackDump) -> Result<pb::DumpStacksResponse, Error> {
+        let StackDump { full, native } = ask;
+        let mut dump = self.begin_dump(native)?;
+        let wait = if native { NATIVE_DUMP_WAIT } else { DUMP_WAIT };
+        let deadline = tokio::time::Instant::now() + wait;
         let mut ranks: Vec<pb::RankStack> = Vec::new();
         while !dump.asked.is_empty() {
             match tokio::time::timeout_at(deadline, dump.answers.recv()).await {
@@ -291,7 +306,7 @@ impl Job {
         for (node, host) in asked {
             dump.unanswered.push(format!(
                 "node {node} ({host}): no answer within {} s",
-                DUMP_WAIT.as_secs()
+                wait.as_secs()
             ));
         }
         // Every rank of the generation appears: one without a stack says why.
@@ -314,8 +329,12 @@ impl Job {
         ranks.sort_by_key(|r| r.rank);
         let groups = stacks::group(&ranks, dump.world_size, full);
         let mut report = stacks::report(&groups, &dump.unanswered);
-        // torch's Flight Recorder, where the agents read it: who is behind in collectives.
-        for line in stacks::collectives(&ranks) {
+        // torch's Flight Recorder, where the agents read it: who is behind in collectives; and
+        // Python ranks whose native frames were asked for and could not be read.
+        for line in stacks::collectives(&ranks)
+            .into_iter()
+            .chain(stacks::native_notes(&ranks))
+        {
             let _ = write!(report, "\n{line}");
         }
         // Ranks that use muster's SDK: where its barriers have them.

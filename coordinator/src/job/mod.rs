@@ -33,7 +33,7 @@ mod tests;
 mod views;
 
 pub use barriers::Registration;
-pub use hangs::HangDue;
+pub use hangs::{HangDue, StackDump};
 pub use muster_core::error::DRAINED_METADATA;
 pub use muster_core::failure::{Failure, FailureDetail};
 pub use muster_core::requests::{Hang, JoinReq, NodeRef, OnHang, Recovery, RoundConfig};

@@ -1128,7 +1128,7 @@ async fn a_dump_gathers_the_nodes_and_drops_what_is_not_theirs() {
     );
     let dumping = {
         let job = Arc::clone(&job);
-        tokio::spawn(async move { job.dump_stacks(false).await })
+        tokio::spawn(async move { job.dump_stacks(Default::default()).await })
     };
     tokio::time::sleep(Duration::from_millis(50)).await;
     // Node 0 also claims rank 2 (node 2's): dropped.

@@ -24,7 +24,7 @@ pub use values::ValuesService;
 
 use crate::auth;
 use crate::config::Config;
-use crate::job::{Job, JobContext, Outbox};
+use crate::job::{Job, JobContext, Outbox, StackDump};
 use crate::pool::{self, Pool};
 use crate::store::{Store, StoreError};
 use muster_core::model::{self, JobId, Scope};

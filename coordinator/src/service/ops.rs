@@ -117,7 +117,11 @@ impl pb::ops_server::Ops for OpsService {
     ) -> Rpc<pb::DumpStacksResponse> {
         let r = request.into_inner();
         let job = self.0.job(&r.job_id)?;
-        Ok(Response::new(job.dump_stacks(r.full).await?))
+        let ask = StackDump {
+            full: r.full,
+            native: r.native,
+        };
+        Ok(Response::new(job.dump_stacks(ask).await?))
     }
 
     async fn list_agents(&self, _: Request<pb::ListAgentsRequest>) -> Rpc<pb::ListAgentsResponse> {
