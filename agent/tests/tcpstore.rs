@@ -1,5 +1,6 @@
 //! The agent store against torch's own `TCPStore` client (`tests/python/tcpstore_client.py`,
-//! run with the peers' venv): a real coordinator in-process on loopback with authentication
+//! and the conformance suite `tests/python/store_conformance.py`, which runs each sequence
+//! against torch's own server too; both with the peers' venv): a real coordinator in-process on loopback with authentication
 //! on, a job formed through the real rendezvous, the store's backend authenticated with the
 //! job token as `launch` mints it, and real client processes. Without the venv, the tests that
 //! need torch print `skipped: ...` and pass; the handshake tests need no Python.
@@ -35,11 +36,16 @@ impl Harness {
     /// Starts a coordinator (cluster token required), forms `job` with one node and starts
     /// the agent store on the job's generation, its backend carrying the job's token.
     async fn start(job: &str) -> Harness {
+        Self::start_with(job, muster_coordinator::Config::default()).await
+    }
+
+    /// As [`Harness::start`], with the coordinator's `config` (its authentication set here).
+    async fn start_with(job: &str, config: muster_coordinator::Config) -> Harness {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let coordinator = listener.local_addr().unwrap().to_string();
         let config = muster_coordinator::Config {
             auth: muster_coordinator::auth::Auth::with_cluster_token(CLUSTER_TOKEN.to_owned()),
-            ..muster_coordinator::Config::default()
+            ..config
         };
         tokio::spawn(async move {
             muster_coordinator::serve(listener, config, std::future::pending())
@@ -143,6 +149,89 @@ async fn torch_client_runs_every_operation() {
         out.contains("list_keys ['fresh', 'k', 'log', 'm1', 'm2', 'n']"),
         "{out}"
     );
+}
+
+/// The conformance suite (`tests/python/store_conformance.py`): every sequence, run against
+/// torch's own TCPStore server and against the agent store with torch's client, observes the
+/// same results and the same exception types; among them torch's largest key and value, and
+/// one byte past each (the connection is closed, nothing is stored, a new client is served),
+/// 16 concurrent clients and waiters woken by another client's set.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn the_agent_store_conforms_to_torchs_tcpstore() {
+    let Some(python) = torch() else { return };
+    let h = Harness::start("tcpstore-conformance").await;
+    let conformance =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/python/store_conformance.py");
+    let mut command = Command::new(&python);
+    command.arg(conformance).arg(h.port());
+    let out = tokio::task::spawn_blocking(move || command.output().unwrap())
+        .await
+        .unwrap();
+    let text = stdout(&out);
+    assert!(
+        text.contains("conformance: 7 of 7 sequences equal"),
+        "{text}"
+    );
+}
+
+/// What this test binary logs (the agent store's `tracing` events), for the tests that
+/// assert on a log line; installed once.
+fn logs() -> std::sync::Arc<std::sync::Mutex<Vec<u8>>> {
+    static LOGS: std::sync::OnceLock<std::sync::Arc<std::sync::Mutex<Vec<u8>>>> =
+        std::sync::OnceLock::new();
+    LOGS.get_or_init(|| {
+        let buffer = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let writer = std::sync::Arc::clone(&buffer);
+        tracing_subscriber::fmt()
+            .with_max_level(tracing::Level::WARN)
+            .with_ansi(false)
+            .with_writer(move || Capture(std::sync::Arc::clone(&writer)))
+            .init();
+        buffer
+    })
+    .clone()
+}
+
+struct Capture(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl Write for Capture {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A set the coordinator refuses (a value within torch's limits but over the coordinator's
+/// `max_value_bytes`, set low here) is never dropped quietly: torch's set gets no reply, so
+/// the agent closes the client's connection (its next call raises `DistNetworkError`, as
+/// after a refusal by torch's own server), stores nothing, and logs why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_refused_set_closes_the_connection_and_is_logged() {
+    let Some(python) = torch() else { return };
+    let logs = logs();
+    let config = muster_coordinator::Config {
+        max_value_bytes: 16 << 10,
+        ..muster_coordinator::Config::default()
+    };
+    let h = Harness::start_with("tcpstore-refused", config).await;
+    let out = stdout(&client(&python, &[&h.port(), "refused-set", "32768"]).await);
+    assert!(out.contains("next call DistNetworkError"), "{out}");
+    assert!(out.contains("stored False"), "{out}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+        if text.contains("agent store connection closed")
+            && text.contains("value is 32768 bytes; the limit is 16384 (max_value_bytes)")
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not logged:\n{text}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -301,12 +390,14 @@ async fn a_bad_handshake_is_refused_at_once_and_others_are_still_served() {
         // Another protocol (an HTTP request): no handshake at all.
         let (text, _) = refused(port, b"GET / HTTP/1.1\r\n\r\n");
         assert!(text.contains("VALIDATE"), "{text}");
-        // A validated client with a query type this protocol does not have.
+        // A validated client with a query type this protocol does not have: closed without
+        // a word (torch's client would read text as its reply), as torch's server does.
         let mut unknown = vec![0u8];
         unknown.extend_from_slice(&0x3C85_F7CEu32.to_le_bytes());
         unknown.push(99);
-        let (text, _) = refused(port, &unknown);
-        assert!(text.contains("unknown TCPStore query type 99"), "{text}");
+        let (text, took) = refused(port, &unknown);
+        assert!(text.is_empty(), "{text}");
+        assert!(took < Duration::from_secs(2), "{took:?}");
         // A good client after all that: validate, then ping is echoed.
         let mut socket = TcpStream::connect(("127.0.0.1", port)).unwrap();
         let mut hello = vec![0u8];

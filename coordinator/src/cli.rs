@@ -94,12 +94,12 @@ struct Args {
     /// call within this long is closed, freeing its slot [default: 5000].
     #[arg(long)]
     handshake_timeout_ms: Option<u64>,
-    /// Largest gRPC message the coordinator accepts, in bytes (at most 1 GiB)
-    /// [default: 4194304].
+    /// Largest gRPC message the coordinator accepts, in bytes (at most 1 GiB; at least twice
+    /// max_value_bytes plus 64 KiB) [default: 25165824].
     #[arg(long)]
     max_message_bytes: Option<usize>,
     /// Largest value in a job's key-value store or a shared value, in bytes
-    /// [default: 1048576].
+    /// [default: 8388608, torch's TCPStore limit].
     #[arg(long)]
     max_value_bytes: Option<usize>,
     /// Largest total of one job's key-value store, in bytes [default: 67108864].

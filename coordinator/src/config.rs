@@ -291,9 +291,9 @@ impl Default for Config {
             heartbeat_timeout: Duration::from_secs(10),
             last_call: Duration::from_secs(30),
             join_timeout: Duration::from_secs(600),
-            max_value_bytes: 1 << 20,
+            max_value_bytes: 8 << 20,
             max_job_bytes: 64 << 20,
-            max_message_bytes: 4 << 20,
+            max_message_bytes: 24 << 20,
             max_connections: Self::DEFAULT_MAX_CONNECTIONS,
             max_streams_per_connection: Self::DEFAULT_MAX_STREAMS_PER_CONNECTION,
             max_connections_per_peer: Self::DEFAULT_MAX_CONNECTIONS_PER_PEER,
@@ -326,11 +326,11 @@ pub struct Layer {
     pub last_call_ms: Option<u64>,
     /// `join_timeout_ms = 600000`.
     pub join_timeout_ms: Option<u64>,
-    /// `max_value_bytes = 1048576`.
+    /// `max_value_bytes = 8388608`.
     pub max_value_bytes: Option<usize>,
     /// `max_job_bytes = 67108864`.
     pub max_job_bytes: Option<usize>,
-    /// `max_message_bytes = 4194304`.
+    /// `max_message_bytes = 25165824`.
     pub max_message_bytes: Option<usize>,
     /// `max_connections = 16384`.
     pub max_connections: Option<usize>,
@@ -658,6 +658,12 @@ impl Config {
                 self.max_value_bytes, self.max_job_bytes
             ));
         }
+        if self.max_message_bytes < 2 * self.max_value_bytes + (64 << 10) {
+            return Err(format!(
+                "max_message_bytes ({}) must be at least twice max_value_bytes ({}) plus 65536, so that a compare-and-set of two largest values and its key fit in one message",
+                self.max_message_bytes, self.max_value_bytes
+            ));
+        }
         if self.max_message_bytes < 64 << 10 {
             return Err(format!(
                 "max_message_bytes must be at least 65536 (got {})",
@@ -969,6 +975,8 @@ mod tests {
                 "max_streams_per_connection",
             ),
             ("max_message_bytes = 2147483648", "max_message_bytes"),
+            // The old default: too small for the default largest value (torch's 8 MiB).
+            ("max_message_bytes = 4194304", "max_value_bytes"),
             ("max_connections_per_peer = 0", "max_connections_per_peer"),
             ("handshake_timeout_ms = 0", "handshake_timeout_ms"),
             ("max_total_bytes = 1024", "max_total_bytes"),

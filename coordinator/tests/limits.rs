@@ -38,7 +38,9 @@ async fn raw_channel(addr: std::net::SocketAddr) -> Channel {
 #[tokio::test]
 async fn oversized_message_is_refused_and_changes_nothing() {
     let server = common::start(Config {
-        max_message_bytes: 64 << 10,
+        max_message_bytes: 80 << 10,
+        // A message must hold a compare-and-set of two largest values.
+        max_value_bytes: 1000,
         ..Config::default()
     })
     .await;
@@ -291,8 +293,8 @@ async fn one_peer_cannot_take_every_slot() {
 async fn an_oversized_request_names_the_limit_and_its_flag() {
     let server = common::start(Config::default()).await;
     make_job(&server.channel, "huge").await;
-    let big = 5 << 20;
     let limit = Config::default().max_message_bytes;
+    let big = limit + (1 << 20);
     let check = |e: tonic::Status| {
         assert_eq!(e.code(), Code::OutOfRange, "{e:?}");
         let m = e.message();

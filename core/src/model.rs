@@ -121,9 +121,14 @@ pub fn is_bidi_control(c: char) -> bool {
     matches!(c, '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}' | '\u{200E}' | '\u{200F}' | '\u{061C}')
 }
 
+/// The longest key of the key-value store: torch's TCPStore takes 8 KiB keys (its libuv
+/// server's limit, with the `/` its client adds), and the agent store puts its own prefix
+/// (`torch/g<generation>/`) before them.
+pub const MAX_KV_KEY_BYTES: usize = 8 * 1024 + 64;
+
 /// Checks a key of the key-value store.
 pub fn kv_key(s: &str) -> Result<String, Invalid> {
-    label("key", s, 512)
+    label("key", s, MAX_KV_KEY_BYTES)
 }
 
 /// A generation as sent by a client: restart rounds count from 1.

@@ -159,6 +159,16 @@ def main() -> None:
         print("value", connect(port).get(args[0]).decode())
     elif mode == "pop":
         print("popped", connect(port).queue_pop(args[0]).decode())
+    elif mode == "refused-set":
+        # A set the store refuses: its client's next call raises; nothing was stored.
+        s = connect(port, timeout_s=5.0)
+        s.set("refused", b"x" * int(args[0]))
+        try:
+            s.get("refused")
+            print("next call returned")
+        except Exception as e:  # noqa: BLE001 - its type is the answer
+            print(f"next call {type(e).__name__}")
+        print("stored", connect(port).check(["refused"]))
     elif mode == "in-flight":
         in_flight(port, *args)
     elif mode == "push":

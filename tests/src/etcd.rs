@@ -230,6 +230,9 @@ impl Etcd {
             .args(["--initial-cluster-token", "muster-test"])
             .args(["--listen-metrics-urls", &health])
             .args(["--logger", "zap", "--log-level", "warn"])
+            // A torch-sized value (8 MiB, the coordinator's max_value_bytes) in one request,
+            // as docs/ha.md asks of a production etcd.
+            .args(["--max-request-bytes", "16777216"])
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(log2))

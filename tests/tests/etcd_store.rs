@@ -45,6 +45,17 @@ async fn conformance(s: Arc<dyn Store>, other: Arc<dyn Store>) {
     // An empty value is a value, not an absence.
     s.put("jobs/j/kv/empty", vec![]).await.unwrap();
     assert_eq!(s.get("jobs/j/kv/empty").await.unwrap(), Some(vec![]));
+    // The largest value a job's store takes (torch's 8 MiB, the coordinator's default
+    // max_value_bytes) under the longest key: one etcd request, with etcd's
+    // --max-request-bytes as docs/ha.md asks.
+    let key = format!(
+        "jobs/j/kv/{}",
+        "k".repeat(muster_core::model::MAX_KV_KEY_BYTES)
+    );
+    let big: Vec<u8> = (0..8 << 20).map(|i| (i % 251) as u8).collect();
+    s.put(&key, big.clone()).await.unwrap();
+    assert!(s.get(&key).await.unwrap() == Some(big));
+    s.delete(&key).await.unwrap();
 
     // create-if-absent: the first wins, later ones read it and change nothing.
     assert_eq!(s.create("jobs/j/gen/1/nccl/w", v("x")).await.unwrap(), None);

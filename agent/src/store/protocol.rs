@@ -15,11 +15,14 @@ use std::fmt;
 /// The magic number a TCPStore client sends in its `VALIDATE` request.
 pub const VALIDATION_MAGIC: u32 = 0x3C85_F7CE;
 
-/// The longest key accepted on the wire. The coordinator's own limit is lower (512 bytes with
-/// the prefix); this one only bounds what a client can make the agent buffer.
-pub const MAX_KEY_BYTES: u64 = 64 * 1024;
-/// The largest value accepted on the wire (the coordinator applies its own, lower, limit).
-pub const MAX_VALUE_BYTES: u64 = 64 * 1024 * 1024;
+/// The longest key accepted on the wire, torch's libuv server's (`MAX_KEY_LEN`): 8 KiB with
+/// the `/` its client puts before every key. Beyond, the connection is closed, as torch's
+/// server closes it; the coordinator takes keys this long with the agent's prefix
+/// (`muster_core::model::MAX_KV_KEY_BYTES`).
+pub const MAX_KEY_BYTES: u64 = 8 * 1024;
+/// The largest value accepted on the wire, torch's libuv server's (`MAX_STRING_LEN`): 8 MiB.
+/// The coordinator's `max_value_bytes` is as large by default.
+pub const MAX_VALUE_BYTES: u64 = 8 * 1024 * 1024;
 /// The most keys in one `CHECK`, `WAIT`, `MULTI_GET` or `MULTI_SET` (torch's `MAX_KEY_COUNT`).
 pub const MAX_KEY_COUNT: u64 = 128 * 1024;
 
@@ -113,6 +116,20 @@ pub enum Request {
         key: String,
         world_size: i64,
     },
+}
+
+impl Request {
+    /// A write torch's client sends without waiting for a reply (`set`, `append`,
+    /// `multi_set`, `queue_push`): to its caller it is done once sent.
+    pub fn is_unanswered_write(&self) -> bool {
+        matches!(
+            self,
+            Request::Set { .. }
+                | Request::Append { .. }
+                | Request::MultiSet { .. }
+                | Request::QueuePush { .. }
+        )
+    }
 }
 
 /// Why a connection is closed: the client does not speak this protocol (or this version of

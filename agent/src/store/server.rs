@@ -1,10 +1,21 @@
 //! The agent store's listener and one task per connection: reads requests with
 //! [`protocol::parse`], runs them on the [`Backend`] (mutations on the connection's own
-//! [`KvLane`]: a connection's requests are sequential) and writes the replies. A blocking `WAIT` (also
-//! what a blocking `queue_pop` sends first) keeps reading the connection while it waits, so torch's `CANCEL_WAIT` (sent
-//! when the client's timeout runs out) is answered at once.
+//! [`KvLane`]: a connection's requests are sequential) and writes the replies. A blocking
+//! `WAIT` (also what a blocking `queue_pop` sends first) keeps reading the connection while it
+//! waits, so torch's `CANCEL_WAIT` (sent when the client's timeout runs out) is answered at
+//! once.
+//!
+//! Order across connections ([`Writes`]): torch's server applies each request as it arrives,
+//! so a write its client sends without waiting for a reply (`set`, `append`) is seen by every
+//! request that arrives after it, from any client. The agent applies a write with a round trip
+//! to the coordinator, so every request waits for the unanswered writes that arrived before it
+//! (and such writes apply in their order of arrival).
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
 
 use muster::client::KvLane;
+use tokio::sync::Notify;
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
     net::{TcpListener, TcpStream},
@@ -18,6 +29,7 @@ use super::{
 
 /// Accepts until `stop`; each connection runs in its own task, which ends with `stop` too.
 pub(super) async fn serve(listener: TcpListener, backend: Backend, stop: CancellationToken) {
+    let writes = Arc::new(Writes::default());
     loop {
         let accepted = tokio::select! {
             _ = stop.cancelled() => return,
@@ -27,12 +39,13 @@ pub(super) async fn serve(listener: TcpListener, backend: Backend, stop: Cancell
             Ok((stream, peer)) => {
                 let _ = stream.set_nodelay(true);
                 let backend = backend.clone();
+                let writes = Arc::clone(&writes);
                 let stop = stop.clone();
                 // Policy: a connection's failure is logged and ends that connection only.
                 tokio::spawn(async move {
                     tokio::select! {
                         _ = stop.cancelled() => {}
-                        r = Connection::new(stream, backend).run() => {
+                        r = Connection::new(stream, backend, writes).run() => {
                             if let Err(e) = r {
                                 tracing::warn!(%peer, "agent store connection closed: {e}");
                             }
@@ -45,6 +58,87 @@ pub(super) async fn serve(listener: TcpListener, backend: Backend, stop: Cancell
                 // Out of file descriptors and the like: do not spin.
                 tokio::time::sleep(std::time::Duration::from_millis(50)).await;
             }
+        }
+    }
+}
+
+/// The store's unanswered writes in their order of arrival, over every connection: see the
+/// module's doc.
+#[derive(Default)]
+struct Writes {
+    state: Mutex<WritesState>,
+    /// Signalled whenever a write is done.
+    done: Notify,
+}
+
+#[derive(Default)]
+struct WritesState {
+    /// The number the next unanswered write gets.
+    next: u64,
+    /// The unanswered writes not done yet.
+    pending: BTreeSet<u64>,
+}
+
+/// A request's place in the order: it runs after every unanswered write that arrived before
+/// it, and, if it is one, is done when dropped.
+struct Turn {
+    writes: Arc<Writes>,
+    /// The writes that arrived before this request number below this.
+    before: u64,
+    own: Option<u64>,
+}
+
+impl Writes {
+    /// The turn of a request arriving now (`write`: an unanswered write).
+    fn arrive(self: &Arc<Self>, write: bool) -> Turn {
+        let mut st = self.lock();
+        let before = st.next;
+        let own = write.then(|| {
+            st.next += 1;
+            st.pending.insert(before);
+            before
+        });
+        Turn {
+            writes: Arc::clone(self),
+            before,
+            own,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, WritesState> {
+        // A panic elsewhere while holding it leaves plain numbers: still usable.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl Turn {
+    /// Returns once every unanswered write that arrived before this request is done (applied,
+    /// or failed with its connection).
+    async fn ready(&self) {
+        loop {
+            let done = self.writes.done.notified();
+            tokio::pin!(done);
+            // Registered before the check, so a write done in between still wakes it.
+            done.as_mut().enable();
+            let waiting = self
+                .writes
+                .lock()
+                .pending
+                .first()
+                .is_some_and(|&first| first < self.before);
+            if !waiting {
+                return;
+            }
+            done.await;
+        }
+    }
+}
+
+impl Drop for Turn {
+    fn drop(&mut self) {
+        if let Some(own) = self.own {
+            self.writes.lock().pending.remove(&own);
+            self.writes.done.notify_waiters();
         }
     }
 }
@@ -73,6 +167,7 @@ enum Blocked<T> {
 struct Connection {
     stream: TcpStream,
     backend: Backend,
+    writes: Arc<Writes>,
     /// The connection's lane for mutations that must be applied once across a failover.
     lane: KvLane,
     buf: Vec<u8>,
@@ -80,9 +175,10 @@ struct Connection {
 }
 
 impl Connection {
-    fn new(stream: TcpStream, backend: Backend) -> Self {
+    fn new(stream: TcpStream, backend: Backend, writes: Arc<Writes>) -> Self {
         Self {
             stream,
+            writes,
             lane: backend.lane(),
             backend,
             buf: Vec::with_capacity(4096),
@@ -115,20 +211,29 @@ impl Connection {
         }
     }
 
+    /// Serves until the client leaves. A protocol error before the handshake is written
+    /// back as text (a human with `nc` sees what was expected); after it, a torch client
+    /// would read text as its reply, so the connection is only closed, as torch's server
+    /// closes it (unread bytes make it a reset: the client's call, or its next, raises).
     async fn run(mut self) -> Result<(), ConnError> {
         let result = self.serve().await;
         if let Err(ConnError::Protocol(e)) = &result {
             tracing::error!("agent store refused a client: {e}");
-            let _ = self.stream.write_all(format!("{e}\n").as_bytes()).await;
-            let _ = self.stream.shutdown().await;
+            if !self.validated {
+                let _ = self.stream.write_all(format!("{e}\n").as_bytes()).await;
+                let _ = self.stream.shutdown().await;
+            }
         }
         result
     }
 
     async fn serve(&mut self) -> Result<(), ConnError> {
         while let Some(request) = self.next().await? {
+            let turn = self.writes.arrive(request.is_unanswered_write());
+            turn.ready().await;
             let mut out = Vec::new();
             self.handle(request, &mut out).await?;
+            drop(turn);
             if !out.is_empty() {
                 self.stream.write_all(&out).await?;
             }

@@ -273,7 +273,7 @@ fn torch_describes(addr: &str, rounds: usize) -> anyhow::Result<(f64, f64, f64)>
     let (first, out) = describe_once(addr, "stacks-bench-3", &["--native"]);
     let text = String::from_utf8_lossy(&out.stdout);
     anyhow::ensure!(
-        text.contains("(libtorch_cpu.so)"),
+        text.contains("(libpython"),
         "no native frames in the view:\n{text}"
     );
     let mut later: Vec<f64> = (0..rounds.max(5))

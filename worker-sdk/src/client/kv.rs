@@ -11,6 +11,12 @@ use tokio::time::Instant;
 use super::{Coordinator, Failed, wait_ms};
 use crate::Error;
 
+/// The largest reply taken from the coordinator's `KeyValue` service: a value is up to the
+/// coordinator's `max_value_bytes` (8 MiB by default, torch's limit), and a `List` carries a
+/// whole prefix's values (up to the job's `max_job_bytes`); gRPC's default of 4 MiB would
+/// refuse both. The cap is the coordinator's own upper bound on a message.
+const MAX_REPLY_BYTES: usize = 1 << 30;
+
 /// The outcome of [`Kv::compare_and_set`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CasOutcome {
@@ -67,7 +73,12 @@ impl Kv {
             .unary(
                 true,
                 || request.clone(),
-                |channel, request| async move { KeyValueClient::new(channel).set(request).await },
+                |channel, request| async move {
+                    KeyValueClient::new(channel)
+                        .max_decoding_message_size(MAX_REPLY_BYTES)
+                        .set(request)
+                        .await
+                },
             )
             .await
             .map_err(|e| self.error(e, key))?;
@@ -86,7 +97,12 @@ impl Kv {
             .unary(
                 true,
                 || request.clone(),
-                |channel, request| async move { KeyValueClient::new(channel).get(request).await },
+                |channel, request| async move {
+                    KeyValueClient::new(channel)
+                        .max_decoding_message_size(MAX_REPLY_BYTES)
+                        .get(request)
+                        .await
+                },
             )
             .await;
         match response {
@@ -109,7 +125,12 @@ impl Kv {
                     key: key.to_owned(),
                     wait_ms: wait_ms(Some(wait.saturating_sub(started.elapsed()))),
                 },
-                |channel, request| async move { KeyValueClient::new(channel).get(request).await },
+                |channel, request| async move {
+                    KeyValueClient::new(channel)
+                        .max_decoding_message_size(MAX_REPLY_BYTES)
+                        .get(request)
+                        .await
+                },
             )
             .await
             .map_err(|e| self.error(e, key))?;
@@ -151,7 +172,12 @@ impl Kv {
             .unary(
                 delta == 0 || lane.is_some(),
                 || request.clone(),
-                |channel, request| async move { KeyValueClient::new(channel).add(request).await },
+                |channel, request| async move {
+                    KeyValueClient::new(channel)
+                        .max_decoding_message_size(MAX_REPLY_BYTES)
+                        .add(request)
+                        .await
+                },
             )
             .await
             .map_err(|e| self.error(e, key))?;
@@ -193,7 +219,10 @@ impl Kv {
                 lane.is_some(),
                 || request.clone(),
                 |channel, request| async move {
-                    KeyValueClient::new(channel).compare_and_set(request).await
+                    KeyValueClient::new(channel)
+                        .max_decoding_message_size(MAX_REPLY_BYTES)
+                        .compare_and_set(request)
+                        .await
                 },
             )
             .await
@@ -216,7 +245,12 @@ impl Kv {
             .unary(
                 true,
                 || request.clone(),
-                |channel, request| async move { KeyValueClient::new(channel).delete(request).await },
+                |channel, request| async move {
+                    KeyValueClient::new(channel)
+                        .max_decoding_message_size(MAX_REPLY_BYTES)
+                        .delete(request)
+                        .await
+                },
             )
             .await
             .map_err(|e| self.error(e, key))?;
@@ -234,7 +268,12 @@ impl Kv {
             .unary(
                 true,
                 || request.clone(),
-                |channel, request| async move { KeyValueClient::new(channel).list(request).await },
+                |channel, request| async move {
+                    KeyValueClient::new(channel)
+                        .max_decoding_message_size(MAX_REPLY_BYTES)
+                        .list(request)
+                        .await
+                },
             )
             .await
             .map_err(|failed| {
