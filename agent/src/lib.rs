@@ -36,6 +36,7 @@ pub mod launch;
 pub mod metrics;
 pub mod net;
 pub mod operator;
+pub mod procfs;
 pub mod program;
 pub mod relay;
 pub mod security;

@@ -674,19 +674,10 @@ fn explain(pid: u32, e: &anyhow::Error) -> Unreadable {
 fn python_descendant(pid: u32) -> Option<u32> {
     let mut level = vec![pid];
     for _ in 0..3 {
-        let mut next = Vec::new();
-        for p in level {
-            let tasks = std::fs::read_dir(format!("/proc/{p}/task")).ok()?;
-            for task in tasks.flatten() {
-                let children =
-                    std::fs::read_to_string(task.path().join("children")).unwrap_or_default();
-                next.extend(
-                    children
-                        .split_whitespace()
-                        .filter_map(|c| c.parse::<u32>().ok()),
-                );
-            }
-        }
+        let next: Vec<u32> = level
+            .into_iter()
+            .flat_map(crate::procfs::children)
+            .collect();
         if let Some(&python) = next.iter().find(|&&c| is_python(c)) {
             return Some(python);
         }

@@ -66,6 +66,14 @@ impl Harness {
     fn port(&self) -> String {
         self.store.port().to_string()
     }
+
+    /// Sets `key` in the job's store as torch's client would (the SDK's door).
+    async fn store_key(&self, key: &str, value: &[u8]) {
+        job_kv(&self.coordinator, &self.job, &self.job)
+            .set(&format!("torch/g{}/{key}", self.generation), value)
+            .await
+            .unwrap();
+    }
 }
 
 /// A `Kv` on `job`'s store carrying the job token of `token_job` (as `launch` mints it).
@@ -232,6 +240,124 @@ async fn a_refused_set_closes_the_connection_and_is_logged() {
         assert!(Instant::now() < deadline, "not logged:\n{text}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// Runs `program` with `args` detached from this process (`setsid -f`: its parent exits, so
+/// it is no descendant of the test, which plays the agent), its stdout into a file; returns
+/// that output once it has a line.
+async fn outsider(program: &Path, args: &[&str], name: &str) -> String {
+    let dir = std::env::temp_dir().join(format!("muster-outsider-{}-{name}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    // Writable by another user, for the outsider run as one.
+    std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
+    let out = dir.join("out");
+    let mut command = Command::new("setsid");
+    command
+        .arg("-f")
+        .arg("sh")
+        .arg("-c")
+        .arg(r#"out="$1"; shift; exec "$@" > "$out" 2>/dev/null"#)
+        .arg("sh")
+        .arg(&out)
+        .arg(program)
+        .args(args);
+    let status = command.status().unwrap();
+    assert!(status.success(), "setsid -f: {status}");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let text = std::fs::read_to_string(&out).unwrap_or_default();
+        if text.ends_with('\n') {
+            let _ = std::fs::remove_dir_all(&dir);
+            return text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the outsider never answered: {text:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Only the agent's own workers and their children use the job's store: a process of the same
+/// user that is not one of them (torch's client, detached from the agent) gets torch's
+/// connection error, as does one of another user (a raw client); the agent logs each with
+/// its pid and uid; its own children (every other test here) are served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_outsiders_connection_is_refused_and_named() {
+    let logs = logs();
+    let h = Harness::start("tcpstore-outsider").await;
+    h.store_key("secret", b"job data").await;
+    let port = h.port();
+    // A refusal names the pids holding the socket (a shell's children inherit it) and uid.
+    let logged = |pid: String, uid: u32| {
+        let logs = std::sync::Arc::clone(&logs);
+        async move {
+            let names = |l: &str| {
+                l.contains("refused a connection")
+                    && l.contains(&format!(" (uid {uid}), "))
+                    && l.split([' ', ',']).any(|w| w == pid)
+            };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let text = String::from_utf8_lossy(&logs.lock().unwrap()).into_owned();
+                if text.lines().any(names) {
+                    return;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "no refusal naming pid {pid}, uid {uid}:\n{text}"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    let uid = std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self").unwrap());
+    // The same user, with torch's own client.
+    if let Some(python) = torch() {
+        let script = script();
+        let out = outsider(
+            &python,
+            &[script.to_str().unwrap(), &port, "try", "secret"],
+            "torch",
+        )
+        .await;
+        let pid = out
+            .trim()
+            .strip_prefix("raised DistNetworkError pid ")
+            .unwrap_or_else(|| panic!("the outsider was served: {out}"));
+        logged(pid.to_owned(), uid).await;
+    }
+    // Another user, with a raw client (bash's /dev/tcp): the handshake and a ping get no
+    // answer, the connection is closed.
+    let raw = format!(
+        r#"exec 3<>/dev/tcp/127.0.0.1/{port} || {{ echo cannot connect; exit; }}; printf '\x00\xce\xf7\x85\x3c\x0d\x2a\x00\x00\x00' >&3; if [ -n "$(timeout 5 head -c 4 <&3 | od -An -tx1)" ]; then echo "answered $$"; else echo "closed $$"; fi"#
+    );
+    if uid == 0 && Command::new("setpriv").arg("--version").output().is_ok() {
+        let out = outsider(
+            Path::new("setpriv"),
+            &[
+                "--reuid=65534",
+                "--regid=65534",
+                "--clear-groups",
+                "bash",
+                "-c",
+                &raw,
+            ],
+            "nobody",
+        )
+        .await;
+        let pid = out
+            .trim()
+            .strip_prefix("closed ")
+            .unwrap_or_else(|| panic!("the outsider was answered: {out}"));
+        logged(pid.to_owned(), 65534).await;
+    } else {
+        eprintln!("skipped: another user's outsider needs root and setpriv");
+    }
+    // The same user, raw, for the record of what it sees.
+    let out = outsider(Path::new("bash"), &["-c", &raw], "raw").await;
+    assert!(out.starts_with("closed "), "{out}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

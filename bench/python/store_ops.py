@@ -1,5 +1,5 @@
 """Per-operation latency of torch's own ``TCPStore`` client for ``target/release/store``, run as
-two ranks under ``muster-agent launch``: rank 1 times ``set`` (with an empty ``check`` behind it, since a set has no reply), ``get``, ``add`` and ``check([])``
+two ranks under ``muster-agent launch``: rank 1 times ``set`` (with an empty ``check`` behind it, since a set has no reply), ``get``, ``add``, ``check([])`` and a new client's connection
 against the store at MASTER_ADDR:MASTER_PORT, which is the agent's store when the launcher sets
 ``TORCHELASTIC_USE_AGENT_STORE=True`` and otherwise a TCPStore server that rank 0 opens, as
 ``env://`` would. ``check`` of no keys is answered by the server without touching its keys (the
@@ -64,8 +64,18 @@ def main() -> None:
         "add": lambda i: store.add("bench/counter", 1),
         "check_empty": lambda i: store.check([]),
     }
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+
+    def connect(i: int) -> None:
+        # A new client each time: torch's connect and handshake; the agent store also checks
+        # that the connection is one of its own workers' (/proc/net/tcp and /proc/PID/fd).
+        dist.TCPStore(host, port, is_master=False, timeout=TIMEOUT, wait_for_workers=False)
+
+    ops["connect"] = connect
     for name, op in ops.items():
-        xs = timed(op, args.iters, args.warmup)
+        # Fewer connections than calls: each leaves a socket in TIME_WAIT behind it.
+        n = min(args.iters, 200) if name == "connect" else args.iters
+        xs = timed(op, n, min(args.warmup, n // 10))
         print(
             f"op={name} p50_us={percentile(xs, 0.5):.1f} p90_us={percentile(xs, 0.9):.1f} "
             f"mean_us={statistics.fmean(xs):.1f} n={len(xs)}",

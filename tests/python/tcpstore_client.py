@@ -159,6 +159,12 @@ def main() -> None:
         print("value", connect(port).get(args[0]).decode())
     elif mode == "pop":
         print("popped", connect(port).queue_pop(args[0]).decode())
+    elif mode == "try":
+        # One get through a new client: what it got, or the type of what it raised.
+        try:
+            print("got", connect(port, timeout_s=5.0).get(args[0]).decode(), flush=True)
+        except Exception as e:  # noqa: BLE001 - its type is the answer
+            print(f"raised {type(e).__name__} pid {os.getpid()}", flush=True)
     elif mode == "refused-set":
         # A set the store refuses: its client's next call raises; nothing was stored.
         s = connect(port, timeout_s=5.0)

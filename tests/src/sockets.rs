@@ -1,11 +1,13 @@
 //! Who listens where: every listening TCP socket of a network namespace, read from
 //! `/proc/<pid>/net/tcp{,6}` (the sockets and their inodes), with the processes that hold each
-//! one, found through `/proc/<pid>/fd` (inodes are unique across namespaces). The agent store
+//! one, found through `/proc/<pid>/fd` (inodes are unique across namespaces); both read with
+//! the agent's own `muster_agent::procfs`. The agent store
 //! tests use it to check that only the agent listens on `MASTER_PORT`, on loopback, and that no
 //! worker opens a store server; and the `ready` line their scripts print about their store.
 
+use muster_agent::procfs;
 use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+use std::net::{IpAddr, SocketAddr};
 
 /// One listening TCP socket.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -30,86 +32,30 @@ pub fn listeners_of(pid: u32) -> Vec<Listener> {
 }
 
 fn listeners_in(proc_entry: &str) -> Vec<Listener> {
-    let mut by_inode: BTreeMap<u64, (IpAddr, u16)> = BTreeMap::new();
-    for (file, v6) in [("tcp", false), ("tcp6", true)] {
-        let Ok(text) = std::fs::read_to_string(format!("/proc/{proc_entry}/net/{file}")) else {
-            continue;
-        };
-        for line in text.lines().skip(1) {
-            let cols: Vec<&str> = line.split_whitespace().collect();
-            // sl local_address rem_address st tx:rx tr:when retrnsmt uid timeout inode
-            if cols.len() < 10 || cols[3] != "0A" {
-                continue;
-            }
-            let (Some((addr, port)), Ok(inode)) = (local_address(cols[1], v6), cols[9].parse())
-            else {
-                continue;
-            };
-            by_inode.insert(inode, (addr, port));
-        }
-    }
+    let listening: Vec<procfs::TcpSocket> = procfs::tcp_sockets(proc_entry)
+        .into_iter()
+        .filter(|s| s.listening)
+        .collect();
     let mut pids: BTreeMap<u64, Vec<u32>> = BTreeMap::new();
-    for entry in std::fs::read_dir("/proc").expect("/proc").flatten() {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| s.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let Ok(fds) = std::fs::read_dir(entry.path().join("fd")) else {
-            continue;
-        };
-        for fd in fds.flatten() {
-            let Ok(target) = std::fs::read_link(fd.path()) else {
-                continue;
-            };
-            let inode = target
-                .to_str()
-                .and_then(|t| t.strip_prefix("socket:["))
-                .and_then(|t| t.strip_suffix(']'))
-                .and_then(|t| t.parse::<u64>().ok());
-            if let Some(inode) = inode
-                && by_inode.contains_key(&inode)
-            {
+    for pid in procfs::processes() {
+        for inode in procfs::socket_inodes(pid) {
+            if listening.iter().any(|s| s.inode == inode) {
                 pids.entry(inode).or_default().push(pid);
             }
         }
     }
+    let mut by_inode: BTreeMap<u64, SocketAddr> = BTreeMap::new();
+    for s in listening {
+        by_inode.insert(s.inode, s.local);
+    }
     by_inode
         .into_iter()
-        .map(|(inode, (addr, port))| Listener {
-            addr,
-            port,
+        .map(|(inode, local)| Listener {
+            addr: local.ip(),
+            port: local.port(),
             pids: pids.remove(&inode).unwrap_or_default(),
         })
         .collect()
-}
-
-/// `0100007F:1F90` (IPv4) or 32 hex digits and a port (IPv6): the kernel prints the address
-/// as 32-bit words in host (little-endian) byte order.
-fn local_address(text: &str, v6: bool) -> Option<(IpAddr, u16)> {
-    let (addr, port) = text.split_once(':')?;
-    let port = u16::from_str_radix(port, 16).ok()?;
-    let words: Vec<[u8; 4]> = (0..addr.len() / 8)
-        .map(|i| {
-            u32::from_str_radix(addr.get(i * 8..i * 8 + 8)?, 16)
-                .ok()
-                .map(u32::to_le_bytes)
-        })
-        .collect::<Option<_>>()?;
-    let ip = match (v6, words.as_slice()) {
-        (false, [w]) => IpAddr::V4(Ipv4Addr::from(*w)),
-        (true, [a, b, c, d]) => {
-            let mut bytes = [0u8; 16];
-            for (i, w) in [a, b, c, d].into_iter().enumerate() {
-                bytes[i * 4..i * 4 + 4].copy_from_slice(w);
-            }
-            IpAddr::V6(Ipv6Addr::from(bytes))
-        }
-        _ => return None,
-    };
-    Some((ip, port))
 }
 
 /// The listening sockets held by `pid`.

@@ -389,7 +389,14 @@ fn a_leader_killed_while_the_job_trains() {
 /// `MASTER_PORT` (the agent store's) and sleeps, and the job's store through the SDK once the
 /// job exists. Returns the agent, the store and the port.
 fn sleeping_job(ha: &Ha, job: &str) -> (Agent, Kv, u16) {
+    job_with_worker(ha, job, "exec sleep 300")
+}
+
+/// As [`sleeping_job`], its one worker running the shell command `then` after printing its
+/// port (only the agent's own workers may use its store).
+fn job_with_worker(ha: &Ha, job: &str, then: &str) -> (Agent, Kv, u16) {
     let addrs = ha.replicas.addrs();
+    let worker = format!("echo \"store port $MASTER_PORT\"; {then}");
     let agent = Agent::start_with_env(
         &[
             "launch",
@@ -402,7 +409,7 @@ fn sleeping_job(ha: &Ha, job: &str) -> (Agent, Kv, u16) {
             "--",
             "sh",
             "-c",
-            "echo \"store port $MASTER_PORT\"; exec sleep 300",
+            &worker,
         ],
         &[("NO_COLOR", "1")],
     );
@@ -647,9 +654,9 @@ fn a_lane_call_applied_with_its_answer_lost_is_answered_once() {
     });
 }
 
-/// torch's own `TCPStore` client (`tests/python/tcpstore_client.py in-flight`) sends an add of
-/// 7, a compare_set, an append and a queue_push through the agent store, each on a connection
-/// of its own, while the leader is frozen; the leader is then SIGKILLed. Every call completes
+/// torch's own `TCPStore` client (`tests/python/tcpstore_client.py in-flight`, the job's
+/// worker) sends an add of 7, a compare_set, an append and a queue_push through the agent
+/// store, each on a connection of its own, while the leader is frozen; the leader is then SIGKILLed. Every call completes
 /// on the new leader, applied once: the counter ends at 12, the swapped value is "v2", the log
 /// "ax" (an append retried after its swap was applied would make it "axx") and the queue holds
 /// one item.
@@ -662,7 +669,21 @@ fn torchs_mutations_in_flight_at_the_leaders_death_apply_once() {
     let Some((mut ha, leader)) = Ha::start() else {
         return;
     };
-    let (_agent, kv, port) = sleeping_job(&ha, "agent-store-ha-torch");
+    let steer = Steer::new("torch-in-flight");
+    let go = steer.0.join("go");
+    // The client is the job's worker: only the agent's own workers may use its store.
+    let worker = format!(
+        "exec {} {} \"$MASTER_PORT\" in-flight {} counter cas log q",
+        python.display(),
+        workspace_root()
+            .join("tests/python/tcpstore_client.py")
+            .display(),
+        go.display()
+    );
+    let (client, kv, _) = job_with_worker(&ha, "agent-store-ha-torch", &worker);
+    client.wait_for_lines(Stream::Stdout, 1, PYTHON_LIMIT, |l| {
+        l.ends_with("] connected")
+    });
     // torch's keys, as the agent store maps them (generation 1).
     let key = |k: &str| format!("torch/g1/{k}");
     ha.runtime.block_on(async {
@@ -670,23 +691,13 @@ fn torchs_mutations_in_flight_at_the_leaders_death_apply_once() {
         kv.set(&key("cas"), "v1").await.expect("a set");
         kv.set(&key("log"), "a").await.expect("a set");
     });
-    let steer = Steer::new("torch-in-flight");
-    let go = steer.0.join("go");
-    let mut cmd = std::process::Command::new(&python);
-    cmd.arg(workspace_root().join("tests/python/tcpstore_client.py"))
-        .arg(port.to_string())
-        .arg("in-flight")
-        .arg(&go)
-        .args(["counter", "cas", "log", "q"]);
-    let client = Agent::spawn(cmd, "tcpstore_client.py in-flight");
-    client.wait_for_lines(Stream::Stdout, 1, PYTHON_LIMIT, |l| l == "connected");
     // The calls go out at once after the freeze: a frozen leader's lease runs out within the
     // TTL, and a call sent after that would go to the next leader, not be in flight.
     ha.replicas.stop(leader);
     std::fs::write(&go, b"go").expect("the go file");
     // Each call is sent just after its line; the leader stays frozen until they all are.
     client.wait_for_lines(Stream::Stdout, 4, PYTHON_LIMIT, |l| {
-        l.starts_with("calling ")
+        l.contains("] calling ")
     });
     std::thread::sleep(Duration::from_millis(500));
     let mut client = client;
@@ -699,11 +710,12 @@ fn torchs_mutations_in_flight_at_the_leaders_death_apply_once() {
     let done = client.finish(PYTHON_LIMIT);
     let logs = ha.replicas.logs();
     assert_eq!(done.code(), Some(0), "{}\n{logs}", done.dump());
+    // The worker's own lines, without the agent's `[rank 0] ` prefix.
     let mut printed: Vec<&str> = done
         .stdout
         .iter()
-        .map(String::as_str)
-        .filter(|l| !l.starts_with("calling ") && *l != "connected")
+        .filter_map(|l| l.split_once("] ").map(|(_, line)| line))
+        .filter(|l| !l.starts_with("calling ") && *l != "connected" && !l.starts_with("store port"))
         .collect();
     printed.sort();
     assert_eq!(

@@ -9,6 +9,7 @@
 //! listener and one task per connection.
 
 mod backend;
+mod peers;
 mod protocol;
 mod server;
 

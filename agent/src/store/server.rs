@@ -24,12 +24,17 @@ use tokio_util::sync::CancellationToken;
 
 use super::{
     backend::Backend,
+    peers,
     protocol::{self, ProtocolError, Request},
 };
 
 /// Accepts until `stop`; each connection runs in its own task, which ends with `stop` too.
 pub(super) async fn serve(listener: TcpListener, backend: Backend, stop: CancellationToken) {
     let writes = Arc::new(Writes::default());
+    let Ok(store) = listener.local_addr() else {
+        tracing::error!("agent store: its listener has no address");
+        return;
+    };
     loop {
         let accepted = tokio::select! {
             _ = stop.cancelled() => return,
@@ -43,6 +48,21 @@ pub(super) async fn serve(listener: TcpListener, backend: Backend, stop: Cancell
                 let stop = stop.clone();
                 // Policy: a connection's failure is logged and ends that connection only.
                 tokio::spawn(async move {
+                    // Only this agent's workers and their children (`peers`); anyone else's
+                    // connection is closed at once, which torch's client reports as its
+                    // connection error.
+                    let admitted =
+                        tokio::task::spawn_blocking(move || peers::admit(store, peer)).await;
+                    match admitted {
+                        Ok(Ok(())) => {}
+                        Ok(Err(who)) => {
+                            tracing::warn!(
+                                "agent store: refused a connection from {peer}: {who}; only this agent's workers may use the job's store"
+                            );
+                            return;
+                        }
+                        Err(_) => return,
+                    }
                     tokio::select! {
                         _ = stop.cancelled() => {}
                         r = Connection::new(stream, backend, writes).run() => {

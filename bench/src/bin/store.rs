@@ -374,11 +374,15 @@ fn ops_tables(s: &Setup, args: &Args) -> anyhow::Result<()> {
         Store::Rank0.name()
     );
     println!("| --- | --- | --- | --- | --- | --- |");
-    for (op, label, _, _) in
-        OPS.iter()
-            .copied()
-            .chain([("check_empty", "empty check (the hop alone)", 1, 0)])
-    {
+    for (op, label, _, _) in OPS.iter().copied().chain([
+        ("check_empty", "empty check (the hop alone)", 1, 0),
+        (
+            "connect",
+            "a new client: connect and handshake (the agent store also checks it is its worker's)",
+            0,
+            0,
+        ),
+    ]) {
         let (l, r, t) = (
             get(&torch, Store::AgentLocal, op),
             get(&torch, Store::AgentRemote, op),
