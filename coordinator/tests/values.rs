@@ -470,6 +470,7 @@ async fn bad_sessions_are_rejected_and_change_nothing() {
         "a rejected join opened a round"
     );
     // Oversized messages are refused by the transport, not buffered.
-    let e = set(ch, "bad", "huge", &vec![0; 5 << 20]).await.unwrap_err();
+    let huge = Config::default().max_message_bytes + (1 << 20);
+    let e = set(ch, "bad", "huge", &vec![0; huge]).await.unwrap_err();
     assert_eq!(e.code(), Code::OutOfRange, "{}", e.message());
 }
