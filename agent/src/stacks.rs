@@ -794,9 +794,24 @@ mod tests {
             },
         );
         let sampler = Sampler::start(workers, 0.0).expect("sampler");
-        // Let it reach its sleep.
-        tokio::time::sleep(Duration::from_millis(100)).await;
-        let stacks = sampler.dump(false).await;
+        // Until it reached its sleep (a loaded machine may still be loading the program).
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let stacks = loop {
+            let stacks = sampler.dump(false).await;
+            let asleep = stacks.first().is_some_and(|s| {
+                s.native.contains("it is sleeping")
+                    && s.threads.first().is_some_and(|t| {
+                        t.frames
+                            .iter()
+                            .take(3)
+                            .any(|f| f.function.contains("sleep") && f.module.contains("libc"))
+                    })
+            });
+            if asleep || Instant::now() > deadline {
+                break stacks;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
         let _ = child.kill();
         let _ = child.wait();
         assert_eq!(stacks.len(), 1);
@@ -940,7 +955,15 @@ mod tests {
         let main = loop {
             let s = sampler.dump(true).await.remove(0);
             let main = s.threads.into_iter().next();
-            if let Some(main) = main.filter(|m| m.frames.iter().any(|f| f.line == 3)) {
+            // Settled once the innermost Python frame is the loop's sleep (not the
+            // interpreter's start-up imports, whose frames may stand at any line).
+            let settled = |m: &pb::ThreadStack| {
+                m.frames
+                    .iter()
+                    .find(|f| f.module.is_empty())
+                    .is_some_and(|f| f.function == "<module>" && f.line == 3)
+            };
+            if let Some(main) = main.filter(settled) {
                 assert!(s.native.is_empty(), "{}", s.native);
                 break main;
             }
