@@ -399,7 +399,15 @@ async fn run(
         let mut broke = false;
         loop {
             tokio::select! {
-                msg = stream.message() => match msg {
+                msg = stream.message() => {
+                    // A message (or the stream's end) that waited while this process was
+                    // stopped: the stall is named, and not counted against the lease, before
+                    // the message is taken (the tick below would only have run after it).
+                    if let Some(gap) = state.woke(due) {
+                        print_stall(&attach.job_id, gap, lease, "");
+                        due = Instant::now() + interval;
+                    }
+                    match msg {
                     Ok(Some(event)) => {
                         state.heard();
                         tried_other = false;
@@ -469,7 +477,8 @@ async fn run(
                         // Otherwise not a failover: reconnect within the lease, as after a blip.
                         break;
                     }
-                },
+                    }
+                }
                 _ = tick.tick() => {
                     if let Some(gap) = state.woke(due) {
                         print_stall(
