@@ -243,8 +243,8 @@ async fn a_refused_set_closes_the_connection_and_is_logged() {
 }
 
 /// Runs `program` with `args` detached from this process (`setsid -f`: its parent exits, so
-/// it is no descendant of the test, which plays the agent), its stdout into a file; returns
-/// that output once it has a line.
+/// it is no descendant of the test, which plays the agent; it starts only once it is not),
+/// its stdout into a file; returns that output once it has a line.
 async fn outsider(program: &Path, args: &[&str], name: &str) -> String {
     let dir = std::env::temp_dir().join(format!("muster-outsider-{}-{name}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -252,19 +252,36 @@ async fn outsider(program: &Path, args: &[&str], name: &str) -> String {
     // Writable by another user, for the outsider run as one.
     std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o777)).unwrap();
     let out = dir.join("out");
+    // It says its pid, then waits for `go`, which comes once it is no longer a descendant of
+    // this process (`setsid -f`'s parent may not have exited yet when it starts).
     let mut command = Command::new("setsid");
     command
         .arg("-f")
         .arg("sh")
         .arg("-c")
-        .arg(r#"out="$1"; shift; exec "$@" > "$out" 2>/dev/null"#)
+        .arg(
+            r#"dir="$1"; shift; echo $$ > "$dir/pid"; while [ ! -e "$dir/go" ]; do sleep 0.01; done; exec "$@" > "$dir/out" 2>/dev/null"#,
+        )
         .arg("sh")
-        .arg(&out)
+        .arg(&dir)
         .arg(program)
         .args(args);
     let status = command.status().unwrap();
     assert!(status.success(), "setsid -f: {status}");
     let deadline = Instant::now() + Duration::from_secs(60);
+    let pid: u32 = loop {
+        let text = std::fs::read_to_string(dir.join("pid")).unwrap_or_default();
+        if let Ok(pid) = text.trim().parse() {
+            break pid;
+        }
+        assert!(Instant::now() < deadline, "the outsider never started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    while muster_agent::procfs::descendants(std::process::id()).contains(&pid) {
+        assert!(Instant::now() < deadline, "pid {pid} stayed a descendant");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    std::fs::write(dir.join("go"), b"go").unwrap();
     loop {
         let text = std::fs::read_to_string(&out).unwrap_or_default();
         if text.ends_with('\n') {
