@@ -19,8 +19,10 @@ pub(super) fn admit(store: SocketAddr, peer: SocketAddr) -> Result<(), String> {
         ));
     };
     let me = std::process::id();
-    if std::iter::once(me)
-        .chain(procfs::descendants(me))
+    // The workers first: the agent itself holds many more sockets and is rarely the client.
+    if procfs::descendants(me)
+        .into_iter()
+        .chain(std::iter::once(me))
         .any(|pid| procfs::socket_inodes(pid).contains(&client.inode))
     {
         return Ok(());
