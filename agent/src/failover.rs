@@ -21,7 +21,7 @@
 //! [`AuthChannel`]: it connects with the agent's TLS settings and adds its credentials to
 //! every call ([`Coordinators::with_security`]), so no client of the agent can forget them.
 
-use muster_core::failover::{self as policy, Rotation, Streak, Verdict};
+use muster_core::failover::{self as policy, Census, Rotation, Streak, Verdict};
 use muster_proto::security::{AuthChannel, ClientSecurity};
 use std::collections::HashMap;
 use std::fmt;
@@ -32,8 +32,8 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
 pub use muster_core::failover::{
-    BUDGET_ENV, Backoff, DEFAULT_BUDGET, LEADER_KEY, SILENT_REPLICA_TIMEOUT, leader_hint,
-    not_applied, random_u64,
+    BUDGET_ENV, Backoff, CALL_HOLD, DEFAULT_BUDGET, LEADER_KEY, SILENT_REPLICA_TIMEOUT,
+    leader_hint, not_applied, random_u64,
 };
 
 /// How long one connection attempt may take.
@@ -92,6 +92,8 @@ struct Inner {
     /// TLS settings and credentials of every channel.
     security: ClientSecurity,
     state: Mutex<State>,
+    /// The origin of the census's clock.
+    born: Instant,
 }
 
 impl fmt::Debug for Inner {
@@ -112,6 +114,9 @@ struct State {
     /// Which address calls go to, and where the next failure moves them.
     rotation: Rotation,
     channels: HashMap<String, Channel>,
+    /// Whether every replica refused lately as not the leader (an etcd outage), from the
+    /// failures of every call and stream of these replicas.
+    census: Census,
 }
 
 impl Coordinators {
@@ -133,7 +138,9 @@ impl Coordinators {
                 state: Mutex::new(State {
                     rotation: Rotation::new(addrs.clone()),
                     channels: HashMap::new(),
+                    census: Census::new(addrs.len()),
                 }),
+                born: Instant::now(),
                 addrs,
                 budget,
                 security,
@@ -217,6 +224,23 @@ impl Coordinators {
         let mut state = self.lock();
         state.rotation.settle(addr);
         state.channels.insert(addr.to_owned(), channel);
+    }
+
+    /// An attempt on `addr` failed with `status`: the census of the replicas counts it
+    /// ([`Census`]).
+    pub fn saw(&self, addr: &str, status: &Status) {
+        let at = self.inner.born.elapsed();
+        self.lock().census.saw(addr, status, at);
+    }
+
+    /// Until when failures may go on being retried past the budget because every replica
+    /// refused lately as not the leader: `hold` after the start of the census's last complete
+    /// round (docs/ha.md, "An etcd outage"); `None` without such a round. No leader fails a
+    /// node or a rank before that start plus the coordinator's heartbeat timeout, so a `hold`
+    /// below that timeout keeps the node's workers safely.
+    pub fn held_until(&self, hold: Duration) -> Option<Instant> {
+        let proven = self.lock().census.proven()?;
+        Some(later(self.inner.born + proven, hold))
     }
 
     /// A call to `addr` failed retryably: the next call goes to `hint` (the leader a follower
@@ -377,7 +401,16 @@ impl Retry {
     ///
     /// Cancel-safe: dropping it only skips the sleep.
     pub async fn pause(&mut self) -> bool {
-        match self.streak.pause(self.started.elapsed()) {
+        self.pause_until(None).await
+    }
+
+    /// [`Retry::pause`], going on past the budget until `held` (from
+    /// [`Coordinators::held_until`]: every replica refused lately as not the leader).
+    pub async fn pause_until(&mut self, held: Option<Instant>) -> bool {
+        let deadline = held.map_or(Duration::ZERO, |h| {
+            h.saturating_duration_since(self.started)
+        });
+        match self.streak.pause_until(self.started.elapsed(), deadline) {
             Some(sleep) => {
                 tokio::time::sleep(sleep).await;
                 true
@@ -422,6 +455,7 @@ where
 {
     let budget = coordinators.budget();
     let mut streak: Option<Retry> = None;
+    let mut census_named = false;
     loop {
         let (addr, channel) = coordinators.channel()?;
         let started = Instant::now();
@@ -438,7 +472,16 @@ where
             streak = None;
         }
         let retry = streak.get_or_insert_with(|| Retry::new(budget));
-        if !retry.pause().await {
+        coordinators.saw(&addr, &status);
+        let held = coordinators.held_until(CALL_HOLD);
+        if held.is_some_and(|h| h > retry.deadline()) && !census_named {
+            census_named = true;
+            tracing::warn!(
+                call = what,
+                "no coordinator replica leads (each one refused as not the leader: is etcd reachable?); waiting while they all answer so"
+            );
+        }
+        if !retry.pause_until(held).await {
             return Err(status);
         }
         tracing::info!(
@@ -542,15 +585,18 @@ mod tests {
         assert_eq!(c.failed("a:1", Some("c:3")), "c:3");
         // A stale failure (another task already moved on) changes nothing.
         assert_eq!(c.failed("a:1", None), "c:3");
-        // A hint naming the address that failed is no hint.
-        assert_eq!(c.failed("c:3", Some("c:3")), "a:1");
+        // A hint naming the address that failed is no hint: the walk goes on past a:1, the
+        // follower that named c:3.
+        assert_eq!(c.failed("c:3", Some("c:3")), "b:2");
         // A leader outside the list is followed; if it cannot be reached, the round robin
         // goes on past the follower that named it (not back to it: issue 14's fault suite
         // found an agent bouncing between a follower and its unreachable hint).
-        assert_eq!(c.failed("a:1", Some("d:4")), "d:4");
-        assert_eq!(c.failed("d:4", None), "b:2");
         assert_eq!(c.failed("b:2", Some("d:4")), "d:4");
         assert_eq!(c.failed("d:4", None), "c:3");
+        assert_eq!(c.failed("c:3", Some("d:4")), "d:4");
+        assert_eq!(c.failed("d:4", None), "a:1");
+        assert_eq!(c.failed("a:1", None), "b:2");
+        assert_eq!(c.failed("b:2", None), "c:3");
         // One address: always that one.
         let one = Coordinators::new(vec!["a:1".into()], DEFAULT_BUDGET);
         assert_eq!(one.failed("a:1", None), "a:1");

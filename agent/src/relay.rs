@@ -552,9 +552,15 @@ async fn coordinator_loop(
             node.job_id
         );
         let lost_at = Instant::now();
+        // Through an etcd outage (every replica refuses as not the leader) the relay
+        // keeps its workers' connections and waits; the node's watch decides whether the
+        // workers keep running.
         let mut retry = Retry::new(coordinators.budget());
         loop {
-            if !retry.pause().await {
+            if !retry
+                .pause_until(coordinators.held_until(failover::CALL_HOLD))
+                .await
+            {
                 break 'relay format!(
                     "the node relay lost its stream to the coordinator at {addr} ({why}) and no replica took it back within {} ms",
                     coordinators.budget().as_millis()
@@ -580,6 +586,7 @@ async fn coordinator_loop(
                     continue 'relay;
                 }
                 Err((to, status)) if failover::retryable(&status) => {
+                    coordinators.saw(&to, &status);
                     tracing::debug!(%to, %status, "the node relay could not re-register yet");
                 }
                 Err((to, status)) => {

@@ -196,22 +196,42 @@ impl Drop for Watch {
 struct Lease {
     lease: Duration,
     budget: Duration,
+    /// How long a round of refusals (not the leader) from every replica keeps the node's
+    /// workers ([`Coordinators::held_until`]): half the coordinator's heartbeat timeout (told
+    /// in `attached`; the lease until then), or of the lease if that is shorter.
+    hold: Duration,
     last_heard: Instant,
     /// The streak of failures since the stream broke; `None` while attached (or silent).
     streak: Option<Retry>,
+    /// While re-attaching: until when the census of the replicas keeps the workers, if every
+    /// replica refused lately as not the leader.
+    held: Option<Instant>,
     /// How long this process did not run since the coordinator was last heard.
     stalled: Duration,
 }
 
 impl Lease {
     /// When the node gives up: the lease after the coordinator was last heard, or, while
-    /// re-attaching after a failover, the failover budget after the break if that is later.
+    /// re-attaching after a failover, the failover budget after the break, or the census's
+    /// hold, if that is later.
     fn deadline(&self) -> Instant {
         let lease_end = failover::later(self.last_heard, self.lease);
         match &self.streak {
-            Some(retry) => lease_end.max(retry.deadline()),
+            Some(retry) => lease_end
+                .max(retry.deadline())
+                .max(self.held.unwrap_or(lease_end)),
             None => lease_end,
         }
+    }
+
+    /// Whether the node is past its lease and budget, kept by the census alone.
+    fn on_census(&self) -> bool {
+        let Some(retry) = &self.streak else {
+            return false;
+        };
+        let lease_end = failover::later(self.last_heard, self.lease);
+        self.held
+            .is_some_and(|h| h > lease_end.max(retry.deadline()))
     }
 
     fn expired(&self) -> bool {
@@ -246,7 +266,23 @@ impl Lease {
     fn broke(&mut self) {
         if self.streak.is_none() {
             self.streak = Some(Retry::new(self.budget));
+            self.held = None;
         }
+    }
+
+    /// An attempt to re-attach to `addr` failed with `status`: the census counts it
+    /// ([`Coordinators::saw`]). Returns `true` when the census first proves, in this streak,
+    /// that no replica leads (worth a line).
+    fn saw(&mut self, coordinators: &Coordinators, addr: &str, status: &tonic::Status) -> bool {
+        coordinators.saw(addr, status);
+        if self.streak.is_none() {
+            return false;
+        }
+        let before = self.held.is_some();
+        self.held = coordinators
+            .held_until(self.hold)
+            .filter(|h| *h > Instant::now());
+        !before && self.held.is_some()
     }
 }
 
@@ -265,8 +301,10 @@ async fn run(
         lease,
         // With one address the lease alone decides (`failover::reattach_budget`).
         budget: failover::reattach_budget(&coordinators),
+        hold: lease / 2,
         last_heard: Instant::now(),
         streak: None,
+        held: None,
         stalled: Duration::ZERO,
     };
     let mut backoff = failover::Backoff::default();
@@ -283,6 +321,12 @@ async fn run(
                     "the coordinator was not heard for {:.1}s (the lease) of the time this agent ran, besides {:.1}s it did not run (stopped or suspended)",
                     lease.as_secs_f64(),
                     state.stalled.as_secs_f64()
+                )
+            } else if state.on_census() {
+                format!(
+                    "the coordinator was not heard for {:.1}s (the lease); every replica had refused as not the leader, but not all of them again within {:.1}s",
+                    lease.as_secs_f64(),
+                    state.hold.as_secs_f64()
                 )
             } else if state.streak.is_some() && !state.budget.is_zero() {
                 format!(
@@ -379,6 +423,12 @@ async fn run(
                         state.broke();
                         let _ = reattaching.send(true);
                     }
+                    if state.saw(&coordinators, &addr, &status) {
+                        eprintln!(
+                            "muster-agent: job {}: no coordinator replica leads (each one refused as not the leader: is etcd reachable?); the workers keep running while every replica answers so",
+                            attach.job_id
+                        );
+                    }
                     coordinators.failed(&addr, failover::leader_hint(&status).as_deref());
                 }
                 pause(&mut state, &mut backoff).await;
@@ -386,6 +436,11 @@ async fn run(
             }
             None => {
                 last_error = format!("{addr} did not open the watch stream in time");
+                state.saw(
+                    &coordinators,
+                    &addr,
+                    &tonic::Status::deadline_exceeded(last_error.clone()),
+                );
                 coordinators.failed(&addr, None);
                 continue;
             }
@@ -425,6 +480,9 @@ async fn run(
                                         attach.job_id,
                                         at.elapsed().as_secs_f64() * 1000.0
                                     );
+                                }
+                                if a.heartbeat_timeout_ms > 0 {
+                                    state.hold = Duration::from_millis(a.heartbeat_timeout_ms).min(lease) / 2;
                                 }
                                 let asked = Duration::from_millis(a.heartbeat_interval_ms.max(50));
                                 // Heartbeat often enough for the coordinator and for our lease.

@@ -27,6 +27,12 @@ pub const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 /// a longer step adds up to its own length to the failover (measured: 1 s steps made it
 /// TTL + 2.6 s, 250 ms steps TTL + 0.4 s).
 pub const MAX_BACKOFF: Duration = Duration::from_millis(250);
+/// How long a call or a stream other than the node's watch keeps retrying after a round in
+/// which every replica refused as not the leader ([`Census`]): while the
+/// rounds go on, such calls wait out an etcd outage. The node's watch, which decides whether
+/// the workers keep running, uses half the coordinator's heartbeat timeout instead (the
+/// safety argument is [`Census`]'s).
+pub const CALL_HOLD: Duration = Duration::from_secs(5);
 /// With several replicas, how often a connection that has heard nothing pings its replica
 /// (HTTP/2 PING).
 pub const SILENT_REPLICA_PING: Duration = Duration::from_secs(1);
@@ -322,20 +328,23 @@ impl Rotation {
         let failed = std::mem::take(&mut self.current);
         self.epoch += 1;
         if let Some(leader) = hint.filter(|h| *h != failed) {
-            if let Some(i) = self.addrs.iter().position(|a| a == leader) {
-                self.index = i;
-            }
+            // `index` stays on the replica the round robin reached, so that a named leader
+            // that cannot be reached is passed by the walk, which goes on to the next address
+            // after the follower that named it: never back to that follower and its hint (a
+            // hint nobody can reach would bounce calls between the two for the whole budget;
+            // found by issue 14's fault suite), and never stuck on the first followers of the
+            // list while others are not asked (the census of an etcd outage asks them all).
             self.current = leader.to_owned();
             return;
         }
         let n = self.addrs.len().max(1);
-        // A leader a follower named outside the list failed: go on past that follower
-        // (`index` still points at it), never back to it, or a hint nobody can reach would
-        // bounce calls between the two for the whole budget (found by issue 14's fault suite).
-        self.index = match self.addrs.iter().position(|a| *a == failed) {
-            Some(i) => (i + 1) % n,
-            None => (self.index + 1) % n,
-        };
+        // The next address of the walk, past the one that just failed.
+        for _ in 0..n {
+            self.index = (self.index + 1) % n;
+            if self.addrs.get(self.index).is_some_and(|a| *a != failed) || n == 1 {
+                break;
+            }
+        }
         self.current = self.addrs.get(self.index).cloned().unwrap_or_default();
     }
 }
@@ -414,8 +423,94 @@ impl Streak {
     /// when the budget is spent. The last sleep is cut short at the budget's end, so that one
     /// more attempt is made right at it.
     pub fn pause(&mut self, elapsed: Duration) -> Option<Duration> {
-        let left = self.budget.checked_sub(elapsed).filter(|l| !l.is_zero())?;
+        self.pause_until(elapsed, self.budget)
+    }
+
+    /// [`Streak::pause`] with the streak ending at `deadline` (from its start) if that is
+    /// later than the budget: while a [`Census`] proves that no replica leads.
+    pub fn pause_until(&mut self, elapsed: Duration, deadline: Duration) -> Option<Duration> {
+        let left = deadline
+            .max(self.budget)
+            .checked_sub(elapsed)
+            .filter(|l| !l.is_zero())?;
         Some(self.backoff.next_sleep().min(left))
+    }
+}
+
+/// Whether a status is a replica's refusal to serve because it does not lead: UNAVAILABLE,
+/// sent by the coordinator's gate (not made locally), as a follower (naming the leader or
+/// not), a replica that knows no leader or whose term lapsed ("no leader is elected yet"), or
+/// one still loading its state to take over. Such a replica holds no job in memory when it
+/// answers: it can act on a job only after it leads, has loaded the job, and has given every
+/// node and rank the heartbeat timeout to re-attach (docs/contract.md, "Coordinator
+/// failover").
+pub fn not_leading(status: &Status) -> bool {
+    status.code() == Code::Unavailable
+        && !is_local(status)
+        && (status.metadata().contains_key(LEADER_KEY)
+            || status.message().contains("is not the leader")
+            || status.message().contains("no leader")
+            || status.message().contains("taking over as leader"))
+}
+
+/// The proof that no replica leads (docs/ha.md, "An etcd outage"): rounds of answers, each
+/// complete when every replica of the list has refused since the round began because it does
+/// not lead ([`not_leading`]); any other failure (a replica that cannot be reached, that does
+/// not answer, or whose stream broke) starts the round again.
+///
+/// Only a replica can lead, and a replica that refused at time `a` holds no job then: it can
+/// act on one only after it leads and loads it, and then fails a node or a rank only once that
+/// has not re-attached for the coordinator's heartbeat timeout `H` since (docs/contract.md).
+/// So after a complete round that began at `s`, no leader fails anything before `s + H`. A
+/// node that keeps its workers until `s + hold`, with `hold` below `H`, has stopped them
+/// before any leader can hand their ranks to others, even one it cannot reach. While every
+/// replica keeps refusing (etcd is down, or back and electing), rounds keep completing and the
+/// hold moves on: an outage of etcd itself costs the job nothing but the waits it makes. A
+/// leader that serves ends the streak: the client attaches to it.
+#[derive(Debug, Clone)]
+pub struct Census {
+    replicas: usize,
+    /// The replicas that refused in the round under way.
+    answered: std::collections::BTreeSet<String>,
+    /// When the round under way began (its first refusal).
+    began: Option<Duration>,
+    /// When the last complete round began.
+    proven: Option<Duration>,
+}
+
+impl Census {
+    /// A census of `replicas` replicas (the addresses given). One census serves every call
+    /// and stream of a client: which replica one call happens to reach depends on the
+    /// others, but together they ask every replica.
+    pub fn new(replicas: usize) -> Self {
+        Self {
+            replicas: replicas.max(1),
+            answered: std::collections::BTreeSet::new(),
+            began: None,
+            proven: None,
+        }
+    }
+
+    /// `addr` answered `status` at `at` (on the owner's clock).
+    pub fn saw(&mut self, addr: &str, status: &Status, at: Duration) {
+        if !not_leading(status) {
+            self.answered.clear();
+            self.began = None;
+            return;
+        }
+        let began = *self.began.get_or_insert(at);
+        self.answered.insert(addr.to_owned());
+        if self.answered.len() >= self.replicas {
+            self.proven = Some(began);
+            self.answered.clear();
+            self.began = None;
+        }
+    }
+
+    /// When the last complete round began: no replica leads a job before that plus the
+    /// coordinator's heartbeat timeout, so a caller may go on until that plus its hold.
+    pub fn proven(&self) -> Option<Duration> {
+        self.proven
     }
 }
 
@@ -684,15 +779,31 @@ mod tests {
         assert_eq!(r.failed("a:1", Some("c:3")), "c:3");
         // A stale failure (another call already moved on) changes nothing.
         assert_eq!(r.failed("a:1", None), "c:3");
-        // A hint naming the address that failed is no hint.
-        assert_eq!(r.failed("c:3", Some("c:3")), "a:1");
+        // A hint naming the address that failed is no hint: the walk goes on from a:1, the
+        // follower that named c:3.
+        assert_eq!(r.failed("c:3", Some("c:3")), "b:2");
         // A leader outside the list is followed; if it cannot be reached, the round robin
         // goes on past the follower that named it, not back to it (the SDK's copy went back
         // to the list's start, and so to that follower and its unreachable hint again).
-        assert_eq!(r.failed("a:1", Some("d:4")), "d:4");
-        assert_eq!(r.failed("d:4", None), "b:2");
         assert_eq!(r.failed("b:2", Some("d:4")), "d:4");
         assert_eq!(r.failed("d:4", None), "c:3");
+        assert_eq!(r.failed("c:3", Some("d:4")), "d:4");
+        assert_eq!(r.failed("d:4", None), "a:1");
+        // Followers that name a leader inside the list which refuses (its term lapsed while
+        // etcd was away): every replica is still asked in turn, none skipped.
+        let mut r = Rotation::new(vec!["a:1".into(), "b:2".into(), "c:3".into()]);
+        let mut asked = vec![r.current().to_owned()];
+        for _ in 0..8 {
+            let at = r.current().to_owned();
+            let hint = (at != "a:1").then_some("a:1");
+            asked.push(r.failed(&at, hint).to_owned());
+        }
+        assert_eq!(
+            asked,
+            [
+                "a:1", "b:2", "a:1", "c:3", "a:1", "b:2", "a:1", "c:3", "a:1"
+            ]
+        );
         // One address: always that one.
         let mut one = Rotation::new(vec!["a:1".into()]);
         assert_eq!(one.failed("a:1", None), "a:1");
@@ -769,6 +880,92 @@ mod tests {
         assert!((7..=30).contains(&pauses), "{pauses}");
         assert_eq!(Streak::new(Duration::ZERO).pause(Duration::ZERO), None);
         assert_eq!(Streak::new(budget).pause(budget * 2), None);
+    }
+
+    fn no_leader(addr: &str) -> Status {
+        Status::unavailable(format!(
+            "coordinator {addr} is not the leader and no leader is elected yet (is etcd reachable?); retry shortly"
+        ))
+    }
+
+    #[test]
+    fn a_replica_that_refuses_as_a_follower_does_not_lead() {
+        assert!(not_leading(&no_leader("a:1")));
+        let follower = with_leader(
+            Status::unavailable("coordinator a:1 is not the leader; the leader is b:1"),
+            "b:1",
+        );
+        assert!(not_leading(&follower));
+        assert!(not_leading(&Status::unavailable(
+            "coordinator a:1 is taking over as leader (loading state); retry shortly"
+        )));
+        assert!(!not_leading(&connect_error()));
+        assert!(!not_leading(&transport_error(Code::Unavailable)));
+        assert!(!not_leading(&Status::unavailable("leadership lapsed")));
+        assert!(!not_leading(&Status::failed_precondition("no leader")));
+    }
+
+    #[test]
+    fn a_census_proves_only_after_every_replica_refused() {
+        let ms = Duration::from_millis;
+        let mut census = Census::new(3);
+        census.saw("a:1", &no_leader("a:1"), ms(1000));
+        census.saw("b:1", &no_leader("b:1"), ms(1100));
+        // Two of three, and the same one twice, prove nothing.
+        census.saw("b:1", &no_leader("b:1"), ms(1200));
+        assert_eq!(census.proven(), None);
+        // The third completes the round that began at 1 s.
+        census.saw("c:1", &no_leader("c:1"), ms(1300));
+        assert_eq!(census.proven(), Some(ms(1000)));
+        // Rounds that go on completing move the proof on, each counted from its own start.
+        for round in 0..20u64 {
+            let t = ms(2_000 + round * 2_000);
+            for (i, addr) in ["a:1", "b:1", "c:1"].into_iter().enumerate() {
+                census.saw(addr, &no_leader(addr), t + ms(i as u64 * 100));
+            }
+        }
+        assert_eq!(census.proven(), Some(ms(40_000)));
+        // An unreachable replica breaks the round under way; the last proof stands.
+        census.saw("a:1", &no_leader("a:1"), ms(42_000));
+        census.saw("b:1", &connect_error(), ms(42_100));
+        census.saw("c:1", &no_leader("c:1"), ms(42_200));
+        census.saw("a:1", &no_leader("a:1"), ms(42_300));
+        assert_eq!(census.proven(), Some(ms(40_000)));
+        // A follower that names a leader does not lead either (etcd is back and the old
+        // leader's key not yet expired): it completes the round.
+        let mut named = Census::new(2);
+        named.saw("a:1", &no_leader("a:1"), ms(10));
+        named.saw(
+            "b:1",
+            &with_leader(
+                Status::unavailable("coordinator b:1 is not the leader; the leader is a:1"),
+                "a:1",
+            ),
+            ms(20),
+        );
+        assert_eq!(named.proven(), Some(ms(10)));
+        // A reply that is not a refusal (a stream torn down, no answer) starts the round
+        // again.
+        let mut torn = Census::new(2);
+        torn.saw("a:1", &no_leader("a:1"), ms(10));
+        torn.saw("b:1", &Status::unavailable("leadership lapsed"), ms(20));
+        torn.saw("a:1", &no_leader("a:1"), ms(30));
+        assert_eq!(torn.proven(), None);
+        // One address is a census of one.
+        let mut one = Census::new(1);
+        one.saw("a:1", &no_leader("a:1"), ms(200));
+        assert_eq!(one.proven(), Some(ms(200)));
+    }
+
+    #[test]
+    fn a_streak_goes_on_to_a_later_deadline() {
+        let ms = Duration::from_millis;
+        let mut streak = Streak::new(ms(1000));
+        assert!(streak.pause_until(ms(3000), ms(4000)).is_some());
+        assert!(streak.pause_until(ms(3999), ms(4000)).unwrap() <= ms(1));
+        assert_eq!(streak.pause_until(ms(4000), ms(4000)), None);
+        // An earlier deadline does not cut the budget short.
+        assert!(streak.pause_until(ms(500), ms(100)).is_some());
     }
 
     #[test]

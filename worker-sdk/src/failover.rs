@@ -13,8 +13,9 @@ use tokio::time::Instant;
 use crate::Error;
 
 pub(crate) use muster_core::failover::{
-    BUDGET_ENV as TIMEOUT_ENV, DEFAULT_BUDGET as DEFAULT_TIMEOUT, Rotation, SILENT_REPLICA_PING,
-    SILENT_REPLICA_TIMEOUT, Verdict, classify_call, classify_stream, leader_hint, parse_addrs,
+    BUDGET_ENV as TIMEOUT_ENV, CALL_HOLD, Census, DEFAULT_BUDGET as DEFAULT_TIMEOUT, Rotation,
+    SILENT_REPLICA_PING, SILENT_REPLICA_TIMEOUT, Verdict, classify_call, classify_stream,
+    leader_hint, parse_addrs,
 };
 
 /// The failover budget from the process environment ([`TIMEOUT_ENV`], else 30 s).
@@ -44,12 +45,17 @@ impl Retry {
         }
     }
 
-    /// Sleeps before the next attempt, never past the deadline. `false`: the budget is spent
-    /// and the caller should give up.
+    /// Sleeps before the next attempt, never past the deadline: the budget's end, or `held`
+    /// if that is later (while every replica refuses as not the leader:
+    /// [`crate::client::Coordinator`]'s census). `false`: the deadline has passed and the
+    /// caller should give up.
     ///
     /// Cancel-safe: dropping it only skips the sleep.
-    pub(crate) async fn wait(&mut self) -> bool {
-        match self.streak.pause(self.started.elapsed()) {
+    pub(crate) async fn wait(&mut self, held: Option<Instant>) -> bool {
+        let deadline = held.map_or(Duration::ZERO, |h| {
+            h.saturating_duration_since(self.started)
+        });
+        match self.streak.pause_until(self.started.elapsed(), deadline) {
             Some(delay) => {
                 tokio::time::sleep(delay).await;
                 true
@@ -97,7 +103,7 @@ mod tests {
         let budget = Duration::from_millis(400);
         let mut retry = Retry::new(budget);
         let mut attempts = 0;
-        while retry.wait().await {
+        while retry.wait(None).await {
             attempts += 1;
         }
         let elapsed = retry.elapsed();
@@ -110,6 +116,6 @@ mod tests {
         assert!((3..=6).contains(&attempts), "{attempts} attempts");
 
         let mut none = Retry::new(Duration::ZERO);
-        assert!(!none.wait().await, "a zero budget never retries");
+        assert!(!none.wait(None).await, "a zero budget never retries");
     }
 }

@@ -514,14 +514,15 @@ async fn a_session_gives_up_when_the_budget_runs_out() {
     let session = attach.await.unwrap().unwrap();
     let started = std::time::Instant::now();
     drop(first);
-    // Every re-attach is refused as by a replica without a leader.
+    // Every re-attach fails as with a replica going away (not a refusal as not the leader,
+    // which would prove that nobody leads and be waited out: the next test).
     let refuse = tokio::spawn(async move {
         let mut attempts = 0;
         while let Some(stream) = streams.recv().await {
             attempts += 1;
             let _ = stream
                 .outbound
-                .send(Err(Status::unavailable("no leader is elected yet")));
+                .send(Err(Status::unavailable("the coordinator is shutting down")));
         }
         attempts
     });
@@ -534,8 +535,58 @@ async fn a_session_gives_up_when_the_budget_runs_out() {
     let text = error.to_string();
     assert!(
         text.contains("could not re-attach after failover within 0.5 s")
-            && text.contains("no leader is elected yet"),
+            && text.contains("the coordinator is shutting down"),
         "{text}"
     );
     refuse.abort();
+}
+
+/// An etcd outage: every replica refuses, as not the leader, with no leader elected. Calls
+/// wait past their budget for as long as every replica keeps refusing (the census of
+/// `muster_core::failover`), several at once on one connection, and fail once a replica stops
+/// answering (it may be a leader this worker cannot reach).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_wait_out_replicas_that_all_know_no_leader() {
+    const NO_LEADER: &str =
+        "coordinator x is not the leader and no leader is elected yet (is etcd reachable?)";
+    let mut addrs = Vec::new();
+    for _ in 0..3 {
+        addrs.push(refuser(NO_LEADER, None).await.0);
+    }
+    let connection = Coordinator::connect(&addrs.join(",")).await.unwrap();
+    connection.set_failover_timeout(Duration::from_millis(300));
+    let calls: Vec<_> = (0..4)
+        .map(|i| {
+            let kv = Kv::new(connection.clone(), "job");
+            tokio::spawn(async move { kv.get(&format!("k{i}")).await })
+        })
+        .collect();
+    // Well past the budget (300 ms) and the census's hold (5 s) after the first round.
+    tokio::time::sleep(Duration::from_secs(8)).await;
+    for call in &calls {
+        assert!(
+            !call.is_finished(),
+            "a call gave up while every replica refused"
+        );
+    }
+    for call in calls {
+        call.abort();
+    }
+
+    // One replica dead: no round completes, and the budget decides again.
+    let partial = format!("{},{},{}", addrs[0], addrs[1], dead_addr());
+    let connection = Coordinator::connect(&partial).await.unwrap();
+    connection.set_failover_timeout(Duration::from_millis(300));
+    let kv = Kv::new(connection, "job");
+    let started = std::time::Instant::now();
+    let error = tokio::time::timeout(Duration::from_secs(20), kv.get("k"))
+        .await
+        .expect("the call gave up")
+        .unwrap_err();
+    assert!(matches!(error, Error::Connection { .. }), "{error:?}");
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "gave up only after {:?}",
+        started.elapsed()
+    );
 }

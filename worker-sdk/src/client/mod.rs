@@ -33,7 +33,7 @@ pub use muster_proto::security::{AuthChannel, ClientSecurity, Credentials};
 
 use crate::{
     Error,
-    failover::{self, Retry, Rotation},
+    failover::{self, Census, Retry, Rotation},
     trace_context,
 };
 
@@ -67,6 +67,8 @@ struct Replicas {
     /// TLS and credentials, for every replica (including a leader named later).
     security: ClientSecurity,
     state: Mutex<ReplicaState>,
+    /// The origin of the census's clock.
+    born: tokio::time::Instant,
 }
 
 struct ReplicaState {
@@ -79,6 +81,9 @@ struct ReplicaState {
     channels: HashMap<String, AuthChannel>,
     /// How long calls and sessions keep retrying after a failure.
     failover_timeout: Duration,
+    /// Whether every replica refused lately as not the leader (an etcd outage), from the
+    /// failures of every call and session of this connection.
+    census: Census,
 }
 
 /// The replica a call is made on.
@@ -245,10 +250,12 @@ impl Coordinator {
                 addrs: addrs.trim().into(),
                 security,
                 state: Mutex::new(ReplicaState {
+                    census: Census::new(rotation.addrs().len()),
                     rotation,
                     channels,
                     failover_timeout,
                 }),
+                born: tokio::time::Instant::now(),
             }),
         }
     }
@@ -339,9 +346,10 @@ impl Coordinator {
                 });
             }
             let retry = retry.get_or_insert_with(|| Retry::new(self.failover_timeout()));
+            self.saw(&current.addr, &status);
             let leader = failover::leader_hint(&status);
             self.fail_over(current.epoch, leader.as_deref());
-            if !retry.wait().await {
+            if !retry.wait(self.held_until()).await {
                 return Err(Failed {
                     status,
                     addr: current.addr,
@@ -405,6 +413,22 @@ impl Coordinator {
     /// How long calls and sessions keep retrying after a failure before it surfaces.
     pub fn failover_timeout(&self) -> Duration {
         self.state().failover_timeout
+    }
+
+    /// A call or a session's attach on `addr` failed with `status`: the census of the
+    /// replicas counts it ([`Census`]).
+    pub(crate) fn saw(&self, addr: &str, status: &tonic::Status) {
+        let at = self.inner.born.elapsed();
+        self.state().census.saw(addr, status, at);
+    }
+
+    /// Until when failures go on being retried past the budget because every replica refused
+    /// lately as not the leader: [`failover::CALL_HOLD`] after the start of the census's last
+    /// complete round (docs/ha.md, "An etcd outage"). The agent's node watch decides whether
+    /// the worker keeps running meanwhile.
+    pub(crate) fn held_until(&self) -> Option<tokio::time::Instant> {
+        let proven = self.state().census.proven()?;
+        Some(self.inner.born + proven + failover::CALL_HOLD)
     }
 
     /// Changes the failover budget of this connection and all its clones (0: no retries);

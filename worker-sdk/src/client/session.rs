@@ -563,8 +563,11 @@ impl Session {
             let (verdict, leader) = failure.error.verdict();
             let retried = verdict != Verdict::Final && {
                 let retry = retry.get_or_insert_with(|| Retry::new(coordinator.failover_timeout()));
+                if let OpenError::Status(status) = &failure.error {
+                    coordinator.saw(&failure.addr, status);
+                }
                 coordinator.fail_over(failure.epoch, leader.as_deref());
-                retry.wait().await
+                retry.wait(coordinator.held_until()).await
             };
             if !retried {
                 return Err(match failure.error {
@@ -1064,7 +1067,7 @@ async fn reattach(
     let (mut epoch, mut leader, mut last) = (epoch, leader, reason);
     loop {
         coordinator.fail_over(epoch, leader.as_deref());
-        if !retry.wait().await {
+        if !retry.wait(coordinator.held_until()).await {
             return Err(ReattachError::OutOfTime {
                 budget: retry.budget(),
                 source: last,
@@ -1094,6 +1097,10 @@ async fn reattach(
         };
         let (verdict, hint) = failure.error.verdict();
         tracing::debug!(rank = link.config.rank, addr = %failure.addr, ?verdict, "re-attach attempt failed");
+        match &failure.error {
+            OpenError::Status(status) => coordinator.saw(&failure.addr, status),
+            _ => coordinator.saw(&failure.addr, &tonic::Status::unavailable("no answer")),
+        }
         match failure.error {
             OpenError::Status(status) if verdict == Verdict::Final => {
                 return Err(ReattachError::Refused {
