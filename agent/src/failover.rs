@@ -39,10 +39,11 @@ pub use muster_core::failover::{
 /// How long one connection attempt may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
-/// How long a node keeps its workers re-attaching after its watch stream broke, beyond its
-/// lease: the failover budget when there are several replicas (a standby may take a while to
-/// lead; the workers keep running through the failover), nothing with one address (there is
-/// nobody else to fail over to, so the lease alone decides, as docs/ha.md promises).
+/// How long a finishing node (every worker exited 0) goes on re-attaching after its watch
+/// stream broke, beyond its lease, to deliver `finished`: the failover budget when there are
+/// several replicas (a standby may take a while to lead), nothing with one address (there is
+/// nobody else to fail over to). Running workers are kept by the lease and the census alone
+/// (`watch.rs`; docs/ha.md).
 pub fn reattach_budget(coordinators: &Coordinators) -> Duration {
     if coordinators.len() > 1 {
         coordinators.budget()

@@ -5,12 +5,19 @@
 //!
 //! A coordinator failover breaks the stream (an error or an end without a deliberate status):
 //! the task then re-attaches with `resume = true`, following the leader among the replicas
-//! ([`crate::failover`]), and gives up only when both the lease (since the coordinator was last
-//! heard) and the failover budget (since the stream broke) are spent: the workers keep running
-//! through a failover. With one address there is no other replica to fail over to, and the
-//! lease alone decides ([`failover::reattach_budget`]). A stream that stays open and silent (a frozen coordinator, a cut link)
-//! counts against the lease alone, as before; with several replicas, the task tries another one
-//! after half the lease of silence.
+//! ([`crate::failover`]), and gives up when the lease (since the coordinator was last heard) is
+//! spent: the workers keep running through a failover that ends within it (a standby leads
+//! about one election TTL after the leader's end). Past the lease only a census of the
+//! replicas keeps them: while every replica refuses as not the leader (an etcd outage), no
+//! leader can fail the node before the start of the last such round plus the coordinator's
+//! heartbeat timeout, and the node keeps its workers for half that timeout after each round
+//! ([`Coordinators::held_until`]; docs/ha.md, "An etcd outage"). The failover budget is not a
+//! reason to keep workers: a leader alive across a partition fails a silent node after its
+//! heartbeat timeout and may then hand its ranks to others, and the workers must be gone by
+//! then. A stream that stays open and silent (a frozen coordinator, a cut link) counts against
+//! the lease too; with several replicas, the task tries another one after half the lease of
+//! silence. Only a node that is finishing (every worker exited 0) goes on re-attaching for the
+//! failover budget, to deliver `finished`.
 //!
 //! A coordinator that answers NOT_FOUND for the job has lost the job's state (an in-memory
 //! coordinator that restarted): the node joined this job and got a generation, so the job
@@ -203,6 +210,9 @@ struct Lease {
     last_heard: Instant,
     /// The streak of failures since the stream broke; `None` while attached (or silent).
     streak: Option<Retry>,
+    /// Every worker exited 0 and `finished` is being delivered: the failover budget applies
+    /// (no worker runs that a leader could hand to others).
+    finishing: bool,
     /// While re-attaching: until when the census of the replicas keeps the workers, if every
     /// replica refused lately as not the leader.
     held: Option<Instant>,
@@ -212,26 +222,26 @@ struct Lease {
 
 impl Lease {
     /// When the node gives up: the lease after the coordinator was last heard, or, while
-    /// re-attaching after a failover, the failover budget after the break, or the census's
-    /// hold, if that is later.
+    /// re-attaching, the census's hold if that is later (and, while finishing, the failover
+    /// budget after the break).
     fn deadline(&self) -> Instant {
+        self.without_census()
+            .max(self.held.unwrap_or(self.last_heard))
+    }
+
+    /// The deadline the census may lengthen: the lease's end, or while finishing the failover
+    /// budget's after the break if that is later.
+    fn without_census(&self) -> Instant {
         let lease_end = failover::later(self.last_heard, self.lease);
         match &self.streak {
-            Some(retry) => lease_end
-                .max(retry.deadline())
-                .max(self.held.unwrap_or(lease_end)),
-            None => lease_end,
+            Some(retry) if self.finishing => lease_end.max(retry.deadline()),
+            _ => lease_end,
         }
     }
 
-    /// Whether the node is past its lease and budget, kept by the census alone.
+    /// Whether the node is past its lease, kept by the census alone.
     fn on_census(&self) -> bool {
-        let Some(retry) = &self.streak else {
-            return false;
-        };
-        let lease_end = failover::later(self.last_heard, self.lease);
-        self.held
-            .is_some_and(|h| h > lease_end.max(retry.deadline()))
+        self.streak.is_some() && self.held.is_some_and(|h| h > self.without_census())
     }
 
     fn expired(&self) -> bool {
@@ -299,18 +309,19 @@ async fn run(
     let dumper = sampler.as_ref().map(Sampler::dumper);
     let mut state = Lease {
         lease,
-        // With one address the lease alone decides (`failover::reattach_budget`).
+        // For `finished` only (see `Lease::finishing`); with one address the lease alone
+        // decides (`failover::reattach_budget`).
         budget: failover::reattach_budget(&coordinators),
         hold: lease / 2,
         last_heard: Instant::now(),
         streak: None,
+        finishing: false,
         held: None,
         stalled: Duration::ZERO,
     };
     let mut backoff = failover::Backoff::default();
     let mut last_error = String::from("no answer");
     let mut attached_once = false;
-    let mut finishing = false;
     let mut broke_at: Option<(Instant, String)> = None;
     // Whether another replica was tried since the coordinator was last heard.
     let mut tried_other = false;
@@ -328,11 +339,10 @@ async fn run(
                     lease.as_secs_f64(),
                     state.hold.as_secs_f64()
                 )
-            } else if state.streak.is_some() && !state.budget.is_zero() {
+            } else if state.streak.is_some() {
                 format!(
-                    "the coordinator was not heard for {:.1}s (the lease) and no replica took the node back within {:.1}s (the failover budget)",
-                    lease.as_secs_f64(),
-                    state.budget.as_secs_f64()
+                    "the coordinator was not heard for {:.1}s (the lease) and no replica took the node back",
+                    lease.as_secs_f64()
                 )
             } else {
                 format!(
@@ -360,7 +370,7 @@ async fn run(
                 })),
             })
             .await;
-        if finishing {
+        if state.finishing {
             let _ = out
                 .send(pb::NodeMessage {
                     kind: Some(pb::node_message::Kind::Finished(pb::NodeFinished {})),
@@ -509,7 +519,7 @@ async fn run(
                             Some(pb::node_event::Kind::Heartbeat(_)) | None => {}
                         }
                     }
-                    Ok(None) if finishing => return,
+                    Ok(None) if state.finishing => return,
                     Ok(None) => {
                         // A coordinator ends a watch deliberately with a status; a bare end is
                         // a coordinator that went away.
@@ -575,11 +585,11 @@ async fn run(
                     };
                     let _ = out.try_send(pb::NodeMessage { kind: Some(kind) });
                 }
-                r = &mut finish, if !finishing => {
+                r = &mut finish, if !state.finishing => {
                     if r.is_err() {
                         return;
                     }
-                    finishing = true;
+                    state.finishing = true;
                     let _ = out
                         .send(pb::NodeMessage {
                             kind: Some(pb::node_message::Kind::Finished(pb::NodeFinished {})),

@@ -439,18 +439,17 @@ impl Streak {
 
 /// Whether a status is a replica's refusal to serve because it does not lead: UNAVAILABLE,
 /// sent by the coordinator's gate (not made locally), as a follower (naming the leader or
-/// not), a replica that knows no leader or whose term lapsed ("no leader is elected yet"), or
-/// one still loading its state to take over. Such a replica holds no job in memory when it
-/// answers: it can act on a job only after it leads, has loaded the job, and has given every
-/// node and rank the heartbeat timeout to re-attach (docs/contract.md, "Coordinator
-/// failover").
+/// not) or a replica that knows no leader or whose term lapsed ("no leader is elected yet").
+/// Such a replica decides nothing for any job when it answers: it can act on one only after it
+/// is elected, loads the job and gives every node and rank the heartbeat timeout to re-attach
+/// (docs/contract.md, "Coordinator failover"). A replica still loading its state to take over
+/// ("taking over as leader") does not count: it may have armed a job's timeout already.
 pub fn not_leading(status: &Status) -> bool {
     status.code() == Code::Unavailable
         && !is_local(status)
         && (status.metadata().contains_key(LEADER_KEY)
             || status.message().contains("is not the leader")
-            || status.message().contains("no leader")
-            || status.message().contains("taking over as leader"))
+            || status.message().contains("no leader"))
 }
 
 /// The proof that no replica leads (docs/ha.md, "An etcd outage"): rounds of answers, each
@@ -896,7 +895,7 @@ mod tests {
             "b:1",
         );
         assert!(not_leading(&follower));
-        assert!(not_leading(&Status::unavailable(
+        assert!(!not_leading(&Status::unavailable(
             "coordinator a:1 is taking over as leader (loading state); retry shortly"
         )));
         assert!(!not_leading(&connect_error()));

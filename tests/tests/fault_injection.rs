@@ -360,7 +360,7 @@ impl Cluster {
                 self.replicas.cont(leader);
                 format!("replica {leader}")
             }
-            FaultKind::EtcdKill => {
+            FaultKind::EtcdKill | FaultKind::EtcdOutageLong => {
                 self.etcd.kill(0);
                 std::thread::sleep(hold);
                 restart_etcd(&mut self.etcd);

@@ -1,7 +1,7 @@
 //! The node's lease (issue 14, finding 7): a node cut off from its only coordinator stops its
 //! workers once it has not heard the coordinator for `--lease-ms`, as docs/ha.md promises,
-//! not after the failover budget (`--failover-timeout-ms`), which applies only when there is
-//! another replica to fail over to. Real processes: one `muster-coordinator`, one
+//! not after the failover budget (`--failover-timeout-ms`), which never keeps running workers
+//! (only a finishing node's `finished` is delivered within it). Real processes: one `muster-coordinator`, one
 //! `muster-agent launch` whose workers sleep, and the coordinator SIGKILLed (its connections
 //! close: the watch stream breaks) or SIGSTOPped (its connections stay open and silent).
 //!
