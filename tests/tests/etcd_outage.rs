@@ -6,10 +6,11 @@
 //! barrier, keep their pids, go on once etcd is back, and the job exits 0 in one generation.
 //! The workers' history passes the fault suite's checker (`muster_tests::faults`).
 //!
-//! Its other side, one agent cut off from every replica while a leader lives (its workers stop
-//! at its lease, before any replacement starts), is `lease.rs`'s and the fault suite's
-//! `link-cut`; `etcd-outage-long` is a kind of the fault suite. Skipped, printing why, where
-//! etcd is not installed.
+//! And the other side: one agent cut off from every replica while a leader lives (network
+//! namespaces, its link down) completes no census, stops its workers at its lease, and they
+//! are gone before the survivors' smaller generation starts any worker. `etcd-outage-long` is a
+//! kind of the fault suite. Skipped, printing why, where etcd is not installed (and the
+//! second where network namespaces are not available).
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use std::path::Path;
@@ -17,9 +18,10 @@ use std::time::{Duration, Instant};
 
 use muster::client::{Coordinator, Kv};
 use muster_tests::etcd::Etcd;
-use muster_tests::faults::{self, Event, WorkerEvent};
+use muster_tests::faults::{self, Event, TcpProxy, Uplink, WorkerEvent};
+use muster_tests::netns::Net;
 use muster_tests::replicas::Replicas;
-use muster_tests::{Agent, example_bin};
+use muster_tests::{Agent, Stream, example_bin};
 
 /// The election lease TTL of the replicas (etcd's smallest practical TTL is 2 s).
 const TTL: Duration = Duration::from_secs(2);
@@ -272,4 +274,170 @@ fn a_job_outlives_a_two_minute_etcd_outage() {
         "the job exited 0 after a {OUTAGE:?} etcd outage; test took {:?}",
         started.elapsed()
     );
+}
+
+/// Nanoseconds since the Unix epoch (the workers print the same clock with `date +%s%N`).
+fn now_ns() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos())
+}
+
+/// A worker's `ready` line: its generation, pid and start time (ns since the epoch).
+fn ready(line: &str) -> Option<(u64, i32, u128)> {
+    let field = |name: &str| {
+        line.split_whitespace()
+            .find_map(|w| w.strip_prefix(name))
+            .map(str::to_owned)
+    };
+    if !line.contains("ready ") {
+        return None;
+    }
+    Some((
+        field("gen=")?.parse().ok()?,
+        field("pid=")?.parse().ok()?,
+        field("t=")?.parse().ok()?,
+    ))
+}
+
+#[test]
+fn a_node_cut_off_while_a_leader_lives_stops_its_workers_before_any_replacement_starts() {
+    let Some(mut etcd) = Etcd::start(1) else {
+        return;
+    };
+    let Some(net) = Net::setup(&["n0", "n1"]) else {
+        return;
+    };
+    let uplink = Uplink::attach(&net, "n0");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let replicas = Replicas::start(&etcd, 3, TTL, &[]);
+    rt.block_on(replicas.wait_leader(Duration::from_secs(20), &[]));
+    // The agents reach the replicas through proxies on the uplink.
+    let proxies: Vec<TcpProxy> = (0..replicas.len())
+        .map(|i| {
+            let upstream: std::net::SocketAddr = replicas.addr(i).parse().unwrap();
+            let listen = std::net::SocketAddr::from((uplink.addr, upstream.port()));
+            TcpProxy::start(listen, upstream).unwrap()
+        })
+        .collect();
+    let addrs: Vec<String> = (0..replicas.len())
+        .map(|i| {
+            let port = replicas.addr(i).rsplit(':').next().unwrap().to_owned();
+            format!("{}:{port}", uplink.addr)
+        })
+        .collect();
+    let addrs = addrs.join(",");
+    let agent = muster_tests::agent_bin().display().to_string();
+    let script =
+        "echo \"ready rank=$RANK gen=$MUSTER_GENERATION pid=$$ t=$(date +%s%N)\"; exec sleep 600";
+    let mut agents: Vec<Agent> = ["n0", "n1"]
+        .iter()
+        .map(|host| {
+            net.spawn(
+                host,
+                &agent,
+                &[
+                    "launch",
+                    "--coordinator",
+                    &addrs,
+                    "--job-id",
+                    "cut-off",
+                    "--nnodes",
+                    "1:2",
+                    "--nproc-per-node",
+                    "2",
+                    "--max-restarts",
+                    "3",
+                    "--grace-period-ms",
+                    "1000",
+                    "--",
+                    "sh",
+                    "-c",
+                    script,
+                ],
+                &[("NO_COLOR", "1")],
+            )
+        })
+        .collect();
+    let first: Vec<Vec<(u64, i32, u128)>> = agents
+        .iter()
+        .map(|a| {
+            a.wait_for_lines(Stream::Stdout, 2, Duration::from_secs(60), |l| {
+                ready(l).is_some()
+            })
+            .iter()
+            .filter_map(|l| ready(l))
+            .collect()
+        })
+        .collect();
+    let generation = first[0][0].0;
+    assert!(
+        first.iter().flatten().all(|r| r.0 == generation),
+        "the nodes are not in one generation: {first:?}"
+    );
+    let cut_pids: Vec<i32> = first[1].iter().map(|r| r.1).collect();
+
+    let cut_at = Instant::now();
+    net.cut("n1");
+    // When node 1's workers are gone, as this test sees it (at most 10 ms late).
+    let mut gone_ns = None;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let replacement = loop {
+        assert!(
+            Instant::now() < deadline,
+            "{}\n{}",
+            agents[0].output(),
+            agents[1].output()
+        );
+        if gone_ns.is_none()
+            && cut_pids
+                .iter()
+                .all(|p| !Path::new(&format!("/proc/{p}")).exists())
+        {
+            gone_ns = Some(now_ns());
+            eprintln!(
+                "node 1's workers are gone {:?} after the cut",
+                cut_at.elapsed()
+            );
+        }
+        let later: Vec<(u64, i32, u128)> = agents[0]
+            .lines(Stream::Stdout)
+            .iter()
+            .filter_map(|l| ready(l))
+            .filter(|r| r.0 > generation)
+            .collect();
+        if let Some(start) = later.iter().map(|r| r.2).min()
+            && gone_ns.is_some()
+        {
+            break start;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let gone_ns = gone_ns.unwrap();
+    eprintln!(
+        "the survivors' next generation started its first worker {:.0} ms after node 1's workers were gone",
+        (replacement as f64 - gone_ns as f64) / 1e6
+    );
+    assert!(
+        gone_ns < replacement,
+        "a replacement worker started {:.0} ms before the cut-off node's workers were gone\n{}\n{}",
+        (gone_ns - replacement) as f64 / 1e6,
+        agents[0].output(),
+        agents[1].output()
+    );
+    let lost = agents[1].wait_for_lines(Stream::Stderr, 1, Duration::from_secs(30), |l| {
+        l.contains("(the lease)")
+    });
+    eprintln!("{}", lost[0]);
+    for a in &mut agents {
+        a.signal(nix::sys::signal::Signal::SIGTERM);
+    }
+    drop(agents);
+    drop(proxies);
+    drop(uplink);
+    etcd.kill(0);
 }
