@@ -10,6 +10,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fmt;
 use std::path::Path;
 
+use crate::linearizable::{Op, Operation, Out};
+
 /// xorshift64*: small, seeded and the same on every machine, so a seed replays a schedule.
 #[derive(Debug, Clone)]
 pub struct Rng(u64);
@@ -220,6 +222,20 @@ pub enum WorkerEvent {
         /// Its bytes in hex.
         value: String,
     },
+    /// A key-value call of the workload: what it asked, when, and what it returned (`ret`
+    /// `None`: not returned yet, or failed; a later line of the same `n` may complete it).
+    Kv {
+        /// Which call of the process (from 1).
+        n: u64,
+        /// The key.
+        key: String,
+        /// The call.
+        op: Op,
+        /// When it was called (microseconds since the Unix epoch).
+        call_us: u64,
+        /// When it returned, with what.
+        ret: Option<(u64, Out)>,
+    },
     /// The process ended by itself: 0, or 1 with the error.
     Exit {
         /// Its exit status.
@@ -354,6 +370,13 @@ impl Event {
                     WorkerEvent::Exit { status, error } => {
                         json!({"event": "exit", "status": status, "error": error})
                     }
+                    WorkerEvent::Kv {
+                        n,
+                        key,
+                        op,
+                        call_us,
+                        ret,
+                    } => kv_json(*n, key, op, *call_us, ret.as_ref()),
                 };
                 if let (Some(v), Some(f)) = (v.as_object_mut(), fields.as_object()) {
                     v.extend(f.clone());
@@ -398,6 +421,99 @@ impl Event {
     }
 }
 
+/// The fields of a `kv` line (see the `fault_probe` example).
+fn kv_json(
+    n: u64,
+    key: &str,
+    op: &Op,
+    call_us: u64,
+    ret: Option<&(u64, Out)>,
+) -> serde_json::Value {
+    use serde_json::json;
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let mut v = match op {
+        Op::Set(value) => json!({"op": "set", "value": text(value)}),
+        Op::Get => json!({"op": "get"}),
+        Op::Add(delta) => json!({"op": "add", "delta": delta}),
+        Op::CompareSet { expected, desired } => json!({
+            "op": "cas", "expected": expected.as_deref().map(text), "desired": text(desired)
+        }),
+        Op::Delete => json!({"op": "delete"}),
+        Op::Append(value) => json!({"op": "append", "value": text(value)}),
+    };
+    let out = match ret {
+        None => json!({"ret_us": null}),
+        Some((t, out)) => {
+            let mut o = match out {
+                Out::Done => json!({"done": true}),
+                Out::Value(value) => json!({"value": value.as_deref().map(text)}),
+                Out::Sum(sum) => json!({"sum": sum}),
+                Out::Cas { swapped, current } => {
+                    json!({"swapped": swapped, "current": current.as_deref().map(text)})
+                }
+                Out::Existed(existed) => json!({"existed": existed}),
+            };
+            if let Some(o) = o.as_object_mut() {
+                o.insert("ret_us".into(), json!(t));
+            }
+            o
+        }
+    };
+    if let (Some(v), Some(o)) = (v.as_object_mut(), out.as_object()) {
+        v.extend(o.clone());
+        v.insert("event".into(), json!("kv"));
+        v.insert("n".into(), json!(n));
+        v.insert("key".into(), json!(key));
+        v.insert("call_us".into(), json!(call_us));
+    }
+    v
+}
+
+/// A `kv` line's call (`None` if it is malformed).
+fn parse_kv(v: &serde_json::Value) -> Option<WorkerEvent> {
+    let bytes = |k: &str| -> Option<Option<Vec<u8>>> {
+        match v.get(k)? {
+            serde_json::Value::Null => Some(None),
+            value => Some(Some(value.as_str()?.as_bytes().to_vec())),
+        }
+    };
+    let op = match v.get("op")?.as_str()? {
+        "set" => Op::Set(bytes("value")??),
+        "get" => Op::Get,
+        "add" => Op::Add(v.get("delta")?.as_i64()?),
+        "cas" => Op::CompareSet {
+            expected: bytes("expected")?,
+            desired: bytes("desired")??,
+        },
+        "delete" => Op::Delete,
+        "append" => Op::Append(bytes("value")??),
+        _ => return None,
+    };
+    let ret = match v.get("ret_us")? {
+        serde_json::Value::Null => None,
+        t => {
+            let out = match &op {
+                Op::Set(_) | Op::Append(_) => Out::Done,
+                Op::Get => Out::Value(bytes("value")?),
+                Op::Add(_) => Out::Sum(v.get("sum")?.as_i64()?),
+                Op::CompareSet { .. } => Out::Cas {
+                    swapped: v.get("swapped")?.as_bool()?,
+                    current: bytes("current")?,
+                },
+                Op::Delete => Out::Existed(v.get("existed")?.as_bool()?),
+            };
+            Some((t.as_u64()?, out))
+        }
+    };
+    Some(WorkerEvent::Kv {
+        n: v.get("n")?.as_u64()?,
+        key: v.get("key")?.as_str()?.to_owned(),
+        op,
+        call_us: v.get("call_us")?.as_u64()?,
+        ret,
+    })
+}
+
 /// Parses one history line (`None` for a line that is not a known event).
 pub fn parse_line(line: &str) -> Option<Event> {
     let v: serde_json::Value = serde_json::from_str(line).ok()?;
@@ -434,6 +550,7 @@ pub fn parse_line(line: &str) -> Option<Event> {
             seq: u("seq")?,
         }),
         "unique-id" => worker(WorkerEvent::UniqueId { value: s("value")? }),
+        "kv" => worker(parse_kv(&v)?),
         "exit" => worker(WorkerEvent::Exit {
             status: i32::try_from(v.get("status")?.as_i64()?).ok()?,
             error: s("error"),
@@ -555,6 +672,10 @@ pub const INV_ORPHANS: &str = "no-orphans";
 pub const INV_JOB_SURVIVES: &str = "job-survives";
 /// A new generation has a cause: a fault that ended a worker since the previous one started.
 pub const INV_RESTART_CAUSE: &str = "restart-has-cause";
+/// Every key of the workload's key-value history is linearizable (`crate::linearizable`):
+/// no acknowledged write lost, no stale read, no add or compare-and-set applied twice (the
+/// lanes' at-most-once promise) or out of its call's time.
+pub const INV_LINEARIZABLE: &str = "kv-linearizable";
 
 /// The fault kinds that end a worker, so that the job must restart: the only faults after
 /// which [`INV_RESTART_CAUSE`] accepts a new generation. Every other kind (a coordinator or
@@ -1048,6 +1169,44 @@ pub fn check_restart_causes(events: &[Event]) -> Vec<Violation> {
     out
 }
 
+/// The workload's key-value calls, as the linearizability checker takes them: each call's
+/// line written after it returned, else the one written before it (an unknown outcome).
+pub fn kv_operations(events: &[Event]) -> Vec<Operation> {
+    let mut calls: BTreeMap<(i32, u64, u64), Operation> = BTreeMap::new();
+    for (generation, rank, _, pid, e) in worker_events(events) {
+        if let WorkerEvent::Kv {
+            n,
+            key,
+            op,
+            call_us,
+            ret,
+        } = e
+        {
+            let slot = calls
+                .entry((pid, *call_us, *n))
+                .or_insert_with(|| Operation {
+                    client: format!("generation {generation} rank {rank} (pid {pid})"),
+                    key: key.clone(),
+                    op: op.clone(),
+                    call_us: *call_us,
+                    ret: None,
+                });
+            if ret.is_some() {
+                slot.ret.clone_from(ret);
+            }
+        }
+    }
+    calls.into_values().collect()
+}
+
+/// [`INV_LINEARIZABLE`]: the key-value history, per key.
+pub fn check_linearizable(events: &[Event]) -> Vec<Violation> {
+    crate::linearizable::check(&kv_operations(events))
+        .into_iter()
+        .map(|bad| violation(INV_LINEARIZABLE, bad.to_string()))
+        .collect()
+}
+
 /// Every invariant over one history.
 pub fn check_all(events: &[Event], max_restarts: u32) -> Vec<Violation> {
     let mut out = check_unique_ranks(events);
@@ -1059,6 +1218,7 @@ pub fn check_all(events: &[Event], max_restarts: u32) -> Vec<Violation> {
     out.extend(check_orphans(events));
     out.extend(check_job_survives(events, max_restarts));
     out.extend(check_restart_causes(events));
+    out.extend(check_linearizable(events));
     out
 }
 
@@ -1371,6 +1531,45 @@ mod tests {
         }
         assert_eq!(parse_line("not json"), None);
         assert_eq!(parse_line(r#"{"event":"start"}"#), None);
+    }
+
+    #[test]
+    fn kv_lines_round_trip_and_a_lost_write_is_caught() {
+        // As the probe writes them.
+        let lines = [
+            r#"{"t_ms":1,"event":"kv","gen":1,"rank":0,"node":0,"pid":10,"n":1,"op":"set","key":"probe-reg","value":"a","call_us":100,"ret_us":110,"done":true}"#,
+            r#"{"t_ms":1,"event":"kv","gen":1,"rank":0,"node":0,"pid":10,"n":2,"op":"add","key":"probe-count","delta":1,"call_us":100,"ret_us":null}"#,
+            r#"{"t_ms":1,"event":"kv","gen":1,"rank":1,"node":0,"pid":11,"n":1,"op":"cas","key":"probe-reg","expected":null,"desired":"b","call_us":120,"ret_us":130,"swapped":false,"current":"a"}"#,
+            r#"{"t_ms":1,"event":"kv","gen":1,"rank":1,"node":0,"pid":11,"n":2,"op":"delete","key":"probe-reg","call_us":140,"ret_us":150,"existed":true}"#,
+            r#"{"t_ms":1,"event":"kv","gen":1,"rank":1,"node":0,"pid":11,"n":3,"op":"get","key":"probe-reg","call_us":160,"ret_us":170,"value":null}"#,
+        ];
+        let mut events: Vec<Event> = lines.iter().map(|l| parse_line(l).unwrap()).collect();
+        for e in &events {
+            assert_eq!(
+                parse_line(&e.to_line()).as_ref(),
+                Some(e),
+                "{}",
+                e.to_line()
+            );
+        }
+        assert_eq!(kv_operations(&events).len(), 5);
+        // The line written before a call is completed by the one written after it.
+        let before = r#"{"t_ms":1,"event":"kv","gen":1,"rank":0,"node":0,"pid":10,"n":1,"op":"set","key":"probe-reg","value":"a","call_us":100,"ret_us":null}"#;
+        events.insert(0, parse_line(before).unwrap());
+        let ops = kv_operations(&events);
+        assert_eq!(ops.len(), 5);
+        assert!(
+            ops.iter()
+                .any(|o| o.op == Op::Set(b"a".to_vec()) && o.ret.is_some())
+        );
+        assert!(check_linearizable(&events).is_empty());
+        // A read after the delete that sees the value again: the delete was lost.
+        let stale = r#"{"t_ms":1,"event":"kv","gen":2,"rank":1,"node":0,"pid":12,"n":1,"op":"get","key":"probe-reg","call_us":200,"ret_us":210,"value":"a"}"#;
+        events.push(parse_line(stale).unwrap());
+        let v = check_linearizable(&events);
+        assert_eq!(invariants(&v), [INV_LINEARIZABLE], "{v:?}");
+        // check_all runs it too.
+        assert!(invariants(&check_all(&events, 5)).contains(&INV_LINEARIZABLE));
     }
 
     #[test]

@@ -18,6 +18,7 @@ pub mod cluster;
 pub mod coordinator;
 pub mod etcd;
 pub mod faults;
+pub mod linearizable;
 pub mod peers;
 pub mod replicas;
 pub use peers::peers_python;

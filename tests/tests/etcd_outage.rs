@@ -4,7 +4,8 @@
 //! Every replica answers "no leader is elected" meanwhile, which proves that nobody can hand
 //! the nodes' ranks to others (docs/ha.md, "An etcd outage"): the workers wait in their
 //! barrier, keep their pids, go on once etcd is back, and the job exits 0 in one generation.
-//! The workers' history passes the fault suite's checker (`muster_tests::faults`).
+//! The workers' history passes the fault suite's checker (`muster_tests::faults`), their
+//! key-value calls across the outage included (linearizable).
 //!
 //! And the other side: one agent cut off from every replica while a leader lives (network
 //! namespaces, its link down) completes no census, stops its workers at its lease, and they
@@ -260,6 +261,7 @@ fn a_job_outlives_a_two_minute_etcd_outage() {
     let mut violations = faults::check_unique_ranks(&events);
     violations.extend(faults::check_barriers(&events));
     violations.extend(faults::check_unique_ids(&events));
+    violations.extend(faults::check_linearizable(&events));
     assert!(
         violations.is_empty(),
         "{}",

@@ -3,7 +3,8 @@
 //! etcd, of an agent, of a worker; an agent's network link cut where network namespaces are
 //! available) against a running job of 2 agents with 2 `fault_probe` workers each, on 3
 //! coordinator replicas over a real etcd; then a checker
-//! (`muster_tests::faults`) over the recorded history asserts the invariants. See
+//! (`muster_tests::faults`) over the recorded history asserts the invariants, among them that
+//! the workers' key-value history is linearizable (`muster_tests::linearizable`). See
 //! docs/robustness.md.
 //!
 //! - `MUSTER_FAULT_SEED=N` replays a schedule (the seed and the schedule are printed first);
@@ -830,12 +831,17 @@ fn randomized_faults_keep_the_invariants() {
             }
         }
     }
+    let checking = Instant::now();
     let violations = check_all(&events, max_restarts);
+    let kv = faults::kv_operations(&events);
+    let unknown = kv.iter().filter(|o| o.ret.is_none()).count();
     println!(
-        "seed {}: {injected} faults in {schedule_took:?} (injected, skipped per kind: {by_kind:?}); {} generations; {answers} DescribeJob answers; {} history events; whole run {:?}",
+        "seed {}: {injected} faults in {schedule_took:?} (injected, skipped per kind: {by_kind:?}); {} generations; {answers} DescribeJob answers; {} history events; {} key-value calls ({unknown} of unknown outcome) checked for linearizability; checker {:?}; whole run {:?}",
         settings.seed,
         generations.len(),
         events.len(),
+        kv.len(),
+        checking.elapsed(),
         started.elapsed()
     );
     for v in &violations {

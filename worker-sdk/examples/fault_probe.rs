@@ -13,6 +13,17 @@
 //! - `{"event":"unique-id","value":"<hex>"}` each time the id is fetched (at the start and
 //!   every [`REFETCH_EVERY`] barriers)
 //! - `{"event":"exit","status":0}`, or `{"event":"exit","status":1,"error":"..."}`
+//! - `{"event":"kv","n":N,"op":"add","key":K,"call_us":C,"ret_us":null,...}` before each
+//!   key-value call of the workload below (`n` counts this process's calls), and the same line
+//!   with `"ret_us":R` and the result once it returned: a call without its second line (the
+//!   process was killed, or the call failed) has an unknown outcome. The suite checks them for
+//!   linearizability (`muster_tests::linearizable`).
+//!
+//! The key-value workload, after each barrier: every rank adds 1 to `probe-count` (its lane:
+//! applied at most once); even ranks set `probe-reg`, odd ranks read it; every
+//! [`CAS_EVERY`] barriers rank 0 compare-and-sets it from the value it last wrote, and every
+//! [`DELETE_EVERY`] rank 1 deletes it. The keys outlive generations, so the history spans
+//! restarts and failovers.
 //!
 //! How it ends: the suite sets the key `fault-stop`; rank 0, seeing it after barrier `S`,
 //! sets `stop-at-<generation>` to `S + 2` before it enters barrier `S + 1`, so every rank
@@ -33,6 +44,13 @@ const COMMUNICATOR: &str = "probe";
 const STOP_KEY: &str = "fault-stop";
 /// How often (in barriers) the unique id is fetched again, to see that it does not change.
 const REFETCH_EVERY: u64 = 10;
+/// How often (in barriers) rank 0 compare-and-sets the register.
+const CAS_EVERY: u64 = 5;
+/// How often (in barriers) rank 1 deletes the register.
+const DELETE_EVERY: u64 = 7;
+/// The workload's counter and register keys.
+const COUNTER: &str = "probe-count";
+const REGISTER: &str = "probe-reg";
 
 fn main() -> ExitCode {
     let Some(path) = std::env::var_os("MUSTER_FAULT_HISTORY") else {
@@ -49,6 +67,7 @@ fn main() -> ExitCode {
     let mut probe = Probe {
         history,
         head: format!(r#""pid":{}"#, std::process::id()),
+        calls: 0,
     };
     match run(&mut probe) {
         Ok(()) => {
@@ -69,6 +88,8 @@ struct Probe {
     history: File,
     /// `"gen":G,"rank":R,"node":N,"pid":P` once the rank is known.
     head: String,
+    /// Key-value calls made so far.
+    calls: u64,
 }
 
 impl Probe {
@@ -125,6 +146,8 @@ fn run(probe: &mut Probe) -> Result<(), Box<dyn std::error::Error>> {
     let kv = accelerator.kv();
     let stop_at_key = format!("stop-at-{generation}");
     let mut stop_at: Option<u64> = None;
+    // The value this rank last wrote to the register (rank 0 compare-and-sets from it).
+    let mut written: Option<String> = None;
     for seq in 1.. {
         let fields = format!(r#""name":"{BARRIER}","seq":{seq}"#);
         probe.record("barrier-enter", &fields);
@@ -133,6 +156,7 @@ fn run(probe: &mut Probe) -> Result<(), Box<dyn std::error::Error>> {
         if seq % REFETCH_EVERY == 0 {
             record_id(probe)?;
         }
+        workload(probe, &kv, generation, rank, seq, &mut written)?;
         if stop_at.is_none() {
             if rank == 0 {
                 if kv.get(STOP_KEY)?.is_some() {
@@ -150,6 +174,120 @@ fn run(probe: &mut Probe) -> Result<(), Box<dyn std::error::Error>> {
         std::thread::sleep(pace);
     }
     accelerator.finish()?;
+    Ok(())
+}
+
+/// Microseconds since the Unix epoch: the clock of the `kv` lines (shared by every process of
+/// the machine).
+fn now_us() -> u128 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros())
+}
+
+/// A JSON string, or `null`.
+fn json(value: Option<&[u8]>) -> String {
+    value.map_or_else(
+        || "null".to_owned(),
+        |v| serde_json::Value::String(String::from_utf8_lossy(v).into_owned()).to_string(),
+    )
+}
+
+/// Runs one key-value call and records it: before it, with an unknown outcome; after it, if
+/// it returned, with `result`. `fields` says what it asked. A failed call keeps its unknown
+/// outcome (it may or may not have been applied).
+fn timed<T>(
+    probe: &mut Probe,
+    fields: &str,
+    call: impl FnOnce() -> Result<T, muster::Error>,
+    result: impl FnOnce(&T) -> String,
+) -> Result<T, muster::Error> {
+    probe.calls += 1;
+    let n = probe.calls;
+    let call_us = now_us();
+    probe.record(
+        "kv",
+        &format!(r#""n":{n},{fields},"call_us":{call_us},"ret_us":null"#),
+    );
+    let answer = call();
+    let ret_us = now_us();
+    if let Ok(value) = &answer {
+        probe.record(
+            "kv",
+            &format!(
+                r#""n":{n},{fields},"call_us":{call_us},"ret_us":{ret_us},{}"#,
+                result(value)
+            ),
+        );
+    }
+    answer
+}
+
+/// The key-value workload of one barrier (see the module comment).
+fn workload(
+    probe: &mut Probe,
+    kv: &muster::KvStore<'_>,
+    generation: u64,
+    rank: usize,
+    seq: u64,
+    written: &mut Option<String>,
+) -> Result<(), muster::Error> {
+    timed(
+        probe,
+        &format!(r#""op":"add","key":"{COUNTER}","delta":1"#),
+        || kv.add(COUNTER, 1),
+        |sum| format!(r#""sum":{sum}"#),
+    )?;
+    if rank % 2 == 0 {
+        let value = format!("g{generation}r{rank}s{seq}");
+        timed(
+            probe,
+            &format!(r#""op":"set","key":"{REGISTER}","value":"{value}""#),
+            || kv.set(REGISTER, value.clone()),
+            |()| String::from(r#""done":true"#),
+        )?;
+        *written = Some(value);
+    } else {
+        timed(
+            probe,
+            &format!(r#""op":"get","key":"{REGISTER}""#),
+            || kv.get(REGISTER),
+            |v| format!(r#""value":{}"#, json(v.as_deref())),
+        )?;
+    }
+    if rank == 0 && seq % CAS_EVERY == 0 {
+        let desired = format!("g{generation}r{rank}s{seq}cas");
+        let expected = written.clone();
+        timed(
+            probe,
+            &format!(
+                r#""op":"cas","key":"{REGISTER}","expected":{},"desired":"{desired}""#,
+                json(expected.as_deref().map(str::as_bytes))
+            ),
+            || {
+                kv.compare_and_set(
+                    REGISTER,
+                    expected.as_deref().map(str::as_bytes),
+                    desired.clone(),
+                )
+            },
+            |o| {
+                format!(
+                    r#""swapped":{},"current":{}"#,
+                    o.swapped,
+                    json(o.current.as_deref())
+                )
+            },
+        )?;
+    }
+    if rank == 1 && seq % DELETE_EVERY == 0 {
+        timed(
+            probe,
+            &format!(r#""op":"delete","key":"{REGISTER}""#),
+            || kv.delete(REGISTER),
+            |existed| format!(r#""existed":{existed}"#),
+        )?;
+    }
     Ok(())
 }
 
