@@ -1391,6 +1391,7 @@ impl Drop for TcpProxy {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     fn w(generation: u64, rank: u32, pid: i32, event: WorkerEvent) -> Event {

@@ -238,7 +238,7 @@ fn workload(
         || kv.add(COUNTER, 1),
         |sum| format!(r#""sum":{sum}"#),
     )?;
-    if rank % 2 == 0 {
+    if rank.is_multiple_of(2) {
         let value = format!("g{generation}r{rank}s{seq}");
         timed(
             probe,
@@ -255,7 +255,7 @@ fn workload(
             |v| format!(r#""value":{}"#, json(v.as_deref())),
         )?;
     }
-    if rank == 0 && seq % CAS_EVERY == 0 {
+    if rank == 0 && seq.is_multiple_of(CAS_EVERY) {
         let desired = format!("g{generation}r{rank}s{seq}cas");
         let expected = written.clone();
         timed(
@@ -280,7 +280,7 @@ fn workload(
             },
         )?;
     }
-    if rank == 1 && seq % DELETE_EVERY == 0 {
+    if rank == 1 && seq.is_multiple_of(DELETE_EVERY) {
         timed(
             probe,
             &format!(r#""op":"delete","key":"{REGISTER}""#),
