@@ -16,7 +16,12 @@
 //!   ([`FAILOVER_AFTER_FINISH`]);
 //! - `MUSTER_FAULT_KEEP=1` keeps the run's folder (history and logs) even when it passes;
 //! - `MUSTER_FAULT_CHECK=<history.jsonl>` runs the checker alone over a kept history;
-//! - `MUSTER_FAULT_BALANCER=1` puts the replicas behind a load balancer (see [`BALANCER`]).
+//! - `MUSTER_FAULT_BALANCER=1` puts the replicas behind a load balancer (see [`BALANCER`]);
+//! - `MUSTER_FAULT_WORKLOADS=probe,multi-job` chooses the jobs that run together under the
+//!   schedule (default: every one of [`WORKLOADS`]): `probe` is the job above, the target of
+//!   the agent and link faults; `multi-job` adds [`SIDE_JOBS`] more `fault_probe` jobs of one
+//!   agent each on the same replicas, whose workers the worker faults may hit too, each with
+//!   a history and checked on its own. The run's first line names the seed and the workloads.
 //!
 //! It skips, printing why, where etcd is not installed.
 #![allow(clippy::unwrap_used, missing_docs)]
@@ -75,6 +80,13 @@ const FAILOVER_AFTER_FINISH: bool = true;
 /// bugs, both fixed (see docs/robustness.md).
 const BALANCER: bool = false;
 
+/// The workloads a run can have ([`Settings::workloads`]), in the order they start.
+const WORKLOADS: &[&str] = &["probe", "multi-job"];
+/// Workloads of issue 28 not written yet: asked for, they stop the run with a message.
+const NOT_YET: &[&str] = &["torch-store", "python", "in-place"];
+/// The extra jobs of `multi-job`, each one agent of [`NPROC`] workers.
+const SIDE_JOBS: usize = 2;
+
 /// The job's restart budget: generous, so that the schedule (not the budget) ends the job;
 /// the checker still asserts that no restart goes past it.
 fn max_restarts(count: usize) -> u32 {
@@ -85,6 +97,16 @@ fn now_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// A job of the `multi-job` workload.
+struct SideJob {
+    id: String,
+    /// `None` once it ended.
+    agent: Option<Agent>,
+    path: PathBuf,
+    history: History,
+    observer: Option<std::thread::JoinHandle<usize>>,
 }
 
 /// The history file, shared by the harness's threads (the workers append to it too).
@@ -116,6 +138,8 @@ struct Settings {
     known_bugs: bool,
     keep: bool,
     balancer: bool,
+    /// The workloads (a subset of [`WORKLOADS`], `probe` always among them).
+    workloads: Vec<&'static str>,
 }
 
 impl Settings {
@@ -155,6 +179,31 @@ impl Settings {
                 .filter(|k| known_bugs || !KNOWN_BUG_KINDS.contains(k))
                 .collect(),
         };
+        let workloads: Vec<&'static str> = match var("MUSTER_FAULT_WORKLOADS") {
+            None => WORKLOADS.to_vec(),
+            Some(list) => {
+                let asked: Vec<&str> = list.split(',').map(str::trim).collect();
+                for name in &asked {
+                    assert!(
+                        !NOT_YET.contains(name),
+                        "MUSTER_FAULT_WORKLOADS: workload {name:?} is not written yet (issue 28); workloads: {WORKLOADS:?}"
+                    );
+                    assert!(
+                        WORKLOADS.contains(name),
+                        "MUSTER_FAULT_WORKLOADS: unknown workload {name:?}; workloads: {WORKLOADS:?}"
+                    );
+                }
+                assert!(
+                    asked.contains(&"probe"),
+                    "MUSTER_FAULT_WORKLOADS: `probe` is the schedule's target and must be listed"
+                );
+                WORKLOADS
+                    .iter()
+                    .copied()
+                    .filter(|w| asked.contains(w))
+                    .collect()
+            }
+        };
         Self {
             seed,
             count,
@@ -162,6 +211,7 @@ impl Settings {
             known_bugs,
             keep: var("MUSTER_FAULT_KEEP").is_some_and(|v| v != "0"),
             balancer: BALANCER || var("MUSTER_FAULT_BALANCER").is_some_and(|v| v != "0"),
+            workloads,
         }
     }
 }
@@ -297,6 +347,38 @@ impl Cluster {
 
     fn marker(&self) -> String {
         format!("{}={}", self.marker.0, self.marker.1)
+    }
+
+    /// Starts side job `i` of `multi-job`: one local agent of [`NPROC`] workers, appending to
+    /// `history`.
+    fn start_side_agent(&self, id: &str, history: &Path) -> Agent {
+        let nproc = NPROC.to_string();
+        let max_restarts = self.max_restarts.to_string();
+        let history = history.display().to_string();
+        let args = [
+            "launch",
+            "--coordinator",
+            &self.agent_addrs,
+            "--job-id",
+            id,
+            "--nnodes",
+            "1",
+            "--nproc-per-node",
+            &nproc,
+            "--max-restarts",
+            &max_restarts,
+            "--grace-period-ms",
+            "1000",
+            "--",
+            &self.probe.display().to_string(),
+        ];
+        let mut cmd = std::process::Command::new(&self.agent);
+        cmd.args(args).envs([
+            ("NO_COLOR", "1"),
+            ("MUSTER_FAULT_HISTORY", history.as_str()),
+            (self.marker.0.as_str(), self.marker.1.as_str()),
+        ]);
+        Agent::spawn(cmd, format!("side job {id}: {}", args.join(" ")))
     }
 
     /// The running (not stopped) `fault_probe` workers of the run.
@@ -609,12 +691,14 @@ fn randomized_faults_keep_the_invariants() {
     let plan = schedule(settings.seed, settings.count, &settings.kinds, GAP_MS);
     let max_restarts = max_restarts(settings.count);
     println!(
-        "fault injection: seed {} ({} faults of {:?}; replay with MUSTER_FAULT_SEED={} MUSTER_FAULT_COUNT={}{})",
+        "fault injection: seed {}, workloads {} ({} faults of {:?}; replay with MUSTER_FAULT_SEED={} MUSTER_FAULT_COUNT={} MUSTER_FAULT_WORKLOADS={}{})",
         settings.seed,
+        settings.workloads.join(","),
         settings.count,
         settings.kinds.iter().map(|k| k.name()).collect::<Vec<_>>(),
         settings.seed,
         settings.count,
+        settings.workloads.join(","),
         if settings.known_bugs {
             " MUSTER_FAULT_KNOWN_BUGS=1"
         } else {
@@ -706,6 +790,32 @@ fn randomized_faults_keep_the_invariants() {
         std::thread::sleep(Duration::from_millis(50));
     }
     println!("the job runs after {:?}", started.elapsed());
+    // multi-job: more jobs on the same replicas, each with a history of its own.
+    let mut sides: Vec<SideJob> = Vec::new();
+    if settings.workloads.contains(&"multi-job") {
+        for i in 0..SIDE_JOBS {
+            let id = format!("{job}-side-{i}");
+            let path = dir.join(format!("history-side-{i}.jsonl"));
+            let history = History::open(&path);
+            let agent = cluster.start_side_agent(&id, &path);
+            let observer = observe(
+                (0..REPLICAS)
+                    .map(|r| cluster.replicas.addr(r).to_owned())
+                    .collect(),
+                id.clone(),
+                history.clone(),
+                Arc::clone(&stop_observing),
+            );
+            sides.push(SideJob {
+                id,
+                agent: Some(agent),
+                path,
+                history,
+                observer: Some(observer),
+            });
+        }
+        println!("{SIDE_JOBS} more jobs started (multi-job)");
+    }
 
     let mut injected = 0;
     for fault in &plan {
@@ -723,12 +833,16 @@ fn randomized_faults_keep_the_invariants() {
             "{:>7.1}s {fault}: {detail}",
             started.elapsed().as_secs_f64()
         );
-        cluster.history.record(&Event::Fault {
+        let event = Event::Fault {
             t_ms,
             index: fault.index,
             kind: fault.kind.name().into(),
             detail,
-        });
+        };
+        cluster.history.record(&event);
+        for side in &sides {
+            side.history.record(&event);
+        }
         injected += 1;
     }
     let schedule_took = started.elapsed();
@@ -736,9 +850,37 @@ fn randomized_faults_keep_the_invariants() {
     // The end: stop the workers, wait for every agent.
     let stop_asked = Instant::now();
     ask_to_stop(&rt, &cluster.replicas.addrs(), &job);
+    for side in &sides {
+        ask_to_stop(&rt, &cluster.replicas.addrs(), &side.id);
+    }
     let deadline = stop_asked + STOP_DEADLINE;
-    while cluster.agents.iter_mut().any(|a| !a.exited()) && Instant::now() < deadline {
+    while (cluster.agents.iter_mut().any(|a| !a.exited())
+        || sides
+            .iter_mut()
+            .any(|s| s.agent.as_mut().is_some_and(|a| !a.exited())))
+        && Instant::now() < deadline
+    {
         std::thread::sleep(Duration::from_millis(20));
+    }
+    for side in &mut sides {
+        let Some(mut agent) = side.agent.take() else {
+            continue;
+        };
+        let (code, out) = if agent.exited() {
+            let run = agent.finish(Duration::from_secs(1));
+            (run.code(), run.dump())
+        } else {
+            (None, agent.output())
+        };
+        side.history.record(&Event::JobEnd {
+            t_ms: now_ms(),
+            elapsed_ms: code
+                .is_some()
+                .then(|| u64::try_from(stop_asked.elapsed().as_millis()).unwrap_or(u64::MAX)),
+            deadline_ms: u64::try_from(STOP_DEADLINE.as_millis()).unwrap_or(u64::MAX),
+            codes: vec![code],
+        });
+        std::fs::write(dir.join(format!("{}.log", side.id)), out).unwrap();
     }
     let elapsed = stop_asked.elapsed();
     let all_exited = cluster.agents.iter_mut().all(Agent::exited);
@@ -772,12 +914,16 @@ fn randomized_faults_keep_the_invariants() {
         && let Some(leader) = cluster.leader(&rt)
     {
         cluster.replicas.kill(leader);
-        history.record(&Event::Fault {
+        let event = Event::Fault {
             t_ms: now_ms(),
             index: plan.len(),
             kind: FaultKind::LeaderKill.name().into(),
             detail: format!("replica {leader}, after the job ended"),
-        });
+        };
+        history.record(&event);
+        for side in &sides {
+            side.history.record(&event);
+        }
         let _ = cluster.leader(&rt);
         // The observer watches the new leader past the 10 s re-attach window of a
         // recovered job, the window in which finding 2 turned FINISHED into FAILED.
@@ -786,6 +932,11 @@ fn randomized_faults_keep_the_invariants() {
     std::thread::sleep(SETTLE);
     stop_observing.store(true, Ordering::SeqCst);
     let answers = observer.join().unwrap();
+    for side in &mut sides {
+        if let Some(o) = side.observer.take() {
+            o.join().unwrap();
+        }
+    }
 
     // Orphans: anything that carries the run's marker once every agent is gone.
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -794,10 +945,14 @@ fn randomized_faults_keep_the_invariants() {
         std::thread::sleep(Duration::from_millis(100));
         orphans = marked_processes(&cluster.marker());
     }
-    history.record(&Event::Orphans {
+    let event = Event::Orphans {
         pids: orphans.iter().map(|(p, _)| *p).collect(),
         what: orphans.iter().map(|(_, w)| w.clone()).collect(),
-    });
+    };
+    history.record(&event);
+    for side in &sides {
+        side.history.record(&event);
+    }
     for (p, _) in &orphans {
         signal(*p, Signal::SIGKILL);
     }
@@ -832,7 +987,33 @@ fn randomized_faults_keep_the_invariants() {
         }
     }
     let checking = Instant::now();
-    let violations = check_all(&events, max_restarts);
+    let mut violations = check_all(&events, max_restarts);
+    for side in &sides {
+        let (events, bad) = faults::read_history(&side.path).unwrap();
+        for (line, text) in &bad {
+            println!("{} history line {line} is not an event: {text}", side.id);
+        }
+        let found = check_all(&events, max_restarts);
+        let generations: std::collections::BTreeSet<u64> = events
+            .iter()
+            .filter_map(|e| match e {
+                Event::Worker { generation, .. } => Some(*generation),
+                _ => None,
+            })
+            .collect();
+        println!(
+            "job {}: {} generations; {} history events; {} key-value calls checked; {} violation(s)",
+            side.id,
+            generations.len(),
+            events.len(),
+            faults::kv_operations(&events).len(),
+            found.len()
+        );
+        violations.extend(found.into_iter().map(|mut v| {
+            v.detail = format!("job {}: {}", side.id, v.detail);
+            v
+        }));
+    }
     let kv = faults::kv_operations(&events);
     let unknown = kv.iter().filter(|o| o.ret.is_none()).count();
     println!(
