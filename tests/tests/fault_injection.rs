@@ -21,7 +21,9 @@
 //!   schedule (default: every one of [`WORKLOADS`]): `probe` is the job above, the target of
 //!   the agent and link faults; `multi-job` adds [`SIDE_JOBS`] more `fault_probe` jobs of one
 //!   agent each on the same replicas, whose workers the worker faults may hit too, each with
-//!   a history and checked on its own. The run's first line names the seed and the workloads.
+//!   a history and checked on its own; `torch-store` adds a job of torch's own TCPStore
+//!   clients on the agent store (`tests/python/fault_store.py`, the peers' PyTorch; skipped,
+//!   saying why, without it). The run's first line names the seed and the workloads.
 //!
 //! It skips, printing why, where etcd is not installed.
 #![allow(clippy::unwrap_used, missing_docs)]
@@ -81,9 +83,9 @@ const FAILOVER_AFTER_FINISH: bool = true;
 const BALANCER: bool = false;
 
 /// The workloads a run can have ([`Settings::workloads`]), in the order they start.
-const WORKLOADS: &[&str] = &["probe", "multi-job"];
+const WORKLOADS: &[&str] = &["probe", "multi-job", "torch-store"];
 /// Workloads of issue 28 not written yet: asked for, they stop the run with a message.
-const NOT_YET: &[&str] = &["torch-store", "python", "in-place"];
+const NOT_YET: &[&str] = &["python", "in-place"];
 /// The extra jobs of `multi-job`, each one agent of [`NPROC`] workers.
 const SIDE_JOBS: usize = 2;
 
@@ -107,6 +109,9 @@ struct SideJob {
     path: PathBuf,
     history: History,
     observer: Option<std::thread::JoinHandle<usize>>,
+    /// Created when the job should end (torch-store's workers look for it; the probes read
+    /// `fault-stop`).
+    stop_file: PathBuf,
 }
 
 /// The history file, shared by the harness's threads (the workers append to it too).
@@ -349,13 +354,21 @@ impl Cluster {
         format!("{}={}", self.marker.0, self.marker.1)
     }
 
-    /// Starts side job `i` of `multi-job`: one local agent of [`NPROC`] workers, appending to
-    /// `history`.
-    fn start_side_agent(&self, id: &str, history: &Path) -> Agent {
+    /// Starts a side job (`multi-job`, `torch-store`): one local agent of [`NPROC`] workers
+    /// running `command`, appending to `history`; `stop_file` is the torch workers' signal to
+    /// end.
+    fn start_side_agent(
+        &self,
+        id: &str,
+        history: &Path,
+        stop_file: &Path,
+        command: &[String],
+    ) -> Agent {
         let nproc = NPROC.to_string();
         let max_restarts = self.max_restarts.to_string();
         let history = history.display().to_string();
-        let args = [
+        let stop_file = stop_file.display().to_string();
+        let mut args: Vec<String> = [
             "launch",
             "--coordinator",
             &self.agent_addrs,
@@ -370,18 +383,22 @@ impl Cluster {
             "--grace-period-ms",
             "1000",
             "--",
-            &self.probe.display().to_string(),
-        ];
+        ]
+        .map(str::to_owned)
+        .to_vec();
+        args.extend(command.iter().cloned());
         let mut cmd = std::process::Command::new(&self.agent);
-        cmd.args(args).envs([
+        cmd.args(&args).envs([
             ("NO_COLOR", "1"),
             ("MUSTER_FAULT_HISTORY", history.as_str()),
+            ("MUSTER_FAULT_STOP_FILE", stop_file.as_str()),
             (self.marker.0.as_str(), self.marker.1.as_str()),
         ]);
         Agent::spawn(cmd, format!("side job {id}: {}", args.join(" ")))
     }
 
-    /// The running (not stopped) `fault_probe` workers of the run.
+    /// The running (not stopped) workers of the run: `fault_probe`s and `torch-store`'s
+    /// torch clients.
     fn workers(&self) -> Vec<i32> {
         let probe = self.probe.display().to_string();
         marked_processes(&self.marker())
@@ -390,7 +407,10 @@ impl Cluster {
                 let mut parts = what.split_whitespace();
                 let _pid = parts.next();
                 let state = parts.next().unwrap_or_default();
-                state != "[T]" && parts.next() == Some(probe.as_str())
+                let program = parts.next();
+                let script = parts.next().unwrap_or_default();
+                state != "[T]"
+                    && (program == Some(probe.as_str()) || script.ends_with("/fault_store.py"))
             })
             .map(|(pid, _)| pid)
             .collect()
@@ -773,7 +793,8 @@ fn randomized_faults_keep_the_invariants() {
         history.clone(),
         Arc::clone(&stop_observing),
     );
-    // The schedule starts once every worker of the first generation runs.
+    // The schedule starts once every worker of the first generation runs (before any side
+    // job starts).
     let deadline = Instant::now() + Duration::from_secs(60);
     while cluster.workers().len() < NODES * NPROC {
         assert!(
@@ -792,12 +813,36 @@ fn randomized_faults_keep_the_invariants() {
     println!("the job runs after {:?}", started.elapsed());
     // multi-job: more jobs on the same replicas, each with a history of its own.
     let mut sides: Vec<SideJob> = Vec::new();
+    let mut side_jobs: Vec<(String, Vec<String>)> = Vec::new();
     if settings.workloads.contains(&"multi-job") {
         for i in 0..SIDE_JOBS {
-            let id = format!("{job}-side-{i}");
-            let path = dir.join(format!("history-side-{i}.jsonl"));
+            side_jobs.push((
+                format!("{job}-side-{i}"),
+                vec![cluster.probe.display().to_string()],
+            ));
+        }
+    }
+    if settings.workloads.contains(&"torch-store") {
+        match muster_tests::peers_python(&["torch"]) {
+            Some(python) => side_jobs.push((
+                format!("{job}-torch-store"),
+                vec![
+                    python.display().to_string(),
+                    muster_tests::workspace_root()
+                        .join("tests/python/fault_store.py")
+                        .display()
+                        .to_string(),
+                ],
+            )),
+            None => println!("the torch-store workload is skipped: no PyTorch (see above)"),
+        }
+    }
+    {
+        for (id, command) in side_jobs {
+            let path = dir.join(format!("history-{id}.jsonl"));
             let history = History::open(&path);
-            let agent = cluster.start_side_agent(&id, &path);
+            let stop_file = dir.join(format!("stop-{id}"));
+            let agent = cluster.start_side_agent(&id, &path, &stop_file, &command);
             let observer = observe(
                 (0..REPLICAS)
                     .map(|r| cluster.replicas.addr(r).to_owned())
@@ -806,15 +851,16 @@ fn randomized_faults_keep_the_invariants() {
                 history.clone(),
                 Arc::clone(&stop_observing),
             );
+            println!("job {id} started: {}", command.join(" "));
             sides.push(SideJob {
                 id,
                 agent: Some(agent),
                 path,
                 history,
                 observer: Some(observer),
+                stop_file,
             });
         }
-        println!("{SIDE_JOBS} more jobs started (multi-job)");
     }
 
     let mut injected = 0;
@@ -851,6 +897,7 @@ fn randomized_faults_keep_the_invariants() {
     let stop_asked = Instant::now();
     ask_to_stop(&rt, &cluster.replicas.addrs(), &job);
     for side in &sides {
+        std::fs::write(&side.stop_file, b"stop").unwrap();
         ask_to_stop(&rt, &cluster.replicas.addrs(), &side.id);
     }
     let deadline = stop_asked + STOP_DEADLINE;

@@ -1,0 +1,155 @@
+"""The `torch-store` workload of the fault suite (tests/tests/fault_injection.rs): torch's own
+TCPStore client on muster's agent store, doing set, get, add, compare_set, wait and
+multi_get in a loop, and recording every call in the suite's history format (the same `kv`
+lines as worker-sdk/examples/fault_probe.rs: one before the call, one after it returned), so
+that the suite checks them for linearizability.
+
+Environment: MUSTER_FAULT_HISTORY (the history file, appended to), MUSTER_FAULT_STOP_FILE (the
+run stops once it exists), and what `muster-agent launch` gives a torch worker (RANK,
+GROUP_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, MUSTER_GENERATION,
+TORCHELASTIC_RESTART_COUNT).
+
+Keys: the agent store keeps each generation's keys apart (`torch/g<generation>/`), so the
+history names them `g<generation>/<key>`. Every rank adds 1 to `count`; rank 0 sets `reg`
+first (the others wait for it), even ranks then set it and odd ranks read it with `get` and,
+every 3 rounds, with `multi_get` of both keys; every 5 rounds rank 0 compare-and-sets it from
+the value it last wrote.
+"""
+
+import datetime
+import json
+import os
+import sys
+import time
+
+import torch.distributed as dist
+
+
+def now_us() -> int:
+    return time.time_ns() // 1000
+
+
+class History:
+    """The history file, one line per `write` (O_APPEND keeps concurrent writers' lines whole)."""
+
+    def __init__(self, path: str, head: dict) -> None:
+        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self.head = head
+        self.calls = 0
+
+    def record(self, event: str, **fields) -> None:
+        line = {"t_ms": time.time_ns() // 1_000_000, "event": event, **self.head, **fields}
+        os.write(self.fd, (json.dumps(line) + "\n").encode())
+
+    def call(self, fields: dict, run, result):
+        """Runs one store call, recorded before (outcome unknown) and after it returned."""
+        self.calls += 1
+        n = self.calls
+        call_us = now_us()
+        self.record("kv", n=n, call_us=call_us, ret_us=None, **fields)
+        answer = run()
+        self.record("kv", n=n, call_us=call_us, ret_us=now_us(), **fields, **result(answer))
+        return answer
+
+
+def text(value: bytes) -> str:
+    return value.decode()
+
+
+def main() -> int:
+    gen = int(os.environ["MUSTER_GENERATION"])
+    rank = int(os.environ["RANK"])
+    history = History(
+        os.environ["MUSTER_FAULT_HISTORY"],
+        {"gen": gen, "rank": rank, "node": int(os.environ["GROUP_RANK"]), "pid": os.getpid()},
+    )
+    stop_file = os.environ["MUSTER_FAULT_STOP_FILE"]
+    history.record(
+        "start",
+        world=int(os.environ["WORLD_SIZE"]),
+        restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    )
+    try:
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(seconds=300),
+            wait_for_workers=False,
+        )
+        count, reg = f"g{gen}/count", f"g{gen}/reg"
+        written = f"g{gen}r{rank}s0"
+        if rank == 0:
+            history.call(
+                {"op": "set", "key": reg, "value": written},
+                lambda: store.set("reg", written),
+                lambda _: {"done": True},
+            )
+        store.wait(["reg"])
+        seq = 0
+        while not os.path.exists(stop_file):
+            seq += 1
+            history.call(
+                {"op": "add", "key": count, "delta": 1},
+                lambda: store.add("count", 1),
+                lambda s: {"sum": s},
+            )
+            if rank % 2 == 0:
+                value = f"g{gen}r{rank}s{seq}"
+                history.call(
+                    {"op": "set", "key": reg, "value": value},
+                    lambda value=value: store.set("reg", value),
+                    lambda _: {"done": True},
+                )
+                written = value
+            elif seq % 3 == 0:
+                # One call, two keys: recorded as a read of each (a linearizable multi-key
+                # read projects onto linearizable reads of each key).
+                call_us = now_us()
+                values = store.multi_get(["count", "reg"])
+                ret_us = now_us()
+                for key, value in zip((count, reg), values):
+                    history.calls += 1
+                    history.record(
+                        "kv",
+                        n=history.calls,
+                        op="get",
+                        key=key,
+                        call_us=call_us,
+                        ret_us=ret_us,
+                        value=text(value),
+                    )
+            else:
+                history.call(
+                    {"op": "get", "key": reg},
+                    lambda: store.get("reg"),
+                    lambda v: {"value": text(v)},
+                )
+            if rank == 0 and seq % 5 == 0:
+                desired = f"g{gen}r{rank}s{seq}cas"
+                expected = written
+
+                def outcome(current: bytes, expected=expected, desired=desired) -> dict:
+                    # torch answers the value after the call, or `expected` for an absent key
+                    # (which `reg` never is once set); the desired value is unique, so seeing
+                    # it means the swap happened.
+                    got = text(current)
+                    return {"swapped": got == desired, "current": got}
+
+                history.call(
+                    {"op": "cas", "key": reg, "expected": expected, "desired": desired},
+                    lambda e=expected, d=desired: store.compare_set("reg", e, d),
+                    outcome,
+                )
+                written = desired
+            time.sleep(0.05)
+    except Exception as e:  # noqa: BLE001 - every failure ends the worker, recorded
+        history.record("exit", status=1, error=f"{type(e).__name__}: {e}")
+        print(f"fault_store: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    history.record("exit", status=0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
