@@ -6,6 +6,9 @@
 # build or test fails the run.
 #
 # Usage: scripts/test-python.sh [pytest arguments]
+#        scripts/test-python.sh --install   (builds the package into the venv and stops: the
+#        full tier does this before the end-to-end tests, whose fault suite runs Python SDK
+#        workers, and then runs this script with MUSTER_PYTHON_INSTALLED=1)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=$(scripts/install-peers.sh | tail -1)
@@ -16,8 +19,13 @@ fi
 if ! "$venv/bin/python" -c 'import pytest' 2>/dev/null; then
   "$venv/bin/python" -m pip install -q --disable-pip-version-check pytest
 fi
-echo "test-python.sh: building the muster package into $venv"
-"$venv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps ./worker-sdk/python
+if [ "${MUSTER_PYTHON_INSTALLED:-}" != 1 ]; then
+  echo "test-python.sh: building the muster package into $venv"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps ./worker-sdk/python
+fi
+if [ "${1:-}" = "--install" ]; then
+  exit 0
+fi
 cargo build -p muster-agent
 cd worker-sdk/python
 "$venv/bin/python" -m pytest -q tests "$@"

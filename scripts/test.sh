@@ -19,7 +19,9 @@ fi
 scripts/install-deps.sh
 # PyTorch and Accelerate for tests/tests/interop.rs (skipped with a reason when it cannot install).
 scripts/install-peers.sh >/dev/null
+# The muster package into the peers' venv first: the fault suite's `python` workload runs it.
+scripts/test-python.sh --install
 cargo build --workspace --all-targets
 cargo test --workspace --all-targets --no-fail-fast "$@"
 # The Python SDK, built with pip into the peers' venv, and its pytest suite.
-scripts/test-python.sh
+MUSTER_PYTHON_INSTALLED=1 scripts/test-python.sh

@@ -22,8 +22,11 @@
 //!   the agent and link faults; `multi-job` adds [`SIDE_JOBS`] more `fault_probe` jobs of one
 //!   agent each on the same replicas, whose workers the worker faults may hit too, each with
 //!   a history and checked on its own; `torch-store` adds a job of torch's own TCPStore
-//!   clients on the agent store (`tests/python/fault_store.py`, the peers' PyTorch; skipped,
-//!   saying why, without it). The run's first line names the seed and the workloads.
+//!   clients on the agent store (`tests/python/fault_store.py`, the peers' PyTorch), and
+//!   `python` one of Python SDK workers (`tests/python/fault_python.py`: barriers,
+//!   `main_process_first_share`, the store, a `Communicator` all_reduce; the `muster` package
+//!   in the peers' venv); each is skipped, saying why, without its Python. The run's first
+//!   line names the seed and the workloads.
 //!
 //! It skips, printing why, where etcd is not installed.
 #![allow(clippy::unwrap_used, missing_docs)]
@@ -83,9 +86,9 @@ const FAILOVER_AFTER_FINISH: bool = true;
 const BALANCER: bool = false;
 
 /// The workloads a run can have ([`Settings::workloads`]), in the order they start.
-const WORKLOADS: &[&str] = &["probe", "multi-job", "torch-store"];
+const WORKLOADS: &[&str] = &["probe", "multi-job", "torch-store", "python"];
 /// Workloads of issue 28 not written yet: asked for, they stop the run with a message.
-const NOT_YET: &[&str] = &["python", "in-place"];
+const NOT_YET: &[&str] = &["in-place"];
 /// The extra jobs of `multi-job`, each one agent of [`NPROC`] workers.
 const SIDE_JOBS: usize = 2;
 
@@ -397,8 +400,8 @@ impl Cluster {
         Agent::spawn(cmd, format!("side job {id}: {}", args.join(" ")))
     }
 
-    /// The running (not stopped) workers of the run: `fault_probe`s and `torch-store`'s
-    /// torch clients.
+    /// The running (not stopped) workers of the run: `fault_probe`s, `torch-store`'s torch
+    /// clients and `python`'s SDK workers.
     fn workers(&self) -> Vec<i32> {
         let probe = self.probe.display().to_string();
         marked_processes(&self.marker())
@@ -410,7 +413,9 @@ impl Cluster {
                 let program = parts.next();
                 let script = parts.next().unwrap_or_default();
                 state != "[T]"
-                    && (program == Some(probe.as_str()) || script.ends_with("/fault_store.py"))
+                    && (program == Some(probe.as_str())
+                        || script.ends_with("/fault_store.py")
+                        || script.ends_with("/fault_python.py"))
             })
             .map(|(pid, _)| pid)
             .collect()
@@ -835,6 +840,23 @@ fn randomized_faults_keep_the_invariants() {
                 ],
             )),
             None => println!("the torch-store workload is skipped: no PyTorch (see above)"),
+        }
+    }
+    if settings.workloads.contains(&"python") {
+        match muster_tests::peers_python(&["muster"]) {
+            Some(python) => side_jobs.push((
+                format!("{job}-python"),
+                vec![
+                    python.display().to_string(),
+                    muster_tests::workspace_root()
+                        .join("tests/python/fault_python.py")
+                        .display()
+                        .to_string(),
+                ],
+            )),
+            None => println!(
+                "the python workload is skipped: no `muster` package in the peers' venv (see above)"
+            ),
         }
     }
     {
