@@ -173,10 +173,36 @@ impl Replicas {
         replica.stopped = false;
     }
 
-    /// SIGSTOPs replica `i` (it keeps its connections and its port, and answers nothing).
+    /// SIGSTOPs replica `i` (it keeps its connections and its port, and answers nothing), and
+    /// returns once every thread of it has stopped: `kill` returns before the signal is acted
+    /// on, and a request sent in between would be served by a replica the test believes
+    /// stopped (`ha_failover`'s paused-leader test once saw its "paused" write applied).
     pub fn stop(&mut self, i: usize) {
         self.signal(i, Signal::SIGSTOP);
         self.replicas[i].stopped = true;
+        let tasks = format!("/proc/{}/task", self.pid(i));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let running = std::fs::read_dir(&tasks)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|t| std::fs::read_to_string(t.path().join("stat")).ok())
+                .filter(|stat| {
+                    // `pid (comm) S ...`: the state follows the last ')'.
+                    let state = stat.rsplit_once(')').map(|(_, rest)| rest.trim_start());
+                    !state.is_some_and(|s| s.starts_with('T') || s.starts_with('t'))
+                })
+                .count();
+            if running == 0 {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "replica {i}: {running} thread(s) still run 5 s after SIGSTOP"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// SIGCONTs replica `i` after [`Replicas::stop`].
