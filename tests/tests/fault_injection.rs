@@ -25,8 +25,10 @@
 //!   clients on the agent store (`tests/python/fault_store.py`, the peers' PyTorch), and
 //!   `python` one of Python SDK workers (`tests/python/fault_python.py`: barriers,
 //!   `main_process_first_share`, the store, a `Communicator` all_reduce; the `muster` package
-//!   in the peers' venv); each is skipped, saying why, without its Python. The run's first
-//!   line names the seed and the workloads.
+//!   in the peers' venv); each is skipped, saying why, without its Python; `in-place` adds a
+//!   `ddp_train` job under `--recovery in-place` whose workers the worker faults may kill, and
+//!   whose final checksum must equal a failure-free run's. The run's first line names the
+//!   seed and the workloads.
 //!
 //! It skips, printing why, where etcd is not installed.
 #![allow(clippy::unwrap_used, missing_docs)]
@@ -86,9 +88,23 @@ const FAILOVER_AFTER_FINISH: bool = true;
 const BALANCER: bool = false;
 
 /// The workloads a run can have ([`Settings::workloads`]), in the order they start.
-const WORKLOADS: &[&str] = &["probe", "multi-job", "torch-store", "python"];
+const WORKLOADS: &[&str] = &["probe", "multi-job", "torch-store", "python", "in-place"];
 /// Workloads of issue 28 not written yet: asked for, they stop the run with a message.
-const NOT_YET: &[&str] = &["in-place"];
+const NOT_YET: &[&str] = &[];
+/// `in-place`'s training: 240 steps on 2 processes, 100 ms apart (about 25 s of the schedule).
+const IN_PLACE_TRAIN: &[&str] = &[
+    "--epochs",
+    "30",
+    "--samples",
+    "512",
+    "--batch-size",
+    "32",
+    "--eval-samples",
+    "0",
+    "--quiet",
+];
+/// The invariant of `in-place`: the job exits 0 with the failure-free run's checksum.
+const INV_IN_PLACE: &str = "in-place-checksum";
 /// The extra jobs of `multi-job`, each one agent of [`NPROC`] workers.
 const SIDE_JOBS: usize = 2;
 
@@ -401,7 +417,7 @@ impl Cluster {
     }
 
     /// The running (not stopped) workers of the run: `fault_probe`s, `torch-store`'s torch
-    /// clients and `python`'s SDK workers.
+    /// clients, `python`'s SDK workers and `in-place`'s trainers.
     fn workers(&self) -> Vec<i32> {
         let probe = self.probe.display().to_string();
         marked_processes(&self.marker())
@@ -414,6 +430,7 @@ impl Cluster {
                 let script = parts.next().unwrap_or_default();
                 state != "[T]"
                     && (program == Some(probe.as_str())
+                        || program.is_some_and(|p| p.ends_with("/ddp_train"))
                         || script.ends_with("/fault_store.py")
                         || script.ends_with("/fault_python.py"))
             })
@@ -842,6 +859,63 @@ fn randomized_faults_keep_the_invariants() {
             None => println!("the torch-store workload is skipped: no PyTorch (see above)"),
         }
     }
+    // in-place: the failure-free reference first (on an embedded coordinator, away from the
+    // faults), then the job under the schedule.
+    let mut in_place: Option<(Agent, String)> = None;
+    if settings.workloads.contains(&"in-place") {
+        match example_bin("ddp_train") {
+            Some(bin) => {
+                let trainer = dir.join("ddp_train");
+                std::fs::copy(&bin, &trainer).unwrap();
+                let trainer = trainer.display().to_string();
+                let mut args = vec!["launch", "--nproc-per-node", "2", "--job-id"];
+                let reference_job = format!("{job}-in-place-reference");
+                args.push(&reference_job);
+                args.push("--");
+                args.push(&trainer);
+                args.extend_from_slice(IN_PLACE_TRAIN);
+                let mut cmd = std::process::Command::new(&cluster.agent);
+                cmd.args(&args)
+                    .envs([("MUSTER_COMM_BACKEND", "cpu"), ("NO_COLOR", "1")]);
+                let run = Agent::spawn(cmd, String::from("in-place reference"))
+                    .finish(Duration::from_secs(120));
+                assert_eq!(run.code(), Some(0), "{}", run.dump());
+                let reference = muster_tests::recovery::checksum(&run);
+                let id = format!("{job}-in-place");
+                let max = max_restarts.to_string();
+                let mut args: Vec<&str> = vec![
+                    "launch",
+                    "--coordinator",
+                    &cluster.agent_addrs,
+                    "--job-id",
+                    &id,
+                    "--nnodes",
+                    "1",
+                    "--nproc-per-node",
+                    "2",
+                    "--recovery",
+                    "in-place",
+                    "--max-restarts",
+                    &max,
+                    "--grace-period-ms",
+                    "1000",
+                    "--",
+                    &trainer,
+                ];
+                args.extend_from_slice(IN_PLACE_TRAIN);
+                args.extend_from_slice(&["--step-sleep-ms", "100"]);
+                let mut cmd = std::process::Command::new(&cluster.agent);
+                cmd.args(&args).envs([
+                    ("MUSTER_COMM_BACKEND", "cpu"),
+                    ("NO_COLOR", "1"),
+                    (cluster.marker.0.as_str(), cluster.marker.1.as_str()),
+                ]);
+                println!("job {id} started (in-place; the failure-free {reference})");
+                in_place = Some((Agent::spawn(cmd, format!("job {id}")), reference));
+            }
+            None => println!("the in-place workload is skipped: no ddp_train example"),
+        }
+    }
     if settings.workloads.contains(&"python") {
         match muster_tests::peers_python(&["muster"]) {
             Some(python) => side_jobs.push((
@@ -978,6 +1052,13 @@ fn randomized_faults_keep_the_invariants() {
     });
     println!("the job ended {elapsed:?} after the stop; agents exited {codes:?}");
 
+    // The in-place job ends by itself (its training is done): wait for it.
+    let in_place_run = in_place.map(|(agent, reference)| {
+        let run = agent.finish(Duration::from_secs(120));
+        println!("the in-place job ended: exit {:?}", run.code());
+        (run, reference)
+    });
+
     // A failover after the end: the final state must survive it (finding 2).
     if (FAILOVER_AFTER_FINISH || settings.known_bugs)
         && let Some(leader) = cluster.leader(&rt)
@@ -1057,6 +1138,36 @@ fn randomized_faults_keep_the_invariants() {
     }
     let checking = Instant::now();
     let mut violations = check_all(&events, max_restarts);
+    if let Some((run, reference)) = in_place_run {
+        std::fs::write(dir.join("in-place.log"), run.dump()).unwrap();
+        let recovered = run
+            .stderr
+            .iter()
+            .filter(|l| l.contains("respawned in place"))
+            .count();
+        let got = run
+            .rank_stdout(0)
+            .iter()
+            .find(|l| l.starts_with("final "))
+            .and_then(|l| l.split(' ').find(|w| w.starts_with("checksum=")))
+            .map(str::to_owned);
+        println!(
+            "in-place job: exit {:?}, {recovered} rank(s) respawned in place, {} (failure-free {reference})",
+            run.code(),
+            got.as_deref().unwrap_or("no checksum")
+        );
+        if run.code() != Some(0) || got.as_deref() != Some(reference.as_str()) {
+            violations.push(faults::Violation {
+                invariant: INV_IN_PLACE,
+                detail: format!(
+                    "the in-place job exited {:?} with {} instead of the failure-free {reference}; its log: {}",
+                    run.code(),
+                    got.as_deref().unwrap_or("no checksum"),
+                    dir.join("in-place.log").display()
+                ),
+            });
+        }
+    }
     for side in &sides {
         let (events, bad) = faults::read_history(&side.path).unwrap();
         for (line, text) in &bad {
