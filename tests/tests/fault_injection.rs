@@ -28,7 +28,13 @@
 //!   in the peers' venv); each is skipped, saying why, without its Python; `in-place` adds a
 //!   `ddp_train` job under `--recovery in-place` whose workers the worker faults may kill, and
 //!   whose final checksum must equal a failure-free run's. The run's first line names the
-//!   seed and the workloads.
+//!   seed and the workloads;
+//! - `MUSTER_SOAK=1` is the soak (issue 28, not in CI): 8 jobs of 4 ranks (every workload,
+//!   `multi-job` with [`SOAK_SIDE_JOBS`] jobs) for 30 minutes (`MUSTER_SOAK_MINUTES=N` for
+//!   another length), with a fault about every minute from [`SOAK_KINDS`]; it reports the
+//!   replicas' and agents' memory and descriptors at its start and end (and fails if either
+//!   sum grew by more than 10%), the calls made and the keys lost (the linearizability
+//!   checker: 0), and how the jobs ended.
 //!
 //! It skips, printing why, where etcd is not installed.
 #![allow(clippy::unwrap_used, missing_docs)]
@@ -66,6 +72,23 @@ const SHORT_COUNT: usize = 15;
 const LONG_COUNT: usize = 200;
 /// Quiet time between two faults (milliseconds): room for a restarted generation to form.
 const GAP_MS: (u64, u64) = (1_500, 3_500);
+/// The soak's quiet time between two faults: one a minute or so.
+const SOAK_GAP_MS: (u64, u64) = (45_000, 75_000);
+/// The soak's fault kinds: none that kills a coordinator or an agent, whose memory and
+/// descriptors it compares between its start and end.
+const SOAK_KINDS: &[FaultKind] = &[
+    FaultKind::WorkerKill,
+    FaultKind::WorkerPause,
+    FaultKind::EtcdKill,
+    FaultKind::EtcdPause,
+    FaultKind::LeaderPauseShort,
+    FaultKind::AgentPause,
+];
+/// The soak's `multi-job` jobs: with the probe job, `torch-store`, `python` and `in-place`,
+/// 8 jobs.
+const SOAK_SIDE_JOBS: usize = 4;
+/// How much the soak lets the summed memory of the replicas, or of the agents, grow.
+const SOAK_GROWTH: f64 = 1.10;
 /// How long the job may take to end once asked to stop (it may be mid-restart).
 const STOP_DEADLINE: Duration = Duration::from_secs(90);
 /// How long the harness keeps observing after the job ended.
@@ -120,6 +143,67 @@ fn now_ms() -> u64 {
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
+/// What the soak measures of the run's long-lived processes: resident memory (kB, from
+/// `/proc/<pid>/status`) and open descriptors (`/proc/<pid>/fd`), summed over the replicas and
+/// over the agents.
+#[derive(Debug, Clone, Copy)]
+struct Usage {
+    replicas_kb: u64,
+    replicas_fds: usize,
+    agents_kb: u64,
+    agents_fds: usize,
+    agents: usize,
+}
+
+impl Usage {
+    fn of(cluster: &Cluster, sides: &[SideJob], in_place: Option<&Agent>) -> Self {
+        let rss = |pid: i32| -> u64 {
+            std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .ok()
+                .and_then(|s| {
+                    s.lines()
+                        .find_map(|l| l.strip_prefix("VmRSS:"))
+                        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+                })
+                .unwrap_or(0)
+        };
+        let fds = |pid: i32| -> usize {
+            std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, Iterator::count)
+        };
+        let replicas: Vec<i32> = (0..cluster.replicas.len())
+            .map(|i| pid(cluster.replicas.pid(i)))
+            .collect();
+        let agents: Vec<i32> = cluster
+            .agents
+            .iter()
+            .chain(sides.iter().filter_map(|s| s.agent.as_ref()))
+            .chain(in_place)
+            .map(|a| a.pid().as_raw())
+            .collect();
+        Self {
+            replicas_kb: replicas.iter().map(|p| rss(*p)).sum(),
+            replicas_fds: replicas.iter().map(|p| fds(*p)).sum(),
+            agents_kb: agents.iter().map(|p| rss(*p)).sum(),
+            agents_fds: agents.iter().map(|p| fds(*p)).sum(),
+            agents: agents.len(),
+        }
+    }
+}
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "replicas {:.1} MiB RSS, {} fds; {} agents {:.1} MiB RSS, {} fds",
+            self.replicas_kb as f64 / 1024.0,
+            self.replicas_fds,
+            self.agents,
+            self.agents_kb as f64 / 1024.0,
+            self.agents_fds
+        )
+    }
+}
+
 /// A job of the `multi-job` workload.
 struct SideJob {
     id: String,
@@ -164,6 +248,15 @@ struct Settings {
     balancer: bool,
     /// The workloads (a subset of [`WORKLOADS`], `probe` always among them).
     workloads: Vec<&'static str>,
+    /// `MUSTER_SOAK=1`: how long the soak lasts.
+    soak: Option<Duration>,
+}
+
+impl Settings {
+    /// Workers of each side job (and of `in-place`): 4 in the soak, else [`NPROC`].
+    fn side_nproc(&self) -> usize {
+        if self.soak.is_some() { 4 } else { NPROC }
+    }
 }
 
 impl Settings {
@@ -228,6 +321,21 @@ impl Settings {
                     .collect()
             }
         };
+        let soak = var("MUSTER_SOAK").filter(|v| v != "0").map(|_| {
+            let minutes: u64 = var("MUSTER_SOAK_MINUTES").map_or(30, |m| {
+                m.parse()
+                    .unwrap_or_else(|e| panic!("MUSTER_SOAK_MINUTES {m:?}: {e}"))
+            });
+            Duration::from_secs(minutes * 60)
+        });
+        let (count, kinds) = match soak {
+            // About one fault a minute, from the kinds that spare coordinators and agents.
+            Some(d) => (
+                usize::try_from(d.as_secs() / 60).unwrap_or(1).max(1),
+                SOAK_KINDS.to_vec(),
+            ),
+            None => (count, kinds),
+        };
         Self {
             seed,
             count,
@@ -236,6 +344,7 @@ impl Settings {
             keep: var("MUSTER_FAULT_KEEP").is_some_and(|v| v != "0"),
             balancer: BALANCER || var("MUSTER_FAULT_BALANCER").is_some_and(|v| v != "0"),
             workloads,
+            soak,
         }
     }
 }
@@ -379,11 +488,12 @@ impl Cluster {
     fn start_side_agent(
         &self,
         id: &str,
+        nproc: usize,
         history: &Path,
         stop_file: &Path,
         command: &[String],
     ) -> Agent {
-        let nproc = NPROC.to_string();
+        let nproc = nproc.to_string();
         let max_restarts = self.max_restarts.to_string();
         let history = history.display().to_string();
         let stop_file = stop_file.display().to_string();
@@ -730,7 +840,12 @@ fn randomized_faults_keep_the_invariants() {
         .enable_all()
         .build()
         .unwrap();
-    let plan = schedule(settings.seed, settings.count, &settings.kinds, GAP_MS);
+    let gap = if settings.soak.is_some() {
+        SOAK_GAP_MS
+    } else {
+        GAP_MS
+    };
+    let plan = schedule(settings.seed, settings.count, &settings.kinds, gap);
     let max_restarts = max_restarts(settings.count);
     println!(
         "fault injection: seed {}, workloads {} ({} faults of {:?}; replay with MUSTER_FAULT_SEED={} MUSTER_FAULT_COUNT={} MUSTER_FAULT_WORKLOADS={}{})",
@@ -837,7 +952,12 @@ fn randomized_faults_keep_the_invariants() {
     let mut sides: Vec<SideJob> = Vec::new();
     let mut side_jobs: Vec<(String, Vec<String>)> = Vec::new();
     if settings.workloads.contains(&"multi-job") {
-        for i in 0..SIDE_JOBS {
+        let count = if settings.soak.is_some() {
+            SOAK_SIDE_JOBS
+        } else {
+            SIDE_JOBS
+        };
+        for i in 0..count {
             side_jobs.push((
                 format!("{job}-side-{i}"),
                 vec![cluster.probe.display().to_string()],
@@ -868,7 +988,13 @@ fn randomized_faults_keep_the_invariants() {
                 let trainer = dir.join("ddp_train");
                 std::fs::copy(&bin, &trainer).unwrap();
                 let trainer = trainer.display().to_string();
-                let mut args = vec!["launch", "--nproc-per-node", "2", "--job-id"];
+                let nproc = settings.side_nproc().to_string();
+                // In the soak the training lasts the soak: its 240 steps spread over it.
+                let sleep_ms = settings
+                    .soak
+                    .map_or(100, |d| u64::try_from(d.as_millis() / 240).unwrap_or(100))
+                    .to_string();
+                let mut args = vec!["launch", "--nproc-per-node", &nproc, "--job-id"];
                 let reference_job = format!("{job}-in-place-reference");
                 args.push(&reference_job);
                 args.push("--");
@@ -892,7 +1018,7 @@ fn randomized_faults_keep_the_invariants() {
                     "--nnodes",
                     "1",
                     "--nproc-per-node",
-                    "2",
+                    &nproc,
                     "--recovery",
                     "in-place",
                     "--max-restarts",
@@ -903,7 +1029,7 @@ fn randomized_faults_keep_the_invariants() {
                     &trainer,
                 ];
                 args.extend_from_slice(IN_PLACE_TRAIN);
-                args.extend_from_slice(&["--step-sleep-ms", "100"]);
+                args.extend_from_slice(&["--step-sleep-ms", &sleep_ms]);
                 let mut cmd = std::process::Command::new(&cluster.agent);
                 cmd.args(&args).envs([
                     ("MUSTER_COMM_BACKEND", "cpu"),
@@ -938,7 +1064,8 @@ fn randomized_faults_keep_the_invariants() {
             let path = dir.join(format!("history-{id}.jsonl"));
             let history = History::open(&path);
             let stop_file = dir.join(format!("stop-{id}"));
-            let agent = cluster.start_side_agent(&id, &path, &stop_file, &command);
+            let agent =
+                cluster.start_side_agent(&id, settings.side_nproc(), &path, &stop_file, &command);
             let observer = observe(
                 (0..REPLICAS)
                     .map(|r| cluster.replicas.addr(r).to_owned())
@@ -959,6 +1086,14 @@ fn randomized_faults_keep_the_invariants() {
         }
     }
 
+    // The soak compares memory and descriptors between its start (after a minute of warm-up)
+    // and its end.
+    let soak_start = settings.soak.map(|_| {
+        std::thread::sleep(Duration::from_secs(60));
+        let u = Usage::of(&cluster, &sides, in_place.as_ref().map(|(a, _)| a));
+        println!("soak start: {u}");
+        u
+    });
     let mut injected = 0;
     for fault in &plan {
         std::thread::sleep(Duration::from_millis(fault.gap_ms));
@@ -988,6 +1123,11 @@ fn randomized_faults_keep_the_invariants() {
         injected += 1;
     }
     let schedule_took = started.elapsed();
+    let soak_end = settings.soak.map(|_| {
+        let u = Usage::of(&cluster, &sides, in_place.as_ref().map(|(a, _)| a));
+        println!("soak end:   {u}");
+        u
+    });
 
     // The end: stop the workers, wait for every agent.
     let stop_asked = Instant::now();
@@ -1138,6 +1278,7 @@ fn randomized_faults_keep_the_invariants() {
     }
     let checking = Instant::now();
     let mut violations = check_all(&events, max_restarts);
+    let in_place_done = in_place_run.is_some();
     if let Some((run, reference)) = in_place_run {
         std::fs::write(dir.join("in-place.log"), run.dump()).unwrap();
         let recovered = run
@@ -1205,6 +1346,35 @@ fn randomized_faults_keep_the_invariants() {
         checking.elapsed(),
         started.elapsed()
     );
+    if let (Some(start), Some(end)) = (soak_start, soak_end) {
+        let ops: usize = std::iter::once(history_path.clone())
+            .chain(sides.iter().map(|s| s.path.clone()))
+            .filter_map(|p| faults::read_history(&p).ok())
+            .map(|(events, _)| faults::kv_operations(&events).len())
+            .sum();
+        let lost = violations
+            .iter()
+            .filter(|v| v.invariant == faults::INV_LINEARIZABLE)
+            .count();
+        println!(
+            "soak: {:?}, {} jobs, {injected} faults; {ops} key-value calls, {lost} key(s) not linearizable; start: {start}; end: {end}; replicas x{:.3} RSS, agents x{:.3} RSS",
+            settings.soak.unwrap_or_default(),
+            1 + sides.len() + usize::from(in_place_done),
+            end.replicas_kb as f64 / start.replicas_kb.max(1) as f64,
+            end.agents_kb as f64 / start.agents_kb.max(1) as f64,
+        );
+        for (what, a, b) in [
+            ("the replicas' memory", start.replicas_kb, end.replicas_kb),
+            ("the agents' memory", start.agents_kb, end.agents_kb),
+        ] {
+            if b as f64 > a as f64 * SOAK_GROWTH {
+                violations.push(faults::Violation {
+                    invariant: "soak-flat",
+                    detail: format!("{what} grew from {a} kB to {b} kB over the soak"),
+                });
+            }
+        }
+    }
     for v in &violations {
         println!("VIOLATION {v}");
     }
