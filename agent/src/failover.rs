@@ -95,6 +95,9 @@ struct Inner {
     state: Mutex<State>,
     /// The origin of the census's clock.
     born: Instant,
+    /// Whether failures are retried past the budget while the census proves that no replica
+    /// leads ([`Coordinators::waiting_out_outages`]).
+    outages: bool,
 }
 
 impl fmt::Debug for Inner {
@@ -130,10 +133,24 @@ impl Coordinators {
     /// The same replicas and budget, connected with `security` (TLS settings, credentials);
     /// starts afresh (no channel, the first address).
     pub fn with_security(self, security: ClientSecurity) -> Self {
-        Self::secured(self.inner.addrs.clone(), self.inner.budget, security)
+        Self::built(
+            self.inner.addrs.clone(),
+            self.inner.budget,
+            security,
+            self.inner.outages,
+        )
     }
 
     fn secured(addrs: Vec<String>, budget: Duration, security: ClientSecurity) -> Self {
+        Self::built(addrs, budget, security, false)
+    }
+
+    fn built(
+        addrs: Vec<String>,
+        budget: Duration,
+        security: ClientSecurity,
+        outages: bool,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
                 state: Mutex::new(State {
@@ -145,8 +162,27 @@ impl Coordinators {
                 addrs,
                 budget,
                 security,
+                outages,
             }),
         }
+    }
+
+    /// Whether these replicas' calls and streams wait out an outage of etcd.
+    pub fn waits_out_outages(&self) -> bool {
+        self.inner.outages
+    }
+
+    /// The same replicas (afresh), whose calls and streams wait out an outage of etcd: past
+    /// the budget for as long as every replica refuses as not the leader
+    /// ([`Coordinators::held_until`]). For a running job's agent (its watch, relay, store and
+    /// joins); an operator's command keeps the budget and says what failed.
+    pub fn waiting_out_outages(self) -> Self {
+        Self::built(
+            self.inner.addrs.clone(),
+            self.inner.budget,
+            self.inner.security.clone(),
+            true,
+        )
     }
 
     /// [`Coordinators::new`] from a comma-separated list (already validated).
@@ -160,10 +196,11 @@ impl Coordinators {
     /// The same replicas, budget and current leader, with channels of its own: for a thread
     /// that runs a runtime of its own.
     pub fn fork(&self) -> Self {
-        let fork = Self::secured(
+        let fork = Self::built(
             self.inner.addrs.clone(),
             self.inner.budget,
             self.inner.security.clone(),
+            self.inner.outages,
         );
         fork.lock().rotation = self.lock().rotation.clone();
         fork
@@ -236,10 +273,14 @@ impl Coordinators {
 
     /// Until when failures may go on being retried past the budget because every replica
     /// refused lately as not the leader: `hold` after the start of the census's last complete
-    /// round (docs/ha.md, "An etcd outage"); `None` without such a round. No leader fails a
+    /// round (docs/ha.md, "An etcd outage"); `None` without such a round, or for replicas not
+    /// [`Coordinators::waiting_out_outages`]. No leader fails a
     /// node or a rank before that start plus the coordinator's heartbeat timeout, so a `hold`
     /// below that timeout keeps the node's workers safely.
     pub fn held_until(&self, hold: Duration) -> Option<Instant> {
+        if !self.inner.outages {
+            return None;
+        }
         let proven = self.lock().census.proven()?;
         Some(later(self.inner.born + proven, hold))
     }
@@ -606,6 +647,34 @@ mod tests {
         assert_eq!(fork.current(), "c:3");
         assert_eq!(fork.failed("c:3", None), "a:1");
         assert_eq!(c.current(), "c:3");
+    }
+
+    #[test]
+    fn only_a_jobs_replicas_wait_out_an_outage() {
+        let refusal = |addr: &str| {
+            Status::unavailable(format!(
+                "coordinator {addr} is not the leader and no leader is elected yet (is etcd reachable?)"
+            ))
+        };
+        let addrs = vec!["a:1".to_owned(), "b:2".to_owned()];
+        let operator = Coordinators::new(addrs.clone(), DEFAULT_BUDGET);
+        let job = Coordinators::new(addrs, DEFAULT_BUDGET).waiting_out_outages();
+        for c in [&operator, &job] {
+            c.saw("a:1", &refusal("a:1"));
+            c.saw("b:2", &refusal("b:2"));
+        }
+        // An operator's command keeps its budget; a job's agent goes on while all refuse.
+        assert!(operator.held_until(CALL_HOLD).is_none());
+        let held = job.held_until(CALL_HOLD).expect("every replica refused");
+        assert!(held > Instant::now());
+        // Its forks (the relay's thread) and a change of security keep the choice.
+        assert!(job.fork().waits_out_outages());
+        assert!(
+            job.clone()
+                .with_security(ClientSecurity::plaintext())
+                .waits_out_outages()
+        );
+        assert!(!operator.fork().waits_out_outages());
     }
 
     #[test]

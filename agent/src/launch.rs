@@ -209,7 +209,8 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
         return run_at(spec, &mut stops, place.addr, place.embedded).await;
     };
     let coordinators = Coordinators::from_list(&place.addr, spec.failover_timeout)
-        .with_security(spec.security.client().clone());
+        .with_security(spec.security.client().clone())
+        .waiting_out_outages();
     let (job, lease) = (spec.job_id.clone(), spec.lease);
     let outcome = run_at(spec, &mut stops, place.addr, false).await;
     let serve_on = matches!(
@@ -243,7 +244,8 @@ async fn run_at(
     // The embedded coordinator is plaintext without authentication (the spec's security is
     // plaintext then).
     let coordinators = Coordinators::from_list(&coordinator, spec.failover_timeout)
-        .with_security(spec.security.client().clone());
+        .with_security(spec.security.client().clone())
+        .waiting_out_outages();
     let job = spec.job_id.clone();
     if embedded && !spec.quiet {
         // The embedded coordinator's port is picked at random: say where it is, so an operator

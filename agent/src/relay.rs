@@ -147,7 +147,8 @@ impl Relay {
     /// `Relay.Attach` to the coordinator (the leader among `node.coordinator`'s replicas) and
     /// registers the node. Returns once workers may connect.
     pub async fn start(node: &NodeAssignment) -> Result<Self, RelayError> {
-        let coordinators = Coordinators::from_list(&node.coordinator, node.failover_timeout);
+        let coordinators =
+            Coordinators::from_list(&node.coordinator, node.failover_timeout).waiting_out_outages();
         Self::start_with(node, &coordinators).await
     }
 
