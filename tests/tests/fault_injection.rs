@@ -1137,15 +1137,23 @@ fn randomized_faults_keep_the_invariants() {
         ask_to_stop(&rt, &cluster.replicas.addrs(), &side.id);
     }
     let deadline = stop_asked + STOP_DEADLINE;
-    while (cluster.agents.iter_mut().any(|a| !a.exited())
-        || sides
-            .iter_mut()
-            .any(|s| s.agent.as_mut().is_some_and(|a| !a.exited())))
-        && Instant::now() < deadline
-    {
+    // When each side job's agent was first seen exited (its own deadline, apart from the
+    // others').
+    let mut side_ended: Vec<Option<Duration>> = vec![None; sides.len()];
+    loop {
+        for (i, side) in sides.iter_mut().enumerate() {
+            if side_ended[i].is_none() && side.agent.as_mut().is_some_and(Agent::exited) {
+                side_ended[i] = Some(stop_asked.elapsed());
+            }
+        }
+        let running = cluster.agents.iter_mut().any(|a| !a.exited())
+            || side_ended.iter().any(Option::is_none);
+        if !running || Instant::now() >= deadline {
+            break;
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
-    for side in &mut sides {
+    for (side, ended) in sides.iter_mut().zip(&side_ended) {
         let Some(mut agent) = side.agent.take() else {
             continue;
         };
@@ -1157,9 +1165,7 @@ fn randomized_faults_keep_the_invariants() {
         };
         side.history.record(&Event::JobEnd {
             t_ms: now_ms(),
-            elapsed_ms: code
-                .is_some()
-                .then(|| u64::try_from(stop_asked.elapsed().as_millis()).unwrap_or(u64::MAX)),
+            elapsed_ms: ended.map(|e| u64::try_from(e.as_millis()).unwrap_or(u64::MAX)),
             deadline_ms: u64::try_from(STOP_DEADLINE.as_millis()).unwrap_or(u64::MAX),
             codes: vec![code],
         });
