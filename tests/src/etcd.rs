@@ -168,6 +168,26 @@ impl Etcd {
         self.wait_healthy(member);
     }
 
+    /// [`Etcd::restart`], tried up to 5 times 300 ms apart: the member's ports are in the
+    /// ephemeral range, and while it is down a client reconnecting to its port can be given
+    /// that very port as its source (a TCP self-connect), so the restarted member cannot bind
+    /// it for a moment. Panics with the last attempt's failure.
+    pub fn restart_retrying(&mut self, member: usize) {
+        const ATTEMPTS: u32 = 5;
+        for attempt in 1..=ATTEMPTS {
+            match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.restart(member))) {
+                Ok(()) => return,
+                Err(panic) if attempt == ATTEMPTS => std::panic::resume_unwind(panic),
+                Err(_) => {
+                    eprintln!(
+                        "etcd member {member} did not restart (attempt {attempt}); trying again"
+                    );
+                    std::thread::sleep(std::time::Duration::from_millis(300));
+                }
+            }
+        }
+    }
+
     /// The pid of member `member` (panics if it is killed).
     pub fn pid(&self, member: usize) -> u32 {
         self.members[member]

@@ -76,22 +76,6 @@ fn wait_progress(path: &Path, seq: u64, timeout: Duration, agents: &mut [Agent],
     }
 }
 
-/// Restarts etcd member 0, retrying a few times (its ports can be briefly held by a client's
-/// self-connect; see `ha_failover.rs`).
-fn restart_etcd(etcd: &mut Etcd) {
-    const ATTEMPTS: u32 = 5;
-    for attempt in 1..=ATTEMPTS {
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| etcd.restart(0))) {
-            Ok(()) => return,
-            Err(panic) if attempt == ATTEMPTS => std::panic::resume_unwind(panic),
-            Err(_) => {
-                eprintln!("etcd did not restart (attempt {attempt}); trying again");
-                std::thread::sleep(Duration::from_millis(300));
-            }
-        }
-    }
-}
-
 #[test]
 fn a_job_outlives_a_two_minute_etcd_outage() {
     let Some(probe) = example_bin("fault_probe") else {
@@ -173,7 +157,7 @@ fn a_job_outlives_a_two_minute_etcd_outage() {
         std::thread::sleep(Duration::from_millis(500));
     }
     let stalled = progress(&history).1;
-    restart_etcd(&mut etcd);
+    etcd.restart_retrying(0);
     let restarted = Instant::now();
     eprintln!(
         "etcd restarted after {:?}; barriers done per rank: {stalled:?}",

@@ -598,7 +598,7 @@ impl Cluster {
             FaultKind::EtcdKill | FaultKind::EtcdOutageLong => {
                 self.etcd.kill(0);
                 std::thread::sleep(hold);
-                restart_etcd(&mut self.etcd);
+                self.etcd.restart_retrying(0);
                 "etcd member 0".into()
             }
             FaultKind::EtcdPause => {
@@ -672,22 +672,6 @@ fn pid(p: u32) -> i32 {
 fn signal(p: i32, s: Signal) {
     // The process may have died on its own meanwhile: not a harness error.
     let _ = nix::sys::signal::kill(Pid::from_raw(p), s);
-}
-
-/// Restarts etcd member 0, retrying a few times (its ports can be briefly held by a client's
-/// self-connect; see `ha_failover.rs`).
-fn restart_etcd(etcd: &mut Etcd) {
-    const ATTEMPTS: u32 = 5;
-    for attempt in 1..=ATTEMPTS {
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| etcd.restart(0))) {
-            Ok(()) => return,
-            Err(panic) if attempt == ATTEMPTS => std::panic::resume_unwind(panic),
-            Err(_) => {
-                eprintln!("etcd did not restart (attempt {attempt}); trying again");
-                std::thread::sleep(Duration::from_millis(300));
-            }
-        }
-    }
 }
 
 /// Asks every replica for `DescribeJob(job)` every 200 ms until `stop`, and records each

@@ -537,23 +537,6 @@ async fn leave_all(reports: Vec<RankReport>) {
     }
 }
 
-/// Restarts etcd member 0, retrying a few times: its ports are in the ephemeral range, and
-/// while it is down a client reconnecting to its port can be given that very port as its
-/// source (a TCP self-connect), so the restarted member cannot bind it for a moment.
-fn restart_etcd(etcd: &mut Etcd) {
-    const ATTEMPTS: u32 = 5;
-    for attempt in 1..=ATTEMPTS {
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| etcd.restart(0))) {
-            Ok(()) => return,
-            Err(panic) if attempt == ATTEMPTS => std::panic::resume_unwind(panic),
-            Err(_) => {
-                eprintln!("etcd did not restart (attempt {attempt}); trying again");
-                std::thread::sleep(Duration::from_millis(300));
-            }
-        }
-    }
-}
-
 // ------------------------------------------------------------------------------------------
 // The tests.
 // ------------------------------------------------------------------------------------------
@@ -817,7 +800,7 @@ async fn etcd_outage_is_not_serving_then_recovers() {
     let stalled = state.max();
 
     tokio::time::sleep(Duration::from_secs(1)).await;
-    tokio::task::block_in_place(|| restart_etcd(&mut etcd));
+    tokio::task::block_in_place(|| etcd.restart_retrying(0));
     let restarted = Instant::now();
     replicas.wait_leader(Duration::from_secs(20), &[]).await;
     eprintln!(
