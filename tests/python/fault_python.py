@@ -14,48 +14,17 @@ latest and all stop after the same barrier.
 """
 
 import array
-import json
 import os
 import sys
 import time
 
 import muster
+from fault_history import History, text
 from muster.comm import Communicator
 
 BARRIER = "py"
 COUNTER = "py-count"
 REGISTER = "py-reg"
-
-
-def now_us() -> int:
-    return time.time_ns() // 1000
-
-
-class History:
-    """The history file, one line per `write` (O_APPEND keeps concurrent writers' lines whole)."""
-
-    def __init__(self, path: str) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self.head: dict = {"pid": os.getpid()}
-        self.calls = 0
-
-    def record(self, event: str, **fields) -> None:
-        line = {"t_ms": time.time_ns() // 1_000_000, "event": event, **self.head, **fields}
-        os.write(self.fd, (json.dumps(line) + "\n").encode())
-
-    def call(self, fields: dict, run, result):
-        """Runs one store call, recorded before (outcome unknown) and after it returned."""
-        self.calls += 1
-        n = self.calls
-        call_us = now_us()
-        self.record("kv", n=n, call_us=call_us, ret_us=None, **fields)
-        answer = run()
-        self.record("kv", n=n, call_us=call_us, ret_us=now_us(), **fields, **result(answer))
-        return answer
-
-
-def text(value: bytes | None) -> str | None:
-    return None if value is None else value.decode()
 
 
 def run(history: History, stop_file: str) -> None:

@@ -17,43 +17,12 @@ the value it last wrote.
 """
 
 import datetime
-import json
 import os
 import sys
 import time
 
 import torch.distributed as dist
-
-
-def now_us() -> int:
-    return time.time_ns() // 1000
-
-
-class History:
-    """The history file, one line per `write` (O_APPEND keeps concurrent writers' lines whole)."""
-
-    def __init__(self, path: str, head: dict) -> None:
-        self.fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        self.head = head
-        self.calls = 0
-
-    def record(self, event: str, **fields) -> None:
-        line = {"t_ms": time.time_ns() // 1_000_000, "event": event, **self.head, **fields}
-        os.write(self.fd, (json.dumps(line) + "\n").encode())
-
-    def call(self, fields: dict, run, result):
-        """Runs one store call, recorded before (outcome unknown) and after it returned."""
-        self.calls += 1
-        n = self.calls
-        call_us = now_us()
-        self.record("kv", n=n, call_us=call_us, ret_us=None, **fields)
-        answer = run()
-        self.record("kv", n=n, call_us=call_us, ret_us=now_us(), **fields, **result(answer))
-        return answer
-
-
-def text(value: bytes) -> str:
-    return value.decode()
+from fault_history import History, now_us, text
 
 
 def main() -> int:
