@@ -286,33 +286,15 @@ fn linearizable(ops: &[&Operation]) -> bool {
     let mut applied = vec![0u64; words];
     let mut value: Option<Vec<u8>> = None;
     let mut seen: HashSet<(Vec<u64>, Option<Vec<u8>>)> = HashSet::new();
-    // (call entry, value before, whether its outcome was known)
+    // (call entry, value before it was applied)
     let mut stack: Vec<(usize, Option<Vec<u8>>)> = Vec::new();
     let mut at = list[head].next;
     loop {
         if pending_known == 0 {
             return true;
         }
-        if at == end {
-            // Only calls of unknown outcomes can be left before the end; nothing applies.
-            match stack.pop() {
-                None => return false,
-                Some((call, before)) => {
-                    let op = list[call].op;
-                    value = before;
-                    applied[op / 64] &= !(1 << (op % 64));
-                    if ops[op].ret.is_some() {
-                        pending_known += 1;
-                    }
-                    relink(&mut list, ret_of[op]);
-                    relink(&mut list, call);
-                    at = list[call].next;
-                    continue;
-                }
-            }
-        }
-        let entry = list[at];
-        if entry.call {
+        if at != end && list[at].call {
+            let entry = list[at];
             let op = ops[entry.op];
             let fits = step(&value, &op.op).filter(|(_, out)| {
                 op.ret
@@ -335,23 +317,22 @@ fn linearizable(ops: &[&Operation]) -> bool {
                 }
             }
             at = entry.next;
-        } else {
-            // A return whose operation has not taken effect: backtrack.
-            match stack.pop() {
-                None => return false,
-                Some((call, before)) => {
-                    let op = list[call].op;
-                    value = before;
-                    applied[op / 64] &= !(1 << (op % 64));
-                    if ops[op].ret.is_some() {
-                        pending_known += 1;
-                    }
-                    relink(&mut list, ret_of[op]);
-                    relink(&mut list, call);
-                    at = list[call].next;
-                }
-            }
+            continue;
         }
+        // A return whose operation has not taken effect (or the end, with only calls of
+        // unknown outcome before it): undo the last operation applied and try past it.
+        let Some((call, before)) = stack.pop() else {
+            return false;
+        };
+        let op = list[call].op;
+        value = before;
+        applied[op / 64] &= !(1 << (op % 64));
+        if ops[op].ret.is_some() {
+            pending_known += 1;
+        }
+        relink(&mut list, ret_of[op]);
+        relink(&mut list, call);
+        at = list[call].next;
     }
 }
 
