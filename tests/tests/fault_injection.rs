@@ -948,20 +948,30 @@ fn randomized_faults_keep_the_invariants() {
             ));
         }
     }
-    if settings.workloads.contains(&"torch-store") {
-        match muster_tests::peers_python(&["torch"]) {
-            Some(python) => side_jobs.push((
-                format!("{job}-torch-store"),
+    // A Python workload: its script under the peers' venv, which must have `package`.
+    let python_job = |workload: &str, package: &str, script: &str| {
+        let python = muster_tests::peers_python(&[package]);
+        if python.is_none() {
+            println!(
+                "the {workload} workload is skipped: no `{package}` in the peers' venv (see above)"
+            );
+        }
+        python.map(|python| {
+            (
+                format!("{job}-{workload}"),
                 vec![
                     python.display().to_string(),
                     muster_tests::workspace_root()
-                        .join("tests/python/fault_store.py")
+                        .join("tests/python")
+                        .join(script)
                         .display()
                         .to_string(),
                 ],
-            )),
-            None => println!("the torch-store workload is skipped: no PyTorch (see above)"),
-        }
+            )
+        })
+    };
+    if settings.workloads.contains(&"torch-store") {
+        side_jobs.extend(python_job("torch-store", "torch", "fault_store.py"));
     }
     // in-place: the failure-free reference first (on an embedded coordinator, away from the
     // faults), then the job under the schedule.
@@ -1027,21 +1037,7 @@ fn randomized_faults_keep_the_invariants() {
         }
     }
     if settings.workloads.contains(&"python") {
-        match muster_tests::peers_python(&["muster"]) {
-            Some(python) => side_jobs.push((
-                format!("{job}-python"),
-                vec![
-                    python.display().to_string(),
-                    muster_tests::workspace_root()
-                        .join("tests/python/fault_python.py")
-                        .display()
-                        .to_string(),
-                ],
-            )),
-            None => println!(
-                "the python workload is skipped: no `muster` package in the peers' venv (see above)"
-            ),
-        }
+        side_jobs.extend(python_job("python", "muster", "fault_python.py"));
     }
     {
         for (id, command) in side_jobs {
