@@ -9,7 +9,9 @@
 //!
 //! And the other side: one agent cut off from every replica while a leader lives (network
 //! namespaces, its link down) completes no census, stops its workers at its lease, and they
-//! are gone before the survivors' smaller generation starts any worker. `etcd-outage-long` is a
+//! are gone before the survivors' smaller generation starts any worker. And an agent killed
+//! while nobody leads and started again at once waits as a spare through the outage and the
+//! new leader's re-attach window, then takes its old node's place. `etcd-outage-long` is a
 //! kind of the fault suite. Skipped, printing why, where etcd is not installed (and the
 //! second where network namespaces are not available).
 #![allow(clippy::unwrap_used, missing_docs)]
@@ -425,5 +427,128 @@ fn a_node_cut_off_while_a_leader_lives_stops_its_workers_before_any_replacement_
     drop(agents);
     drop(proxies);
     drop(uplink);
+    etcd.kill(0);
+}
+
+/// `muster-agent launch` of node `i` of the 2-node job `job` on `addrs`: each worker prints a
+/// `ready` line and waits for `flag`.
+fn waiting_node(addrs: &str, job: &str, flag: &Path) -> Agent {
+    let script = format!(
+        "echo \"ready rank=$RANK gen=$MUSTER_GENERATION pid=$$ t=$(date +%s%N)\"; \
+         while [ ! -e {} ]; do sleep 0.1; done",
+        flag.display()
+    );
+    Agent::start_with_env(
+        &[
+            "launch",
+            "--coordinator",
+            addrs,
+            "--job-id",
+            job,
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--max-restarts",
+            "2",
+            "--grace-period-ms",
+            "1000",
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+        &[("NO_COLOR", "1")],
+    )
+}
+
+/// The generations of `ready` lines.
+fn generations(lines: &[String]) -> Vec<u64> {
+    lines.iter().filter_map(|l| ready(l)).map(|r| r.0).collect()
+}
+
+/// Issue 28's long fault run, finding 2: an agent SIGKILLed while nobody leads (etcd down) and
+/// started again at once finds its old node still in the running generation. The new leader
+/// gives that node the heartbeat timeout to re-attach before it declares it lost, so the new
+/// agent waits as a spare, and that wait must count from the new leader's first refusal, not
+/// from the agent's start (which the outage used up: it gave up with "the job is full" and
+/// the job was lost with restarts left). Here it takes its old node's place in generation 2
+/// and the job exits 0.
+#[test]
+fn an_agent_restarted_during_an_etcd_outage_takes_its_old_nodes_place() {
+    let Some(mut etcd) = Etcd::start(1) else {
+        return;
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let replicas = Replicas::start(&etcd, 3, TTL, &[]);
+    rt.block_on(replicas.wait_leader(Duration::from_secs(20), &[]));
+    let addrs = replicas.addrs();
+    let flag = std::env::temp_dir().join(format!("muster-replaced-{}", std::process::id()));
+    let _ = std::fs::remove_file(&flag);
+    let job = "replaced-in-outage";
+    let mut kept = waiting_node(&addrs, job, &flag);
+    let lost = waiting_node(&addrs, job, &flag);
+    for a in [&kept, &lost] {
+        a.wait_for_lines(Stream::Stdout, 1, Duration::from_secs(60), |l| {
+            ready(l).is_some()
+        });
+    }
+
+    etcd.kill(0);
+    // The leader's term lapses within its TTL; then nobody leads and nobody decides.
+    std::thread::sleep(TTL * 2);
+    lost.signal(nix::sys::signal::Signal::SIGKILL);
+    let lost = lost.finish(Duration::from_secs(10));
+    let mut restarted = waiting_node(&addrs, job, &flag);
+    // An outage longer than the agent's spare wait (15 s).
+    let outage = Instant::now();
+    while outage.elapsed() < Duration::from_secs(20) {
+        for (what, a) in [("kept", &mut kept), ("restarted", &mut restarted)] {
+            assert!(
+                !a.exited(),
+                "the {what} agent exited in the outage:\n{}\n{}",
+                a.output(),
+                lost.dump()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    etcd.restart_retrying(0);
+    let back = Instant::now();
+    let deadline = back + Duration::from_secs(60);
+    while !generations(&restarted.lines(Stream::Stdout))
+        .iter()
+        .any(|&g| g > 1)
+    {
+        assert!(
+            Instant::now() < deadline && !restarted.exited(),
+            "the restarted agent did not take its old node's place:\n{}\n{}",
+            restarted.output(),
+            replicas.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    eprintln!(
+        "the restarted agent's worker started {:?} after etcd came back",
+        back.elapsed()
+    );
+    std::fs::write(&flag, b"").unwrap();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let runs = [kept.finish_by(deadline), restarted.finish_by(deadline)];
+    let _ = std::fs::remove_file(&flag);
+    for run in &runs {
+        assert_eq!(run.code(), Some(0), "{}", run.dump());
+    }
+    assert!(
+        runs[1].stderr.iter().any(|l| l.contains("as a spare")),
+        "the restarted agent did not wait as a spare:\n{}",
+        runs[1].dump()
+    );
+    // The kept node ran generation 1, then generation 2 with the restarted one.
+    assert_eq!(generations(&runs[0].stdout), [1, 2], "{}", runs[0].dump());
     etcd.kill(0);
 }

@@ -59,9 +59,10 @@ pub(super) async fn join(
     // that lost power, a cut link) replaces its old node once the coordinator declares that
     // node lost (the heartbeat timeout) and opens the next round. A second agent started on
     // a job id that is in use gets the refusal after the wait.
-    let spare_until = Instant::now() + FULL_JOB_WAIT;
+    let mut spare = SpareWait::new(Instant::now());
     let mut said = false;
     let answer = loop {
+        let asked = Instant::now();
         let answer = failover::call(coordinators, "Rendezvous.Join", |channel| {
             let request = request.clone();
             async move { RendezvousClient::new(channel).join(request).await }
@@ -71,11 +72,11 @@ pub(super) async fn join(
             Err(status)
                 if status.code() == tonic::Code::FailedPrecondition
                     && status.message().contains("the job is full")
-                    && Instant::now() < spare_until =>
+                    && spare.refused(asked, Instant::now(), &coordinators.current()) =>
             {
                 if !said && !spec.quiet {
                     eprintln!(
-                        "muster-agent: job {}: every node of the running generation is taken; waiting up to {} s as a spare, in case one of them is lost (a restarted agent replaces its old node)",
+                        "muster-agent: job {}: every node of the running generation is taken; waiting up to {} s as a spare, in case one of them is lost (a restarted agent replaces its old node; a coordinator failover starts the wait again)",
                         spec.job_id,
                         FULL_JOB_WAIT.as_secs()
                     );
@@ -139,11 +140,53 @@ pub(super) async fn join(
     Ok(node)
 }
 
-/// How long a join refused because the running generation is full is retried (the
-/// coordinator's default heartbeat timeout, 10 s, plus a restart round).
+/// How long a join refused because the running generation is full is retried, counted from
+/// the first refusal by the coordinator leading now (the coordinator's default heartbeat
+/// timeout, 10 s, plus a restart round).
 const FULL_JOB_WAIT: Duration = Duration::from_secs(15);
 /// How often it is retried meanwhile.
 const FULL_JOB_RETRY: Duration = Duration::from_secs(1);
+/// A refusal that took longer than this to come went through a failover (a refusal by the
+/// leader takes milliseconds; a follower's redirect takes one backoff step).
+const FAILED_OVER: Duration = Duration::from_secs(1);
+
+/// The spare's wait for a node of the running generation to be declared lost.
+///
+/// A leader declares a silent node lost one heartbeat timeout after its last word, and a new
+/// leader gives every node of the job one heartbeat timeout to re-attach from when it took
+/// over (docs/ha.md). So the wait counts from the first refusal by the leader of now: a
+/// refusal from another address, or one that came only after the call failed over (the
+/// same replica may lead again after an etcd outage), starts it again. Before, the wait ran
+/// from the agent's first try, and a failover during it (or an etcd outage, when nobody
+/// leads) used it up: the restarted agent gave up ("the job is full") while its old node was
+/// still in its re-attach window, and the job was lost with restarts left.
+#[derive(Debug)]
+struct SpareWait {
+    /// When the wait ends.
+    until: Instant,
+    /// The address of the last refusal.
+    leader: Option<String>,
+}
+
+impl SpareWait {
+    fn new(now: Instant) -> Self {
+        SpareWait {
+            until: now + FULL_JOB_WAIT,
+            leader: None,
+        }
+    }
+
+    /// A join asked at `asked` was refused at `now` by `addr` because the job is full:
+    /// whether to go on waiting.
+    fn refused(&mut self, asked: Instant, now: Instant, addr: &str) -> bool {
+        let failed_over = now.saturating_duration_since(asked) > FAILED_OVER;
+        if failed_over || self.leader.as_deref().is_some_and(|l| l != addr) {
+            self.until = now + FULL_JOB_WAIT;
+        }
+        self.leader = Some(addr.to_owned());
+        now < self.until
+    }
+}
 
 /// MASTER_PORT: node 0 finds a free port (bind :0, close) and, in a multi-node job, shares it
 /// through the job's key-value store; the other nodes read it from there.
@@ -194,4 +237,54 @@ async fn master_port(
         .ok()
         .and_then(|s| s.parse::<u16>().ok())
         .ok_or_else(|| format!("node 0 published a malformed port under '{key}'"))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_full_job_is_waited_for_from_the_first_refusal() {
+        let t0 = Instant::now();
+        let mut spare = SpareWait::new(t0);
+        let mut t = t0;
+        while t < t0 + FULL_JOB_WAIT - MS {
+            assert!(spare.refused(t, t + 5 * MS, "a:1"));
+            t += FULL_JOB_RETRY;
+        }
+        assert!(!spare.refused(t0 + FULL_JOB_WAIT, t0 + FULL_JOB_WAIT + 5 * MS, "a:1"));
+    }
+
+    #[test]
+    fn a_new_leader_starts_the_wait_again() {
+        let t0 = Instant::now();
+        let mut spare = SpareWait::new(t0);
+        assert!(spare.refused(t0, t0 + 5 * MS, "a:1"));
+        // 14 s later another replica leads (the redirect took one backoff step).
+        let t = t0 + Duration::from_secs(14);
+        assert!(spare.refused(t, t + 60 * MS, "b:2"));
+        // The old wait would have ended at 15 s; the new one runs to 29 s.
+        let late = t0 + Duration::from_secs(28);
+        assert!(spare.refused(late, late + 5 * MS, "b:2"));
+        let end = t0 + Duration::from_secs(30);
+        assert!(!spare.refused(end, end + 5 * MS, "b:2"));
+    }
+
+    #[test]
+    fn a_refusal_after_a_failover_starts_the_wait_again() {
+        // The same replica leads again after an etcd outage that held the call for 40 s.
+        let t0 = Instant::now();
+        let mut spare = SpareWait::new(t0);
+        assert!(spare.refused(t0, t0 + 5 * MS, "a:1"));
+        let asked = t0 + Duration::from_secs(2);
+        let answered = asked + Duration::from_secs(40);
+        assert!(spare.refused(asked, answered, "a:1"));
+        let later = answered + Duration::from_secs(14);
+        assert!(spare.refused(later, later + 5 * MS, "a:1"));
+        let end = answered + Duration::from_secs(16);
+        assert!(!spare.refused(end, end + 5 * MS, "a:1"));
+    }
 }
