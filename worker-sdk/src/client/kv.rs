@@ -62,7 +62,10 @@ impl Kv {
         failed.error(|| format!("key '{key}' in job {}", self.job_id))
     }
 
-    /// Sets `key`, replacing any value.
+    /// Sets `key`, replacing any value. Retried across a failover as idempotent: a retry whose
+    /// first attempt was applied applies again, overwriting what another rank wrote between
+    /// the two (docs/contract.md); where that matters, write with
+    /// [`KvLane::compare_and_set`].
     pub async fn set(&self, key: &str, value: impl Into<Vec<u8>>) -> Result<(), Error> {
         let request = pb::SetRequest {
             job_id: self.job_id.clone(),
