@@ -383,7 +383,13 @@ async fn run_at(
         // The stack sampler lives as long as the watch that answers the coordinator's dumps.
         let registry = crate::stacks::Workers::default();
         let sampler = match crate::stacks::Sampler::start(registry.clone(), spec.sample_hz) {
-            Ok(s) => Some(s.with_flight(node.flight_dir.clone())),
+            Ok(s) => {
+                let s = s.with_flight(node.flight_dir.clone());
+                Some(match &relay {
+                    Some(relay) => s.with_barriers(relay.completed()),
+                    None => s,
+                })
+            }
             Err(e) => {
                 eprintln!(
                     "muster-agent: job {job}: cannot start the stack sampler ({e}); stacks and hang detection are off on this node"

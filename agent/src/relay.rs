@@ -54,6 +54,8 @@ use std::io::{Read, Write};
 use std::os::unix::fs::DirBuilderExt;
 use std::path::PathBuf;
 use std::rc::Rc;
+use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use std::time::{Duration, Instant};
 use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
@@ -137,6 +139,8 @@ pub enum RelayError {
 pub struct Relay {
     dir: PathBuf,
     socket: String,
+    /// The barriers completed for the node's ranks ([`Relay::completed`]).
+    completed: Arc<AtomicU64>,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
 }
@@ -163,6 +167,7 @@ impl Relay {
         let mut relay = Relay {
             socket: String::new(),
             dir,
+            completed: Arc::default(),
             stop: None,
             thread: None,
         };
@@ -183,10 +188,13 @@ impl Relay {
         let node = node.clone();
         // Channels of the relay's own (they run on its thread's runtime).
         let coordinators = coordinators.fork();
+        let completed = Arc::clone(&relay.completed);
         relay.thread = Some(
             std::thread::Builder::new()
                 .name("muster-relay".to_owned())
-                .spawn(move || relay_thread(node, coordinators, listener, ready_tx, stop_rx))
+                .spawn(move || {
+                    relay_thread(node, coordinators, listener, completed, ready_tx, stop_rx)
+                })
                 .map_err(RelayError::Thread)?,
         );
         match tokio::time::timeout(START_TIMEOUT, ready_rx).await {
@@ -195,6 +203,12 @@ impl Relay {
             Ok(Err(_)) => Err(RelayError::Ended),
             Err(_) => Err(RelayError::Timeout),
         }
+    }
+
+    /// How many barriers the relay has completed for the node's ranks, counting on: the
+    /// stack sampler takes a change for progress ([`crate::stacks::Sampler::with_barriers`]).
+    pub fn completed(&self) -> Arc<AtomicU64> {
+        Arc::clone(&self.completed)
     }
 
     /// The socket workers connect to (the value of `MUSTER_AGENT_SOCKET`).
@@ -228,6 +242,7 @@ fn relay_thread(
     node: NodeAssignment,
     coordinators: Coordinators,
     listener: std::os::unix::net::UnixListener,
+    completed: Arc<AtomicU64>,
     ready: oneshot::Sender<Result<(), RelayError>>,
     stop: oneshot::Receiver<()>,
 ) {
@@ -245,7 +260,7 @@ fn relay_thread(
     tasks.block_on(&runtime, async move {
         tokio::select! {
             _ = stop => {}
-            () = relay_main(node, coordinators, listener, ready) => {}
+            () = relay_main(node, coordinators, listener, completed, ready) => {}
         }
     });
 }
@@ -291,6 +306,7 @@ async fn relay_main(
     node: NodeAssignment,
     coordinators: Coordinators,
     listener: std::os::unix::net::UnixListener,
+    completed: Arc<AtomicU64>,
     ready: oneshot::Sender<Result<(), RelayError>>,
 ) {
     let started = first_attach(&coordinators, &node)
@@ -312,7 +328,7 @@ async fn relay_main(
     };
     let timer = Rc::new(Notify::new());
     let state: Shared = Rc::new(RefCell::new(State {
-        hub: Hub::new(&node),
+        hub: Hub::new(&node).counting(completed),
         wires: Wires {
             conns: (0..node.local_world_size).map(|_| None).collect(),
             frame: Vec::with_capacity(256),

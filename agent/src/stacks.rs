@@ -29,6 +29,7 @@ use muster_proto::v1 as pb;
 use py_spy::{Config, PythonSpy};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc as std_mpsc;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -101,6 +102,8 @@ impl Workers {
 enum Command {
     /// Read every worker now; `bool`: with Python ranks' native frames.
     Dump(oneshot::Sender<Vec<pb::RankStack>>, bool),
+    /// Count the barriers the node relay completes (see [`Sampler::with_barriers`]).
+    Barriers(Arc<AtomicU64>),
 }
 
 /// The handle of a generation's sampler thread; dropping it ends the thread.
@@ -136,6 +139,17 @@ impl Sampler {
     #[must_use]
     pub fn with_flight(mut self, dir: Option<std::path::PathBuf>) -> Self {
         self.flight = dir;
+        self
+    }
+
+    /// A barrier that the node relay completed since the last sample (`completed` counts
+    /// them: [`crate::relay::Relay::completed`]) is progress too. The coordinator sees only
+    /// the barriers it completes; a single-node job's barriers, and node barriers, complete
+    /// in the relay, and a job whose ranks spend their time waiting in them (the fault
+    /// suite's probes, a loop paced by sleeps) was reported as hung after 5 minutes.
+    #[must_use]
+    pub fn with_barriers(self, completed: Arc<AtomicU64>) -> Self {
+        let _ = self.commands.send(Command::Barriers(completed));
         self
     }
 
@@ -227,6 +241,8 @@ struct State {
     last_progress_sent: Option<Instant>,
     last_samples_sent: Instant,
     sources: HashMap<(String, u32), String>,
+    /// The relay's count of completed barriers, and its value at the last sample.
+    barriers: Option<(Arc<AtomicU64>, u64)>,
 }
 
 impl State {
@@ -238,6 +254,7 @@ impl State {
             last_progress_sent: None,
             last_samples_sent: Instant::now(),
             sources: HashMap::new(),
+            barriers: None,
         }
     }
 
@@ -259,6 +276,9 @@ impl State {
                 Some(Command::Dump(reply, native)) => {
                     let stacks = self.read_all(false, native);
                     let _ = reply.send(stacks);
+                }
+                Some(Command::Barriers(completed)) => {
+                    self.barriers = Some((completed, 0));
                 }
                 None => {
                     self.read_all(true, false);
@@ -283,6 +303,11 @@ impl State {
         self.tracked
             .retain(|rank, t| workers.get(rank).is_some_and(|w| w.pid == t.pid));
         progressed |= self.tracked.len() != before;
+        if sample && let Some((completed, seen)) = self.barriers.as_mut() {
+            let now = completed.load(Ordering::Relaxed);
+            progressed |= now != *seen;
+            *seen = now;
+        }
         let mut out = Vec::with_capacity(workers.len());
         for (&rank, w) in &workers {
             let now = Instant::now();
@@ -1028,6 +1053,29 @@ mod tests {
         assert!(more.is_err(), "a sleeping worker made progress");
         let stacks = sampler.dump(false).await;
         assert!(stacks[0].unchanged_ms >= 2000, "{:?}", stacks[0]);
+    }
+
+    /// A sleeping worker whose node relay completes barriers makes progress: a single-node
+    /// job's barriers never reach the coordinator, which was all the hang detector counted.
+    #[tokio::test]
+    async fn barriers_the_relay_completes_are_progress() {
+        let idle = spawn("sleep", &["30"]);
+        let completed = Arc::new(AtomicU64::new(0));
+        let mut sampler = sampler_of(&idle, 20.0).with_barriers(Arc::clone(&completed));
+        let mut progress = sampler.progress().unwrap();
+        tokio::time::timeout(Duration::from_secs(3), next_progress(&mut progress))
+            .await
+            .expect("its start is progress");
+        let quiet =
+            tokio::time::timeout(Duration::from_millis(1500), next_progress(&mut progress)).await;
+        assert!(quiet.is_err(), "a sleeping worker made progress");
+        completed.fetch_add(1, Ordering::Relaxed);
+        tokio::time::timeout(Duration::from_secs(3), next_progress(&mut progress))
+            .await
+            .expect("a completed barrier is progress");
+        let quiet =
+            tokio::time::timeout(Duration::from_millis(1500), next_progress(&mut progress)).await;
+        assert!(quiet.is_err(), "progress without a new barrier");
     }
 
     /// The next progress notice (sample summaries skipped).

@@ -49,6 +49,8 @@ use muster_proto::v1 as pb;
 use muster_telemetry::traces as telemetry;
 use pb::barrier_error::Kind as ErrKind;
 use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// The longest worker host name taken from a registration (it only appears in messages).
@@ -167,6 +169,9 @@ pub struct Hub {
     to: Vec<u32>,
     /// The deadline the timer is armed for.
     armed: Option<Instant>,
+    /// Barriers completed for this node's ranks (with a result, not an error), shared with
+    /// the stack sampler: progress for hang detection ([`crate::stacks::Sampler::with_barriers`]).
+    completed: Arc<AtomicU64>,
 }
 
 fn result(scope: i32, seq: u64, error: Option<pb::BarrierError>) -> pb::CoordinatorMessage {
@@ -244,7 +249,15 @@ impl Hub {
             closed: None,
             to: Vec::with_capacity(node.local_world_size as usize),
             armed: None,
+            completed: Arc::default(),
         }
+    }
+
+    /// Counts the barriers this hub completes in `completed`.
+    #[must_use]
+    pub fn counting(mut self, completed: Arc<AtomicU64>) -> Self {
+        self.completed = completed;
+        self
     }
 
     /// The answer to a successful registration.
@@ -755,6 +768,7 @@ impl Hub {
             slots,
             to,
             offset,
+            completed,
             ..
         } = self;
         let b = barriers.at_mut(bi);
@@ -777,6 +791,9 @@ impl Hub {
             }
         }
         if !to.is_empty() {
+            if error.is_none() {
+                completed.fetch_add(1, Ordering::Relaxed);
+            }
             sink.workers(to, &result(key.scope.to_wire(), key.seq, error.cloned()));
         }
     }

@@ -144,7 +144,8 @@ fn check(script: &str, expected: &str) {
 /// [`check`] on another node.
 fn check_on(node: &NodeAssignment, script: &str, expected: &str) {
     let offset = node.rank_offset;
-    let mut hub = Hub::new(node);
+    let completed = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let mut hub = Hub::new(node).counting(std::sync::Arc::clone(&completed));
     let mut rec = Recorder {
         lines: Vec::new(),
         offset,
@@ -291,6 +292,16 @@ fn check_on(node: &NodeAssignment, script: &str, expected: &str) {
         .filter(|l| !l.is_empty())
         .collect();
     assert_eq!(rec.lines, expected, "script:\n{script}");
+    // Every barrier answered with a result to the ranks counts once (the sampler's progress).
+    let results = expected
+        .iter()
+        .filter(|l| l.contains(" <- ") && l.ends_with(" ok"))
+        .count() as u64;
+    assert_eq!(
+        completed.load(std::sync::atomic::Ordering::Relaxed),
+        results,
+        "script:\n{script}"
+    );
 }
 
 #[test]
