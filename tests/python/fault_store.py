@@ -1,8 +1,9 @@
 """The `torch-store` workload of the fault suite (tests/tests/fault_injection.rs): torch's own
 TCPStore client on muster's agent store, doing set, get, add, compare_set, wait and
 multi_get in a loop, and recording every call in the suite's history format (the same `kv`
-lines as worker-sdk/examples/fault_probe.rs: one before the call, one after it returned), so
-that the suite checks them for linearizability.
+lines as worker-sdk/examples/fault_probe.rs: one before the call, one after it returned; a
+`set`, which torch sends without waiting for a reply, counts as returned when the client's
+next call returns), so that the suite checks them for linearizability.
 
 Environment: MUSTER_FAULT_HISTORY (the history file, appended to), MUSTER_FAULT_STOP_FILE (the
 run stops once it exists), and what `muster-agent launch` gives a torch worker (RANK,
@@ -49,10 +50,9 @@ def main() -> int:
         count, reg = f"g{gen}/count", f"g{gen}/reg"
         written = f"g{gen}r{rank}s0"
         if rank == 0:
-            history.call(
+            history.send(
                 {"op": "set", "key": reg, "value": written},
                 lambda: store.set("reg", written),
-                lambda _: {"done": True},
             )
         store.wait(["reg"])
         seq = 0
@@ -65,10 +65,9 @@ def main() -> int:
             )
             if rank % 2 == 0:
                 value = f"g{gen}r{rank}s{seq}"
-                history.call(
+                history.send(
                     {"op": "set", "key": reg, "value": value},
                     lambda value=value: store.set("reg", value),
-                    lambda _: {"done": True},
                 )
                 written = value
             elif seq % 3 == 0:
@@ -77,6 +76,7 @@ def main() -> int:
                 call_us = now_us()
                 values = store.multi_get(["count", "reg"])
                 ret_us = now_us()
+                history.answered(ret_us)
                 for key, value in zip((count, reg), values):
                     history.calls += 1
                     history.record(
