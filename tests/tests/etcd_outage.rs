@@ -34,6 +34,15 @@ const OUTAGE: Duration = Duration::from_secs(120);
 const NODES: usize = 2;
 const NPROC: usize = 2;
 
+/// The tests' runtime for their async calls (the replicas' health, a key-value call).
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 /// The last barrier every rank of generation `generation` completed, from the history.
 fn progress(path: &Path) -> (Option<u64>, Vec<u64>) {
     let (events, _) = faults::read_history(path).unwrap_or_default();
@@ -87,11 +96,7 @@ fn a_job_outlives_a_two_minute_etcd_outage() {
     let Some(mut etcd) = Etcd::start(1) else {
         return;
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     let started = Instant::now();
     let replicas = Replicas::start(&etcd, 3, TTL, &[]);
     rt.block_on(replicas.wait_leader(Duration::from_secs(20), &[]));
@@ -297,11 +302,7 @@ fn a_node_cut_off_while_a_leader_lives_stops_its_workers_before_any_replacement_
         return;
     };
     let uplink = Uplink::attach(&net, "n0");
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     let replicas = Replicas::start(&etcd, 3, TTL, &[]);
     rt.block_on(replicas.wait_leader(Duration::from_secs(20), &[]));
     // The agents reach the replicas through proxies on the uplink.
@@ -479,11 +480,7 @@ fn an_agent_restarted_during_an_etcd_outage_takes_its_old_nodes_place() {
     let Some(mut etcd) = Etcd::start(1) else {
         return;
     };
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = runtime();
     let replicas = Replicas::start(&etcd, 3, TTL, &[]);
     rt.block_on(replicas.wait_leader(Duration::from_secs(20), &[]));
     let addrs = replicas.addrs();
@@ -500,7 +497,15 @@ fn an_agent_restarted_during_an_etcd_outage_takes_its_old_nodes_place() {
 
     etcd.kill(0);
     // The leader's term lapses within its TTL; then nobody leads and nobody decides.
-    std::thread::sleep(TTL * 2);
+    let lapsing = Instant::now();
+    while !rt.block_on(replicas.serving()).is_empty() {
+        assert!(
+            lapsing.elapsed() < Duration::from_secs(20),
+            "a replica still serves with etcd down:\n{}",
+            replicas.logs()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
     lost.signal(nix::sys::signal::Signal::SIGKILL);
     let lost = lost.finish(Duration::from_secs(10));
     let mut restarted = waiting_node(&addrs, job, &flag);
