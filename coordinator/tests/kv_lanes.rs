@@ -1,6 +1,6 @@
-//! Key-value lanes against a real coordinator: an `Add` or `CompareAndSet` that names a
-//! `client_id` and a `sequence` is applied at most once per (lane, sequence), so a client may
-//! retry it after a failover. A retry gets the first answer without applying again, an older
+//! Key-value lanes against a real coordinator: a `Set`, `Add`, `CompareAndSet` or `Delete`
+//! that names a `client_id` and a `sequence` is applied at most once per (lane, sequence), so
+//! a client may retry it after a failover. A retry gets the first answer without applying again, an older
 //! sequence or a used one with another call is refused and changes nothing, lanes are
 //! independent, and lane records count towards the job's byte cap.
 #![allow(clippy::unwrap_used, missing_docs)]
@@ -60,6 +60,37 @@ async fn cas(
             let r = r.into_inner();
             (r.swapped, r.current)
         })
+}
+
+async fn set(
+    ch: &Channel,
+    lane: &str,
+    sequence: u64,
+    key: &str,
+    value: &[u8],
+) -> Result<(), tonic::Status> {
+    kv(ch)
+        .set(pb::SetRequest {
+            job_id: JOB.into(),
+            key: key.into(),
+            value: value.to_vec(),
+            client_id: lane.into(),
+            sequence,
+        })
+        .await
+        .map(|_| ())
+}
+
+async fn delete(ch: &Channel, lane: &str, sequence: u64, key: &str) -> Result<bool, tonic::Status> {
+    kv(ch)
+        .delete(pb::DeleteRequest {
+            job_id: JOB.into(),
+            key: key.into(),
+            client_id: lane.into(),
+            sequence,
+        })
+        .await
+        .map(|r| r.into_inner().existed)
 }
 
 async fn value(ch: &Channel, key: &str) -> Option<Vec<u8>> {
@@ -137,6 +168,7 @@ async fn a_retried_swap_answers_swapped_and_does_not_swap_again() {
             job_id: JOB.into(),
             key: "k".into(),
             value: b"three".to_vec(),
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -144,6 +176,54 @@ async fn a_retried_swap_answers_swapped_and_does_not_swap_again() {
         cas(ch, "c", 3, "k", Some(b"three"), b"four").await.unwrap(),
         (true, Some(b"four".to_vec()))
     );
+}
+
+/// The fault suite's finding: a set whose answer was lost, retried after another client read
+/// it and deleted the key, must not write the key again; a delete's retry must not delete
+/// what was set since, and answers whether the key existed when it was applied.
+#[tokio::test]
+async fn a_retried_set_or_delete_is_not_applied_again_over_another_clients_write() {
+    let s = started(Config::default()).await;
+    let ch = &s.channel;
+    set(ch, "a", 1, "k", b"mine").await.unwrap();
+    assert!(delete(ch, "b", 1, "k").await.unwrap());
+    // The retry of the set: answered, the key stays deleted.
+    set(ch, "a", 1, "k", b"mine").await.unwrap();
+    assert_eq!(value(ch, "k").await, None);
+    // A retry of the delete after another client set the key: it existed when the delete
+    // was applied, and the new value stays.
+    set(ch, "c", 1, "k", b"theirs").await.unwrap();
+    assert!(delete(ch, "b", 1, "k").await.unwrap());
+    assert_eq!(value(ch, "k").await.unwrap(), b"theirs");
+    // A delete of a missing key is recorded too: its retry still says it did not exist.
+    assert!(!delete(ch, "b", 2, "gone").await.unwrap());
+    set(ch, "c", 2, "gone", b"back").await.unwrap();
+    assert!(!delete(ch, "b", 2, "gone").await.unwrap());
+    assert_eq!(value(ch, "gone").await.unwrap(), b"back");
+    // The next call of a lane is applied; a set's sequence reused for another value, or for a
+    // delete, is refused and changes nothing.
+    set(ch, "a", 2, "k", b"second").await.unwrap();
+    assert_eq!(value(ch, "k").await.unwrap(), b"second");
+    for (what, e) in [
+        (
+            "another value",
+            set(ch, "a", 2, "k", b"other").await.unwrap_err(),
+        ),
+        (
+            "another kind",
+            delete(ch, "a", 2, "k").await.map(|_| ()).unwrap_err(),
+        ),
+        ("stale", set(ch, "a", 1, "k", b"mine").await.unwrap_err()),
+    ] {
+        assert_eq!(e.code(), Code::FailedPrecondition, "{what}: {e:?}");
+    }
+    assert_eq!(value(ch, "k").await.unwrap(), b"second");
+    // Bad lanes are refused as for an add.
+    let e = set(ch, "a/b", 1, "k", b"x").await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let e = delete(ch, "", 3, "k").await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert_eq!(value(ch, "k").await.unwrap(), b"second");
 }
 
 #[tokio::test]

@@ -51,6 +51,7 @@ async fn oversized_message_is_refused_and_changes_nothing() {
             job_id: "big".into(),
             key: "k".into(),
             value: vec![7; 100 << 10],
+            ..Default::default()
         })
         .await
         .unwrap_err();
@@ -65,6 +66,7 @@ async fn oversized_message_is_refused_and_changes_nothing() {
         job_id: "big".into(),
         key: "k".into(),
         value: vec![7; 1000],
+        ..Default::default()
     })
     .await
     .unwrap();
@@ -312,6 +314,7 @@ async fn an_oversized_request_names_the_limit_and_its_flag() {
             job_id: "huge".into(),
             key: "k".into(),
             value: vec![1; big],
+            ..Default::default()
         })
         .await
         .unwrap_err();

@@ -85,6 +85,7 @@ async fn keys_barrier_names_and_shared_value_names_with_bidi_characters_are_refu
                 job_id: "names".into(),
                 key: spoof.clone(),
                 value: b"v".to_vec(),
+                ..Default::default()
             })
             .await
             .unwrap_err();

@@ -19,6 +19,7 @@ fn set(job: &str, key: &str, len: usize) -> pb::SetRequest {
         job_id: job.into(),
         key: key.into(),
         value: vec![7; len],
+        ..Default::default()
     }
 }
 

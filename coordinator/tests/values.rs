@@ -23,6 +23,7 @@ async fn set(ch: &Channel, job: &str, key: &str, value: &[u8]) -> Result<(), ton
             job_id: job.into(),
             key: key.into(),
             value: value.to_vec(),
+            ..Default::default()
         })
         .await
         .map(|_| ())
@@ -160,6 +161,7 @@ async fn kv_has_tcpstore_semantics() {
         .delete(pb::DeleteRequest {
             job_id: "kv".into(),
             key: "a/1".into(),
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -168,6 +170,7 @@ async fn kv_has_tcpstore_semantics() {
         .delete(pb::DeleteRequest {
             job_id: "kv".into(),
             key: "a/1".into(),
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -204,6 +207,7 @@ async fn kv_caps_values_and_jobs_without_partial_writes() {
         .delete(pb::DeleteRequest {
             job_id: "cap".into(),
             key: "b".into(),
+            ..Default::default()
         })
         .await
         .unwrap();

@@ -583,12 +583,14 @@ impl AnswerEater {
     }
 }
 
-/// An add and a compare-and-set on SDK lanes, each applied by the leader with its answer lost
-/// on the way back (an [`AnswerEater`] between the client and the leader; the test reads the
-/// applied value directly while the call still waits), then the connection cut: the client
-/// retries with the same sequence, and the coordinator answers from the lane's record instead
-/// of applying again. The counter ends at 12 (an add applied twice would make it 19) and the
-/// swap answers swapped (applied twice, it would find "v2" and answer not swapped).
+/// An add, a compare-and-set, a set and a delete on an SDK lane, each applied by the leader
+/// with its answer lost on the way back (an [`AnswerEater`] between the client and the leader;
+/// the test reads the applied value directly while the call still waits), then the connection
+/// cut: the client retries with the same sequence, and the coordinator answers from the lane's
+/// record instead of applying again. The counter ends at 12 (an add applied twice would make it
+/// 19), the swap answers swapped (applied twice, it would find "v2" and answer not swapped),
+/// the set is not written again after another client deleted its key, and the delete does not
+/// delete what another client set since.
 #[test]
 fn a_lane_call_applied_with_its_answer_lost_is_answered_once() {
     let _serial = serial();
@@ -612,13 +614,14 @@ fn a_lane_call_applied_with_its_answer_lost_is_answered_once() {
         ha.runtime.block_on(proxied.get("cas")).ok().flatten(),
         Some(b"v1".to_vec())
     );
-    let applied = |key: &str, value: &[u8]| {
+    let holds = |key: &str, value: Option<&[u8]>| {
         let deadline = Instant::now() + TAKEOVER;
-        while ha.runtime.block_on(kv.get(key)).ok().flatten().as_deref() != Some(value) {
+        while ha.runtime.block_on(kv.get(key)).ok().flatten().as_deref() != value {
             assert!(Instant::now() < deadline, "'{key}' never became {value:?}");
             std::thread::sleep(Duration::from_millis(20));
         }
     };
+    let applied = |key: &str, value: &[u8]| holds(key, Some(value));
     let mut lane = proxied.lane();
     eater.arm();
     let add = ha.runtime.spawn(async move {
@@ -636,21 +639,46 @@ fn a_lane_call_applied_with_its_answer_lost_is_answered_once() {
         ha.replicas.logs()
     );
     eater.arm();
-    let swap = ha
-        .runtime
-        .spawn(async move { lane.compare_and_set("cas", Some(b"v1"), "v2").await });
+    let swap = ha.runtime.spawn(async move {
+        let swapped = lane.compare_and_set("cas", Some(b"v1"), "v2").await;
+        (swapped, lane)
+    });
     applied("cas", b"v2");
     assert!(!swap.is_finished(), "the swap's answer came through");
     eater.cut();
-    let swapped = ha
-        .runtime
-        .block_on(swap)
-        .expect("the task ran")
-        .unwrap_or_else(|e| panic!("the swap failed: {e}\n{}", ha.replicas.logs()));
+    let (swapped, mut lane) = ha.runtime.block_on(swap).expect("the task ran");
+    let swapped =
+        swapped.unwrap_or_else(|e| panic!("the swap failed: {e}\n{}", ha.replicas.logs()));
     assert!(swapped.swapped, "{swapped:?}");
+    // The fault suite's finding: a set applied, its answer lost, and the key read and deleted
+    // by another client before the retry. The retry answers without writing the key again.
+    eater.arm();
+    let set = ha.runtime.spawn(async move {
+        let set = lane.set("reg", "mine").await;
+        (set, lane)
+    });
+    applied("reg", b"mine");
+    assert!(!set.is_finished(), "the set's answer came through");
+    assert_eq!(ha.runtime.block_on(kv.delete("reg")).ok(), Some(true));
+    eater.cut();
+    let (set, mut lane) = ha.runtime.block_on(set).expect("the task ran");
+    assert_eq!(set.map_err(|e| e.to_string()), Ok(()));
+    assert_eq!(ha.runtime.block_on(kv.get("reg")).ok(), Some(None));
+    // A delete the same way, with the key set again before its retry: the retry says the key
+    // existed and leaves the new value.
+    ha.runtime.block_on(kv.set("reg", "again")).expect("a set");
+    eater.arm();
+    let delete = ha.runtime.spawn(async move { lane.delete("reg").await });
+    holds("reg", None);
+    assert!(!delete.is_finished(), "the delete's answer came through");
+    ha.runtime.block_on(kv.set("reg", "theirs")).expect("a set");
+    eater.cut();
+    let existed = ha.runtime.block_on(delete).expect("the task ran");
+    assert_eq!(existed.map_err(|e| e.to_string()), Ok(true));
     ha.runtime.block_on(async {
         assert_eq!(kv.get("counter").await.ok().flatten(), Some(b"12".to_vec()));
         assert_eq!(kv.get("cas").await.ok().flatten(), Some(b"v2".to_vec()));
+        assert_eq!(kv.get("reg").await.ok().flatten(), Some(b"theirs".to_vec()));
     });
 }
 

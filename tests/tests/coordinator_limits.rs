@@ -174,6 +174,7 @@ async fn an_expired_job_leaves_no_record_or_data_in_etcd() {
             job_id: "old".into(),
             key: "k".into(),
             value: b"v".to_vec(),
+            ..Default::default()
         })
         .await
         .unwrap();

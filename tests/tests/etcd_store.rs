@@ -94,22 +94,31 @@ async fn conformance(s: Arc<dyn Store>, other: Arc<dyn Store>) {
     // A deleted key can be created again.
     assert_eq!(s.create("jobs/j/kv/a", v("3")).await.unwrap(), None);
 
-    // put_all: every key or none (a key named twice is refused before anything is written).
+    // write_all: every key or none (a key named twice is refused before anything is written).
     let both = |x: &str| {
         vec![
-            ("jobs/j/kv/n".to_owned(), v(x)),
-            ("jobs/j/applied/lane".to_owned(), v(x)),
+            ("jobs/j/kv/n".to_owned(), Some(v(x))),
+            ("jobs/j/applied/lane".to_owned(), Some(v(x))),
         ]
     };
-    s.put_all(both("1")).await.unwrap();
+    s.write_all(both("1")).await.unwrap();
     let mut twice = both("2");
-    twice.push(("jobs/j/kv/n".to_owned(), v("3")));
-    assert!(s.put_all(twice).await.is_err());
-    assert!(s.put_all(Vec::new()).await.is_err());
+    twice.push(("jobs/j/kv/n".to_owned(), None));
+    assert!(s.write_all(twice).await.is_err());
+    assert!(s.write_all(Vec::new()).await.is_err());
     for (key, _) in both("") {
         assert_eq!(s.get(&key).await.unwrap(), Some(v("1")), "{key}");
-        assert!(s.delete(&key).await.unwrap());
     }
+    // A delete and a put in one transaction (a lane's delete and its record).
+    s.write_all(vec![
+        ("jobs/j/kv/n".to_owned(), None),
+        ("jobs/j/applied/lane".to_owned(), Some(v("2"))),
+    ])
+    .await
+    .unwrap();
+    assert_eq!(s.get("jobs/j/kv/n").await.unwrap(), None);
+    assert_eq!(s.get("jobs/j/applied/lane").await.unwrap(), Some(v("2")));
+    assert!(s.delete("jobs/j/applied/lane").await.unwrap());
 
     // Binary values: every byte, NULs and invalid UTF-8 included; non-ASCII keys.
     let binary: Vec<u8> = (0..=255u8).chain([0, 0, 0xff, 0xfe, 0xc0]).collect();
@@ -367,6 +376,7 @@ async fn coordinator_state_survives_its_restart_on_etcd() {
                 job_id: "persist".into(),
                 key: key.into(),
                 value,
+                ..Default::default()
             })
             .await
             .unwrap();
@@ -827,6 +837,7 @@ async fn etcd_user_and_password_file() {
             job_id: "auth".into(),
             key: "k".into(),
             value: v("v"),
+            ..Default::default()
         })
         .await
         .unwrap();
@@ -872,6 +883,7 @@ async fn etcd_mutual_tls() {
             job_id: "tls".into(),
             key: "k".into(),
             value: v("over tls"),
+            ..Default::default()
         })
         .await
         .unwrap();

@@ -213,6 +213,7 @@ async fn kv_set(ch: &Channel, job: &str, key: &str, value: &str) -> Result<(), t
             job_id: job.into(),
             key: key.into(),
             value: value.as_bytes().to_vec(),
+            ..Default::default()
         })
         .await
         .map(drop)
@@ -449,11 +450,11 @@ async fn every_store_write_is_fenced_by_the_leader_key() {
     assert_eq!(store.create("jobs/j/x", b"1".to_vec()).await.unwrap(), None);
     let pair = |v: &[u8]| {
         vec![
-            ("jobs/j/kv/n".to_owned(), v.to_vec()),
-            ("jobs/j/applied/lane".to_owned(), v.to_vec()),
+            ("jobs/j/kv/n".to_owned(), Some(v.to_vec())),
+            ("jobs/j/applied/lane".to_owned(), Some(v.to_vec())),
         ]
     };
-    store.put_all(pair(b"1")).await.unwrap();
+    store.write_all(pair(b"1")).await.unwrap();
     // A new term (the key re-created): every kind of write of the old term is refused and
     // changes nothing.
     client.delete("/fence/election/leader", None).await.unwrap();
@@ -467,7 +468,7 @@ async fn every_store_write_is_fenced_by_the_leader_key() {
         store.delete("jobs/j/x").await.err(),
         store.delete_prefix("jobs/").await.err(),
         // A value and its lane record: neither is written.
-        store.put_all(pair(b"stale")).await.err(),
+        store.write_all(pair(b"stale")).await.err(),
     ];
     for e in refused {
         let e = e.expect("a stale term's write is refused");

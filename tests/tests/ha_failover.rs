@@ -602,6 +602,7 @@ async fn a_paused_old_leader_is_fenced_and_steps_down() {
         job_id: job.id.clone(),
         key: key.into(),
         value: value.as_bytes().to_vec(),
+        ..Default::default()
     };
     // A connection to the old leader, opened while it leads: a client that has not noticed.
     let mut to_old = pb::key_value_client::KeyValueClient::new(channel(replicas.addr(old)).await);

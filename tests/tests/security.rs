@@ -96,6 +96,7 @@ fn set(job: &str, key: &str, value: &str) -> pb::SetRequest {
         job_id: job.into(),
         key: key.into(),
         value: value.into(),
+        ..Default::default()
     }
 }
 

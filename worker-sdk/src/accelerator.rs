@@ -892,14 +892,18 @@ impl KvStore<'_> {
         }
     }
 
-    /// Sets `key`, replacing any value.
+    /// Sets `key`, replacing any value; applied at most once across a leader failover, as
+    /// [`KvStore::add`].
     pub fn set(&self, key: &str, value: impl Into<Vec<u8>>) -> Result<(), Error> {
         match self.target() {
             Target::Local(mut store) => {
                 store.kv.insert(key.to_owned(), value.into());
                 Ok(())
             }
-            Target::Remote(remote) => remote.block_on(remote.kv.set(key, value)),
+            Target::Remote(remote) => {
+                let mut lane = lock(&remote.kv_lane);
+                remote.block_on(lane.set(key, value))
+            }
         }
     }
 
@@ -994,11 +998,15 @@ impl KvStore<'_> {
         }
     }
 
-    /// Deletes `key`; says whether it existed.
+    /// Deletes `key`; says whether it existed. Applied at most once across a leader
+    /// failover, as [`KvStore::add`].
     pub fn delete(&self, key: &str) -> Result<bool, Error> {
         match self.target() {
             Target::Local(mut store) => Ok(store.kv.remove(key).is_some()),
-            Target::Remote(remote) => remote.block_on(remote.kv.delete(key)),
+            Target::Remote(remote) => {
+                let mut lane = lock(&remote.kv_lane);
+                remote.block_on(lane.delete(key))
+            }
         }
     }
 

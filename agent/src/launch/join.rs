@@ -205,6 +205,8 @@ async fn master_port(
                 job_id: answer.job_id.clone(),
                 key,
                 value: port.to_string().into_bytes(),
+                // One writer per generation's key: a retry applied twice changes nothing.
+                ..Default::default()
             };
             failover::call(coordinators, "KeyValue.Set", |channel| {
                 let request = request.clone();

@@ -3,11 +3,13 @@
 //! operations on the coordinator's `Add` and `CompareAndSet`, blocking waits on its waiting
 //! `Get`, and the queues, which torch keeps apart from the keys.
 //!
-//! Failover: every call is retried on the next leader when its outcome is unknown. Reads,
-//! sets, deletes and an add of 0 are safe to apply twice; every other mutation (an add, a
+//! Failover: every call is retried on the next leader when its outcome is unknown. Reads and
+//! an add of 0 are safe to apply twice; every mutation (a set, a delete, an add, a
 //! compare-and-set, each compare-and-set of an append or a queue pop, a push's claim of its
-//! index) goes through the connection's [`KvLane`], whose calls the coordinator applies at
-//! most once, so a retry of one that was applied gets its first answer.
+//! index and its item) goes through the connection's [`KvLane`], whose calls the coordinator
+//! applies at most once, so a retry of one that was applied gets its first answer instead of
+//! applying again over another client's write in between. A popped item's delete is plain:
+//! nobody writes that key again.
 
 use std::time::Duration;
 
@@ -66,8 +68,8 @@ impl Backend {
         )
     }
 
-    pub async fn set(&self, key: &str, value: Vec<u8>) -> Result<(), Error> {
-        self.kv.set(&self.full(key), value).await
+    pub async fn set(&self, lane: &mut KvLane, key: &str, value: Vec<u8>) -> Result<(), Error> {
+        lane.set(&self.full(key), value).await
     }
 
     /// The value, or empty when the key is unset (torch's server answers a missing key so;
@@ -148,8 +150,8 @@ impl Backend {
     }
 
     /// Whether the key existed.
-    pub async fn delete(&self, key: &str) -> Result<bool, Error> {
-        self.kv.delete(&self.full(key)).await
+    pub async fn delete(&self, lane: &mut KvLane, key: &str) -> Result<bool, Error> {
+        lane.delete(&self.full(key)).await
     }
 
     /// Appends with a compare-and-set loop at the coordinator, so concurrent appends from
@@ -201,7 +203,8 @@ impl Backend {
     }
 
     /// Pushes: the tail counter is claimed atomically (`Add`, on the lane: claimed once across
-    /// a failover), then the item is written.
+    /// a failover), then the item is written (on the lane too: a retry never writes it again
+    /// after a pop took it).
     pub async fn queue_push(
         &self,
         lane: &mut KvLane,
@@ -209,8 +212,7 @@ impl Backend {
         value: Vec<u8>,
     ) -> Result<(), Error> {
         let index = lane.add(&self.queue(name, "tail"), 1).await? - 1;
-        self.kv
-            .set(&self.queue(name, &format!("item/{index}")), value)
+        lane.set(&self.queue(name, &format!("item/{index}")), value)
             .await
     }
 

@@ -267,7 +267,7 @@ impl Connection {
         match request {
             Request::Validate => self.validated = true,
             Request::Ping { nonce } => protocol::put_u32(out, nonce),
-            Request::Set { key, value } => b.set(&key, value).await?,
+            Request::Set { key, value } => b.set(lane, &key, value).await?,
             Request::CompareSet {
                 key,
                 expected,
@@ -287,7 +287,9 @@ impl Connection {
             // Outside a wait there is nothing to cancel; torch's server answers all the same.
             Request::CancelWait => out.push(protocol::WAIT_CANCELED),
             Request::NumKeys => protocol::put_i64(out, b.num_keys().await?),
-            Request::DeleteKey { key } => protocol::put_i64(out, i64::from(b.delete(&key).await?)),
+            Request::DeleteKey { key } => {
+                protocol::put_i64(out, i64::from(b.delete(lane, &key).await?))
+            }
             Request::Append { key, value } => b.append(lane, &key, &value).await?,
             Request::MultiGet { keys } => {
                 for key in keys {
@@ -296,7 +298,7 @@ impl Connection {
             }
             Request::MultiSet { pairs } => {
                 for (key, value) in pairs {
-                    b.set(&key, value).await?;
+                    b.set(lane, &key, value).await?;
                 }
             }
             Request::QueuePush { key, value } => b.queue_push(lane, &key, value).await?,

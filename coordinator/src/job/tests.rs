@@ -789,11 +789,11 @@ impl Store for Gated {
         let _ = self.open.subscribe().wait_for(|o| *o).await;
         self.inner.put(key, value).await
     }
-    async fn put_all(
+    async fn write_all(
         &self,
-        entries: Vec<(String, Vec<u8>)>,
+        entries: Vec<(String, Option<Vec<u8>>)>,
     ) -> Result<(), crate::store::StoreError> {
-        self.inner.put_all(entries).await
+        self.inner.write_all(entries).await
     }
     async fn create(
         &self,

@@ -1,11 +1,12 @@
 //! `muster.v1.KeyValue`, `muster.v1.UniqueIds` and `muster.v1.SharedValues`: a job's
 //! key-value data and its generations' published values, in the store under byte caps.
 //!
-//! Lanes: an `Add` or `CompareAndSet` that names a `client_id` and a `sequence` is applied at
-//! most once per (lane, sequence), so that a client may retry it when the outcome is unknown
-//! (the leader died with the call in flight). The lane's record (`pb::KvLaneRecord`, at
+//! Lanes: a `Set`, `Add`, `CompareAndSet` or `Delete` that names a `client_id` and a
+//! `sequence` is applied at most once per (lane, sequence), so that a client may retry it when
+//! the outcome is unknown (the leader died with the call in flight) without applying it again
+//! over another client's write in between. The lane's record (`pb::KvLaneRecord`, at
 //! `jobs/<job>/applied/<client_id>`: the last applied sequence, a digest of that call and its
-//! answer) is written in the same store transaction as the value ([`Store::put_all`]): a new
+//! answer) is written in the same store transaction as the value ([`Store::write_all`]): a new
 //! leader finds either both or neither. Records count towards the job's byte caps like keys.
 
 use super::*;
@@ -86,6 +87,15 @@ fn digest(parts: &[&[u8]]) -> Vec<u8> {
         hash.update(part);
     }
     hash.finalize().to_vec()
+}
+
+/// A lane's record answers another kind of call than the retry it is asked about: the digest
+/// matched, so the record itself is wrong.
+fn other_kind(lane: &Lane, job: &Job) -> Status {
+    Status::internal(format!(
+        "the record of lane '{}' in job '{}' answers another kind of call",
+        lane.client_id, job.id
+    ))
 }
 
 /// Where a lane call stands, found under the job's kv lock.
@@ -242,15 +252,15 @@ impl ValuesService {
             .ok_or_else(|| corrupt("it holds no answer".into()))
     }
 
-    /// Writes `value` at `full` (user key `key`, holding `old` before) and `lane`'s record of
-    /// the call (`digest`, `answer`) in one store transaction, under the byte caps. Caller
-    /// holds the job's kv lock.
+    /// Writes `value` at `full` (user key `key`, holding `old` before; `None`: deletes it) and
+    /// `lane`'s record of the call (`digest`, `answer`) in one store transaction, under the
+    /// byte caps. Caller holds the job's kv lock.
     async fn write_on_lane(
         &self,
         job: &Job,
         total: &mut usize,
         (full, key): (&str, &str),
-        (old, value): (Option<&[u8]>, Vec<u8>),
+        (old, value): (Option<&[u8]>, Option<Vec<u8>>),
         (lane, record_bytes): (&Lane, usize),
         (digest, answer): (Vec<u8>, pb::kv_lane_record::Answer),
     ) -> Result<(), Status> {
@@ -261,10 +271,11 @@ impl ValuesService {
         }
         .encode_to_vec();
         let old_len = old.map_or(0, |v| key.len() + v.len()) + record_bytes;
-        let new_len = key.len() + value.len() + lane.client_id.len() + record.len();
+        let new_len =
+            value.as_ref().map_or(0, |v| key.len() + v.len()) + lane.client_id.len() + record.len();
         let entries = vec![
             (full.to_owned(), value),
-            (lane_key(&job.id, &lane.client_id), record),
+            (lane_key(&job.id, &lane.client_id), Some(record)),
         ];
         self.account(
             job,
@@ -272,7 +283,7 @@ impl ValuesService {
             key,
             old_len,
             new_len,
-            self.0.store.put_all(entries),
+            self.0.store.write_all(entries),
         )
         .await
     }
@@ -388,13 +399,30 @@ impl pb::key_value_server::KeyValue for ValuesService {
         let job = self.0.job(&r.job_id)?;
         let key = model::kv_key(&r.key)?;
         self.check_value(&r.value)?;
+        let lane = Lane::of(r.client_id, r.sequence)?;
+        let full = kv_key(&job.id, &key);
         let mut total = job.kv_bytes.lock().await;
-        self.write(
+        let Some(lane) = lane else {
+            self.write(&job, &mut total, &full, &key, Some(r.value))
+                .await?;
+            return Ok(Response::new(pb::SetResponse {}));
+        };
+        let digest = digest(&[b"set", key.as_bytes(), &r.value]);
+        let record_bytes = match self.lane_state(&job, &lane, &digest, "set").await? {
+            LaneState::Applied(pb::kv_lane_record::Answer::Stored(_)) => {
+                return Ok(Response::new(pb::SetResponse {}));
+            }
+            LaneState::Applied(_) => return Err(other_kind(&lane, &job)),
+            LaneState::Fresh { record_bytes } => record_bytes,
+        };
+        let old = self.0.store.get(&full).await?;
+        self.write_on_lane(
             &job,
             &mut total,
-            &kv_key(&job.id, &key),
-            &key,
-            Some(r.value),
+            (&full, &key),
+            (old.as_deref(), Some(r.value)),
+            (&lane, record_bytes),
+            (digest, pb::kv_lane_record::Answer::Stored(true)),
         )
         .await?;
         Ok(Response::new(pb::SetResponse {}))
@@ -440,12 +468,7 @@ impl pb::key_value_server::KeyValue for ValuesService {
                 LaneState::Applied(pb::kv_lane_record::Answer::Added(value)) => {
                     return Ok(Response::new(pb::AddResponse { value }));
                 }
-                LaneState::Applied(_) => {
-                    return Err(Status::internal(format!(
-                        "the record of lane '{}' in job '{}' answers another kind of call",
-                        lane.client_id, job.id
-                    )));
-                }
+                LaneState::Applied(_) => return Err(other_kind(lane, &job)),
                 LaneState::Fresh { record_bytes: n } => record_bytes = n,
             }
         }
@@ -479,7 +502,7 @@ impl pb::key_value_server::KeyValue for ValuesService {
                     &job,
                     &mut total,
                     (&full, &key),
-                    (old.as_deref(), text),
+                    (old.as_deref(), Some(text)),
                     (lane, record_bytes),
                     (digest, pb::kv_lane_record::Answer::Added(value)),
                 )
@@ -519,12 +542,7 @@ impl pb::key_value_server::KeyValue for ValuesService {
             {
                 // Only a swap is recorded, and what it left is the request's `desired`.
                 LaneState::Applied(pb::kv_lane_record::Answer::Swapped(true)) => return swapped(),
-                LaneState::Applied(_) => {
-                    return Err(Status::internal(format!(
-                        "the record of lane '{}' in job '{}' answers another kind of call",
-                        lane.client_id, job.id
-                    )));
-                }
+                LaneState::Applied(_) => return Err(other_kind(lane, &job)),
                 LaneState::Fresh { record_bytes: n } => record_bytes = n,
             }
         }
@@ -545,7 +563,7 @@ impl pb::key_value_server::KeyValue for ValuesService {
                     &job,
                     &mut total,
                     (&full, &key),
-                    (current.as_deref(), r.desired.clone()),
+                    (current.as_deref(), Some(r.desired.clone())),
                     (lane, record_bytes),
                     (digest, pb::kv_lane_record::Answer::Swapped(true)),
                 )
@@ -559,13 +577,35 @@ impl pb::key_value_server::KeyValue for ValuesService {
         let r = authorized(request)?;
         let job = self.0.job(&r.job_id)?;
         let key = model::kv_key(&r.key)?;
+        let lane = Lane::of(r.client_id, r.sequence)?;
+        let full = kv_key(&job.id, &key);
         let mut total = job.kv_bytes.lock().await;
-        let old = self
-            .write(&job, &mut total, &kv_key(&job.id, &key), &key, None)
-            .await?;
-        Ok(Response::new(pb::DeleteResponse {
-            existed: old.is_some(),
-        }))
+        let Some(lane) = lane else {
+            let old = self.write(&job, &mut total, &full, &key, None).await?;
+            return Ok(Response::new(pb::DeleteResponse {
+                existed: old.is_some(),
+            }));
+        };
+        let digest = digest(&[b"delete", key.as_bytes()]);
+        let record_bytes = match self.lane_state(&job, &lane, &digest, "delete").await? {
+            LaneState::Applied(pb::kv_lane_record::Answer::Existed(existed)) => {
+                return Ok(Response::new(pb::DeleteResponse { existed }));
+            }
+            LaneState::Applied(_) => return Err(other_kind(&lane, &job)),
+            LaneState::Fresh { record_bytes } => record_bytes,
+        };
+        let old = self.0.store.get(&full).await?;
+        let existed = old.is_some();
+        self.write_on_lane(
+            &job,
+            &mut total,
+            (&full, &key),
+            (old.as_deref(), None),
+            (&lane, record_bytes),
+            (digest, pb::kv_lane_record::Answer::Existed(existed)),
+        )
+        .await?;
+        Ok(Response::new(pb::DeleteResponse { existed }))
     }
 
     async fn list(&self, request: Request<pb::ListRequest>) -> Rpc<pb::ListResponse> {

@@ -8,7 +8,7 @@
 //! written: no leases, no metadata keys.
 //!
 //! How each operation maps onto etcd: `get`/`put`/`delete` are single-key requests (reads are
-//! linearizable, etcd's default); `put_all` is one transaction of puts (all or none);
+//! linearizable, etcd's default); `write_all` is one transaction of puts and deletes (all or none);
 //! `create` is one transaction (`create_revision(key) == 0` ?
 //! put : get), so two coordinators racing on one key agree on one value; `list` and
 //! `delete_prefix` are range requests over the prefix. Every request runs under
@@ -25,7 +25,7 @@
 //! fails with "no longer the leader".
 
 use super::election::{Election, ElectionConfig, Leadership};
-use super::{Store, StoreError, check_put_all};
+use super::{Store, StoreError, check_write_all};
 use crate::config::EtcdConfig;
 use async_trait::async_trait;
 use etcd_client::{
@@ -401,17 +401,20 @@ impl Store for EtcdStore {
         Ok(())
     }
 
-    /// One transaction of puts, nested under the fence like every write: etcd applies all of
-    /// it or none, so a leader that dies (or loses its term) mid-call leaves no key written
-    /// without the others.
-    async fn put_all(&self, entries: Vec<(String, Vec<u8>)>) -> Result<(), StoreError> {
-        check_put_all(&entries)?;
+    /// One transaction of puts and deletes, nested under the fence like every write: etcd
+    /// applies all of it or none, so a leader that dies (or loses its term) mid-call leaves no
+    /// key written without the others.
+    async fn write_all(&self, entries: Vec<(String, Option<Vec<u8>>)>) -> Result<(), StoreError> {
+        check_write_all(&entries)?;
         let first = entries[0].0.clone();
-        let puts: Vec<TxnOp> = entries
+        let ops: Vec<TxnOp> = entries
             .into_iter()
-            .map(|(key, value)| TxnOp::put(self.key(&key), value, None))
+            .map(|(key, value)| match value {
+                Some(value) => TxnOp::put(self.key(&key), value, None),
+                None => TxnOp::delete(self.key(&key), None),
+            })
             .collect();
-        self.write("put_all", &first, Txn::new().and_then(puts))
+        self.write("write_all", &first, Txn::new().and_then(ops))
             .await?;
         Ok(())
     }

@@ -1,6 +1,6 @@
 //! [`MemoryStore`]: the default store, a sorted map in the coordinator's memory.
 
-use super::{Store, StoreError, check_put_all};
+use super::{Store, StoreError, check_write_all};
 use async_trait::async_trait;
 use std::collections::BTreeMap;
 use std::sync::Mutex;
@@ -14,7 +14,7 @@ pub struct MemoryStore {
 impl MemoryStore {
     fn map(&self) -> std::sync::MutexGuard<'_, BTreeMap<String, Vec<u8>>> {
         // A panic while holding this lock cannot leave the map half-written (every operation
-        // is a single map call, or `put_all`'s inserts, which do not panic), so a poisoned
+        // is a single map call, or `write_all`'s inserts, which do not panic), so a poisoned
         // lock is still safe to use.
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -32,11 +32,14 @@ impl Store for MemoryStore {
     }
 
     /// Every key under one hold of the lock: no reader sees some of them written.
-    async fn put_all(&self, entries: Vec<(String, Vec<u8>)>) -> Result<(), StoreError> {
-        check_put_all(&entries)?;
+    async fn write_all(&self, entries: Vec<(String, Option<Vec<u8>>)>) -> Result<(), StoreError> {
+        check_write_all(&entries)?;
         let mut map = self.map();
         for (key, value) in entries {
-            map.insert(key, value);
+            match value {
+                Some(value) => map.insert(key, value),
+                None => map.remove(&key),
+            };
         }
         Ok(())
     }
@@ -98,20 +101,23 @@ mod tests {
         assert_eq!(l[0].0, "a/1");
         assert!(s.delete("b").await.unwrap());
         assert!(!s.delete("b").await.unwrap());
-        s.put_all(vec![
-            ("a/3".into(), b"p".to_vec()),
-            ("c".into(), b"q".to_vec()),
+        s.put("gone", b"x".to_vec()).await.unwrap();
+        s.write_all(vec![
+            ("a/3".into(), Some(b"p".to_vec())),
+            ("c".into(), Some(b"q".to_vec())),
+            ("gone".into(), None),
         ])
         .await
         .unwrap();
         assert_eq!(s.get("a/3").await.unwrap(), Some(b"p".to_vec()));
         assert_eq!(s.get("c").await.unwrap(), Some(b"q".to_vec()));
-        // A refused put_all writes nothing.
-        let twice = vec![("d".into(), b"1".to_vec()), ("d".into(), b"2".to_vec())];
-        let e = s.put_all(twice).await.unwrap_err();
+        assert_eq!(s.get("gone").await.unwrap(), None);
+        // A refused write_all writes nothing.
+        let twice = vec![("d".into(), Some(b"1".to_vec())), ("d".into(), None)];
+        let e = s.write_all(twice).await.unwrap_err();
         assert!(e.to_string().contains("'d' twice"), "{e}");
         assert_eq!(s.get("d").await.unwrap(), None);
-        assert!(s.put_all(Vec::new()).await.is_err());
+        assert!(s.write_all(Vec::new()).await.is_err());
         assert!(s.delete("c").await.unwrap());
         assert_eq!(s.delete_prefix("a/").await.unwrap(), 3);
         assert!(s.list("").await.unwrap().is_empty());

@@ -10,7 +10,7 @@
 //!
 //! Keys written through the trait (by `service/values.rs`): `jobs/<job>/kv/<key>` (the job's
 //! key-value store), `jobs/<job>/applied/<client id>` (a lane's last applied call, a
-//! `pb::KvLaneRecord`, written with the value it changed by one [`Store::put_all`]), `jobs/<job>/gen/<incarnation>-<g>/nccl/<communicator>` (NCCL unique ids) and
+//! `pb::KvLaneRecord`, written with the value it changed by one [`Store::write_all`]), `jobs/<job>/gen/<incarnation>-<g>/nccl/<communicator>` (NCCL unique ids) and
 //! `jobs/<job>/gen/<incarnation>-<g>/shared/<name>` (shared values); published values are stored as the
 //! publisher's rank (4 bytes, little endian) followed by the bytes.
 
@@ -61,11 +61,12 @@ pub trait Store: Send + Sync + 'static {
     async fn get(&self, key: &str) -> Result<Option<Vec<u8>>, StoreError>;
     /// Writes a key, replacing any value.
     async fn put(&self, key: &str, value: Vec<u8>) -> Result<(), StoreError>;
-    /// Writes several distinct keys (at most [`MAX_PUT_ALL`]) in one transaction: all of them
-    /// or, on any failure, none, under the same fence as [`Store::put`]. The key-value store
-    /// writes a value and its lane record so, so that a leader's death never leaves the value
-    /// changed without the record that makes its retry safe.
-    async fn put_all(&self, entries: Vec<(String, Vec<u8>)>) -> Result<(), StoreError>;
+    /// Writes several distinct keys (at most [`MAX_WRITE_ALL`]) in one transaction, each a put
+    /// (`Some`) or a delete (`None`): all of them or, on any failure, none, under the same
+    /// fence as [`Store::put`]. The key-value store writes a value (or deletes it) and its lane
+    /// record so, so that a leader's death never leaves the value changed without the record
+    /// that makes its retry safe.
+    async fn write_all(&self, entries: Vec<(String, Option<Vec<u8>>)>) -> Result<(), StoreError>;
     /// Writes a key only if it does not exist; returns the existing value otherwise.
     async fn create(&self, key: &str, value: Vec<u8>) -> Result<Option<Vec<u8>>, StoreError>;
     /// Deletes a key; says whether it existed.
@@ -86,15 +87,15 @@ pub async fn open(config: &Config) -> Result<Arc<dyn Store>, StoreError> {
     })
 }
 
-/// The most keys one [`Store::put_all`] writes: far under etcd's limit on operations in one
+/// The most keys one [`Store::write_all`] writes: far under etcd's limit on operations in one
 /// transaction (`--max-txn-ops`, 128 by default).
-pub const MAX_PUT_ALL: usize = 16;
+pub const MAX_WRITE_ALL: usize = 16;
 
 /// The store operations, by the names [`timed`] reports them under.
 pub const OPS: &[&str] = &[
     "get",
     "put",
-    "put_all",
+    "write_all",
     "create",
     "delete",
     "list",
@@ -143,8 +144,8 @@ impl Store for Timed {
     async fn put(&self, key: &str, value: Vec<u8>) -> Result<(), StoreError> {
         self.time("put", self.inner.put(key, value)).await
     }
-    async fn put_all(&self, entries: Vec<(String, Vec<u8>)>) -> Result<(), StoreError> {
-        self.time("put_all", self.inner.put_all(entries)).await
+    async fn write_all(&self, entries: Vec<(String, Option<Vec<u8>>)>) -> Result<(), StoreError> {
+        self.time("write_all", self.inner.write_all(entries)).await
     }
     async fn create(&self, key: &str, value: Vec<u8>) -> Result<Option<Vec<u8>>, StoreError> {
         self.time("create", self.inner.create(key, value)).await
@@ -161,19 +162,19 @@ impl Store for Timed {
     }
 }
 
-/// Checks what [`Store::put_all`] is given: between 1 and [`MAX_PUT_ALL`] keys, no key twice
+/// Checks what [`Store::write_all`] is given: between 1 and [`MAX_WRITE_ALL`] keys, no key twice
 /// (etcd refuses a transaction that writes one key twice; the memory store would keep the
 /// last, so both refuse it alike).
-fn check_put_all(entries: &[(String, Vec<u8>)]) -> Result<(), StoreError> {
-    if entries.is_empty() || entries.len() > MAX_PUT_ALL {
+fn check_write_all<V>(entries: &[(String, V)]) -> Result<(), StoreError> {
+    if entries.is_empty() || entries.len() > MAX_WRITE_ALL {
         return Err(StoreError(format!(
-            "put_all of {} keys: between 1 and {MAX_PUT_ALL} are allowed",
+            "write_all of {} keys: between 1 and {MAX_WRITE_ALL} are allowed",
             entries.len()
         )));
     }
     for (i, (key, _)) in entries.iter().enumerate() {
         if entries[..i].iter().any(|(k, _)| k == key) {
-            return Err(StoreError(format!("put_all names the key '{key}' twice")));
+            return Err(StoreError(format!("write_all names the key '{key}' twice")));
         }
     }
     Ok(())

@@ -1,7 +1,7 @@
 //! The job's key-value store (TCPStore parity) over the coordinator's `KeyValue` service: one
 //! typed method per RPC, each a call of [`Coordinator::unary`], and [`KvLane`], the
-//! sequential lane whose `add` and `compare_and_set` the coordinator applies at most once, so
-//! that they too are retried across a failover.
+//! sequential lane whose `set`, `add`, `compare_and_set` and `delete` the coordinator applies
+//! at most once, so that they are retried across a failover without being applied twice.
 
 use std::time::Duration;
 
@@ -48,7 +48,7 @@ impl Kv {
         }
     }
 
-    /// A new lane for `add` and `compare_and_set` calls that are retried like reads: see
+    /// A new lane for writes that are retried like reads and applied at most once: see
     /// [`KvLane`].
     pub fn lane(&self) -> KvLane {
         KvLane {
@@ -64,13 +64,26 @@ impl Kv {
 
     /// Sets `key`, replacing any value. Retried across a failover as idempotent: a retry whose
     /// first attempt was applied applies again, overwriting what another rank wrote between
-    /// the two (docs/contract.md); where that matters, write with
-    /// [`KvLane::compare_and_set`].
+    /// the two (docs/contract.md); where that matters, set on a lane ([`KvLane::set`]).
     pub async fn set(&self, key: &str, value: impl Into<Vec<u8>>) -> Result<(), Error> {
+        self.set_on(None, key, value.into()).await
+    }
+
+    /// [`Kv::set`], on `lane` if given, which makes a retry of an applied set answer without
+    /// applying it again.
+    async fn set_on(
+        &self,
+        lane: Option<(&str, u64)>,
+        key: &str,
+        value: Vec<u8>,
+    ) -> Result<(), Error> {
+        let (client_id, sequence) = lane.unwrap_or_default();
         let request = pb::SetRequest {
             job_id: self.job_id.clone(),
             key: key.to_owned(),
-            value: value.into(),
+            value,
+            client_id: client_id.to_owned(),
+            sequence,
         };
         self.coordinator
             .unary(
@@ -236,12 +249,21 @@ impl Kv {
         })
     }
 
-    /// Deletes `key`; says whether it existed (a retry after a failover that the first
-    /// attempt had applied says it did not).
+    /// Deletes `key`; says whether it existed. Retried across a failover as idempotent: a
+    /// retry whose first attempt was applied says the key did not exist, and deletes what
+    /// another rank set between the two; a delete on a lane ([`KvLane::delete`]) does neither.
     pub async fn delete(&self, key: &str) -> Result<bool, Error> {
+        self.delete_on(None, key).await
+    }
+
+    /// [`Kv::delete`], on `lane` if given.
+    async fn delete_on(&self, lane: Option<(&str, u64)>, key: &str) -> Result<bool, Error> {
+        let (client_id, sequence) = lane.unwrap_or_default();
         let request = pb::DeleteRequest {
             job_id: self.job_id.clone(),
             key: key.to_owned(),
+            client_id: client_id.to_owned(),
+            sequence,
         };
         let response = self
             .coordinator
@@ -290,8 +312,8 @@ impl Kv {
     }
 }
 
-/// A lane of `add` and `compare_and_set` calls on the job's store that are retried across a
-/// coordinator failover like reads, and still applied exactly once: each call carries the
+/// A lane of writes (`set`, `add`, `compare_and_set`, `delete`) on the job's store that are
+/// retried across a coordinator failover like reads, and still applied at most once: each call carries the
 /// lane's random 128-bit client id and its own sequence number (the same on every retry), and
 /// the coordinator applies each sequence of a lane at most once, answering a retry of an
 /// applied call with the first answer (`muster.v1.KvLaneRecord`).
@@ -318,6 +340,25 @@ impl KvLane {
     fn next(&mut self) -> u64 {
         self.sequence += 1;
         self.sequence
+    }
+
+    /// [`Kv::set`], applied at most once even when its outcome is unknown at first (the leader
+    /// died with it in flight) and it is retried on the next leader: a retry of a set that was
+    /// applied answers at once, and does not overwrite what another client wrote since.
+    pub async fn set(&mut self, key: &str, value: impl Into<Vec<u8>>) -> Result<(), Error> {
+        let sequence = self.next();
+        self.kv
+            .set_on(Some((&self.client_id, sequence)), key, value.into())
+            .await
+    }
+
+    /// [`Kv::delete`], applied at most once as [`KvLane::set`]: a retry of a delete that was
+    /// applied answers whether the key existed then.
+    pub async fn delete(&mut self, key: &str) -> Result<bool, Error> {
+        let sequence = self.next();
+        self.kv
+            .delete_on(Some((&self.client_id, sequence)), key)
+            .await
     }
 
     /// [`Kv::add`], applied exactly once even when its outcome is unknown at first (the
