@@ -14,9 +14,9 @@
 //! ([`Coordinators::held_until`]; docs/ha.md, "An etcd outage"). The failover budget is not a
 //! reason to keep workers: a leader alive across a partition fails a silent node after its
 //! heartbeat timeout and may then hand its ranks to others, and the workers must be gone by
-//! then. A stream that stays open and silent (a frozen coordinator, a cut link), or one that
-//! does not open, counts against the lease too; with several replicas, the task tries another
-//! one after half the lease of silence. Only a node that is finishing (every worker exited 0) goes on re-attaching for the
+//! then. A stream that stays open and silent (a frozen coordinator, a cut link) counts against
+//! the lease too; with several replicas, the task tries another one after half the lease of
+//! silence. Only a node that is finishing (every worker exited 0) goes on re-attaching for the
 //! failover budget, to deliver `finished`.
 //!
 //! A coordinator that answers NOT_FOUND for the job has lost the job's state (an in-memory
@@ -62,9 +62,6 @@ const STALL_NOTICE: Duration = Duration::from_secs(1);
 /// in the meantime is measured to within it (a single timer at the lease's end would only see
 /// the part of the stop after its deadline).
 const OPEN_TICK: Duration = Duration::from_millis(100);
-/// The time a replica is given to open the watch stream, once half the lease of silence has
-/// passed, before the next one is tried.
-const OPEN_AT_LEAST: Duration = Duration::from_secs(1);
 
 /// How long [`Watch::finish`] waits for the coordinator to take the `finished` message (on
 /// top of the failover budget when the stream is being re-attached).
@@ -382,21 +379,8 @@ async fn run(
         }
         // The call is kept across a stall of this process: dropping it would end a stream
         // the coordinator may already hold, and a watch that ends while the node's ranks run
-        // is a lost node there. With several replicas, a replica that has not answered by
-        // half the lease of silence (or within [`OPEN_AT_LEAST`] of being asked, after that)
-        // is left for the next one, as a silent open stream is: a replica frozen right after
-        // it took the lead answers nothing, and waiting for its connection's keep-alive to
-        // fail spent the rest of a node's lease in the fault suite's long run while another
-        // replica led. A live leader answers an attach in milliseconds.
-        let asked = Instant::now();
-        let give_up_at = |state: &Lease| {
-            let lease_end = Instant::now() + state.remaining();
-            if coordinators.len() < 2 {
-                return lease_end;
-            }
-            lease_end.min((state.last_heard + lease / 2).max(asked + OPEN_AT_LEAST))
-        };
-        let mut open_by = give_up_at(&state);
+        // is a lost node there.
+        let mut open_by = Instant::now() + state.remaining();
         let open = client.watch(tokio_stream::wrappers::ReceiverStream::new(out_rx));
         tokio::pin!(open);
         let opened = loop {
@@ -419,10 +403,11 @@ async fn run(
                         print_stall(&attach.job_id, gap, lease, "");
                     }
                     // A shorter stall moved `last_heard` on by itself (`Lease::woke`).
-                    open_by = give_up_at(&state);
-                    if Instant::now() >= open_by {
+                    let left = state.remaining();
+                    if left.is_zero() {
                         break None;
                     }
+                    open_by = Instant::now() + left;
                 }
             }
         };
@@ -460,8 +445,6 @@ async fn run(
                 continue;
             }
             None => {
-                // Past half the lease the next replica is tried (`give_up_at`); past the
-                // lease, the check above ends the watch.
                 last_error = format!("{addr} did not open the watch stream in time");
                 state.saw(
                     &coordinators,
