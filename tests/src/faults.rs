@@ -673,8 +673,8 @@ pub const INV_JOB_SURVIVES: &str = "job-survives";
 /// A new generation has a cause: a fault that ended a worker since the previous one started.
 pub const INV_RESTART_CAUSE: &str = "restart-has-cause";
 /// Every key of the workload's key-value history is linearizable (`crate::linearizable`):
-/// no acknowledged write lost, no stale read, no add or compare-and-set applied twice (the
-/// lanes' at-most-once promise) or out of its call's time.
+/// no acknowledged write lost, no stale read, no set, add, compare-and-set or delete applied
+/// twice (the lanes' at-most-once promise) or out of its call's time.
 pub const INV_LINEARIZABLE: &str = "kv-linearizable";
 
 /// The fault kinds that end a worker, so that the job must restart: the only faults after
