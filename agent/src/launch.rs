@@ -405,6 +405,7 @@ async fn run_at(
                 node_rank: node.node_rank,
                 node_id: node_id.clone(),
                 resume: false,
+                attempt: 0,
             },
             spec.lease,
             sampler,

@@ -14,9 +14,9 @@
 //! ([`Coordinators::held_until`]; docs/ha.md, "An etcd outage"). The failover budget is not a
 //! reason to keep workers: a leader alive across a partition fails a silent node after its
 //! heartbeat timeout and may then hand its ranks to others, and the workers must be gone by
-//! then. A stream that stays open and silent (a frozen coordinator, a cut link) counts against
-//! the lease too; with several replicas, the task tries another one after half the lease of
-//! silence. Only a node that is finishing (every worker exited 0) goes on re-attaching for the
+//! then. A stream that stays open and silent (a frozen coordinator, a cut link), or one that
+//! does not open, counts against the lease too; with several replicas, the task tries another
+//! one after half the lease of silence. Only a node that is finishing (every worker exited 0) goes on re-attaching for the
 //! failover budget, to deliver `finished`.
 //!
 //! A coordinator that answers NOT_FOUND for the job has lost the job's state (an in-memory
@@ -62,6 +62,9 @@ const STALL_NOTICE: Duration = Duration::from_secs(1);
 /// in the meantime is measured to within it (a single timer at the lease's end would only see
 /// the part of the stop after its deadline).
 const OPEN_TICK: Duration = Duration::from_millis(100);
+/// The time a replica is given to open the watch stream, once half the lease of silence has
+/// passed, before the next one is tried.
+const OPEN_AT_LEAST: Duration = Duration::from_secs(1);
 
 /// How long [`Watch::finish`] waits for the coordinator to take the `finished` message (on
 /// top of the failover budget when the stream is being re-attached).
@@ -366,6 +369,7 @@ async fn run(
             .send(pb::NodeMessage {
                 kind: Some(pb::node_message::Kind::Attach(pb::NodeAttach {
                     resume: attached_once,
+                    attempt: next_attempt(),
                     ..attach.clone()
                 })),
             })
@@ -379,8 +383,21 @@ async fn run(
         }
         // The call is kept across a stall of this process: dropping it would end a stream
         // the coordinator may already hold, and a watch that ends while the node's ranks run
-        // is a lost node there.
-        let mut open_by = Instant::now() + state.remaining();
+        // is a lost node there. With several replicas, a replica that has not answered by
+        // half the lease of silence (or within [`OPEN_AT_LEAST`] of being asked, after that)
+        // is left for the next one, as a silent open stream is: a replica frozen right after
+        // it took the lead answers nothing, and waiting for its connection's keep-alive to
+        // fail spent the rest of a node's lease in the fault suite's long run while another
+        // replica led. A live leader answers an attach in milliseconds.
+        let asked = Instant::now();
+        let give_up_at = |state: &Lease| {
+            let lease_end = Instant::now() + state.remaining();
+            if coordinators.len() < 2 {
+                return lease_end;
+            }
+            lease_end.min((state.last_heard + lease / 2).max(asked + OPEN_AT_LEAST))
+        };
+        let mut open_by = give_up_at(&state);
         let open = client.watch(tokio_stream::wrappers::ReceiverStream::new(out_rx));
         tokio::pin!(open);
         let opened = loop {
@@ -403,11 +420,10 @@ async fn run(
                         print_stall(&attach.job_id, gap, lease, "");
                     }
                     // A shorter stall moved `last_heard` on by itself (`Lease::woke`).
-                    let left = state.remaining();
-                    if left.is_zero() {
+                    open_by = give_up_at(&state);
+                    if Instant::now() >= open_by {
                         break None;
                     }
-                    open_by = Instant::now() + left;
                 }
             }
         };
@@ -445,6 +461,8 @@ async fn run(
                 continue;
             }
             None => {
+                // Past half the lease the next replica is tried (`give_up_at`); past the
+                // lease, the check above ends the watch.
                 last_error = format!("{addr} did not open the watch stream in time");
                 state.saw(
                     &coordinators,
@@ -681,6 +699,24 @@ fn print_hang(job: &str, hang: &pb::HangReport) {
 }
 
 /// Sleeps one backoff step, cut short at the deadline (a stall meanwhile moves it on).
+/// The number of an open of a node's watch ([`pb::NodeAttach::attempt`]): the wall clock's
+/// microseconds, kept above every number this process gave before (so that a restarted agent
+/// also numbers above its predecessor, unless the clock stepped back). The leader refuses an
+/// open numbered below the node's registered watch: one this task left for another replica
+/// (`give_up_at`) and a busy leader read late cannot replace the newer watch.
+fn next_attempt() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
+    let step = |last: u64| Some(now.max(last.saturating_add(1)));
+    let last = LAST
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, step)
+        .unwrap_or_default();
+    now.max(last.saturating_add(1))
+}
+
 async fn pause(state: &mut Lease, backoff: &mut failover::Backoff) {
     let step = backoff.next_sleep().min(state.remaining());
     let due = Instant::now() + step;

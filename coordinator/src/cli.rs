@@ -253,15 +253,18 @@ pub fn main(args: impl IntoIterator<Item = OsString>) -> u8 {
         }
     };
     let result = runtime.block_on(async move {
-        // The store first: a coordinator that cannot reach its etcd never listens.
+        // The store first: a coordinator whose etcd refuses it (its user, its prefix) never
+        // listens. One that etcd does not answer yet serves as a follower, refusing every
+        // call as not the leader until it is elected (`store::open`).
         let store = crate::store::open(&config).await?;
         let listener = tokio::net::TcpListener::bind(config.listen)
             .await
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.listen))?;
         // Handlers are installed before serving, so a signal never meets the default action.
         let shutdown = shutdown_signal()?;
-        // systemd (Type=notify): ready once bound (and, over etcd, once the store answered);
-        // STOPPING=1 when a signal starts the drain. No-ops outside systemd.
+        // systemd (Type=notify): ready once bound (over etcd, after the store's first answer
+        // or its bounded wait); STOPPING=1 when a signal starts the drain. No-ops outside
+        // systemd.
         let _watchdog = muster_telemetry::systemd::spawn_watchdog();
         muster_telemetry::systemd::ready(&format!("listening on {}", config.listen));
         // After the signal, in-flight calls get DRAIN_GRACE to finish; long waits (joins,

@@ -207,9 +207,12 @@ async fn a_dropped_watch_fails_the_generation_naming_the_node() {
     let mut w0 = RawWatch::attach(&s.channel, job, 1, 0, &nodes[0].1)
         .await
         .unwrap();
-    let w1 = RawWatch::attach(&s.channel, job, 1, 1, &nodes[1].1)
+    let mut w1 = RawWatch::attach(&s.channel, job, 1, 1, &nodes[1].1)
         .await
         .unwrap();
+    // An agent heartbeats as soon as it reads `attached` (a stream that ends before that is
+    // given the heartbeat timeout: the next test).
+    w1.heartbeat_answered().await;
     let t = Instant::now();
     drop(w1);
     let e = w0.ended().await;
@@ -222,6 +225,97 @@ async fn a_dropped_watch_fails_the_generation_naming_the_node() {
         "{}",
         f.reason
     );
+}
+
+/// Heartbeats on every watch of `watches` every 100 ms, for good.
+async fn beat(watches: Vec<&RawWatch>) {
+    loop {
+        for w in &watches {
+            w.heartbeat().await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// The failure `job` records, polled until it has one or `within` passes.
+async fn failure_within(ch: &Channel, job: &str, within: Duration) -> Option<pb::FailureInfo> {
+    let t = Instant::now();
+    while t.elapsed() < within {
+        let d = describe(ch, job).await;
+        if d.failure.is_some() {
+            return d.failure;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    None
+}
+
+/// The fault suite's finding 7: an agent leaves an open that a busy (or frozen) leader has
+/// not answered for another replica and numbers each open. A stream that ends before its
+/// agent sent anything after the attach may be such a left open: the node gets its heartbeat
+/// timeout to attach a newer watch instead of being lost at once, and an older open read after
+/// the newer one is refused. Without a newer watch, the node is lost after the timeout.
+#[tokio::test]
+async fn a_watch_left_before_its_first_heartbeat_is_not_a_lost_node() {
+    let hb = Duration::from_millis(1500);
+    let s = start(Config {
+        heartbeat_timeout: hb,
+        ..Config::default()
+    })
+    .await;
+    let ch = &s.channel;
+    for (job, reattach) in [("left-open", true), ("left-for-good", false)] {
+        let nodes = form_budget(ch, job, 2, 0).await;
+        let w0 = RawWatch::attach(ch, job, 1, 0, &nodes[0].1).await.unwrap();
+        let left = RawWatch::attach_numbered(ch, job, 1, 1, &nodes[1].1, 10)
+            .await
+            .unwrap();
+        let t = Instant::now();
+        drop(left);
+        if !reattach {
+            let f = tokio::select! {
+                f = failure_within(ch, job, hb * 3) => f,
+                () = beat(vec![&w0]) => unreachable!(),
+            };
+            let f = f.expect("the node whose watch was left was never lost");
+            assert!(
+                t.elapsed() >= hb - Duration::from_millis(100),
+                "{:?}",
+                t.elapsed()
+            );
+            assert_eq!(f.node_rank, Some(1), "{f:?}");
+            assert!(
+                f.reason.contains("before it answered the attach"),
+                "{}",
+                f.reason
+            );
+            continue;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let mut newer = RawWatch::attach_numbered(ch, job, 1, 1, &nodes[1].1, 20)
+            .await
+            .unwrap();
+        let older = RawWatch::attach_numbered(ch, job, 1, 1, &nodes[1].1, 5).await;
+        let refused = older.err().expect("an older open was taken");
+        assert_eq!(refused.code(), Code::AlreadyExists, "{refused:?}");
+        assert!(refused.message().contains("newer watch"), "{refused:?}");
+        let f = tokio::select! {
+            f = failure_within(ch, job, hb * 2) => f,
+            () = beat(vec![&w0, &newer]) => unreachable!(),
+        };
+        assert!(f.is_none(), "the node was lost: {f:?}");
+        // The newer watch is the node's lease: its end (after a heartbeat) fails at once.
+        newer.heartbeat_answered().await;
+        let t = Instant::now();
+        drop(newer);
+        let f = tokio::select! {
+            f = failure_within(ch, job, hb) => f,
+            () = beat(vec![&w0]) => unreachable!(),
+        };
+        let f = f.expect("the newer watch's end did not fail the node");
+        assert!(t.elapsed() < hb, "{:?}", t.elapsed());
+        assert!(f.reason.contains("disconnected"), "{}", f.reason);
+    }
 }
 
 #[tokio::test]

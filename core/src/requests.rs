@@ -488,6 +488,9 @@ pub struct NodeAttach {
     pub node_rank: u32,
     /// The node id it joined with: proves it is the node placed there.
     pub node_id: String,
+    /// The agent's number for this open (0: unnumbered); a lower one than the node's
+    /// registered watch is refused.
+    pub attempt: u64,
 }
 
 impl TryFrom<&pb::NodeAttach> for NodeAttach {
@@ -498,6 +501,7 @@ impl TryFrom<&pb::NodeAttach> for NodeAttach {
             generation: model::generation(a.generation)?,
             node_rank: a.node_rank,
             node_id: model::node_id(&a.node_id)?,
+            attempt: a.attempt,
         })
     }
 }

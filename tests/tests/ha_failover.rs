@@ -924,3 +924,88 @@ fn agent_launch_survives_leader_sigkill() {
     assert_eq!(results.len(), 8, "not every worker finished its loop");
     eprintln!("test took {:?}", started.elapsed());
 }
+
+/// Issue 28's long fault run: a node's watch that, after its leader's death, opens at a replica
+/// that answers nothing (here a follower SIGSTOPped beforehand; in the run, a replica frozen
+/// right after it took the lead) leaves it for another replica after half its lease of
+/// silence, and re-attaches to the new leader within the lease. It used to wait on that open
+/// until the lease ran out, and the node stopped its workers while another replica led. One
+/// `muster-agent launch` node (lease 6 s), given the replicas as [leader, frozen, other].
+#[test]
+fn a_watch_opening_at_a_frozen_replica_moves_on_within_the_lease() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let _serial = runtime.block_on(SERIAL.lock());
+    let Some(etcd) = Etcd::start(1) else { return };
+    let mut replicas = Replicas::start(&etcd, 3, TTL, &[]);
+    let leader = runtime.block_on(replicas.wait_leader(Duration::from_secs(15), &[]));
+    let (frozen, other) = ((leader + 1) % 3, (leader + 2) % 3);
+    let addrs = [leader, frozen, other]
+        .map(|i| replicas.addr(i).to_owned())
+        .join(",");
+    let flag = std::env::temp_dir().join(format!("muster-frozen-open-{}", std::process::id()));
+    let _ = std::fs::remove_file(&flag);
+    let script = format!(
+        "echo ready gen=$MUSTER_GENERATION; while [ ! -e {} ]; do sleep 0.1; done",
+        flag.display()
+    );
+    let lease = Duration::from_secs(6);
+    let lease_ms = lease.as_millis().to_string();
+    let mut agent = Agent::start_with_env(
+        &[
+            "launch",
+            "--coordinator",
+            &addrs,
+            "--job-id",
+            "ha-frozen-open",
+            "--nproc-per-node",
+            "1",
+            "--lease-ms",
+            &lease_ms,
+            "--",
+            "sh",
+            "-c",
+            &script,
+        ],
+        &[("NO_COLOR", "1")],
+    );
+    agent.wait_for_lines(Stream::Stdout, 1, Duration::from_secs(30), |l| {
+        l.contains("ready gen=")
+    });
+    replicas.stop(frozen);
+    let killed = Instant::now();
+    replicas.kill(leader);
+    let new = runtime.block_on(replicas.wait_leader(TAKEOVER + TTL, &[leader, frozen]));
+    assert_eq!(new, other);
+    // Past the lease (and the new leader's re-attach window for the node, its heartbeat
+    // timeout of 10 s): the node kept its worker and re-attached to the other replica.
+    let reattached = format!("re-attached to the coordinator at {}", replicas.addr(other));
+    while killed.elapsed() < Duration::from_secs(12) {
+        assert!(
+            !agent.exited(),
+            "the node gave up:\n{}\n{}",
+            agent.output(),
+            replicas.logs()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let took = agent
+        .lines(Stream::Stderr)
+        .iter()
+        .any(|l| l.contains(&reattached));
+    replicas.cont(frozen);
+    std::fs::write(&flag, b"").unwrap();
+    let run = agent.finish(Duration::from_secs(30));
+    let _ = std::fs::remove_file(&flag);
+    assert!(took, "no re-attach to the other replica:\n{}", run.dump());
+    assert_eq!(run.code(), Some(0), "{}\n{}", run.dump(), replicas.logs());
+    let ready: Vec<&String> = run
+        .stdout
+        .iter()
+        .filter(|l| l.contains("ready gen="))
+        .collect();
+    assert_eq!(ready.len(), 1, "the worker restarted: {ready:?}");
+}

@@ -327,6 +327,7 @@ async fn simulated_agent(
             node_rank,
             node_id,
             resume: false,
+            attempt: 0,
         })),
     })
     .await?;

@@ -27,6 +27,9 @@ pub(super) struct NodeSlot {
     pub(super) report: Option<(Instant, Vec<pb::BarrierInfo>)>,
     /// The agent's watch stream (its lease), and which attach it was (a reconnect replaces it).
     pub(super) watch: Option<(u64, NodeOutbox)>,
+    /// The highest attach number its agent registered a watch with (not persisted: a new
+    /// leader takes the first open it reads).
+    pub(super) attempt: u64,
     /// Every worker of the node exited 0.
     pub(super) finished: bool,
     /// Its agent has attached a watch in this generation (persisted).

@@ -97,11 +97,17 @@ impl Job {
     /// Attaches a node's watch stream (replacing an earlier one of the same node). Answers
     /// `attached`, then at once `ended` if the generation has already ended. Returns the
     /// attach's id, which [`Job::node_lost`] takes.
+    ///
+    /// `attempt` is the agent's number for this open (0: unnumbered). One lower than the
+    /// node's registered watch is refused: the agent gave up on that open and opened another,
+    /// which this leader registered first (it was busy, or frozen, when the first came), and
+    /// the abandoned stream's end would otherwise fail the node (the fault suite's finding 7).
     pub fn watch(
         &self,
         generation: u64,
         node_rank: u32,
         node_id: &str,
+        attempt: u64,
         outbox: NodeOutbox,
         attached: pb::NodeAttached,
     ) -> Result<u64, Error> {
@@ -121,6 +127,12 @@ impl Job {
             return Err(Error::WrongNode(format!(
                 "node rank {node_rank} of job '{id}' generation {generation} is node '{}', not '{node_id}'",
                 node.node_id
+            )));
+        }
+        if attempt != 0 && attempt < node.attempt {
+            return Err(Error::AlreadyExists(format!(
+                "node rank {node_rank} of job '{id}' generation {generation} already has a newer watch (attach {} > {attempt}): this open is one its agent left",
+                node.attempt
             )));
         }
         let _ = outbox.send(Ok(pb::NodeEvent {
@@ -152,6 +164,7 @@ impl Job {
         }
         let node = &mut g.nodes[node_rank as usize];
         node.watch = Some((watch_id, outbox));
+        node.attempt = node.attempt.max(attempt);
         node.last_seen = Some(Instant::now());
         if !std::mem::replace(&mut node.watched, true) {
             self.persist(&st);

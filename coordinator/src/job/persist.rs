@@ -111,6 +111,7 @@ impl Gen {
                 relay: None,
                 report: None,
                 watch: None,
+                attempt: 0,
                 finished: n.finished,
                 watched: n.watched,
                 last_seen: None,

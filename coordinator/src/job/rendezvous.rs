@@ -389,6 +389,7 @@ impl Job {
                 relay: None,
                 report: None,
                 watch: None,
+                attempt: 0,
                 finished: false,
                 watched: false,
                 last_seen: None,

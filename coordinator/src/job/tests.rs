@@ -352,6 +352,7 @@ fn watch_of(job: &Job, node: u32) -> UnboundedReceiver<Result<pb::NodeEvent, Sta
         1,
         node,
         &format!("n{node}"),
+        0,
         tx,
         pb::NodeAttached::default(),
     )
@@ -1189,4 +1190,34 @@ async fn samples_name_a_straggler_and_only_a_node_speaks_for_its_ranks() {
     // Balanced again: nobody.
     job.node_samples(1, 2, vec![sample(2, 0.7)]);
     assert_eq!(job.describe().straggler, "");
+}
+
+/// Finding 7's guard: an open the agent gave up on (a lower attach number), read by the leader
+/// after the agent's next open registered, is refused and does not replace the node's watch,
+/// so the abandoned stream's end fails nothing; the newer watch's own end still does.
+#[tokio::test]
+async fn an_older_attach_read_late_does_not_replace_the_nodes_watch() {
+    let job = formed(2, 0).await;
+    let attach = |attempt: u64| {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let id = job.watch(1, 0, "n0", attempt, tx, pb::NodeAttached::default());
+        (id, rx)
+    };
+    let (newer, _rx) = attach(20);
+    let newer = newer.unwrap();
+    let (older, _) = attach(10);
+    let err = tonic::Status::from(older.unwrap_err());
+    assert_eq!(err.code(), tonic::Code::AlreadyExists, "{err:?}");
+    assert!(err.message().contains("newer watch"), "{err:?}");
+    assert_eq!(job.summary().state, pb::RoundState::Running as i32);
+    // The same number again is taken, and so is an unnumbered attach (an older agent).
+    let (same, _rx2) = attach(20);
+    let (unnumbered, _rx3) = attach(0);
+    let (same, unnumbered) = (same.unwrap(), unnumbered.unwrap());
+    for replaced in [newer, same] {
+        job.node_lost(1, 0, replaced, "its agent's stream broke: cancelled");
+        assert_eq!(job.summary().state, pb::RoundState::Running as i32);
+    }
+    job.node_lost(1, 0, unnumbered, "its agent disconnected");
+    assert_ne!(job.summary().state, pb::RoundState::Running as i32);
 }

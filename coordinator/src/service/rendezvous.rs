@@ -163,17 +163,28 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
             generation,
             node_rank,
             node_id,
+            attempt,
         } = NodeAttach::try_from(&a)?;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let attached = pb::NodeAttached {
             heartbeat_interval_ms: self.0.config.heartbeat_interval().as_millis() as u64,
             heartbeat_timeout_ms: hb.as_millis() as u64,
         };
-        let watch_id = job.watch(generation, node_rank, &node_id, tx.clone(), attached)?;
+        let watch_id = job.watch(
+            generation,
+            node_rank,
+            &node_id,
+            attempt,
+            tx.clone(),
+            attached,
+        )?;
         // Task "node-watch", one per attached agent: it is the node's lease. It ends with the
         // stream; if the node's ranks still run then, the generation fails naming the node.
         tokio::spawn(async move {
             use pb::node_message::Kind;
+            // Whether the agent sent anything after its attach: it heartbeats as soon as it
+            // reads `attached`, so until then it may not know this stream opened.
+            let mut heard = false;
             let why = loop {
                 // Silence counts only while this process runs (`tenure::within`).
                 match crate::tenure::within(hb, inbound.message()).await {
@@ -184,7 +195,14 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
                         );
                     }
                     Some(Err(status)) => {
-                        break format!("its agent's stream broke: {}", status.message());
+                        let why = format!("its agent's stream broke: {}", status.message());
+                        if !heard {
+                            break unanswered(why, hb).await;
+                        }
+                        break why;
+                    }
+                    Some(Ok(None)) if !heard => {
+                        break unanswered("its agent disconnected".to_owned(), hb).await;
                     }
                     Some(Ok(None)) => break "its agent disconnected".to_owned(),
                     Some(Ok(Some(_))) if job.retired() => {
@@ -194,6 +212,7 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
                     }
                     Some(Ok(Some(msg))) => match msg.kind {
                         Some(Kind::Heartbeat(_)) => {
+                            heard = true;
                             job.node_heartbeat(generation, node_rank, watch_id);
                             let _ = tx.send(Ok(pb::NodeEvent {
                                 kind: Some(pb::node_event::Kind::Heartbeat(pb::Heartbeat {})),
@@ -247,4 +266,19 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
         );
         Ok(Response::new(pb::ReportFailureResponse {}))
     }
+}
+
+/// A node's watch stream that ended before its agent sent anything after the attach: the
+/// agent may never have read the answer (it leaves an open that is slow to answer for another
+/// replica, `agent/src/watch.rs`, and a busy leader can take the open just before the agent
+/// gives up on it). The node is lost only if no newer watch attaches within the heartbeat
+/// timeout, the time a silent node gets anyway (`Job::node_lost` ignores an attach that a
+/// newer one replaced). An agent that dies right after it attached is thus seen after that
+/// timeout, not at once. Returns `why`, after the wait.
+async fn unanswered(why: String, heartbeat_timeout: Duration) -> String {
+    tokio::time::sleep(heartbeat_timeout).await;
+    format!(
+        "{why} before it answered the attach, and no newer watch attached within {:.1}s",
+        heartbeat_timeout.as_secs_f64()
+    )
 }

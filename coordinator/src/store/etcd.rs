@@ -67,9 +67,29 @@ impl std::fmt::Debug for EtcdStore {
 
 impl EtcdStore {
     /// Connects to the cluster `config` names (TLS and user as configured) and waits up to
-    /// [`CONNECT_TIMEOUT`] for it to answer one linearizable read, so that a coordinator never
-    /// starts serving on a store it cannot reach. `config` must have passed validation.
+    /// [`CONNECT_TIMEOUT`] for it to answer one linearizable read; a cluster that does not
+    /// answer is an error. `config` must have passed validation.
     pub async fn connect(config: &EtcdConfig) -> Result<Self, StoreError> {
+        let (store, unreached) = Self::reach(config).await?;
+        match unreached {
+            None => Ok(store),
+            Some(why) => Err(StoreError(format!(
+                "cannot use etcd at {}: {why}",
+                store.endpoints
+            ))),
+        }
+    }
+
+    /// [`EtcdStore::connect`], except that a cluster that does not answer within
+    /// [`CONNECT_TIMEOUT`] (down, or not reachable yet) is not an error: the store comes back
+    /// with why, and reaches etcd when it answers (the client reconnects by itself). What
+    /// etcd refuses (a permission, the prefix) is an error, and so is one that does not answer
+    /// with a user configured, since connecting authenticates. The coordinator starts this
+    /// way (`store::open`): a replica started during an etcd outage serves as a follower that
+    /// refuses every call as not the leader, which completes clients' census of the replicas
+    /// (docs/ha.md, "An etcd outage"), instead of exiting and leaving its port refusing
+    /// connections (the fault suite's finding 8).
+    pub async fn reach(config: &EtcdConfig) -> Result<(Self, Option<String>), StoreError> {
         let endpoints = config.endpoints.join(",");
         let mut options = ConnectOptions::new()
             .with_connect_timeout(CONNECT_TIMEOUT)
@@ -127,20 +147,38 @@ impl EtcdStore {
         };
         // A linearizable count of the prefix: answered only by a cluster with a leader. Within
         // what is left of the bound (connecting without a user is lazy and takes no time).
-        let probe = store.prefix.clone();
-        let left = deadline
-            .saturating_duration_since(tokio::time::Instant::now())
-            .max(Duration::from_millis(500));
-        store
-            .call_within(left, "probe", "", true, |mut kv| {
-                let probe = probe.clone();
-                let options = GetOptions::new().with_prefix().with_count_only();
-                async move { kv.get(probe, Some(options)).await }
-            })
-            .await
-            .map_err(|e| StoreError(format!("cannot use etcd at {}: {e}", store.endpoints)))?;
-        tracing::info!(endpoints = %store.endpoints, prefix = %store.prefix, "etcd store connected");
-        Ok(store)
+        let deadline = deadline.max(tokio::time::Instant::now() + Duration::from_millis(500));
+        let options = GetOptions::new().with_prefix().with_count_only();
+        let unreached = loop {
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            let answer = tokio::time::timeout(
+                left,
+                store
+                    .kv
+                    .clone()
+                    .get(store.prefix.clone(), Some(options.clone())),
+            )
+            .await;
+            match answer {
+                Ok(Ok(_)) => break None,
+                Ok(Err(e)) if unavailable(&e) && left > Duration::from_millis(100) => {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+                Ok(Err(e)) if unreached(&e) => break Some(one_line(&e)),
+                Ok(Err(e)) => {
+                    return Err(StoreError(format!(
+                        "cannot use etcd at {}: {}",
+                        store.endpoints,
+                        one_line(&e)
+                    )));
+                }
+                Err(_) => break Some(format!("no answer within {CONNECT_TIMEOUT:?}")),
+            }
+        };
+        if unreached.is_none() {
+            tracing::info!(endpoints = %store.endpoints, prefix = %store.prefix, "etcd store connected");
+        }
+        Ok((store, unreached))
     }
 
     /// The key prefix (`--etcd-prefix`).
@@ -309,6 +347,42 @@ fn unavailable(e: &etcd_client::Error) -> bool {
             matches!(s.code(), tonic::Code::Unavailable | tonic::Code::Cancelled)
         }
         etcd_client::Error::TransportError(_) | etcd_client::Error::IoError(_) => true,
+        _ => false,
+    }
+}
+
+/// Whether an error says that etcd did not answer (nothing listens, no route, a timeout, or a
+/// cluster without a leader), rather than that it refused this client (its TLS, its
+/// credentials): only the first lets a coordinator start without etcd ([`EtcdStore::reach`]).
+fn unreached(e: &etcd_client::Error) -> bool {
+    use std::error::Error as _;
+    use std::io::ErrorKind;
+    let silent = |mut next: Option<&(dyn std::error::Error + 'static)>| {
+        while let Some(error) = next {
+            if let Some(io) = error.downcast_ref::<std::io::Error>() {
+                return matches!(
+                    io.kind(),
+                    ErrorKind::ConnectionRefused
+                        | ErrorKind::TimedOut
+                        | ErrorKind::HostUnreachable
+                        | ErrorKind::NetworkUnreachable
+                );
+            }
+            if error.to_string().contains("timed out") {
+                return true;
+            }
+            next = error.source();
+        }
+        false
+    };
+    match e {
+        // Sent by etcd itself ("etcdserver: no leader"), or made by the client from a
+        // transport error (which then is its source).
+        etcd_client::Error::GRpcStatus(status) if status.code() == tonic::Code::Unavailable => {
+            status.source().is_none() || silent(status.source())
+        }
+        etcd_client::Error::TransportError(t) => silent(Some(t)),
+        etcd_client::Error::IoError(io) => silent(Some(io)),
         _ => false,
     }
 }

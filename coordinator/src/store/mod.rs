@@ -78,12 +78,23 @@ pub trait Store: Send + Sync + 'static {
 }
 
 /// Opens the store `config` asks for (`--store`): a fresh [`MemoryStore`], or an
-/// [`EtcdStore`] once its cluster has answered (a bounded wait; the error names the
-/// endpoints). `config` must have passed [`Config::validate`].
+/// [`EtcdStore`] once its cluster has answered or has not within a bounded wait
+/// ([`EtcdStore::reach`]: what etcd refuses is an error naming the endpoints; silence is a
+/// warning, and the replica follows until etcd answers and it is elected). `config` must have
+/// passed [`Config::validate`].
 pub async fn open(config: &Config) -> Result<Arc<dyn Store>, StoreError> {
     Ok(match config.store {
         StoreKind::Memory => Arc::new(MemoryStore::default()),
-        StoreKind::Etcd => Arc::new(EtcdStore::connect(&config.etcd).await?),
+        StoreKind::Etcd => {
+            let (store, unreached) = EtcdStore::reach(&config.etcd).await?;
+            if let Some(why) = unreached {
+                tracing::warn!(
+                    endpoints = %config.etcd.endpoints.join(","),
+                    "etcd does not answer ({why}): serving as a follower that refuses every call as not the leader until etcd answers and this replica is elected"
+                );
+            }
+            Arc::new(store)
+        }
     })
 }
 

@@ -386,6 +386,18 @@ impl RawWatch {
         node_rank: u32,
         node_id: &str,
     ) -> Result<RawWatch, Status> {
+        Self::attach_numbered(ch, job, generation, node_rank, node_id, 0).await
+    }
+
+    /// An attach with the agent's number for the open (`NodeAttach.attempt`).
+    pub async fn attach_numbered(
+        ch: &Channel,
+        job: &str,
+        generation: u64,
+        node_rank: u32,
+        node_id: &str,
+        attempt: u64,
+    ) -> Result<RawWatch, Status> {
         let (tx, rx) = mpsc::channel(16);
         tx.send(pb::NodeMessage {
             kind: Some(pb::node_message::Kind::Attach(pb::NodeAttach {
@@ -394,6 +406,7 @@ impl RawWatch {
                 node_rank,
                 node_id: node_id.into(),
                 resume: false,
+                attempt,
             })),
         })
         .await
@@ -419,6 +432,21 @@ impl RawWatch {
     pub async fn heartbeat(&self) {
         self.send(pb::node_message::Kind::Heartbeat(pb::Heartbeat {}))
             .await;
+    }
+
+    /// Sends a heartbeat and waits for its answer (other events are skipped).
+    pub async fn heartbeat_answered(&mut self) {
+        self.heartbeat().await;
+        loop {
+            let msg = tokio::time::timeout(Duration::from_secs(20), self.rx.message())
+                .await
+                .expect("no node event within 20 s")
+                .expect("stream error")
+                .expect("stream ended");
+            if let Some(pb::node_event::Kind::Heartbeat(_)) = msg.kind {
+                return;
+            }
+        }
     }
 
     pub async fn send(&self, kind: pb::node_message::Kind) {
