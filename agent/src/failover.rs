@@ -32,7 +32,7 @@ use tonic::transport::{Channel, Endpoint};
 use tonic::{Code, Status};
 
 pub use muster_core::failover::{
-    BUDGET_ENV, Backoff, CALL_HOLD, DEFAULT_BUDGET, LEADER_KEY, SILENT_REPLICA_TIMEOUT,
+    BUDGET_ENV, Backoff, DEFAULT_BUDGET, LEADER_KEY, SILENT_REPLICA_TIMEOUT, call_hold,
     leader_hint, not_applied, random_u64,
 };
 
@@ -515,7 +515,7 @@ where
         }
         let retry = streak.get_or_insert_with(|| Retry::new(budget));
         coordinators.saw(&addr, &status);
-        let held = coordinators.held_until(CALL_HOLD);
+        let held = coordinators.held_until(call_hold(budget));
         if held.is_some_and(|h| h > retry.deadline()) && !census_named {
             census_named = true;
             tracing::warn!(
@@ -664,8 +664,10 @@ mod tests {
             c.saw("b:2", &refusal("b:2"));
         }
         // An operator's command keeps its budget; a job's agent goes on while all refuse.
-        assert!(operator.held_until(CALL_HOLD).is_none());
-        let held = job.held_until(CALL_HOLD).expect("every replica refused");
+        assert!(operator.held_until(DEFAULT_BUDGET).is_none());
+        let held = job
+            .held_until(DEFAULT_BUDGET)
+            .expect("every replica refused");
         assert!(held > Instant::now());
         // Its forks (the relay's thread) and a change of security keep the choice.
         assert!(job.fork().waits_out_outages());

@@ -575,7 +575,7 @@ async fn coordinator_loop(
         let mut retry = Retry::new(coordinators.budget());
         loop {
             if !retry
-                .pause_until(coordinators.held_until(failover::CALL_HOLD))
+                .pause_until(coordinators.held_until(failover::call_hold(coordinators.budget())))
                 .await
             {
                 break 'relay format!(

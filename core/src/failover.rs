@@ -27,12 +27,18 @@ pub const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 /// a longer step adds up to its own length to the failover (measured: 1 s steps made it
 /// TTL + 2.6 s, 250 ms steps TTL + 0.4 s).
 pub const MAX_BACKOFF: Duration = Duration::from_millis(250);
-/// How long a call or a stream other than the node's watch keeps retrying after a round in
-/// which every replica refused as not the leader ([`Census`]): while the
-/// rounds go on, such calls wait out an etcd outage. The node's watch, which decides whether
-/// the workers keep running, uses half the coordinator's heartbeat timeout instead (the
-/// safety argument is [`Census`]'s).
-pub const CALL_HOLD: Duration = Duration::from_secs(5);
+/// The shortest time a call or a stream of a job's agent or workers keeps retrying after the
+/// start of a round of the census in which every replica refused as not the leader
+/// ([`call_hold`]): above the time a round takes, so that rounds that go on completing keep
+/// such calls waiting through an etcd outage whatever their budget.
+pub const MIN_CALL_HOLD: Duration = Duration::from_secs(5);
+
+/// How long a call or a stream of a job's agent or workers, whose failover budget is
+/// `budget`, keeps retrying after the start of the census's last complete round
+/// ([`Census`]): its budget, and at least [`MIN_CALL_HOLD`].
+pub fn call_hold(budget: Duration) -> Duration {
+    budget.max(MIN_CALL_HOLD)
+}
 /// With several replicas, how often a connection that has heard nothing pings its replica
 /// (HTTP/2 PING).
 pub const SILENT_REPLICA_PING: Duration = Duration::from_secs(1);
@@ -466,6 +472,14 @@ pub fn not_leading(status: &Status) -> bool {
 /// replica keeps refusing (etcd is down, or back and electing), rounds keep completing and the
 /// hold moves on: an outage of etcd itself costs the job nothing but the waits it makes. A
 /// leader that serves ends the streak: the client attaches to it.
+///
+/// The node's watch holds with half `H`. The other calls and streams of a job's agent and
+/// workers decide nothing about whether the workers run (the watch does), so they hold with
+/// their whole failover budget, at least [`MIN_CALL_HOLD`] ([`call_hold`]): the budget runs
+/// again from the start of the last complete round. A leader elected after an outage and frozen at once (the fault suite's seeds
+/// 99953116125801 and 135528328082080) stops the rounds; with a 5 s hold, a relay or a
+/// worker's session gave up before the next leader could take it back, while the node's
+/// lease still held.
 #[derive(Debug, Clone)]
 pub struct Census {
     replicas: usize,

@@ -141,6 +141,9 @@ pub enum Stream {
 struct Lines {
     stdout: Vec<String>,
     stderr: Vec<String>,
+    /// The stderr lines again, each after the UTC time of day it was read at (`HH:MM:SS.mmm`,
+    /// as the coordinator's log has it), to line them up with other processes' logs.
+    timed: Vec<String>,
     /// Streams that reached end of file.
     closed: u8,
 }
@@ -297,6 +300,11 @@ impl Agent {
         )
     }
 
+    /// The stderr lines so far, each after the UTC time of day it was read at.
+    pub fn stderr_timed(&self) -> String {
+        self.captured.lock().timed.join("\n")
+    }
+
     /// The lines of `stream` so far.
     pub fn lines(&self, stream: Stream) -> Vec<String> {
         let lines = self.captured.lock();
@@ -427,6 +435,21 @@ impl Drop for Agent {
     }
 }
 
+/// The UTC time of day now, `HH:MM:SS.mmm`.
+fn time_of_day() -> String {
+    let ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis())
+        % 86_400_000;
+    format!(
+        "{:02}:{:02}:{:02}.{:03}",
+        ms / 3_600_000,
+        ms / 60_000 % 60,
+        ms / 1000 % 60,
+        ms % 1000
+    )
+}
+
 fn spawn_reader(src: impl Read + Send + 'static, stream: Stream, captured: Arc<Captured>) {
     std::thread::spawn(move || {
         let mut reader = BufReader::new(src);
@@ -442,7 +465,10 @@ fn spawn_reader(src: impl Read + Send + 'static, stream: Stream, captured: Arc<C
                     let mut lines = captured.lock();
                     match stream {
                         Stream::Stdout => lines.stdout.push(line),
-                        Stream::Stderr => lines.stderr.push(line),
+                        Stream::Stderr => {
+                            lines.timed.push(format!("{} {line}", time_of_day()));
+                            lines.stderr.push(line);
+                        }
                     }
                     captured.changed.notify_all();
                 }

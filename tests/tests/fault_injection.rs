@@ -1175,19 +1175,23 @@ fn randomized_faults_keep_the_invariants() {
     let agents = std::mem::take(&mut cluster.agents);
     let mut outputs = Vec::new();
     let mut codes = Vec::new();
+    // Each agent's output, then its stderr again with the time each line came (UTC, as in
+    // replicas.log).
+    let timed = |agent: &Agent| format!("\n--- stderr, timed (UTC)\n{}", agent.stderr_timed());
     for (node, agent) in agents.into_iter().enumerate() {
         let mut agent = agent;
         if agent.exited() {
+            let times = timed(&agent);
             let run = agent.finish(Duration::from_secs(1));
             codes.push(run.code());
-            outputs.push((node, run.dump()));
+            outputs.push((node, run.dump() + &times));
         } else {
             codes.push(None);
-            outputs.push((node, agent.output()));
+            outputs.push((node, agent.output() + &timed(&agent)));
         }
     }
     for (node, agent) in &cluster.dead_agents {
-        outputs.push((*node, agent.output()));
+        outputs.push((*node, agent.output() + &timed(agent)));
     }
     history.record(&Event::JobEnd {
         t_ms: now_ms(),

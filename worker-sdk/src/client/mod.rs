@@ -423,12 +423,13 @@ impl Coordinator {
     }
 
     /// Until when failures go on being retried past the budget because every replica refused
-    /// lately as not the leader: [`failover::CALL_HOLD`] after the start of the census's last
-    /// complete round (docs/ha.md, "An etcd outage"). The agent's node watch decides whether
-    /// the worker keeps running meanwhile.
+    /// lately as not the leader: the failover budget (at least 5 s) again after the start of the
+    /// census's last complete round (docs/ha.md, "An etcd outage"; `muster_core::failover::Census`).
+    /// The agent's node watch decides whether the worker keeps running meanwhile.
     pub(crate) fn held_until(&self) -> Option<tokio::time::Instant> {
-        let proven = self.state().census.proven()?;
-        Some(self.inner.born + proven + failover::CALL_HOLD)
+        let state = self.state();
+        let proven = state.census.proven()?;
+        Some(self.inner.born + proven + muster_core::failover::call_hold(state.failover_timeout))
     }
 
     /// Changes the failover budget of this connection and all its clones (0: no retries);
