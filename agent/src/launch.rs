@@ -768,15 +768,7 @@ fn hostname() -> String {
 
 /// Keeps the characters a node id may have; the others become `-`.
 fn sanitize(s: &str) -> String {
-    s.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
-                c
-            } else {
-                '-'
-            }
-        })
-        .collect()
+    muster_core::model::name_chars(s)
 }
 
 #[cfg(test)]

@@ -27,8 +27,9 @@ use tokio_util::sync::CancellationToken;
 use tonic::Status;
 use tonic::metadata::MetadataMap;
 
-/// The response metadata key that names the leader's address on a refused call.
-pub const LEADER_METADATA: &str = "muster-leader";
+/// The response metadata key that names the leader's address on a refused call (the clients'
+/// constant: they read what the gate writes).
+pub use muster_core::failover::LEADER_KEY as LEADER_METADATA;
 
 /// Whether this replica serves, and if not, whom to name.
 #[derive(Debug, Clone, PartialEq, Eq)]

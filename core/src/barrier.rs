@@ -42,10 +42,12 @@ pub fn check_name(name: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// Whether a result uses up its seq: a timeout, a rejected entry and a wait withdrawn by an
-/// in-place recovery (KIND_MEMBERSHIP_CHANGED: the barrier is entered again after the
-/// quorum, whose `released_*` a replacement continues from) do not (the same seq may be
-/// entered again); every other result does. The SDK applies the same rule.
+/// Whether a result uses up its seq: a timeout, a rejected entry (unspecified kind: a
+/// malformed or misnumbered entry the coordinator did not record) and a wait withdrawn by an
+/// in-place recovery (KIND_MEMBERSHIP_CHANGED: every rank, the replacement included, enters
+/// the barrier again after the quorum, whose `released_*` are the last seqs completed) do not
+/// (the same seq may be entered again); every other result does. The SDK's sessions and relay
+/// client use this function too.
 pub fn consumes_seq(error: Option<&pb::BarrierError>) -> bool {
     match error.map(|e| ErrKind::try_from(e.kind)) {
         None => true,

@@ -18,8 +18,11 @@ pub const LEADER_KEY: &str = "muster-leader";
 /// The environment variable with the failover budget in milliseconds: the agent sets it for
 /// its workers from its `--failover-timeout-ms`.
 pub const BUDGET_ENV: &str = crate::contract::env::MUSTER_FAILOVER_TIMEOUT_MS;
+/// The failover budget when nothing says otherwise, in milliseconds (the agent's
+/// `--failover-timeout-ms` default).
+pub const DEFAULT_BUDGET_MS: u64 = 30_000;
 /// The failover budget when nothing says otherwise.
-pub const DEFAULT_BUDGET: Duration = Duration::from_secs(30);
+pub const DEFAULT_BUDGET: Duration = Duration::from_millis(DEFAULT_BUDGET_MS);
 /// The first backoff sleep (before jitter); each later one doubles, up to [`MAX_BACKOFF`].
 pub const FIRST_BACKOFF: Duration = Duration::from_millis(50);
 /// The longest backoff sleep (before jitter): short, because a standby leads about one lease

@@ -26,6 +26,20 @@ impl fmt::Display for Invalid {
     }
 }
 
+/// Whether `c` may be in a name (a job id, a node id): an ASCII letter or digit, '.', '_' or
+/// '-'.
+pub fn name_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-')
+}
+
+/// `s` with every character a name cannot hold ([`name_char`]) replaced by `-`: for ids made
+/// from addresses, host names and other programs' variables.
+pub fn name_chars(s: &str) -> String {
+    s.chars()
+        .map(|c| if name_char(c) { c } else { '-' })
+        .collect()
+}
+
 fn check_name(field: &str, value: &str, max: usize, extra: &[char]) -> Result<(), Invalid> {
     if value.is_empty() {
         return Err(Invalid(format!("{field} must not be empty")));
@@ -36,9 +50,10 @@ fn check_name(field: &str, value: &str, max: usize, extra: &[char]) -> Result<()
             value.len()
         )));
     }
-    if let Some(c) = value.chars().find(|c| {
-        !(c.is_ascii_alphanumeric() || *c == '.' || *c == '_' || *c == '-' || extra.contains(c))
-    }) {
+    if let Some(c) = value
+        .chars()
+        .find(|c| !(name_char(*c) || extra.contains(c)))
+    {
         return Err(Invalid(format!(
             "{field} {value:?} contains {c:?}; allowed are letters, digits, '.', '_', '-'{}",
             extra.iter().map(|c| format!(", {c:?}")).collect::<String>()
@@ -194,6 +209,16 @@ impl Scope {
             Self::Global => 0,
             Self::Node => 1,
         }
+    }
+}
+
+impl std::fmt::Display for Scope {
+    /// "global" or "node".
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Global => "global",
+            Self::Node => "node",
+        })
     }
 }
 

@@ -67,8 +67,9 @@ impl Hang {
     }
 }
 
-/// What a worker's death does (the wire's `RecoveryMode`, never unspecified here).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+/// What a worker's death does (the wire's `RecoveryMode`, never unspecified here; the workers'
+/// `MUSTER_RECOVERY`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Recovery {
     /// The generation ends and every worker restarts (the default).
     #[default]
@@ -371,7 +372,7 @@ impl TryFrom<&pb::BarrierEnter> for BarrierEntry {
         Ok(Self {
             scope: Scope::from_wire(b.scope)?,
             seq: b.seq,
-            name: model::label("barrier name", &b.name, 512)?,
+            name: model::label("barrier name", &b.name, crate::barrier::MAX_NAME)?,
             timeout: model::wait("timeout_ms", b.timeout_ms)?,
         })
     }
@@ -418,7 +419,12 @@ impl TryFrom<pb::GroupEnter> for GroupEntry {
         let groups = e
             .groups
             .into_iter()
-            .map(|g| Ok((model::label("barrier name", &g.name, 512)?, g.ranks)))
+            .map(|g| {
+                Ok((
+                    model::label("barrier name", &g.name, crate::barrier::MAX_NAME)?,
+                    g.ranks,
+                ))
+            })
             .collect::<Result<Vec<_>, Invalid>>()?;
         Ok(Self {
             seq: e.seq,

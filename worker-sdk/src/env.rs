@@ -200,33 +200,12 @@ impl RankInfo {
 }
 
 /// What a worker's death does to the job (`MUSTER_RECOVERY`, set by `muster-agent` from the
-/// job's recovery mode).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum Recovery {
-    /// The generation ends and every worker restarts, from its last checkpoint (torchrun's
-    /// model; the default, and what an unset variable means).
-    #[default]
-    Restart,
-    /// Only the dead worker is respawned; the survivors keep their processes, agree on a new
-    /// membership at a step boundary ([`crate::membership::Membership`]) and heal it.
-    InPlace,
-}
-
-impl Recovery {
-    /// How `MUSTER_RECOVERY` spells it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Recovery::Restart => "restart",
-            Recovery::InPlace => "in-place",
-        }
-    }
-}
-
-impl std::fmt::Display for Recovery {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
+/// job's recovery mode): `Restart` (the generation ends and every worker restarts from its last
+/// checkpoint, torchrun's model; the default, and what an unset variable means) or `InPlace`
+/// (only the dead worker is respawned; the survivors keep their processes, agree on a new
+/// membership at a step boundary, [`crate::membership::Membership`], and heal it). The
+/// coordinator's type.
+pub use muster_core::requests::Recovery;
 
 /// A worker's recovery settings: the job's mode and, for a worker respawned in place, the
 /// membership epoch it replaces its rank in (`MUSTER_EPOCH`). Kept apart from [`RankInfo`]

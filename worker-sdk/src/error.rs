@@ -140,7 +140,7 @@ pub enum Error {
     )]
     BarrierBusy {
         /// The scope in use.
-        scope: crate::client::Scope,
+        scope: muster_core::model::Scope,
         /// This session's rank.
         rank: u32,
     },
@@ -446,10 +446,10 @@ impl Error {
     /// for [`Error::PeerLost`] when the job recovers in place (`recovery` is the job's mode,
     /// [`crate::Accelerator::recovery`]). In restart mode nothing is: the generation is over
     /// and the process should exit.
-    pub fn is_recoverable(&self, recovery: crate::env::Recovery) -> bool {
+    pub fn is_recoverable(&self, recovery: muster_core::requests::Recovery) -> bool {
         match self {
             Error::MembershipChanged { .. } => true,
-            Error::PeerLost { .. } => recovery == crate::env::Recovery::InPlace,
+            Error::PeerLost { .. } => recovery == muster_core::requests::Recovery::InPlace,
             _ => false,
         }
     }
@@ -522,7 +522,7 @@ mod tests {
 
     #[test]
     fn recoverable_errors_depend_on_the_mode() {
-        use crate::env::Recovery;
+        use muster_core::requests::Recovery;
         let changed = Error::MembershipChanged {
             epoch: 2,
             rank: 1,

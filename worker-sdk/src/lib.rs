@@ -52,6 +52,7 @@ pub mod checkpoint;
 pub mod client;
 pub mod comm;
 pub mod data;
+pub mod dtype;
 pub mod env;
 pub mod error;
 pub mod error_file;

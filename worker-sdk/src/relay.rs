@@ -44,7 +44,7 @@ use prost::Message;
 
 use crate::{
     Error,
-    client::{Scope, SessionConfig, barrier_error, consumes_seq},
+    client::{Scope, SessionConfig, barrier_error, consumes_seq, register_message},
     trace_context,
 };
 
@@ -145,20 +145,13 @@ impl RelayConn {
         let mut out = Vec::with_capacity(256);
         encode_frame(
             &pb::WorkerMessage {
-                kind: Some(worker_message::Kind::Register(pb::Register {
-                    job_id: config.job_id.clone(),
-                    generation: config.generation,
-                    rank: config.rank,
-                    pid: config.pid,
-                    host: config.host.clone(),
-                    // The relay is local: a coordinator failover is the agent's to handle. A
-                    // replacement resumes its rank's place in the node's barrier sequence.
-                    resume: resume.is_some(),
-                    released_global: resume.map_or(0, |r| r.0),
-                    released_node: resume.map_or(0, |r| r.1),
-                    replacement: replacement > 0,
-                    epoch: replacement,
-                })),
+                // The relay is local: a coordinator failover is the agent's to handle. A
+                // replacement resumes its rank's place in the node's barrier sequence.
+                kind: Some(worker_message::Kind::Register(register_message(
+                    config,
+                    resume,
+                    replacement,
+                ))),
             },
             &mut out,
         );
@@ -352,7 +345,7 @@ impl RelayConn {
             });
             let s = &mut *st;
             if let Some(worker_message::Kind::Barrier(entry)) = &mut s.entry.kind {
-                entry.scope = scope.to_proto() as i32;
+                entry.scope = scope.to_wire();
                 entry.seq = seq;
                 entry.name.clear();
                 entry.name.push_str(name);
@@ -478,7 +471,7 @@ fn route(st: &mut State, msg: pb::CoordinatorMessage) {
         ))));
         return;
     }
-    match Scope::from_proto(result.scope) {
+    match Scope::from_wire(result.scope).ok() {
         Some(scope) => st.results[scope.index()] = Some((result.seq, result.error)),
         None => {
             st.lost = Some(Arc::new(Closed(format!(
@@ -601,7 +594,7 @@ mod tests {
         let messages: Vec<pb::CoordinatorMessage> = (1..=3u64)
             .map(|seq| pb::CoordinatorMessage {
                 kind: Some(coordinator_message::Kind::Barrier(pb::BarrierResult {
-                    scope: Scope::Global.to_proto() as i32,
+                    scope: Scope::Global.to_wire(),
                     seq,
                     error: (seq == 2).then(|| pb::BarrierError {
                         message: "x".repeat(5000),

@@ -35,7 +35,7 @@ pub struct ServeArgs {
     #[arg(long, value_name = "HOST:PORT[,HOST:PORT...]")]
     pub coordinator: String,
     /// How long the jobs run here (agent and workers) retry across a coordinator failover.
-    #[arg(long, value_name = "MS", default_value_t = 30_000)]
+    #[arg(long, value_name = "MS", default_value_t = muster_core::failover::DEFAULT_BUDGET_MS)]
     pub failover_timeout_ms: u64,
     /// Labels of this machine, `key=value` (repeat the flag or separate with commas); jobs
     /// select machines by them.

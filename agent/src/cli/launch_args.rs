@@ -43,7 +43,7 @@ pub struct LaunchArgs {
     #[arg(
         long,
         value_name = "MS",
-        default_value_t = 30_000,
+        default_value_t = muster_core::failover::DEFAULT_BUDGET_MS,
         alias = "failover_timeout_ms"
     )]
     pub failover_timeout_ms: u64,

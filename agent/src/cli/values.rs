@@ -11,15 +11,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 /// `s` with every character a job id cannot hold ([A-Za-z0-9._-] only) replaced by `-`, for
 /// job ids derived from addresses, rendezvous ids and Slurm's variables.
 pub(crate) fn job_id_chars(s: &str) -> String {
-    s.chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-') {
-                c
-            } else {
-                '-'
-            }
-        })
-        .collect()
+    model::name_chars(s)
 }
 
 /// The job id every machine of a multi-node launch derives from the main machine's address

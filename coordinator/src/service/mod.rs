@@ -411,3 +411,47 @@ fn expiry_outcome(s: &pb::JobSummary, submitted: bool) -> Option<&'static str> {
 fn deadline(field: &str, ms: u64) -> Result<Option<Instant>, Status> {
     Ok(model::wait(field, ms)?.map(|d| Instant::now() + d))
 }
+
+/// Who entered a barrier: a rank on its session, or a node's relay with a group entry.
+enum BarrierFrom<'a> {
+    Rank { rank: u32, name: &'a str },
+    Relay { node_rank: u32 },
+}
+
+/// The coordinator's span for one barrier entry, a child of the trace context the client
+/// passed on (a worker's span, or the agent's relay span); disabled (no work) unless DEBUG
+/// spans are recorded.
+fn barrier_span(
+    job: &JobId,
+    generation: u64,
+    seq: u64,
+    from: BarrierFrom<'_>,
+    trace_context: &HashMap<String, String>,
+) -> tracing::Span {
+    use tracing::field::Empty;
+    let span = tracing::debug_span!(
+        "barrier",
+        otel.kind = "server",
+        job = %job,
+        generation,
+        seq,
+        rank = Empty,
+        name = Empty,
+        node_rank = Empty,
+        relayed = Empty,
+    );
+    if !span.is_disabled() {
+        match from {
+            BarrierFrom::Rank { rank, name } => {
+                span.record("rank", rank);
+                span.record("name", name);
+            }
+            BarrierFrom::Relay { node_rank } => {
+                span.record("node_rank", node_rank);
+                span.record("relayed", true);
+            }
+        }
+    }
+    muster_telemetry::traces::set_parent(&span, trace_context);
+    span
+}

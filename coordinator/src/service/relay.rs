@@ -50,19 +50,14 @@ impl pb::relay_server::Relay for RelayService {
                 match msg.kind {
                     Some(pb::relay_message::Kind::Enter(e)) => {
                         let seq = e.seq;
-                        // A span per group entry, like a session's barrier span: a child of
-                        // the trace context the relay passed on (the agent's relay span, or a
-                        // worker's); disabled (no work) unless DEBUG spans are recorded.
-                        let span = tracing::debug_span!(
-                            "barrier",
-                            otel.kind = "server",
-                            job = %job.id,
+                        // A span per group entry, like a session's barrier span.
+                        let span = barrier_span(
+                            &job.id,
                             generation,
-                            node_rank,
-                            seq = e.seq,
-                            relayed = true,
+                            e.seq,
+                            BarrierFrom::Relay { node_rank },
+                            &e.trace_context,
                         );
-                        muster_telemetry::traces::set_parent(&span, &e.trace_context);
                         let _entered = span.enter();
                         match GroupEntry::try_from(e) {
                             Ok(g) => job.barrier_group(

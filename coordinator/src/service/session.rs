@@ -99,17 +99,17 @@ async fn session_loop(
                 Some(Kind::Barrier(b)) => {
                     let checked = BarrierEntry::try_from(&b);
                     // A span per entry, child of the worker's span when it sent its trace
-                    // context; disabled (no work) unless DEBUG spans are recorded.
-                    let span = tracing::debug_span!(
-                        "barrier",
-                        otel.kind = "server",
-                        job = %job.id,
+                    // context.
+                    let span = barrier_span(
+                        &job.id,
                         generation,
-                        rank,
-                        seq = b.seq,
-                        name = %b.name,
+                        b.seq,
+                        BarrierFrom::Rank {
+                            rank,
+                            name: &b.name,
+                        },
+                        &b.trace_context,
                     );
-                    muster_telemetry::traces::set_parent(&span, &b.trace_context);
                     let _entered = span.enter();
                     match checked {
                         Ok(e) => job

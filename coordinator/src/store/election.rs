@@ -82,9 +82,10 @@ use tokio_util::sync::{CancellationToken, DropGuard};
 /// [`Leadership::txn_fenced`] (the store, tests) name the same types.
 pub use etcd_client;
 
-/// The default lease TTL: a crashed leader is replaced within about this long, and a leader
-/// that cannot reach etcd for this long steps down.
-pub const DEFAULT_TTL: Duration = Duration::from_secs(3);
+/// The default lease TTL (`--lease-ttl-ms`'s default): a crashed leader is replaced within
+/// about this long, and a leader that cannot reach etcd for this long steps down.
+pub const DEFAULT_TTL: Duration =
+    Duration::from_millis(crate::config::EtcdConfig::DEFAULT_LEASE_TTL_MS);
 
 /// The default limit on one etcd request of the election (grant, campaign, read).
 pub const DEFAULT_REQUEST_TIMEOUT: Duration = Duration::from_secs(2);

@@ -13,7 +13,7 @@ use safetensors::{Dtype, SafeTensors, tensor::TensorInfo};
 use serde::{Deserialize, Serialize, de::DeserializeOwned};
 use serde_json::Value;
 
-use crate::{Error, comm::DType};
+use crate::{Error, dtype::DType};
 
 use super::{
     METADATA_KEY,

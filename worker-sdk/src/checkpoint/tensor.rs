@@ -8,7 +8,7 @@ use serde_json::Value;
 
 use crate::{
     Error,
-    comm::{DType, Element},
+    dtype::{DType, Element},
 };
 
 /// An owned, dense, row-major tensor: what checkpoints store. `data` holds the elements'

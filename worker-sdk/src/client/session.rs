@@ -15,9 +15,8 @@ use std::{
 };
 
 use muster_proto::v1::{
-    self as pb, BarrierScope, CoordinatorMessage, WorkerMessage,
-    barrier_error::Kind as BarrierErrorKind, coordinator_message, session_client::SessionClient,
-    worker_message,
+    self as pb, CoordinatorMessage, WorkerMessage, barrier_error::Kind as BarrierErrorKind,
+    coordinator_message, session_client::SessionClient, worker_message,
 };
 use tokio::{
     sync::{Notify, mpsc, oneshot},
@@ -43,47 +42,9 @@ const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(1);
 /// How long [`Session::leave`] waits for the coordinator to close the stream after `leave`.
 const LEAVE_GRACE: Duration = Duration::from_secs(5);
 
-/// Which ranks a barrier spans.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Scope {
-    /// Every rank of the generation (`wait_for_everyone`).
-    Global,
-    /// The ranks of the caller's node (`wait_for_local`).
-    Node,
-}
-
-impl Scope {
-    pub(crate) fn index(self) -> usize {
-        match self {
-            Scope::Global => 0,
-            Scope::Node => 1,
-        }
-    }
-
-    pub(crate) fn to_proto(self) -> BarrierScope {
-        match self {
-            Scope::Global => BarrierScope::Global,
-            Scope::Node => BarrierScope::Node,
-        }
-    }
-
-    pub(crate) fn from_proto(scope: i32) -> Option<Self> {
-        match BarrierScope::try_from(scope) {
-            Ok(BarrierScope::Global) => Some(Scope::Global),
-            Ok(BarrierScope::Node) => Some(Scope::Node),
-            _ => None,
-        }
-    }
-}
-
-impl fmt::Display for Scope {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Scope::Global => "global",
-            Scope::Node => "node",
-        })
-    }
-}
+/// Which ranks a barrier spans: `Global` (every rank of the generation, `wait_for_everyone`)
+/// or `Node` (the ranks of the caller's node, `wait_for_local`). The coordinator's type.
+pub use muster_core::model::Scope;
 
 /// Who a session registers as: the identity every call of a worker carries.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -283,7 +244,7 @@ impl Shared {
 
     /// Routes one barrier result to its caller, or parks it if the caller was cancelled.
     fn route(&self, result: pb::BarrierResult) {
-        let Some(scope) = Scope::from_proto(result.scope) else {
+        let Some(scope) = Scope::from_wire(result.scope).ok() else {
             tracing::warn!(
                 scope = result.scope,
                 seq = result.seq,
@@ -503,7 +464,7 @@ fn heartbeat_interval(registered: &pb::Registered) -> Duration {
 /// The `register` message of `config`: `resume` (the released seqs) when re-attaching after a
 /// failover; `replacement` (the epoch it was spawned for) for the first registration of a rank
 /// respawned in place (a re-attach never says it: the coordinator has accepted it by then).
-fn register_message(
+pub(crate) fn register_message(
     config: &SessionConfig,
     resume: Option<(u64, u64)>,
     replacement: u64,
@@ -707,7 +668,7 @@ impl Session {
                     Pending::Idle => {
                         let (tx, rx) = oneshot::channel();
                         let entry = pb::BarrierEnter {
-                            scope: scope.to_proto() as i32,
+                            scope: scope.to_wire(),
                             seq,
                             name: name.to_owned(),
                             timeout_ms: timeout.map_or(0, |t| {
@@ -909,26 +870,9 @@ impl Slot {
     }
 }
 
-/// Whether a barrier result uses up its sequence number. A timeout does not (the same seq may
-/// be entered again), nor does a wait withdrawn because the membership changed (in-place
-/// recovery: every rank, the replacement included, enters that seq again after the quorum,
-/// whose released seqs are the last ones completed), nor a rejection of the entry itself
-/// (unspecified kind: a malformed or misnumbered entry the coordinator did not record);
-/// everything else does.
-pub(crate) fn consumes_seq(error: Option<&pb::BarrierError>) -> bool {
-    match error.map(|e| BarrierErrorKind::try_from(e.kind)) {
-        None => true,
-        Some(
-            Ok(
-                BarrierErrorKind::Timeout
-                | BarrierErrorKind::Unspecified
-                | BarrierErrorKind::MembershipChanged,
-            )
-            | Err(_),
-        ) => false,
-        Some(Ok(_)) => true,
-    }
-}
+/// Whether a barrier result uses up its sequence number: the coordinator's rule, from its one
+/// home.
+pub(crate) use muster_core::barrier::consumes_seq;
 
 fn message(kind: worker_message::Kind) -> WorkerMessage {
     WorkerMessage { kind: Some(kind) }
