@@ -46,13 +46,33 @@ pub struct FailureDetail {
 /// of the line it is part of: a view that must not show stderr cuts there.
 pub const LAST_STDERR: &str = "; last stderr: ";
 
+/// The head of every rank-failed text, the coordinator's ([`Failure::describe`]) and the agent
+/// relay's (a local death it tells its node's waiters of before the coordinator's word):
+/// "rank R (node N, host H) of job 'J' generation G failed: WHY".
+pub fn rank_failed(
+    rank: u32,
+    node_rank: u32,
+    host: &str,
+    job: &str,
+    generation: u64,
+    why: &str,
+) -> String {
+    format!(
+        "rank {rank} (node {node_rank}, host {host}) of job '{job}' generation {generation} failed: {why}"
+    )
+}
+
 impl Failure {
     /// The one-line account every waiter and the job's final state carry: rank, node, host,
     /// reason, then the error message and the end of stderr when the agent reported them.
     pub fn describe(&self, job: &JobId, generation: u64) -> String {
-        let mut text = format!(
-            "rank {} (node {}, host {}) of job '{job}' generation {generation} failed: {}",
-            self.rank, self.node_rank, self.host, self.reason
+        let mut text = rank_failed(
+            self.rank,
+            self.node_rank,
+            &self.host,
+            job.as_str(),
+            generation,
+            &self.reason,
         );
         let d = &self.detail;
         if !d.error_message.is_empty() {

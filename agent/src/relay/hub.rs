@@ -487,9 +487,13 @@ impl Hub {
         let host = slot.host.clone();
         let err = pb::BarrierError {
             kind: ErrKind::RankFailed as i32,
-            message: format!(
-                "rank {rank} (node {}, host {host}) of job '{}' generation {} failed: {why}",
-                self.node_rank, self.job_id, self.generation
+            message: muster_core::failure::rank_failed(
+                rank,
+                self.node_rank,
+                &host,
+                &self.job_id,
+                self.generation,
+                why,
             ),
             rank,
             node_rank: self.node_rank,
