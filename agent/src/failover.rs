@@ -36,8 +36,7 @@ pub use muster_core::failover::{
     leader_hint, not_applied, random_u64,
 };
 
-/// How long one connection attempt may take.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+use muster_core::failover::CONNECT_TIMEOUT;
 
 /// How long a finishing node (every worker exited 0) goes on re-attaching after its watch
 /// stream broke, beyond its lease, to deliver `finished`: the failover budget when there are
@@ -395,25 +394,10 @@ pub enum ConnectError {
     },
 }
 
-/// The endpoint of one coordinator address, with the agent's connection settings (`https://`
-/// and the TLS settings of `security` when it has them; HTTP/2 keep-alive, so that a silently
-/// dead connection is noticed). One of `several` replicas is given up sooner, after
-/// [`SILENT_REPLICA_TIMEOUT`] without an answer to a ping: a frozen leader's streams (the
-/// watch, the relay) then fail over to the new leader instead of waiting for it to wake.
+/// The endpoint of one coordinator address, as every client opens it
+/// ([`muster_core::failover::endpoint`]; the SDK's is the same).
 pub fn endpoint(addr: &str, security: &ClientSecurity, several: bool) -> Result<Endpoint, Status> {
-    let (ping, timeout) = if several {
-        (policy::SILENT_REPLICA_PING, SILENT_REPLICA_TIMEOUT)
-    } else {
-        (Duration::from_secs(10), Duration::from_secs(5))
-    };
-    Ok(security
-        .endpoint(addr)
-        .map_err(Status::invalid_argument)?
-        .connect_timeout(CONNECT_TIMEOUT)
-        .tcp_nodelay(true)
-        .http2_keep_alive_interval(ping)
-        .keep_alive_timeout(timeout)
-        .keep_alive_while_idle(several))
+    policy::endpoint(security, addr, several).map_err(Status::invalid_argument)
 }
 
 /// One streak of failures: sleeps with the policy's backoff until the budget, counted from

@@ -52,6 +52,38 @@ pub const SILENT_REPLICA_PING: Duration = Duration::from_secs(1);
 /// has already lost its lease and will not act on the streams it finds gone when it wakes.
 /// With one address there is nobody else to go to, and the connection is left alone.
 pub const SILENT_REPLICA_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one attempt to open the connection to a coordinator address may take: a replica
+/// that does not accept within it is down or cut off, and the next one may lead.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+/// With one address, how often a connection that has heard nothing pings the coordinator, and
+/// how long the ping may stay unanswered: a silently dead connection is noticed (a stopped
+/// coordinator is waited for, since there is nobody else to go to).
+const LONE_PING: (Duration, Duration) = (Duration::from_secs(10), Duration::from_secs(5));
+
+/// The endpoint of one coordinator address as every client opens it (the agent, the SDK,
+/// `describe` and the operator's commands): `https://` with `security`'s TLS settings, else
+/// `http://`; no Nagle delay; [`CONNECT_TIMEOUT`]; and HTTP/2 keep-alives. One of `several`
+/// replicas is pinged every [`SILENT_REPLICA_PING`], idle or not, and given up after
+/// [`SILENT_REPLICA_TIMEOUT`] without an answer, so that a frozen leader's streams fail over
+/// to the new leader instead of waiting for it to wake.
+pub fn endpoint(
+    security: &muster_proto::security::ClientSecurity,
+    addr: &str,
+    several: bool,
+) -> Result<tonic::transport::Endpoint, String> {
+    let (ping, timeout) = if several {
+        (SILENT_REPLICA_PING, SILENT_REPLICA_TIMEOUT)
+    } else {
+        LONE_PING
+    };
+    Ok(security
+        .endpoint(addr)?
+        .connect_timeout(CONNECT_TIMEOUT)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(ping)
+        .keep_alive_timeout(timeout)
+        .keep_alive_while_idle(several))
+}
 
 /// What a failed call, or the end of a stream, says about trying again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

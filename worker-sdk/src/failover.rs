@@ -13,9 +13,8 @@ use tokio::time::Instant;
 use crate::Error;
 
 pub(crate) use muster_core::failover::{
-    BUDGET_ENV as TIMEOUT_ENV, Census, DEFAULT_BUDGET as DEFAULT_TIMEOUT, Rotation,
-    SILENT_REPLICA_PING, SILENT_REPLICA_TIMEOUT, Verdict, classify_call, classify_stream,
-    leader_hint, parse_addrs,
+    BUDGET_ENV as TIMEOUT_ENV, Census, DEFAULT_BUDGET as DEFAULT_TIMEOUT, Rotation, Verdict,
+    classify_call, classify_stream, leader_hint, parse_addrs,
 };
 
 /// The failover budget from the process environment ([`TIMEOUT_ENV`], else 30 s).

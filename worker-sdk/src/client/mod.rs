@@ -37,9 +37,6 @@ use crate::{
     trace_context,
 };
 
-/// How long [`Coordinator::connect`] tries to open the TCP connection to one address.
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-
 /// A connection to the coordinator, cheap to clone and share: tonic multiplexes every call and
 /// session stream of all clones over one HTTP/2 connection per coordinator replica.
 ///
@@ -449,24 +446,14 @@ fn parse_list(addrs: &str) -> Result<Vec<String>, Error> {
     })
 }
 
-/// The endpoint of one replica: `https://` with `security`'s TLS settings, else `http://`.
-/// One of `several` replicas is given up when it stops answering pings, so that a frozen
-/// leader's streams fail over ([`failover::SILENT_REPLICA_PING`]).
+/// The endpoint of one replica, as every client opens it ([`muster_core::failover::endpoint`]:
+/// the agent's is the same).
 fn endpoint(
     security: &ClientSecurity,
     addr: &str,
     several: bool,
 ) -> Result<tonic::transport::Endpoint, Error> {
-    let endpoint = security.endpoint(addr).map_err(Error::Config)?;
-    let endpoint = endpoint.tcp_nodelay(true).connect_timeout(CONNECT_TIMEOUT);
-    Ok(if several {
-        endpoint
-            .http2_keep_alive_interval(failover::SILENT_REPLICA_PING)
-            .keep_alive_timeout(failover::SILENT_REPLICA_TIMEOUT)
-            .keep_alive_while_idle(true)
-    } else {
-        endpoint
-    })
+    muster_core::failover::endpoint(security, addr, several).map_err(Error::Config)
 }
 
 /// `None` (wait as long as the generation lives) is 0 on the wire; a real wait is at least 1 ms
