@@ -698,7 +698,6 @@ fn print_hang(job: &str, hang: &pb::HangReport) {
     eprint!("{text}");
 }
 
-/// Sleeps one backoff step, cut short at the deadline (a stall meanwhile moves it on).
 /// The number of an open of a node's watch ([`pb::NodeAttach::attempt`]): the wall clock's
 /// microseconds, kept above every number this process gave before (so that a restarted agent
 /// also numbers above its predecessor, unless the clock stepped back). The leader refuses an
@@ -710,13 +709,14 @@ fn next_attempt() -> u64 {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_micros()).unwrap_or(u64::MAX));
-    let step = |last: u64| Some(now.max(last.saturating_add(1)));
+    let after = |last: u64| now.max(last.saturating_add(1));
     let last = LAST
-        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, step)
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| Some(after(l)))
         .unwrap_or_default();
-    now.max(last.saturating_add(1))
+    after(last)
 }
 
+/// Sleeps one backoff step, cut short at the deadline (a stall meanwhile moves it on).
 async fn pause(state: &mut Lease, backoff: &mut failover::Backoff) {
     let step = backoff.next_sleep().min(state.remaining());
     let due = Instant::now() + step;

@@ -42,6 +42,7 @@ pub const MIN_CALL_HOLD: Duration = Duration::from_secs(5);
 pub fn call_hold(budget: Duration) -> Duration {
     budget.max(MIN_CALL_HOLD)
 }
+
 /// With several replicas, how often a connection that has heard nothing pings its replica
 /// (HTTP/2 PING).
 pub const SILENT_REPLICA_PING: Duration = Duration::from_secs(1);
@@ -511,10 +512,10 @@ pub fn not_leading(status: &Status) -> bool {
 /// The node's watch holds with half `H`. The other calls and streams of a job's agent and
 /// workers decide nothing about whether the workers run (the watch does), so they hold with
 /// their whole failover budget, at least [`MIN_CALL_HOLD`] ([`call_hold`]): the budget runs
-/// again from the start of the last complete round. A leader elected after an outage and frozen at once (the fault suite's seeds
-/// 99953116125801 and 135528328082080) stops the rounds; with a 5 s hold, a relay or a
-/// worker's session gave up before the next leader could take it back, while the node's
-/// lease still held.
+/// again from the start of the last complete round. A leader elected after an outage and
+/// frozen at once (the fault suite's seeds 99953116125801 and 135528328082080) stops the
+/// rounds; with a 5 s hold, a relay or a worker's session gave up before the next leader could
+/// take it back, while the node's lease still held.
 #[derive(Debug, Clone)]
 pub struct Census {
     replicas: usize,

@@ -437,16 +437,11 @@ impl RawWatch {
     /// Sends a heartbeat and waits for its answer (other events are skipped).
     pub async fn heartbeat_answered(&mut self) {
         self.heartbeat().await;
-        loop {
-            let msg = tokio::time::timeout(Duration::from_secs(20), self.rx.message())
-                .await
-                .expect("no node event within 20 s")
-                .expect("stream error")
-                .expect("stream ended");
-            if let Some(pb::node_event::Kind::Heartbeat(_)) = msg.kind {
-                return;
-            }
-        }
+        self.next(|kind| match kind {
+            pb::node_event::Kind::Heartbeat(_) => Some(()),
+            _ => None,
+        })
+        .await;
     }
 
     pub async fn send(&self, kind: pb::node_message::Kind) {
@@ -460,28 +455,32 @@ impl RawWatch {
 
     /// The next `ended` event (heartbeat answers skipped).
     pub async fn ended(&mut self) -> pb::GenerationEnded {
-        loop {
-            let msg = tokio::time::timeout(Duration::from_secs(20), self.rx.message())
-                .await
-                .expect("no node event within 20 s")
-                .expect("stream error")
-                .expect("stream ended");
-            if let Some(pb::node_event::Kind::Ended(e)) = msg.kind {
-                return e;
-            }
-        }
+        self.next(|kind| match kind {
+            pb::node_event::Kind::Ended(e) => Some(e),
+            _ => None,
+        })
+        .await
     }
 
     /// The next `replace` event (heartbeat answers skipped).
     pub async fn replace(&mut self) -> pb::RankReplace {
+        self.next(|kind| match kind {
+            pb::node_event::Kind::Replace(r) => Some(r),
+            _ => None,
+        })
+        .await
+    }
+
+    /// The first event within 20 s that `pick` takes (the others are skipped).
+    async fn next<T>(&mut self, pick: impl Fn(pb::node_event::Kind) -> Option<T>) -> T {
         loop {
             let msg = tokio::time::timeout(Duration::from_secs(20), self.rx.message())
                 .await
                 .expect("no node event within 20 s")
                 .expect("stream error")
                 .expect("stream ended");
-            if let Some(pb::node_event::Kind::Replace(r)) = msg.kind {
-                return r;
+            if let Some(picked) = msg.kind.and_then(&pick) {
+                return picked;
             }
         }
     }
