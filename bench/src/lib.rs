@@ -466,6 +466,7 @@ pub fn join_req(job: &str, node: u32, local: u32, nodes: u32) -> pb::JoinRequest
             ..Default::default()
         }),
         request_id: String::new(),
+        watches: false,
     }
 }
 

@@ -223,6 +223,8 @@ pub struct JoinReq {
     /// The caller's id of this join attempt (empty: none), so that a retried join whose
     /// round already closed gets the same place.
     pub request_id: String,
+    /// The caller will watch its node once the round closes (an agent does).
+    pub watches: bool,
 }
 
 /// `Rendezvous.Join`, checked.
@@ -259,6 +261,7 @@ impl TryFrom<pb::JoinRequest> for Join {
             } else {
                 model::label("request_id", &r.request_id, 128)?
             },
+            watches: r.watches,
         };
         Ok(Self {
             job_id,

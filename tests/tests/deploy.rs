@@ -558,6 +558,7 @@ fn sigterm_drains_a_coordinator_with_a_waiting_client() {
                         ..Default::default()
                     }),
                     request_id: String::new(),
+                    watches: false,
                 })
                 .await
         }

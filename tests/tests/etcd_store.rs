@@ -328,6 +328,7 @@ async fn form(ch: &Channel, job: &str, local: u32) -> u64 {
                 ..Default::default()
             }),
             request_id: String::new(),
+            watches: false,
         })
         .await
         .unwrap()

@@ -90,6 +90,7 @@ fn join_req(job: &str, node: u32, request_id: &str) -> pb::JoinRequest {
             ..Default::default()
         }),
         request_id: request_id.into(),
+        watches: false,
     }
 }
 

@@ -79,6 +79,7 @@ async fn form(addr: &str, id: &str, nodes: u32, local: u32) -> Job {
                 ..Default::default()
             }),
             request_id: format!("{id}-{n}-{}-{:?}", std::process::id(), Instant::now()),
+            watches: false,
         })
         .collect();
     let joins: Vec<_> = requests

@@ -199,6 +199,7 @@ async fn a_barrier_and_a_kv_call_are_one_trace_across_processes() {
                 ..Default::default()
             }),
             request_id: "traced-node-0".into(),
+            watches: false,
         })
         .await
         .unwrap()

@@ -131,6 +131,7 @@ impl Secured {
                 std::process::id(),
                 NEXT.fetch_add(1, Ordering::Relaxed)
             ),
+            watches: false,
         };
         RendezvousClient::new(agent.channel())
             .join(request)

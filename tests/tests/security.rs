@@ -88,6 +88,7 @@ fn join(job: &str) -> pb::JoinRequest {
             ..Default::default()
         }),
         request_id: String::new(),
+        watches: false,
     }
 }
 

@@ -49,6 +49,7 @@ pub(super) async fn join(
             on_hang: spec.hang.action.to_wire(),
         }),
         request_id: failover::request_id(),
+        watches: true,
     };
     let join_error = |status| LaunchError::Join {
         job: spec.job_id.clone(),

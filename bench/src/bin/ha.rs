@@ -170,6 +170,7 @@ fn join_req(job: &str, node: u32, nodes: u32) -> pb::JoinRequest {
             ..Default::default()
         }),
         request_id: format!("{job}-{node}-{}", std::process::id()),
+        watches: false,
     }
 }
 

@@ -32,7 +32,8 @@ pub(super) struct NodeSlot {
     pub(super) attempt: u64,
     /// Every worker of the node exited 0.
     pub(super) finished: bool,
-    /// Its agent has attached a watch in this generation (persisted).
+    /// Its agent said at its join that it would watch the node, or has attached a watch in
+    /// this generation (persisted).
     pub(super) watched: bool,
     /// When its agent was last heard on its watch (attach or heartbeat).
     pub(super) last_seen: Option<Instant>,

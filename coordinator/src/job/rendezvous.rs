@@ -391,7 +391,7 @@ impl Job {
                 watch: None,
                 attempt: 0,
                 finished: false,
-                watched: false,
+                watched: j.req.watches,
                 last_seen: None,
             });
             for _ in 0..j.req.local_world_size {

@@ -12,6 +12,7 @@ fn req(node_id: &str) -> JoinReq {
         local_world_size: 1,
         requested: None,
         request_id: String::new(),
+        watches: false,
     }
 }
 
@@ -220,6 +221,35 @@ async fn a_job_restored_finished_expects_no_reattach() {
     assert_eq!(summary.state, pb::RoundState::Finished as i32);
     assert!(summary.done);
     assert_eq!(outcome(&restored), outcome(&job));
+}
+
+/// A leader may fall between closing a round and storing the first watch's attach: a node
+/// whose join said its agent watches is awaited after the failover all the same, and a
+/// bare join's node (no agent, no watch) is not.
+#[tokio::test]
+async fn a_node_whose_join_promised_a_watch_is_awaited_though_no_attach_was_stored() {
+    let job = Job::new(JobId::parse("j").unwrap(), config(2, 0), &ctx());
+    let mut answers = vec![];
+    for (n, watches) in [("n0", false), ("n1", true)] {
+        answers.push(job.join(JoinReq { watches, ..req(n) }).unwrap().2);
+    }
+    for a in answers {
+        a.await.unwrap().unwrap();
+    }
+    // The record as the round's close stored it: no watch attached yet.
+    let restored = Job::restore(&job.record(&job.lock()), 0, &ctx()).unwrap();
+    restored.check_reattached(Duration::from_secs(10));
+    let f = restored.describe().failure.unwrap();
+    assert_eq!(f.node_rank, Some(1), "{f:?}");
+    assert!(f.reason.contains("did not re-attach"), "{f:?}");
+
+    // Only the bare join: nothing is awaited.
+    let bare = Job::new(JobId::parse("j").unwrap(), config(1, 0), &ctx());
+    let answer = bare.join(req("n0")).unwrap().2;
+    answer.await.unwrap().unwrap();
+    let restored = Job::restore(&bare.record(&bare.lock()), 0, &ctx()).unwrap();
+    restored.check_reattached(Duration::from_secs(10));
+    assert!(restored.describe().failure.is_none());
 }
 
 #[tokio::test]

@@ -68,6 +68,7 @@ pub fn join_req(job: &str, node: &str, local: u32, min: u32, max: u32) -> pb::Jo
             ..Default::default()
         }),
         request_id: String::new(),
+        watches: false,
     }
 }
 

@@ -55,6 +55,7 @@ fn start(job: &str, world: u32) -> (tokio::runtime::Runtime, Vec<RankInfo>) {
                     ..Default::default()
                 }),
                 request_id: format!("{job}-{:016x}", rand::random::<u64>()),
+                watches: false,
             })
             .await
             .unwrap()
