@@ -62,6 +62,16 @@ pub fn rank_failed(
     )
 }
 
+/// What a barrier wait is answered with while in-place recovery replaces a rank, the
+/// coordinator's and the agent relay's alike: `death` (a [`rank_failed`] text), what is done
+/// about it (`detail`, for example the restart and the membership epoch, or empty), and what
+/// the worker must do next.
+pub fn replacing_in_place(death: &str, detail: &str) -> String {
+    format!(
+        "{death}; replacing it in place{detail}: go to the step boundary (quorum) before entering barriers"
+    )
+}
+
 impl Failure {
     /// The one-line account every waiter and the job's final state carry: rank, node, host,
     /// reason, then the error message and the end of stderr when the agent reported them.

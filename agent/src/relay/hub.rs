@@ -210,10 +210,7 @@ fn is_membership_change(err: &pb::BarrierError) -> bool {
 fn membership_changed(death: pb::BarrierError) -> pb::BarrierError {
     pb::BarrierError {
         kind: ErrKind::MembershipChanged as i32,
-        message: format!(
-            "{}; the rank is being replaced in place: go to the step boundary (quorum)",
-            death.message
-        ),
+        message: muster_core::failure::replacing_in_place(&death.message, ""),
         ..death
     }
 }

@@ -5,6 +5,7 @@
 //! membership in `Quorum`, a long poll answered once every rank is alive and has called.
 
 use super::*;
+use muster_core::failure::{rank_failed, replacing_in_place};
 use muster_core::requests::{QuorumAsk, Recovery};
 
 /// How many recoveries the ops view lists (newest first).
@@ -61,26 +62,31 @@ impl Gen {
 
     /// The error a barrier entry gets while a membership change is open.
     pub(super) fn membership_error(&self, job: &JobId) -> pb::BarrierError {
-        let why = self
+        let death = self
             .recoveries
             .iter()
             .find(|r| r.info.quorum_epoch == 0)
-            .map(|r| {
-                format!(
-                    ": rank {} (node {}, host {}) died ({})",
-                    r.info.rank(),
-                    r.info.node_rank(),
-                    r.info.host,
-                    r.info.reason
-                )
-            })
-            .unwrap_or_default();
+            .map_or_else(
+                || {
+                    format!(
+                        "job '{job}' generation {} is changing its membership",
+                        self.generation
+                    )
+                },
+                |r| {
+                    rank_failed(
+                        r.info.rank(),
+                        r.info.node_rank(),
+                        &r.info.host,
+                        job.as_str(),
+                        self.generation,
+                        &r.info.reason,
+                    )
+                },
+            );
         simple_error(
             ErrKind::MembershipChanged,
-            format!(
-                "job '{job}' generation {} is changing its membership (epoch {}){why}; go to the step boundary (Quorum) before entering barriers",
-                self.generation, self.epoch
-            ),
+            replacing_in_place(&death, &format!(" (membership epoch {})", self.epoch)),
         )
     }
 
@@ -169,13 +175,17 @@ impl Gen {
                 "rank {rank} of job '{job}' generation {generation} died while it waited for the quorum; its replacement asks again"
             ))));
         }
-        let who = format!(
-            "rank {rank} (node {}, host {}) of job '{job}' generation {generation} died: {reason}",
+        let who = rank_failed(
+            rank,
             loc.node_rank(),
-            loc.host
+            &loc.host,
+            job.as_str(),
+            generation,
+            &reason,
         );
-        let message = format!(
-            "{who}; replacing it in place (restart {restart_count} of {max_restarts}, membership epoch {epoch})"
+        let message = replacing_in_place(
+            &who,
+            &format!(" (restart {restart_count} of {max_restarts}, membership epoch {epoch})"),
         );
         tracing::warn!(job = %job, generation, rank, epoch, "{message}");
         self.recoveries.push_front(Recovered {

@@ -770,7 +770,7 @@ fn in_place_a_local_death_withdraws_waits_until_the_replacement() {
 /// restarts left), everything fails as in restart mode.
 #[test]
 fn in_place_an_unconfirmed_death_withdraws_and_a_failure_still_fails() {
-    let withdrawn = "MEMBERSHIP_CHANGED: rank 6 (node 1, host host-b) of job 'j' generation 2 failed: gone; the rank is being replaced in place: go to the step boundary (quorum)";
+    let withdrawn = "MEMBERSHIP_CHANGED: rank 6 (node 1, host host-b) of job 'j' generation 2 failed: gone; replacing it in place: go to the step boundary (quorum) before entering barriers";
     let exited = "RANK_FAILED: rank 6 exited with status 3";
     check_on(
         &in_place(),
