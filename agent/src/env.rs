@@ -12,58 +12,7 @@ pub use muster_core::contract::env::OMP_NUM_THREADS;
 
 /// What a worker's death does to the job (`launch --recovery`, the config file's
 /// `muster_recovery`, `submit --recovery`): the workers learn it as `MUSTER_RECOVERY`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
-pub enum Recovery {
-    /// The generation ends, every worker is stopped and the job restarts (torchrun's model).
-    #[default]
-    Restart,
-    /// Only the dead worker is respawned; the others keep running and heal it.
-    InPlace,
-}
-
-impl Recovery {
-    /// The contract's spelling (`MUSTER_RECOVERY`, the flag's and the config file's value).
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Restart => "restart",
-            Self::InPlace => "in-place",
-        }
-    }
-
-    /// Reads the contract's spelling; the error lists the ones accepted.
-    pub fn parse(s: &str) -> Result<Self, String> {
-        match s {
-            "restart" => Ok(Self::Restart),
-            "in-place" => Ok(Self::InPlace),
-            other => Err(format!(
-                "'{other}' is not a recovery mode: expected restart or in-place"
-            )),
-        }
-    }
-
-    /// The wire value (`RendezvousConfig.recovery`, `JobSpec.recovery`).
-    pub fn to_wire(self) -> i32 {
-        match self {
-            Self::Restart => muster_proto::v1::RecoveryMode::Restart as i32,
-            Self::InPlace => muster_proto::v1::RecoveryMode::InPlace as i32,
-        }
-    }
-
-    /// The mode an answer names (`JoinResponse.recovery`): unspecified (a coordinator that
-    /// predates in-place recovery) and unknown values are today's behaviour, a restart.
-    pub fn from_wire(value: i32) -> Self {
-        match muster_proto::v1::RecoveryMode::try_from(value) {
-            Ok(muster_proto::v1::RecoveryMode::InPlace) => Self::InPlace,
-            _ => Self::Restart,
-        }
-    }
-}
-
-impl std::fmt::Display for Recovery {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
+pub use muster_core::requests::Recovery;
 
 /// What the agent knows about its node once the rendezvous round has closed: the inputs of
 /// every worker's environment.
@@ -444,21 +393,6 @@ mod tests {
             get(&respawned),
             [some("in-place"), some("4"), some("3"), some("3")]
         );
-    }
-
-    #[test]
-    fn recovery_spellings() {
-        for mode in [Recovery::Restart, Recovery::InPlace] {
-            assert_eq!(Recovery::parse(mode.as_str()), Ok(mode));
-            assert_eq!(Recovery::from_wire(mode.to_wire()), mode);
-        }
-        assert_eq!(
-            Recovery::parse("inplace"),
-            Err("'inplace' is not a recovery mode: expected restart or in-place".to_owned())
-        );
-        // A coordinator that predates in-place recovery answers 0: a restart.
-        assert_eq!(Recovery::from_wire(0), Recovery::Restart);
-        assert_eq!(Recovery::from_wire(99), Recovery::Restart);
     }
 
     /// With the agent store, torch's `env://` must see exactly Python's `str(True)`.

@@ -161,7 +161,7 @@ fn assignment(addr: &str, n: &pb::JoinResponse) -> NodeAssignment {
         world_size: n.world_size,
         restart_count: n.restart_count,
         max_restarts: 0,
-        recovery: muster_agent::env::Recovery::from_wire(n.recovery),
+        recovery: muster_agent::env::Recovery::from_answer(n.recovery),
         epoch: 0,
         host: HOST.to_owned(),
         master_addr: HOST.to_owned(),

@@ -70,6 +70,7 @@ impl Hang {
 /// What a worker's death does (the wire's `RecoveryMode`, never unspecified here; the workers'
 /// `MUSTER_RECOVERY`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Recovery {
     /// The generation ends and every worker restarts (the default).
     #[default]
@@ -92,6 +93,15 @@ impl Recovery {
         }
     }
 
+    /// The mode an answer names (`JoinResponse.recovery`): unspecified (a coordinator that
+    /// predates in-place recovery) and unknown values are a restart, the behaviour before it.
+    pub fn from_answer(v: i32) -> Self {
+        Self::from_wire("recovery", v)
+            .ok()
+            .flatten()
+            .unwrap_or_default()
+    }
+
     /// The wire value.
     pub fn to_wire(self) -> i32 {
         match self {
@@ -100,18 +110,30 @@ impl Recovery {
         }
     }
 
-    /// The name an operator types (`--recovery`): `restart` or `in-place`.
-    pub fn name(self) -> &'static str {
+    /// The contract's spelling, what an operator types (`--recovery`, the config file's
+    /// `muster_recovery`, the workers' `MUSTER_RECOVERY`): `restart` or `in-place`.
+    pub fn as_str(self) -> &'static str {
         match self {
             Self::Restart => "restart",
             Self::InPlace => "in-place",
+        }
+    }
+
+    /// Reads the contract's spelling; the error lists the ones accepted.
+    pub fn parse(s: &str) -> Result<Self, String> {
+        match s {
+            "restart" => Ok(Self::Restart),
+            "in-place" => Ok(Self::InPlace),
+            other => Err(format!(
+                "'{other}' is not a recovery mode: expected restart or in-place"
+            )),
         }
     }
 }
 
 impl std::fmt::Display for Recovery {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
+        f.write_str(self.as_str())
     }
 }
 
@@ -696,6 +718,21 @@ mod tests {
         );
         assert_eq!(OnHang::parse("restart"), Ok(OnHang::Restart));
         assert!(OnHang::parse("stop").is_err());
+    }
+
+    #[test]
+    fn recovery_spellings() {
+        for mode in [Recovery::Restart, Recovery::InPlace] {
+            assert_eq!(Recovery::parse(mode.as_str()), Ok(mode));
+            assert_eq!(Recovery::from_wire("r", mode.to_wire()), Ok(Some(mode)));
+        }
+        assert_eq!(
+            Recovery::parse("inplace"),
+            Err("'inplace' is not a recovery mode: expected restart or in-place".to_owned())
+        );
+        assert_eq!(Recovery::from_wire("r", 0), Ok(None));
+        assert_eq!(Recovery::from_answer(0), Recovery::Restart);
+        assert_eq!(Recovery::from_answer(99), Recovery::Restart);
     }
 
     #[test]

@@ -230,15 +230,10 @@ impl RecoveryEnv {
     /// `restart` or `in-place`, an epoch that is not a number, or a nonzero epoch outside
     /// in-place mode is [`Error::Config`] naming the variable and its value.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, Error> {
-        let mode = match lookup(var::MUSTER_RECOVERY).as_deref().map(str::trim) {
-            None | Some("restart") => Recovery::Restart,
-            Some("in-place") => Recovery::InPlace,
-            Some(other) => {
-                return Err(Error::Config(format!(
-                    "{}={other:?} is not a recovery mode (use restart or in-place)",
-                    var::MUSTER_RECOVERY
-                )));
-            }
+        let mode = match lookup(var::MUSTER_RECOVERY) {
+            None => Recovery::Restart,
+            Some(v) => Recovery::parse(v.trim())
+                .map_err(|why| Error::Config(format!("{}: {why}", var::MUSTER_RECOVERY)))?,
         };
         let vars = Vars { lookup: &lookup };
         let epoch: u64 = vars.optional_number(var::MUSTER_EPOCH)?.unwrap_or(0);
@@ -503,8 +498,8 @@ mod tests {
         assert_eq!(
             error(&[("MUSTER_RECOVERY", "inplace")]).as_deref(),
             Some(
-                "bad muster environment: MUSTER_RECOVERY=\"inplace\" is not a recovery mode \
-                 (use restart or in-place)"
+                "bad muster environment: MUSTER_RECOVERY: 'inplace' is not a recovery mode: \
+                 expected restart or in-place"
             )
         );
         assert!(

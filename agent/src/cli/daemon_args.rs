@@ -92,17 +92,14 @@ impl ServeArgs {
         args.nproc_per_node = Some(Nproc::Count(job.nproc_per_node));
         args.max_restarts = Some(job.max_restarts);
         // Unspecified: what a bare launch does (a restart).
-        args.recovery = match pb::RecoveryMode::try_from(job.recovery) {
-            Ok(pb::RecoveryMode::Unspecified) => args.recovery,
-            Ok(pb::RecoveryMode::Restart) => Some(Recovery::Restart),
-            Ok(pb::RecoveryMode::InPlace) => Some(Recovery::InPlace),
-            Err(_) => {
-                return Err(format!(
+        args.recovery = Recovery::from_wire("recovery", job.recovery)
+            .map_err(|_| {
+                format!(
                     "job '{}' asks for recovery mode {}, which this agent does not know",
                     job.job_id, job.recovery
-                ));
-            }
-        };
+                )
+            })?
+            .or(args.recovery);
         // 0: the job leaves it to the agents.
         args.grace_period_ms = Some(if job.grace_period_ms > 0 {
             job.grace_period_ms

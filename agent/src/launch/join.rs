@@ -94,7 +94,7 @@ pub(super) async fn join(
             answer.local_world_size, spec.nproc_per_node
         ))));
     }
-    let recovery = Recovery::from_wire(answer.recovery);
+    let recovery = Recovery::from_answer(answer.recovery);
     if recovery != spec.recovery && !spec.quiet {
         // Only a coordinator that predates in-place recovery answers so (it leaves the field
         // unset); one that knows it refuses a join whose mode differs from the job's.

@@ -377,7 +377,7 @@ impl Native {
 
     /// The job's recovery mode: `"restart"` or `"in-place"` (`MUSTER_RECOVERY`).
     fn recovery(&self, py: Python<'_>) -> PyResult<&'static str> {
-        Ok(self.get(py)?.recovery().name())
+        Ok(self.get(py)?.recovery().as_str())
     }
 
     /// Whether this process replaces a rank that died in place (`MUSTER_EPOCH` > 0): it asks
