@@ -17,7 +17,7 @@
 
 pub use crate::cli::daemon_args::Request;
 use crate::cli::daemon_args::{CancelArgs, ServeArgs, StatusArgs, SubmitArgs, pairs};
-use crate::failover::{self, Coordinators};
+use crate::failover;
 use crate::launch::{self, Outcome, Stops};
 use crate::operator::{CONNECT_WINDOW, connect, describe};
 use crate::spec::LaunchSpec;
@@ -303,11 +303,11 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
         None => None,
     };
     let security = args.security.resolve()?;
-    let coordinators = Coordinators::from_list(&list, failover::DEFAULT_BUDGET)
+    let coordinators = failover::from_list(&list, failover::DEFAULT_BUDGET)
         .with_security(security.client().clone());
     let address = match &args.advertise_addr {
         Some(a) => a.clone(),
-        None => launch::advertise_default(&coordinators.current()).await,
+        None => launch::advertise_default(&coordinators.leader_addr()).await,
     };
     let info = pb::MachineInfo {
         agent_id: agent_id.clone(),
@@ -337,8 +337,7 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
     let mut announced = false;
     'connect: loop {
         let opened = async {
-            let (addr, channel) = coordinators
-                .connect(CONNECT_WINDOW)
+            let (addr, channel) = failover::connect(&coordinators, CONNECT_WINDOW)
                 .await
                 .map_err(|e| e.to_string())?;
             let (out, out_rx) = mpsc::channel::<pb::AgentMessage>(64);
@@ -459,7 +458,7 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
                         Some(pb::agent_command::Kind::Heartbeat(_)) | None => {}
                     },
                     Ok(None) | Err(_) => {
-                        let from = coordinators.current();
+                        let from = coordinators.leader_addr();
                         let hint = match &msg {
                             Err(s) => failover::leader_hint(s),
                             Ok(_) => None,

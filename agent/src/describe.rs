@@ -27,7 +27,7 @@ pub async fn run(args: DescribeArgs) -> Result<u8, String> {
                 tonic::Code::NotFound => format!(
                     "job '{}' is not known to the coordinator at {}: {}",
                     args.job_id,
-                    coordinators.current(),
+                    coordinators.leader_addr(),
                     s.message()
                 ),
                 _ => format!(

@@ -208,7 +208,7 @@ pub async fn run_with(spec: LaunchSpec, mut stops: Stops) -> Result<Outcome, Lau
     let Some(hosted) = place.hosted else {
         return run_at(spec, &mut stops, place.addr, place.embedded).await;
     };
-    let coordinators = Coordinators::from_list(&place.addr, spec.failover_timeout)
+    let coordinators = failover::from_list(&place.addr, spec.failover_timeout)
         .with_security(spec.security.client().clone())
         .waiting_out_outages();
     let (job, lease) = (spec.job_id.clone(), spec.lease);
@@ -243,7 +243,7 @@ async fn run_at(
     };
     // The embedded coordinator is plaintext without authentication (the spec's security is
     // plaintext then).
-    let coordinators = Coordinators::from_list(&coordinator, spec.failover_timeout)
+    let coordinators = failover::from_list(&coordinator, spec.failover_timeout)
         .with_security(spec.security.client().clone())
         .waiting_out_outages();
     let job = spec.job_id.clone();
@@ -255,13 +255,17 @@ async fn run_at(
              (`muster-agent describe --coordinator {coordinator} {job}` shows who waits where)"
         );
     }
-    let reached = match waiting(coordinators.connect(CONNECT_WINDOW), stops, || {
-        // `-q`: no notice (an empty one is not printed).
-        if spec.quiet {
-            return String::new();
-        }
-        format!("muster-agent: waiting for the coordinator at {coordinator} (job {job})")
-    })
+    let reached = match waiting(
+        failover::connect(&coordinators, CONNECT_WINDOW),
+        stops,
+        || {
+            // `-q`: no notice (an empty one is not printed).
+            if spec.quiet {
+                return String::new();
+            }
+            format!("muster-agent: waiting for the coordinator at {coordinator} (job {job})")
+        },
+    )
     .await
     {
         Waited::Done(reached) => reached?.0,
@@ -347,7 +351,7 @@ async fn run_at(
         {
             eprintln!(
                 "{}",
-                state_lost_line(&job, &coordinators.current(), previous)
+                state_lost_line(&job, &coordinators.leader_addr(), previous)
             );
             return Ok(Outcome::Failed);
         }
@@ -680,18 +684,15 @@ async fn waiting_join(
             sig = stops.recv() => return Waited::Signal(sig),
             _ = tick.tick() => {
                 // One attempt, on whichever replica leads now: this is only a status line.
-                let joined = match coordinators.channel() {
-                    Ok((_, channel)) => OpsClient::new(channel)
-                        .describe_job(pb::DescribeJobRequest {
-            job_id: job.clone(),
-            ..Default::default()
-        })
-                        .await
-                        .ok()
-                        .and_then(|r| r.into_inner().summary)
-                        .map(|s| s.nodes_waiting),
-                    Err(_) => None,
-                };
+                let joined = OpsClient::new(coordinators.channel())
+                    .describe_job(pb::DescribeJobRequest {
+                        job_id: job.clone(),
+                        ..Default::default()
+                    })
+                    .await
+                    .ok()
+                    .and_then(|r| r.into_inner().summary)
+                    .map(|s| s.nodes_waiting);
                 if joined != shown && !spec.quiet {
                     shown = joined;
                     let (min, max) = (spec.nodes.min, spec.nodes.max);
@@ -699,7 +700,7 @@ async fn waiting_join(
                     eprintln!(
                         "muster-agent: waiting for nodes: {}/{wanted} joined (job {job}, coordinator {})",
                         joined.map_or_else(|| "?".to_owned(), |n| n.to_string()),
-                        coordinators.current()
+                        coordinators.leader_addr()
                     );
                 }
             }

@@ -19,10 +19,9 @@ const FOLLOW_WAIT: Duration = Duration::from_secs(5);
 pub(crate) async fn connect(list: &str, security: &SecurityArgs) -> Result<Coordinators, String> {
     let list = crate::cli::coordinator_list(list).map_err(|e| e.to_string())?;
     let security = security.resolve()?;
-    let coordinators = Coordinators::from_list(&list, failover::DEFAULT_BUDGET)
+    let coordinators = failover::from_list(&list, failover::DEFAULT_BUDGET)
         .with_security(security.client().clone());
-    coordinators
-        .connect(CONNECT_WINDOW)
+    failover::connect(&coordinators, CONNECT_WINDOW)
         .await
         .map_err(|e| e.to_string())?;
     Ok(coordinators)

@@ -152,7 +152,7 @@ impl Relay {
     /// registers the node. Returns once workers may connect.
     pub async fn start(node: &NodeAssignment) -> Result<Self, RelayError> {
         let coordinators =
-            Coordinators::from_list(&node.coordinator, node.failover_timeout).waiting_out_outages();
+            failover::from_list(&node.coordinator, node.failover_timeout).waiting_out_outages();
         Self::start_with(node, &coordinators).await
     }
 
@@ -370,7 +370,7 @@ async fn first_attach(
     node: &NodeAssignment,
 ) -> Result<Attached, RelayError> {
     let budget = coordinators
-        .budget()
+        .failover_timeout()
         .min(START_TIMEOUT.saturating_sub(Duration::from_secs(1)));
     let mut retry = Retry::new(budget);
     loop {
@@ -408,9 +408,7 @@ async fn attach(
     resume: bool,
     released: u64,
 ) -> Result<Attached, AttachFailure> {
-    let (addr, channel) = coordinators
-        .channel()
-        .map_err(|status| (coordinators.current(), status))?;
+    let (addr, channel) = failover::channel(coordinators);
     let failed = |status: Status| {
         if failover::retryable(&status) {
             coordinators.failed(&addr, failover::leader_hint(&status).as_deref());
@@ -546,7 +544,7 @@ async fn coordinator_loop(
     node: NodeAssignment,
 ) {
     let why = 'relay: loop {
-        let addr = coordinators.current();
+        let addr = coordinators.leader_addr();
         let ended = loop {
             match inbound.message().await {
                 Ok(Some(event)) => {
@@ -572,15 +570,17 @@ async fn coordinator_loop(
         // Through an etcd outage (every replica refuses as not the leader) the relay
         // keeps its workers' connections and waits; the node's watch decides whether the
         // workers keep running.
-        let mut retry = Retry::new(coordinators.budget());
+        let mut retry = Retry::new(coordinators.failover_timeout());
         loop {
             if !retry
-                .pause_until(coordinators.held_until(failover::call_hold(coordinators.budget())))
+                .pause_until(
+                    coordinators.held_until(failover::call_hold(coordinators.failover_timeout())),
+                )
                 .await
             {
                 break 'relay format!(
                     "the node relay lost its stream to the coordinator at {addr} ({why}) and no replica took it back within {} ms",
-                    coordinators.budget().as_millis()
+                    coordinators.failover_timeout().as_millis()
                 );
             }
             let released = state.borrow().hub.released();
@@ -597,7 +597,7 @@ async fn coordinator_loop(
                     eprintln!(
                         "muster-agent: job {}: node relay re-registered with the coordinator at {} {:.0} ms after losing {addr}",
                         node.job_id,
-                        coordinators.current(),
+                        coordinators.leader_addr(),
                         lost_at.elapsed().as_secs_f64() * 1000.0
                     );
                     continue 'relay;

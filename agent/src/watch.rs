@@ -113,7 +113,7 @@ impl Watch {
         let (tx, events) = mpsc::unbounded_channel();
         let (finish, finish_rx) = oneshot::channel();
         let (reattaching_tx, reattaching) = watch::channel(false);
-        let budget = coordinators.budget();
+        let budget = coordinators.failover_timeout();
         let task = tokio::spawn(run(
             coordinators,
             attach,
@@ -356,13 +356,7 @@ async fn run(
             let _ = tx.send(WatchEvent::Lost(format!("{what}: {last_error}")));
             return;
         }
-        let (addr, channel) = match coordinators.channel() {
-            Ok(pair) => pair,
-            Err(status) => {
-                let _ = tx.send(WatchEvent::Lost(status.message().to_owned()));
-                return;
-            }
-        };
+        let (addr, channel) = failover::channel(&coordinators);
         let mut client = RendezvousClient::new(channel);
         let (out, out_rx) = mpsc::channel::<pb::NodeMessage>(16);
         let _ = out

@@ -2,8 +2,9 @@
 //! (shared with the agent) under the SDK's names, the budget read from the environment, and
 //! the sleeps of a streak of failures on tokio's clock.
 //!
-//! [`crate::client`] applies the policy to unary calls and to the session stream; the rules
-//! themselves are tested in `muster-core`.
+//! [`crate::client`] applies the policy to unary calls and to the session stream, for the
+//! workers and for the agent (which uses the same client); the rules themselves are tested in
+//! `muster-core`.
 
 use std::time::Duration;
 
@@ -28,29 +29,40 @@ pub(crate) fn timeout_from(value: Option<&str>) -> Result<Duration, Error> {
     policy::budget_from(value).map_err(|e| Error::Config(e.to_string()))
 }
 
-/// The retries of one call or one re-attach: the policy's backoff and budget, counted from the
-/// first failure (a wait that legitimately lasts long is not cut short by the budget).
+/// One streak of failures, of one call or one re-attach, the SDK's and the agent's alike: the
+/// policy's backoff and budget, counted from the first failure (a wait that legitimately
+/// lasts long is not cut short by the budget).
 #[derive(Debug)]
-pub(crate) struct Retry {
+pub struct Retry {
     streak: Streak,
     started: Instant,
 }
 
 impl Retry {
-    pub(crate) fn new(budget: Duration) -> Self {
+    /// A streak that starts now with `budget`.
+    pub fn new(budget: Duration) -> Self {
         Self {
             streak: Streak::new(budget),
             started: Instant::now(),
         }
     }
 
-    /// Sleeps before the next attempt, never past the deadline: the budget's end, or `held`
-    /// if that is later (while every replica refuses as not the leader:
-    /// [`crate::client::Coordinator`]'s census). `false`: the deadline has passed and the
-    /// caller should give up.
+    /// When the budget runs out.
+    pub fn deadline(&self) -> Instant {
+        later(self.started, self.streak.budget())
+    }
+
+    /// Sleeps before the next attempt; `false` (at once) when the budget is spent. The last
+    /// sleep is cut short at the deadline, so one more attempt is made right at it.
     ///
     /// Cancel-safe: dropping it only skips the sleep.
-    pub(crate) async fn wait(&mut self, held: Option<Instant>) -> bool {
+    pub async fn pause(&mut self) -> bool {
+        self.pause_until(None).await
+    }
+
+    /// [`Retry::pause`], going on past the budget until `held`, if that is later (while every
+    /// replica refuses as not the leader: [`crate::client::Coordinator::held_until`]).
+    pub async fn pause_until(&mut self, held: Option<Instant>) -> bool {
         let deadline = held.map_or(Duration::ZERO, |h| {
             h.saturating_duration_since(self.started)
         });
@@ -64,14 +76,20 @@ impl Retry {
     }
 
     /// Time since the first failure.
-    pub(crate) fn elapsed(&self) -> Duration {
+    pub fn elapsed(&self) -> Duration {
         self.started.elapsed()
     }
 
     /// The budget this retry runs under.
-    pub(crate) fn budget(&self) -> Duration {
+    pub fn budget(&self) -> Duration {
         self.streak.budget()
     }
+}
+
+/// `t + d`, saturating far in the future instead of overflowing.
+pub fn later(t: Instant, d: Duration) -> Instant {
+    t.checked_add(d)
+        .unwrap_or_else(|| t + Duration::from_secs(100 * 365 * 24 * 3600))
 }
 
 #[cfg(test)]
@@ -102,7 +120,7 @@ mod tests {
         let budget = Duration::from_millis(400);
         let mut retry = Retry::new(budget);
         let mut attempts = 0;
-        while retry.wait(None).await {
+        while retry.pause().await {
             attempts += 1;
         }
         let elapsed = retry.elapsed();
@@ -115,6 +133,6 @@ mod tests {
         assert!((3..=6).contains(&attempts), "{attempts} attempts");
 
         let mut none = Retry::new(Duration::ZERO);
-        assert!(!none.wait(None).await, "a zero budget never retries");
+        assert!(!none.pause().await, "a zero budget never retries");
     }
 }

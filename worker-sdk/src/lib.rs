@@ -56,7 +56,7 @@ pub mod dtype;
 pub mod env;
 pub mod error;
 pub mod error_file;
-mod failover;
+pub mod failover;
 pub mod membership;
 pub mod relay;
 mod trace_context;

@@ -73,7 +73,7 @@ pub(super) async fn join(
             Err(status)
                 if status.code() == tonic::Code::FailedPrecondition
                     && status.message().contains("the job is full")
-                    && spare.refused(asked, Instant::now(), &coordinators.current()) =>
+                    && spare.refused(asked, Instant::now(), &coordinators.leader_addr()) =>
             {
                 if !said && !spec.quiet {
                     eprintln!(
@@ -118,8 +118,8 @@ pub(super) async fn join(
         }
     };
     let node = NodeAssignment {
-        coordinator: coordinators.list(),
-        failover_timeout: coordinators.budget(),
+        coordinator: coordinators.addr().to_owned(),
+        failover_timeout: coordinators.failover_timeout(),
         job_id: answer.job_id,
         generation: answer.generation,
         node_rank: answer.node_rank,

@@ -902,7 +902,7 @@ exit 0"#
         spec.program
             .env
             .push(("OUT".into(), out.to_string_lossy().into_owned()));
-        let coordinators = Coordinators::from_list("127.0.0.1:1", Duration::from_millis(100));
+        let coordinators = failover::from_list("127.0.0.1:1", Duration::from_millis(100));
         let (watch, tx) = Watch::scripted();
         let mut stops = Stops::token(tokio_util::sync::CancellationToken::new());
         let send = async move |tx: UnboundedSender<WatchEvent>| {

@@ -38,7 +38,9 @@ use crate::{
 };
 
 /// A connection to the coordinator, cheap to clone and share: tonic multiplexes every call and
-/// session stream of all clones over one HTTP/2 connection per coordinator replica.
+/// session stream of all clones over one HTTP/2 connection per coordinator replica. It is
+/// muster's one coordinator client: the workers', the agent's (its joins, watch, relay, store
+/// and operator commands, `describe` among them) and the benchmarks'.
 ///
 /// Every connection uses the same [`ClientSecurity`]: TLS (or plaintext) and the credentials
 /// sent with every call and stream (`authorization: Bearer <token>`). [`Coordinator::connect`]
@@ -66,15 +68,18 @@ struct Replicas {
     state: Mutex<ReplicaState>,
     /// The origin of the census's clock.
     born: tokio::time::Instant,
+    /// Whether failures are retried past the budget while the census proves that no replica
+    /// leads ([`Coordinator::held_until`]): a job member's client (a worker's, a running job's
+    /// agent's) does; an operator's command keeps its budget and says what failed.
+    outages: bool,
 }
 
 struct ReplicaState {
     /// Which replica is in use and where a failure moves (the policy's epoch tells a stale
     /// failure from a fresh one, so that many calls failing on one replica switch only once).
     rotation: Rotation,
-    /// A channel for every address the rotation can be on: the configured ones, then any
-    /// leader named by a follower that was not among them (added before the rotation moves
-    /// there).
+    /// A channel for every address the rotation has been on (made on first use: lazily
+    /// connected, so a connection failure shows up as the call's UNAVAILABLE).
     channels: HashMap<String, AuthChannel>,
     /// How long calls and sessions keep retrying after a failure.
     failover_timeout: Duration,
@@ -84,16 +89,22 @@ struct ReplicaState {
 }
 
 /// The replica a call is made on.
-pub(crate) struct Current {
-    pub(crate) channel: AuthChannel,
-    pub(crate) addr: Arc<str>,
-    pub(crate) epoch: u64,
+pub struct Current {
+    /// The channel to it, carrying the credentials.
+    pub channel: AuthChannel,
+    /// Its address.
+    pub addr: Arc<str>,
+    /// The rotation's epoch when it was chosen: a failure on it is reported with this
+    /// ([`Coordinator::fail_over`]), so that a stale failure moves nothing.
+    pub epoch: u64,
 }
 
 /// A unary call that failed for good: its last status and the replica that gave it.
-pub(crate) struct Failed {
-    status: tonic::Status,
-    addr: Arc<str>,
+pub struct Failed {
+    /// The last status.
+    pub status: tonic::Status,
+    /// The replica that gave it.
+    pub addr: Arc<str>,
 }
 
 impl Failed {
@@ -105,9 +116,12 @@ impl Failed {
 
 impl fmt::Debug for Coordinator {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Without the TLS settings: tonic's `Debug` of a client identity shows its private key.
         f.debug_struct("Coordinator")
             .field("addrs", &self.inner.addrs)
             .field("leader", &self.leader_addr())
+            .field("tls", &self.inner.security.is_tls())
+            .field("outages", &self.inner.outages)
             .finish_non_exhaustive()
     }
 }
@@ -132,12 +146,13 @@ impl Coordinator {
         let list = parse_list(addrs)?;
         let failover_timeout = failover::timeout_from_env()?;
         let mut last = None;
-        let mut connected = None;
-        for (index, addr) in list.iter().enumerate() {
+        for addr in &list {
             match endpoint(&security, addr, list.len() > 1)?.connect().await {
                 Ok(channel) => {
-                    connected = Some((index, channel));
-                    break;
+                    let coordinator =
+                        Self::lazy(addrs, list.clone(), failover_timeout, security, true)?;
+                    coordinator.settle(addr, channel);
+                    return Ok(coordinator);
                 }
                 Err(e) => {
                     tracing::debug!(%addr, error = %e, "coordinator replica unreachable");
@@ -145,40 +160,16 @@ impl Coordinator {
                 }
             }
         }
-        let Some((current, channel)) = connected else {
-            let (addr, source) =
-                last.ok_or_else(|| Error::Config("no coordinator address".into()))?;
-            let addr = if list.len() == 1 {
-                addr
-            } else {
-                addrs.trim().to_owned()
-            };
-            return Err(Error::Connection {
-                addr,
-                source: Arc::new(source),
-            });
+        let (addr, source) = last.ok_or_else(|| Error::Config("no coordinator address".into()))?;
+        let addr = if list.len() == 1 {
+            addr
+        } else {
+            addrs.trim().to_owned()
         };
-        let mut channel = Some(channel);
-        let channels = list
-            .iter()
-            .enumerate()
-            .map(|(index, addr)| {
-                let channel = match channel.take_if(|_| index == current) {
-                    Some(channel) => channel,
-                    None => endpoint(&security, addr, list.len() > 1)?.connect_lazy(),
-                };
-                Ok((addr.clone(), security.wrap(channel)))
-            })
-            .collect::<Result<_, Error>>()?;
-        let mut rotation = Rotation::new(list.clone());
-        rotation.settle(&list[current]);
-        Ok(Self::with_channels(
-            addrs,
-            security,
-            rotation,
-            channels,
-            failover_timeout,
-        ))
+        Err(Error::Connection {
+            addr,
+            source: Arc::new(source),
+        })
     }
 
     /// Like [`Coordinator::connect`], but connects on first use; errors then show up in the
@@ -192,7 +183,42 @@ impl Coordinator {
     /// surfaces as [`Error::Connection`] from the call that needed it.
     pub fn connect_lazy_with(addrs: &str, security: ClientSecurity) -> Result<Self, Error> {
         let list = parse_list(addrs)?;
-        let failover_timeout = failover::timeout_from_env()?;
+        Self::lazy(addrs, list, failover::timeout_from_env()?, security, true)
+    }
+
+    /// The replicas `list` (checked `host:port` items, the first tried first), connected on
+    /// first use, with the failover budget `budget` and `security`: the agent's constructor,
+    /// which takes its budget from `--failover-timeout-ms` rather than the environment. Its
+    /// failures do not wait out an etcd outage past the budget (an operator's command); see
+    /// [`Coordinator::waiting_out_outages`] for a running job's agent.
+    pub fn replicas(list: Vec<String>, budget: Duration, security: ClientSecurity) -> Self {
+        let addrs = list.join(",");
+        let state = ReplicaState {
+            census: Census::new(list.len()),
+            rotation: Rotation::new(list),
+            channels: HashMap::new(),
+            failover_timeout: budget,
+        };
+        Self {
+            inner: Arc::new(Replicas {
+                addrs: addrs.into(),
+                security,
+                state: Mutex::new(state),
+                born: tokio::time::Instant::now(),
+                outages: false,
+            }),
+        }
+    }
+
+    /// [`Coordinator::replicas`] from a list as given, each address's channel made now (so
+    /// that a bad address fails here).
+    fn lazy(
+        addrs: &str,
+        list: Vec<String>,
+        budget: Duration,
+        security: ClientSecurity,
+        outages: bool,
+    ) -> Result<Self, Error> {
         let channels = list
             .iter()
             .map(|addr| {
@@ -200,13 +226,61 @@ impl Coordinator {
                 Ok((addr.clone(), security.wrap(channel)))
             })
             .collect::<Result<_, Error>>()?;
-        Ok(Self::with_channels(
-            addrs,
-            security,
-            Rotation::new(list),
-            channels,
-            failover_timeout,
-        ))
+        let coordinator = Self::replicas(list, budget, security).rebuilt(addrs.trim(), outages);
+        coordinator.state().channels = channels;
+        Ok(coordinator)
+    }
+
+    /// The same replicas, budget, security and leader, with `addrs` as their name and the
+    /// outage rule `outages`, and with channels and census of its own.
+    fn rebuilt(&self, addrs: &str, outages: bool) -> Self {
+        let state = self.state();
+        let fresh = ReplicaState {
+            census: Census::new(state.rotation.addrs().len()),
+            rotation: state.rotation.clone(),
+            channels: HashMap::new(),
+            failover_timeout: state.failover_timeout,
+        };
+        Self {
+            inner: Arc::new(Replicas {
+                addrs: addrs.into(),
+                security: self.inner.security.clone(),
+                state: Mutex::new(fresh),
+                born: tokio::time::Instant::now(),
+                outages,
+            }),
+        }
+    }
+
+    /// The same replicas, whose calls and streams wait out an outage of etcd: past the budget
+    /// for as long as every replica refuses as not the leader ([`Coordinator::held_until`]).
+    /// For a running job's agent (its watch, relay, store and joins).
+    #[must_use]
+    pub fn waiting_out_outages(self) -> Self {
+        self.rebuilt(&self.inner.addrs, true)
+    }
+
+    /// Whether these replicas' calls and streams wait out an outage of etcd.
+    pub fn waits_out_outages(&self) -> bool {
+        self.inner.outages
+    }
+
+    /// The same replicas, budget and current leader, with channels of its own: for a thread
+    /// that runs a runtime of its own (a tonic channel runs its connection on the runtime it
+    /// was made on).
+    pub fn fork(&self) -> Self {
+        self.rebuilt(&self.inner.addrs, self.inner.outages)
+    }
+
+    /// The same replicas and budget, connected with `security` (TLS settings, credentials),
+    /// with channels of their own.
+    #[must_use]
+    pub fn with_security(self, security: ClientSecurity) -> Self {
+        let mut fork = self.fork();
+        if let Some(inner) = Arc::get_mut(&mut fork.inner) {
+            inner.security = security;
+        }
+        fork
     }
 
     /// Wraps a channel built elsewhere (custom transport, tests); `addr` names the coordinator
@@ -224,37 +298,11 @@ impl Coordinator {
         security: ClientSecurity,
     ) -> Self {
         let addr: Arc<str> = addr.into();
-        let channels = HashMap::from([(addr.to_string(), security.wrap(channel))]);
-        let rotation = Rotation::new(vec![addr.to_string()]);
-        Self::with_channels(
-            &addr,
-            security,
-            rotation,
-            channels,
-            failover::DEFAULT_TIMEOUT,
-        )
-    }
-
-    fn with_channels(
-        addrs: &str,
-        security: ClientSecurity,
-        rotation: Rotation,
-        channels: HashMap<String, AuthChannel>,
-        failover_timeout: Duration,
-    ) -> Self {
-        Self {
-            inner: Arc::new(Replicas {
-                addrs: addrs.trim().into(),
-                security,
-                state: Mutex::new(ReplicaState {
-                    census: Census::new(rotation.addrs().len()),
-                    rotation,
-                    channels,
-                    failover_timeout,
-                }),
-                born: tokio::time::Instant::now(),
-            }),
-        }
+        let coordinator =
+            Self::replicas(vec![addr.to_string()], failover::DEFAULT_TIMEOUT, security)
+                .rebuilt(&addr, true);
+        coordinator.settle(&addr, channel);
+        coordinator
     }
 
     fn state(&self) -> MutexGuard<'_, ReplicaState> {
@@ -266,18 +314,21 @@ impl Coordinator {
             .unwrap_or_else(PoisonError::into_inner)
     }
 
-    pub(crate) fn current(&self) -> Current {
+    /// The replica calls go to now and a channel to it (made on first use). Must be called
+    /// within a tokio runtime.
+    pub fn current(&self) -> Current {
         let mut state = self.state();
         let addr = state.rotation.current().to_owned();
         let channel = match state.channels.get(&addr) {
             Some(channel) => channel.clone(),
-            // Not reached: every address the rotation moves to has a channel. Should it be,
-            // a lazy channel reports a bad address as the call's error.
             None => {
+                // A lazy channel reports a bad address (never one the rotation moves to: the
+                // list is checked and a named leader is taken only if it makes an endpoint)
+                // as the call's error.
                 let security = &self.inner.security;
+                let several = state.rotation.addrs().len() > 1;
                 let channel = security.wrap(
-                    security
-                        .endpoint(&addr)
+                    endpoint(security, &addr, several)
                         .unwrap_or_else(|_| Channel::from_static("http://[::]:1"))
                         .connect_lazy(),
                 );
@@ -293,66 +344,102 @@ impl Coordinator {
     }
 
     /// Moves to another replica after a failure seen on the replica of `epoch`: to `leader` if
-    /// a follower named it, else to the next address in the list. Does nothing if another call
-    /// already moved on since.
-    pub(crate) fn fail_over(&self, epoch: u64, leader: Option<&str>) {
+    /// a follower named it (and it makes an endpoint), else to the next address in the list.
+    /// Does nothing if another call already moved on since.
+    pub fn fail_over(&self, epoch: u64, leader: Option<&str>) {
+        let leader = leader.filter(|leader| self.usable(leader));
+        self.state().rotation.failed_at(epoch, leader);
+    }
+
+    /// [`Coordinator::fail_over`] for a failure seen on `addr`: nothing moves if calls already
+    /// went on from it. Returns the address calls go to now.
+    pub fn failed(&self, addr: &str, leader: Option<&str>) -> Arc<str> {
+        let leader = leader.filter(|leader| self.usable(leader));
+        self.state().rotation.failed(addr, leader).into()
+    }
+
+    /// Whether a leader a follower named makes an endpoint (its channel is made on first use).
+    fn usable(&self, leader: &str) -> bool {
+        endpoint(&self.inner.security, leader, true).is_ok()
+    }
+
+    /// Makes `addr` (which answered) the address calls go to, with its connected `channel`.
+    pub fn settle(&self, addr: &str, channel: Channel) {
         let mut state = self.state();
-        if state.rotation.epoch() != epoch {
-            return;
-        }
-        let leader = leader.filter(|leader| {
-            if state.channels.contains_key(*leader) {
-                return true;
-            }
-            // A leader outside the list (its advertise address spelled differently): add it.
-            let security = &self.inner.security;
-            let Ok(endpoint) = endpoint(security, leader, true) else {
-                return false;
-            };
-            let channel = security.wrap(endpoint.connect_lazy());
-            state.channels.insert((*leader).to_owned(), channel);
-            true
-        });
-        state.rotation.failed_at(epoch, leader);
+        state.rotation.settle(addr);
+        let channel = self.inner.security.wrap(channel);
+        state.channels.insert(addr.to_owned(), channel);
     }
 
     /// Runs a unary call under the failover policy. `attempt` makes one attempt on the channel
     /// it is given. Failures that prove the request was not applied are retried for every
     /// call; other retryable failures only when `idempotent`. On giving up, the error names
     /// the replica that answered last.
-    pub(crate) async fn call<T, F, Fut>(
+    pub async fn call<T, F, Fut>(&self, idempotent: bool, attempt: F) -> Result<T, Failed>
+    where
+        F: FnMut(AuthChannel) -> Fut,
+        Fut: Future<Output = Result<T, tonic::Status>>,
+    {
+        self.call_if(
+            "call",
+            |status| failover::classify_call(status).retries(idempotent),
+            attempt,
+        )
+        .await
+    }
+
+    /// [`Coordinator::call`], retrying the failures `retry_on` accepts; `what` names the call
+    /// in the log. An attempt that ran longer than the budget (a long poll that broke) starts
+    /// a new streak of failures.
+    pub async fn call_if<T, F, Fut>(
         &self,
-        idempotent: bool,
+        what: &str,
+        retry_on: impl Fn(&tonic::Status) -> bool,
         mut attempt: F,
     ) -> Result<T, Failed>
     where
         F: FnMut(AuthChannel) -> Fut,
         Fut: Future<Output = Result<T, tonic::Status>>,
     {
-        let mut retry: Option<Retry> = None;
+        let mut streak: Option<Retry> = None;
+        let mut census_named = false;
         loop {
             let current = self.current();
+            let started = tokio::time::Instant::now();
             let status = match attempt(current.channel).await {
                 Ok(value) => return Ok(value),
                 Err(status) => status,
             };
-            if !failover::classify_call(&status).retries(idempotent) {
+            if !retry_on(&status) {
                 return Err(Failed {
                     status,
                     addr: current.addr,
                 });
             }
-            let retry = retry.get_or_insert_with(|| Retry::new(self.failover_timeout()));
+            let budget = self.failover_timeout();
+            if started.elapsed() >= budget {
+                streak = None;
+            }
+            let retry = streak.get_or_insert_with(|| Retry::new(budget));
             self.saw(&current.addr, &status);
             let leader = failover::leader_hint(&status);
             self.fail_over(current.epoch, leader.as_deref());
-            if !retry.wait(self.held_until()).await {
+            let held = self.held_until_for_calls();
+            if held.is_some_and(|h| h > retry.deadline()) && !census_named {
+                census_named = true;
+                tracing::warn!(
+                    call = what,
+                    "no coordinator replica leads (each one refused as not the leader: is etcd reachable?); waiting while they all answer so"
+                );
+            }
+            if !retry.pause_until(held).await {
                 return Err(Failed {
                     status,
                     addr: current.addr,
                 });
             }
             tracing::debug!(
+                call = what,
                 failed = %current.addr,
                 next = %self.leader_addr(),
                 code = ?status.code(),
@@ -402,9 +489,19 @@ impl Coordinator {
         &self.inner.addrs
     }
 
+    /// How many replica addresses were given.
+    pub fn len(&self) -> usize {
+        self.state().rotation.addrs().len()
+    }
+
+    /// Whether no address was given (never, for a checked list).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
     /// The address of the replica in use: the leader, as far as this client knows.
     pub fn leader_addr(&self) -> Arc<str> {
-        self.current().addr
+        self.state().rotation.current().into()
     }
 
     /// How long calls and sessions keep retrying after a failure before it surfaces.
@@ -412,21 +509,32 @@ impl Coordinator {
         self.state().failover_timeout
     }
 
-    /// A call or a session's attach on `addr` failed with `status`: the census of the
-    /// replicas counts it ([`Census`]).
-    pub(crate) fn saw(&self, addr: &str, status: &tonic::Status) {
+    /// A call or a stream's attach on `addr` failed with `status`: the census of the replicas
+    /// counts it ([`Census`]).
+    pub fn saw(&self, addr: &str, status: &tonic::Status) {
         let at = self.inner.born.elapsed();
         self.state().census.saw(addr, status, at);
     }
 
-    /// Until when failures go on being retried past the budget because every replica refused
-    /// lately as not the leader: the failover budget (at least 5 s) again after the start of the
-    /// census's last complete round (docs/ha.md, "An etcd outage"; `muster_core::failover::Census`).
-    /// The agent's node watch decides whether the worker keeps running meanwhile.
-    pub(crate) fn held_until(&self) -> Option<tokio::time::Instant> {
-        let state = self.state();
-        let proven = state.census.proven()?;
-        Some(self.inner.born + proven + muster_core::failover::call_hold(state.failover_timeout))
+    /// Until when failures may go on being retried past the budget because every replica
+    /// refused lately as not the leader: `hold` after the start of the census's last complete
+    /// round (docs/ha.md, "An etcd outage"; `muster_core::failover::Census`); `None` without
+    /// such a round, or for a client that does not
+    /// [`wait out outages`](Coordinator::waits_out_outages). No leader fails a node or a rank
+    /// before that start plus the coordinator's heartbeat timeout; the agent's node watch
+    /// decides whether the workers keep running meanwhile.
+    pub fn held_until(&self, hold: Duration) -> Option<tokio::time::Instant> {
+        if !self.inner.outages {
+            return None;
+        }
+        let proven = self.state().census.proven()?;
+        Some(failover::later(self.inner.born + proven, hold))
+    }
+
+    /// [`Coordinator::held_until`] for calls and sessions: the failover budget, at least 5 s
+    /// ([`muster_core::failover::call_hold`]).
+    pub fn held_until_for_calls(&self) -> Option<tokio::time::Instant> {
+        self.held_until(muster_core::failover::call_hold(self.failover_timeout()))
     }
 
     /// Changes the failover budget of this connection and all its clones (0: no retries);

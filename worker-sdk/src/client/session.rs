@@ -528,7 +528,7 @@ impl Session {
                     coordinator.saw(&failure.addr, status);
                 }
                 coordinator.fail_over(failure.epoch, leader.as_deref());
-                retry.wait(coordinator.held_until()).await
+                retry.pause_until(coordinator.held_until_for_calls()).await
             };
             if !retried {
                 return Err(match failure.error {
@@ -1011,7 +1011,7 @@ async fn reattach(
     let (mut epoch, mut leader, mut last) = (epoch, leader, reason);
     loop {
         coordinator.fail_over(epoch, leader.as_deref());
-        if !retry.wait(coordinator.held_until()).await {
+        if !retry.pause_until(coordinator.held_until_for_calls()).await {
             return Err(ReattachError::OutOfTime {
                 budget: retry.budget(),
                 source: last,
