@@ -101,7 +101,11 @@ impl Gate {
                 if term.as_ref().is_none_or(Leadership::is_current) {
                     return Ok(());
                 }
-                None
+                // Its term's lease deadline passed: it is stepping down (and may lead again).
+                return Err(Status::unavailable(format!(
+                    "coordinator {} is not the leader: its leader lease lapsed (etcd answered no keep-alive within the lease TTL) and it is stepping down; retry shortly",
+                    self.me
+                )));
             }
             Readiness::Following(l) => l.clone(),
         };

@@ -481,7 +481,8 @@ impl Streak {
 
 /// Whether a status is a replica's refusal to serve because it does not lead: UNAVAILABLE,
 /// sent by the coordinator's gate (not made locally), as a follower (naming the leader or
-/// not) or a replica that knows no leader or whose term lapsed ("no leader is elected yet").
+/// not), a replica that knows no leader ("no leader is elected yet") or one whose term's
+/// lease lapsed ("is not the leader: its leader lease lapsed").
 /// Such a replica decides nothing for any job when it answers: it can act on one only after it
 /// is elected, loads the job and gives every node and rank the heartbeat timeout to re-attach
 /// (docs/contract.md, "Coordinator failover"). A replica still loading its state to take over
@@ -945,6 +946,11 @@ mod tests {
             "b:1",
         );
         assert!(not_leading(&follower));
+        // A leader whose term's lease lapsed refuses as not leading, before any handler runs.
+        let lapsed = Status::unavailable(
+            "coordinator a:1 is not the leader: its leader lease lapsed (etcd answered no keep-alive within the lease TTL) and it is stepping down; retry shortly",
+        );
+        assert!(not_leading(&lapsed) && not_applied(&lapsed));
         assert!(!not_leading(&Status::unavailable(
             "coordinator a:1 is taking over as leader (loading state); retry shortly"
         )));

@@ -66,8 +66,8 @@
 //! term's lease alive and publishes its deadline; aborted when the term ends.
 
 use etcd_client::{
-    Client, Compare, CompareOp, ConnectOptions, EventType, KeyValue, PutOptions, Txn, TxnOp,
-    TxnOpResponse, WatchOptions, WatchStream,
+    Client, Compare, CompareOp, ConnectOptions, EventType, KeyValue, LeaseKeepAliveStream,
+    LeaseKeeper, PutOptions, Txn, TxnOp, TxnOpResponse, WatchOptions, WatchStream,
 };
 use std::collections::VecDeque;
 use std::fmt;
@@ -906,8 +906,14 @@ async fn lease_lost(deadline: &mut watch::Receiver<Option<Instant>>) -> LostReas
 
 /// The `election keep-alive` task of one term: sends a keep-alive every TTL/3 and moves the
 /// deadline to (send time of the answered keep-alive + granted TTL); publishes `None` when
-/// etcd says the lease is gone. Reopens its stream when answers stop coming. Runs until
-/// aborted by its term.
+/// etcd says the lease is gone. Runs until aborted by its term.
+///
+/// A stream whose oldest keep-alive has waited a whole interval may be dead (a connection
+/// that stopped answering), so a new stream is opened; but it may only be slow (a loaded
+/// etcd answering later than TTL/3 and well within the TTL), so the old stream is kept and
+/// its late answers still move the deadline, until the new stream has opened or it ends.
+/// Dropping the old one at once stepped a leader down whose keep-alives etcd was renewing
+/// all along (`ha_coordinator` failed so in CI once, on a loaded machine).
 async fn keep_alive(
     client: Client,
     lease: i64,
@@ -915,47 +921,156 @@ async fn keep_alive(
     deadline: watch::Sender<Option<Instant>>,
 ) {
     let interval = (ttl / 3).max(Duration::from_millis(100));
-    let mut leases = client.lease_client();
+    let extend = |next: Instant| {
+        deadline.send_if_modified(|d| match d {
+            Some(d) if *d < next => {
+                *d = next;
+                true
+            }
+            _ => false,
+        });
+    };
+    // Opening a stream sends a keep-alive and awaits its answer (etcd-client checks that the
+    // lease lives): a stream that opens renewed the lease at the open's send time.
+    let open = |after: Duration| {
+        let mut leases = client.lease_client();
+        Box::pin(async move {
+            tokio::time::sleep(after).await;
+            let at = Instant::now();
+            let opened = tokio::time::timeout(ttl, leases.keep_alive(lease)).await;
+            (at, opened.ok().and_then(Result::ok).map(Box::new))
+        })
+    };
+    // Exactly one of `opening` and `current` is set at any time.
+    let mut opening = Some(open(Duration::ZERO));
+    let mut current: Option<KeepAlives> = None;
+    let mut slow: Option<KeepAlives> = None;
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        let opened = tokio::time::timeout(interval, leases.keep_alive(lease)).await;
-        let Ok(Ok((mut keeper, mut answers))) = opened else {
-            tokio::time::sleep(Duration::from_millis(100)).await;
-            continue;
-        };
-        let mut sent: VecDeque<Instant> = VecDeque::new();
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tokio::select! {
-                _ = tick.tick() => {
-                    // No answer for a whole interval: the connection is probably dead.
-                    if sent.front().is_some_and(|s| s.elapsed() >= interval) {
-                        break;
-                    }
-                    sent.push_back(Instant::now());
-                    if keeper.keep_alive().await.is_err() {
-                        break;
-                    }
+        let event = tokio::select! {
+            (at, opened) = async {
+                match opening.as_mut() {
+                    Some(open) => open.await,
+                    None => std::future::pending().await,
                 }
-                answer = answers.message() => {
-                    let Ok(Some(answer)) = answer else { break };
-                    let Some(at) = sent.pop_front() else { continue };
-                    if answer.ttl() <= 0 {
-                        deadline.send_replace(None);
-                        return;
-                    }
-                    let next = at + Duration::from_secs(u64::try_from(answer.ttl()).unwrap_or(0));
-                    deadline.send_if_modified(|d| match d {
-                        Some(d) if *d < next => {
-                            *d = next;
-                            true
-                        }
-                        _ => false,
-                    });
+            } => Event::Opened(at, opened),
+            _ = tick.tick(), if current.is_some() => Event::Tick,
+            answer = KeepAlives::next(&mut current) => Event::Current(answer),
+            answer = KeepAlives::next(&mut slow) => Event::Slow(answer),
+        };
+        match event {
+            Event::Opened(at, Some(opened)) => {
+                let (keeper, answers) = *opened;
+                extend(at + ttl);
+                opening = None;
+                current = Some(KeepAlives {
+                    keeper,
+                    answers,
+                    unanswered: VecDeque::new(),
+                });
+                tick.reset();
+            }
+            Event::Opened(_, None) => opening = Some(open(Duration::from_millis(100))),
+            Event::Tick => {
+                let Some(stream) = current.as_mut() else {
+                    continue;
+                };
+                if stream.late(interval) {
+                    // No answer for a whole interval: open another stream, and keep this
+                    // one's late answers.
+                    slow = current.take();
+                    opening = Some(open(Duration::ZERO));
+                } else if !stream.send().await {
+                    current = None;
+                    opening = Some(open(Duration::from_millis(50)));
                 }
             }
+            Event::Current(Renewal::Ended) => {
+                current = None;
+                opening = Some(open(Duration::from_millis(50)));
+            }
+            Event::Slow(Renewal::Ended) => slow = None,
+            Event::Current(answer) | Event::Slow(answer) => match answer {
+                Renewal::Until(next) => extend(next),
+                Renewal::Gone => {
+                    deadline.send_replace(None);
+                    return;
+                }
+                Renewal::Unpaired | Renewal::Ended => {}
+            },
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// What the keep-alive task's loop waits for.
+enum Event {
+    /// A stream opened (with the open's send time), or failed to (`None`).
+    Opened(Instant, Option<Box<(LeaseKeeper, LeaseKeepAliveStream)>>),
+    /// Time for the next keep-alive on the current stream.
+    Tick,
+    /// An answer on the current stream.
+    Current(Renewal),
+    /// An answer on the stream left for being slow.
+    Slow(Renewal),
+}
+
+/// What one answer on a keep-alive stream says.
+#[derive(Debug, PartialEq, Eq)]
+enum Renewal {
+    /// The lease is renewed until then (the keep-alive's send time plus the granted TTL).
+    Until(Instant),
+    /// etcd says the lease is gone.
+    Gone,
+    /// An answer to no keep-alive this task sent (ignored).
+    Unpaired,
+    /// The stream ended or failed.
+    Ended,
+}
+
+/// One keep-alive stream and the send times of its keep-alives not answered yet, oldest
+/// first (etcd answers a stream's keep-alives in order).
+struct KeepAlives {
+    keeper: LeaseKeeper,
+    answers: LeaseKeepAliveStream,
+    unanswered: VecDeque<Instant>,
+}
+
+impl KeepAlives {
+    /// Whether the oldest unanswered keep-alive has waited `interval` or more.
+    fn late(&self, interval: Duration) -> bool {
+        self.unanswered
+            .front()
+            .is_some_and(|sent| sent.elapsed() >= interval)
+    }
+
+    /// Sends a keep-alive; `false` if the stream is closed.
+    async fn send(&mut self) -> bool {
+        self.unanswered.push_back(Instant::now());
+        self.keeper.keep_alive().await.is_ok()
+    }
+
+    /// The next answer of `stream`; never, without a stream.
+    async fn next(stream: &mut Option<Self>) -> Renewal {
+        let Some(stream) = stream else {
+            return std::future::pending().await;
+        };
+        match stream.answers.message().await {
+            Ok(Some(answer)) => renewal(&mut stream.unanswered, answer.ttl()),
+            Ok(None) | Err(_) => Renewal::Ended,
+        }
+    }
+}
+
+/// What an answer granting `ttl_secs` says, given the send times of the keep-alives it may
+/// answer (the oldest is answered and removed).
+fn renewal(unanswered: &mut VecDeque<Instant>, ttl_secs: i64) -> Renewal {
+    if ttl_secs <= 0 {
+        return Renewal::Gone;
+    }
+    match unanswered.pop_front() {
+        Some(sent) => Renewal::Until(sent + Duration::from_secs(ttl_secs.unsigned_abs())),
+        None => Renewal::Unpaired,
     }
 }
 
@@ -1095,6 +1210,25 @@ mod tests {
         );
         let unknown = ElectionError::NotLeader { leader: None };
         assert_eq!(unknown.to_string(), "not the leader (no leader is known)");
+    }
+
+    /// Each answer renews from the send time of the oldest keep-alive not answered yet, also
+    /// when it comes late; a TTL of 0 says the lease is gone.
+    #[test]
+    fn an_answer_renews_from_its_keep_alives_send_time() {
+        let t0 = Instant::now();
+        let sent = [t0, t0 + Duration::from_millis(700)];
+        let mut unanswered = VecDeque::from(sent);
+        assert_eq!(
+            renewal(&mut unanswered, 3),
+            Renewal::Until(t0 + Duration::from_secs(3))
+        );
+        assert_eq!(
+            renewal(&mut unanswered, 3),
+            Renewal::Until(sent[1] + Duration::from_secs(3))
+        );
+        assert_eq!(renewal(&mut unanswered, 3), Renewal::Unpaired);
+        assert_eq!(renewal(&mut VecDeque::from([t0]), 0), Renewal::Gone);
     }
 
     // Paused time: the deadlines pass exactly, with no real waiting.
