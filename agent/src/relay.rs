@@ -572,12 +572,7 @@ async fn coordinator_loop(
         // workers keep running.
         let mut retry = Retry::new(coordinators.failover_timeout());
         loop {
-            if !retry
-                .pause_until(
-                    coordinators.held_until(failover::call_hold(coordinators.failover_timeout())),
-                )
-                .await
-            {
+            if !retry.pause_until(coordinators.held_until_for_calls()).await {
                 break 'relay format!(
                     "the node relay lost its stream to the coordinator at {addr} ({why}) and no replica took it back within {} ms",
                     coordinators.failover_timeout().as_millis()

@@ -193,9 +193,21 @@ impl Coordinator {
     /// [`Coordinator::waiting_out_outages`] for a running job's agent.
     pub fn replicas(list: Vec<String>, budget: Duration, security: ClientSecurity) -> Self {
         let addrs = list.join(",");
+        Self::build(&addrs, Rotation::new(list), budget, security, false)
+    }
+
+    /// A client named `addrs` with this rotation, budget, security and outage rule, no
+    /// channel yet and a census of its own: every constructor's one body.
+    fn build(
+        addrs: &str,
+        rotation: Rotation,
+        budget: Duration,
+        security: ClientSecurity,
+        outages: bool,
+    ) -> Self {
         let state = ReplicaState {
-            census: Census::new(list.len()),
-            rotation: Rotation::new(list),
+            census: Census::new(rotation.addrs().len()),
+            rotation,
             channels: HashMap::new(),
             failover_timeout: budget,
         };
@@ -205,7 +217,7 @@ impl Coordinator {
                 security,
                 state: Mutex::new(state),
                 born: tokio::time::Instant::now(),
-                outages: false,
+                outages,
             }),
         }
     }
@@ -226,30 +238,19 @@ impl Coordinator {
                 Ok((addr.clone(), security.wrap(channel)))
             })
             .collect::<Result<_, Error>>()?;
-        let coordinator = Self::replicas(list, budget, security).rebuilt(addrs.trim(), outages);
+        let coordinator = Self::build(addrs.trim(), Rotation::new(list), budget, security, outages);
         coordinator.state().channels = channels;
         Ok(coordinator)
     }
 
-    /// The same replicas, budget, security and leader, with `addrs` as their name and the
-    /// outage rule `outages`, and with channels and census of its own.
-    fn rebuilt(&self, addrs: &str, outages: bool) -> Self {
-        let state = self.state();
-        let fresh = ReplicaState {
-            census: Census::new(state.rotation.addrs().len()),
-            rotation: state.rotation.clone(),
-            channels: HashMap::new(),
-            failover_timeout: state.failover_timeout,
+    /// The same replicas, budget and leader, with `security` and the outage rule `outages`,
+    /// and with channels and census of its own.
+    fn rebuilt(&self, security: ClientSecurity, outages: bool) -> Self {
+        let (rotation, budget) = {
+            let state = self.state();
+            (state.rotation.clone(), state.failover_timeout)
         };
-        Self {
-            inner: Arc::new(Replicas {
-                addrs: addrs.into(),
-                security: self.inner.security.clone(),
-                state: Mutex::new(fresh),
-                born: tokio::time::Instant::now(),
-                outages,
-            }),
-        }
+        Self::build(&self.inner.addrs, rotation, budget, security, outages)
     }
 
     /// The same replicas, whose calls and streams wait out an outage of etcd: past the budget
@@ -257,7 +258,7 @@ impl Coordinator {
     /// For a running job's agent (its watch, relay, store and joins).
     #[must_use]
     pub fn waiting_out_outages(self) -> Self {
-        self.rebuilt(&self.inner.addrs, true)
+        self.rebuilt(self.inner.security.clone(), true)
     }
 
     /// Whether these replicas' calls and streams wait out an outage of etcd.
@@ -269,18 +270,14 @@ impl Coordinator {
     /// that runs a runtime of its own (a tonic channel runs its connection on the runtime it
     /// was made on).
     pub fn fork(&self) -> Self {
-        self.rebuilt(&self.inner.addrs, self.inner.outages)
+        self.rebuilt(self.inner.security.clone(), self.inner.outages)
     }
 
     /// The same replicas and budget, connected with `security` (TLS settings, credentials),
     /// with channels of their own.
     #[must_use]
     pub fn with_security(self, security: ClientSecurity) -> Self {
-        let mut fork = self.fork();
-        if let Some(inner) = Arc::get_mut(&mut fork.inner) {
-            inner.security = security;
-        }
-        fork
+        self.rebuilt(security, self.inner.outages)
     }
 
     /// Wraps a channel built elsewhere (custom transport, tests); `addr` names the coordinator
@@ -298,9 +295,13 @@ impl Coordinator {
         security: ClientSecurity,
     ) -> Self {
         let addr: Arc<str> = addr.into();
-        let coordinator =
-            Self::replicas(vec![addr.to_string()], failover::DEFAULT_TIMEOUT, security)
-                .rebuilt(&addr, true);
+        let coordinator = Self::build(
+            &addr,
+            Rotation::new(vec![addr.to_string()]),
+            failover::DEFAULT_TIMEOUT,
+            security,
+            true,
+        );
         coordinator.settle(&addr, channel);
         coordinator
     }
@@ -360,7 +361,8 @@ impl Coordinator {
 
     /// Whether a leader a follower named makes an endpoint (its channel is made on first use).
     fn usable(&self, leader: &str) -> bool {
-        endpoint(&self.inner.security, leader, true).is_ok()
+        self.state().channels.contains_key(leader)
+            || endpoint(&self.inner.security, leader, true).is_ok()
     }
 
     /// Makes `addr` (which answered) the address calls go to, with its connected `channel`.
