@@ -21,7 +21,7 @@ struct Args {
     /// etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file, advertise_addr,
     /// lease_ttl_ms, metrics_addr, web_addr, max_connections, max_streams_per_connection,
     /// max_connections_per_peer, handshake_timeout_ms, max_total_bytes, max_jobs,
-    /// finished_job_ttl_ms, health_addr, tls_cert, tls_key, tls_client_ca, auth_token_file,
+    /// nccl_ranks_per_root, finished_job_ttl_ms, health_addr, tls_cert, tls_key, tls_client_ca, auth_token_file,
     /// insecure).
     #[arg(long, env = "MUSTER_COORDINATOR_CONFIG")]
     config: Option<PathBuf>,
@@ -113,6 +113,11 @@ struct Args {
     /// [default: 10000].
     #[arg(long)]
     max_jobs: Option<usize>,
+    /// Ranks per NCCL bootstrap root: an NCCL communicator of more ranks bootstraps through
+    /// one unique id per this many (ncclCommInitRankScalable, NCCL 2.23 or newer); 0 keeps
+    /// one root at any size [default: 128, PyTorch's TORCH_NCCL_RANKS_PER_ROOT].
+    #[arg(long)]
+    nccl_ranks_per_root: Option<u32>,
     /// A finished, failed or cancelled job, or a rendezvous round no node waits in, is removed
     /// (with its record and stored data) this long after it got there; DescribeJob then says
     /// it expired [default: 3600000].
@@ -178,6 +183,7 @@ fn load(args: &Args) -> Result<Config, String> {
         max_job_bytes: args.max_job_bytes,
         max_total_bytes: args.max_total_bytes,
         max_jobs: args.max_jobs,
+        nccl_ranks_per_root: args.nccl_ranks_per_root,
         finished_job_ttl_ms: args.finished_job_ttl_ms,
         health_addr: args.health_addr,
         tls_cert: args.tls_cert.clone(),

@@ -42,6 +42,10 @@ pub struct Config {
     pub max_total_bytes: usize,
     /// Most jobs held at once; creating more is refused until finished ones expire.
     pub max_jobs: usize,
+    /// Ranks per NCCL bootstrap root: a communicator of a larger world gets one unique id per
+    /// this many ranks (`ncclCommInitRankScalable`, see `muster_core::nccl`); 0 keeps one root
+    /// at any size.
+    pub nccl_ranks_per_root: u32,
     /// A job in a final state (finished, failed or cancelled), or abandoned (its round open
     /// with no node waiting), is removed this long after it got there, its stored data and
     /// record included (see `retention.rs`).
@@ -300,6 +304,7 @@ impl Default for Config {
             handshake_timeout: Self::DEFAULT_HANDSHAKE_TIMEOUT,
             max_total_bytes: Self::DEFAULT_MAX_TOTAL_BYTES,
             max_jobs: Self::DEFAULT_MAX_JOBS,
+            nccl_ranks_per_root: muster_core::nccl::DEFAULT_RANKS_PER_ROOT,
             finished_job_ttl: Self::DEFAULT_FINISHED_JOB_TTL,
             store: StoreKind::Memory,
             etcd: EtcdConfig::default(),
@@ -344,6 +349,8 @@ pub struct Layer {
     pub max_total_bytes: Option<usize>,
     /// `max_jobs = 10000`.
     pub max_jobs: Option<usize>,
+    /// `nccl_ranks_per_root = 128`.
+    pub nccl_ranks_per_root: Option<u32>,
     /// `finished_job_ttl_ms = 3600000`.
     pub finished_job_ttl_ms: Option<u64>,
     /// `store = "etcd"` (or `"memory"`).
@@ -470,6 +477,7 @@ impl Layer {
             handshake_timeout_ms: parse(&get, "MUSTER_COORDINATOR_HANDSHAKE_TIMEOUT_MS")?,
             max_total_bytes: parse(&get, "MUSTER_COORDINATOR_MAX_TOTAL_BYTES")?,
             max_jobs: parse(&get, "MUSTER_COORDINATOR_MAX_JOBS")?,
+            nccl_ranks_per_root: parse(&get, "MUSTER_COORDINATOR_NCCL_RANKS_PER_ROOT")?,
             finished_job_ttl_ms: parse(&get, "MUSTER_COORDINATOR_FINISHED_JOB_TTL_MS")?,
             store: parse(&get, "MUSTER_COORDINATOR_STORE")?,
             etcd_endpoints: parse(&get, "MUSTER_COORDINATOR_ETCD_ENDPOINTS")?,
@@ -566,6 +574,9 @@ impl Config {
         }
         if let Some(v) = l.max_jobs {
             self.max_jobs = v;
+        }
+        if let Some(v) = l.nccl_ranks_per_root {
+            self.nccl_ranks_per_root = v;
         }
         if let Some(v) = l.finished_job_ttl_ms {
             self.finished_job_ttl = ms(v);
@@ -947,10 +958,11 @@ mod tests {
         let c = c.apply(&Layer::from_env(|k| env.get(k).map(|v| v.to_string())).unwrap());
         assert_eq!((c.max_connections, c.max_streams_per_connection), (2, 3));
         let file = Layer::from_toml_str(
-            "max_connections_per_peer = 7\nhandshake_timeout_ms = 250\nmax_total_bytes = 134217728\nmax_jobs = 9\nfinished_job_ttl_ms = 60000",
+            "max_connections_per_peer = 7\nhandshake_timeout_ms = 250\nmax_total_bytes = 134217728\nmax_jobs = 9\nfinished_job_ttl_ms = 60000\nnccl_ranks_per_root = 2",
         )
         .unwrap();
         let c = Config::default().apply(&file);
+        assert_eq!(c.nccl_ranks_per_root, 2);
         assert_eq!(c.max_connections_per_peer, 7);
         assert_eq!(c.handshake_timeout, Duration::from_millis(250));
         assert_eq!((c.max_total_bytes, c.max_jobs), (128 << 20, 9));
@@ -960,9 +972,11 @@ mod tests {
             ("MUSTER_COORDINATOR_MAX_JOBS", "5"),
             ("MUSTER_COORDINATOR_FINISHED_JOB_TTL_MS", "10"),
             ("MUSTER_COORDINATOR_HANDSHAKE_TIMEOUT_MS", "100"),
+            ("MUSTER_COORDINATOR_NCCL_RANKS_PER_ROOT", "0"),
         ]
         .into();
         let c = c.apply(&Layer::from_env(|k| env.get(k).map(|v| v.to_string())).unwrap());
+        assert_eq!(c.nccl_ranks_per_root, 0);
         assert_eq!(
             (c.max_jobs, c.finished_job_ttl),
             (5, Duration::from_millis(10))

@@ -215,6 +215,7 @@ async fn joining_a_running_job_opens_the_next_generation_and_fences_the_old() {
             rank: 0,
             communicator: "world".into(),
             unique_id: vec![1; 128],
+            ..Default::default()
         })
         .await
         .unwrap_err();

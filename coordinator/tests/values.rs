@@ -227,6 +227,7 @@ fn publish_id(
         rank,
         communicator: comm.into(),
         unique_id: id,
+        ..Default::default()
     }
 }
 
@@ -243,6 +244,7 @@ fn fetch_id(
         rank,
         communicator: comm.into(),
         wait_ms,
+        ..Default::default()
     }
 }
 
@@ -346,6 +348,84 @@ async fn unique_ids_are_published_once_per_generation_and_communicator() {
         Code::DeadlineExceeded,
         "rejected publishes must not have stored 'x'"
     );
+}
+
+/// A communicator above `nccl_ranks_per_root` ranks is planned with several bootstrap roots
+/// (NCCL's blocks: 5 ranks at 2 per root are made by ranks 0, 2 and 4), every rank is told the
+/// same plan, only a root may publish its id, and a fetch of them all waits for every one.
+/// Refused publishes store nothing; a world within one root keeps the one-id protocol.
+#[tokio::test]
+async fn a_communicator_above_one_root_is_planned_and_fetched_whole() {
+    let s = start(Config {
+        nccl_ranks_per_root: 2,
+        ..Config::default()
+    })
+    .await;
+    let ch = &s.channel;
+    form(ch, "roots", 1, 5).await;
+    let mut c = UniqueIdsClient::new(ch.clone());
+    let roots = |rank| pb::UniqueIdRootsRequest {
+        job_id: "roots".into(),
+        generation: 1,
+        rank,
+        communicator: "world".into(),
+    };
+    for rank in [3, 0, 4] {
+        let plan = c.roots(roots(rank)).await.unwrap().into_inner();
+        assert_eq!((plan.roots, plan.ranks_per_root), (vec![0, 2, 4], 2));
+    }
+    let all = |rank, wait_ms| pb::FetchUniqueIdRequest {
+        all: true,
+        ..fetch_id("roots", 1, rank, "world", wait_ms)
+    };
+    let fetcher = {
+        let mut c = c.clone();
+        tokio::spawn(async move { c.fetch(all(1, 0)).await.unwrap().into_inner() })
+    };
+    let root = |rank, root, byte| pb::PublishUniqueIdRequest {
+        root,
+        ..publish_id("roots", 1, rank, "world", vec![byte; 128])
+    };
+    c.publish(root(0, 0, 10)).await.unwrap();
+    c.publish(root(2, 1, 12)).await.unwrap();
+    let e = c.fetch(all(3, 100)).await.unwrap_err();
+    assert_eq!(e.code(), Code::DeadlineExceeded, "{}", e.message());
+    for (request, code, needle) in [
+        (root(1, 2, 99), Code::PermissionDenied, "rank 4 is"),
+        (root(4, 3, 99), Code::InvalidArgument, "roots 0 to 2"),
+    ] {
+        let e = c.publish(request).await.unwrap_err();
+        assert_eq!(e.code(), code, "{}", e.message());
+        assert!(e.message().contains(needle), "{}", e.message());
+    }
+    c.publish(root(4, 2, 14)).await.unwrap();
+    let whole = fetcher.await.unwrap();
+    assert_eq!(
+        whole.unique_ids,
+        vec![vec![10; 128], vec![12; 128], vec![14; 128]]
+    );
+    assert_eq!((whole.unique_id, whole.root_rank), (vec![10; 128], 0));
+
+    // Two ranks fit one root: the plan is rank 0 alone, and the one-id calls are unchanged.
+    form(ch, "one-root", 1, 2).await;
+    let plan = c
+        .roots(pb::UniqueIdRootsRequest {
+            job_id: "one-root".into(),
+            ..roots(1)
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(plan.roots, vec![0]);
+    c.publish(publish_id("one-root", 1, 0, "world", vec![5; 128]))
+        .await
+        .unwrap();
+    let one = c
+        .fetch(fetch_id("one-root", 1, 1, "world", 0))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(one.unique_id, vec![5; 128]);
 }
 
 #[tokio::test]

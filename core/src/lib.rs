@@ -20,6 +20,8 @@ pub mod failure;
 pub mod job_token;
 /// Validated domain types: ids, names, hosts, waits, barrier scopes and their limits.
 pub mod model;
+/// NCCL's bootstrap at scale: which ranks make a communicator's unique ids.
+pub mod nccl;
 /// Requests from the wire turned into domain values (`TryFrom`), checked once at the edge.
 pub mod requests;
 /// Ranks' stacks folded and grouped: where a hang's ranks stand, and which are elsewhere.

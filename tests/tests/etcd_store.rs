@@ -364,7 +364,9 @@ async fn coordinator_state_survives_its_restart_on_etcd() {
         "--etcd-prefix",
         "/restart/",
     ];
-    let coordinator = Coordinator::start(&args);
+    // One NCCL bootstrap root per rank before the restart; the default (128) after it.
+    let first_args = [&args[..], &["--nccl-ranks-per-root", "1"]].concat();
+    let coordinator = Coordinator::start(&first_args);
     let ch = channel(&coordinator.addr).await;
     let generation = form(&ch, "persist", 2).await;
     let big: Vec<u8> = (0..MAX_VALUE).map(|i| (i % 253) as u8).collect();
@@ -403,6 +405,7 @@ async fn coordinator_state_survives_its_restart_on_etcd() {
         rank: 0,
         communicator: "world".into(),
         unique_id: id.clone(),
+        ..Default::default()
     })
     .await
     .unwrap();
@@ -413,11 +416,35 @@ async fn coordinator_state_survives_its_restart_on_etcd() {
             rank: 1,
             communicator: "world".into(),
             wait_ms: 0,
+            ..Default::default()
         })
         .await
         .unwrap()
         .into_inner();
     assert_eq!(fetched.unique_id, id);
+    // A communicator planned with a root per rank, both ids published.
+    let roots = |rank| pb::UniqueIdRootsRequest {
+        job_id: "persist".into(),
+        generation,
+        rank,
+        communicator: "scaled".into(),
+    };
+    assert_eq!(
+        ids.roots(roots(1)).await.unwrap().into_inner().roots,
+        [0, 1]
+    );
+    for root in [0, 1] {
+        ids.publish(pb::PublishUniqueIdRequest {
+            job_id: "persist".into(),
+            generation,
+            rank: root,
+            communicator: "scaled".into(),
+            unique_id: vec![root as u8; 128],
+            root,
+        })
+        .await
+        .unwrap();
+    }
 
     // SIGKILL (Coordinator's drop), then a new process on the same etcd.
     let old_pid = coordinator.pid();
@@ -472,11 +499,29 @@ async fn coordinator_state_survives_its_restart_on_etcd() {
             rank: 1,
             communicator: "world".into(),
             wait_ms: 0,
+            ..Default::default()
         })
         .await
         .unwrap()
         .into_inner();
     assert_eq!(again.unique_id, id);
+    // The plan made before the restart stands, though this process would plan one root.
+    let mut ids = pb::unique_ids_client::UniqueIdsClient::new(ch.clone());
+    let plan = ids.roots(roots(0)).await.unwrap().into_inner();
+    assert_eq!((plan.roots, plan.ranks_per_root), (vec![0, 1], 1));
+    let all = ids
+        .fetch(pb::FetchUniqueIdRequest {
+            job_id: "persist".into(),
+            generation,
+            rank: 1,
+            communicator: "scaled".into(),
+            all: true,
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(all.unique_ids, [vec![0; 128], vec![1; 128]]);
     assert_eq!(kv_get(&ch, "persist", "a").await.unwrap(), v("alpha"));
     assert_eq!(kv_get(&ch, "persist", "big").await.unwrap(), big);
     assert_eq!(kv_get(&ch, "persist", "count").await.unwrap(), v("5"));

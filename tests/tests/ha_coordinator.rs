@@ -190,6 +190,7 @@ async fn unique_id(ch: &Channel, job: &str, generation: u64) -> Vec<u8> {
             rank: 3,
             communicator: "world".into(),
             wait_ms: 0,
+            ..Default::default()
         })
         .await
         .unwrap()
@@ -297,6 +298,7 @@ async fn a_standby_and_a_restarted_replica_take_over_a_running_job() {
             rank: 0,
             communicator: "world".into(),
             unique_id: id.clone(),
+            ..Default::default()
         })
         .await
         .unwrap();

@@ -307,6 +307,7 @@ async fn a_job_token_opens_its_own_job_only() {
             rank: 0,
             communicator: "world".into(),
             wait_ms: 0,
+            ..Default::default()
         })
         .await
         .unwrap_err();

@@ -204,6 +204,7 @@ async fn scene(name: &str) -> Scene {
         rank: 0,
         communicator: "web-view".into(),
         unique_id: unique_id.clone(),
+        ..Default::default()
     })
     .await
     .unwrap();

@@ -698,6 +698,42 @@ impl Accelerator {
         }
     }
 
+    /// The unique ids of NCCL communicator `communicator` of this generation, in root order,
+    /// for `ncclCommInitRank` (one id) or `ncclCommInitRankScalable` (several). The
+    /// coordinator plans the bootstrap roots (one per `nccl_ranks_per_root` ranks, see
+    /// `muster_core::nccl`); each root rank makes its id with `make` (`ncclGetUniqueId`) and
+    /// publishes it, and every rank fetches what it did not make. A world that fits one root
+    /// gets one id, made by rank 0, exactly as [`Accelerator::publish_nccl_unique_id`] and
+    /// [`Accelerator::fetch_nccl_unique_id`] share it.
+    pub fn nccl_unique_ids(
+        &self,
+        communicator: &str,
+        make: impl FnOnce() -> Result<[u8; NCCL_UNIQUE_ID_BYTES], Error>,
+    ) -> Result<Vec<[u8; NCCL_UNIQUE_ID_BYTES]>, Error> {
+        let Backend::Remote(remote) = &self.backend else {
+            // A world of one is its own root.
+            let id = make()?;
+            self.publish_nccl_unique_id(communicator, &id)?;
+            return Ok(vec![id]);
+        };
+        let ids = &remote.unique_ids;
+        let roots = remote.block_on(ids.roots(communicator))?;
+        let rank = self.info().rank;
+        let mine = match roots.iter().position(|&root| root == rank) {
+            Some(root) => {
+                let id = make()?;
+                remote.block_on(ids.publish_root(communicator, root as u32, &id))?;
+                Some(id)
+            }
+            None => None,
+        };
+        match (roots.len(), mine) {
+            (1, Some(id)) => Ok(vec![id]),
+            (1, None) => Ok(vec![remote.block_on(ids.fetch(communicator, None))?]),
+            _ => remote.block_on(ids.fetch_all(communicator, None)),
+        }
+    }
+
     /// Fires when the coordinator reports that a rank of this generation failed, so that work
     /// outside barriers (a collective blocked on a dead peer) can abort and name it. Never
     /// fires in single-process mode.

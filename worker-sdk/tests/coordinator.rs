@@ -18,7 +18,7 @@ use muster::{
     Error, Scope,
     client::{Coordinator, Session, SessionConfig},
 };
-use support::{HOST, TestCoordinator, join, rank_infos, with_accelerators};
+use support::{HOST, TestCoordinator, join, rank_infos, with_accelerators, with_accelerators_on};
 
 /// One session per rank of a fresh single-node job of `n` ranks.
 async fn sessions(addr: &str, job: &str, n: u32) -> (Coordinator, Vec<Session>) {
@@ -477,6 +477,11 @@ fn accelerators_go_main_first_share_and_distribute_unique_ids() {
                     .unwrap();
             }
             let id = accelerator.fetch_nccl_unique_id("world").unwrap();
+            // A world within one bootstrap root: one id, made by rank 0 alone.
+            let plain = accelerator
+                .nccl_unique_ids("plain", || Ok([rank as u8 + 1; 128]))
+                .unwrap();
+            assert_eq!(plain, [[1u8; 128]]);
 
             let kv = accelerator.kv();
             kv.add("arrived", 1).unwrap();
@@ -568,4 +573,37 @@ fn main_process_first_makes_the_others_wait() {
             .unwrap()
     });
     assert!(waits[1] >= Duration::from_millis(300) && waits[2] >= Duration::from_millis(300));
+}
+
+/// Above the coordinator's ranks per root, a communicator bootstraps through several unique
+/// ids (`ncclCommInitRankScalable`): the coordinator plans the roots as NCCL's blocks (5 ranks,
+/// 2 per root: ranks 0, 2 and 4), only those ranks make an id, and every rank gets all three
+/// in root order.
+#[test]
+fn a_world_above_one_root_gets_one_unique_id_per_planned_root() {
+    let made = Arc::new(Mutex::new(Vec::new()));
+    let config = muster_coordinator::Config {
+        nccl_ranks_per_root: 2,
+        ..Default::default()
+    };
+    let ids = {
+        let made = made.clone();
+        with_accelerators_on(config, "scalable", &[2, 2, 1], move |accelerator| {
+            let rank = accelerator.process_index();
+            let ids = accelerator
+                .nccl_unique_ids("world", || {
+                    made.lock().unwrap().push(rank);
+                    Ok([rank as u8 + 10; 128])
+                })
+                .unwrap();
+            accelerator.finish().unwrap();
+            ids
+        })
+    };
+    for got in &ids {
+        assert_eq!(got, &[[10u8; 128], [12u8; 128], [14u8; 128]]);
+    }
+    let mut made = made.lock().unwrap().clone();
+    made.sort_unstable();
+    assert_eq!(made, [0, 2, 4], "only the planned roots make an id");
 }

@@ -1,7 +1,12 @@
 //! Scale benchmark: rendezvous time for many simulated nodes and barrier latency for many
 //! simulated ranks, all as tasks sharing a few connections to one coordinator process.
 //!
-//! `cargo run --release -p muster-bench --bin scale -- [--nodes 1000,10000] [--ranks 512,4096]`
+//! Also the NCCL bootstrap's id distribution: every rank asks for its communicator's plan, the
+//! roots publish their ids and every rank fetches them all, with one root and with one per 128
+//! ranks (`ncclCommInitRankScalable`).
+//!
+//! `cargo run --release -p muster-bench --bin scale -- [--nodes 1000,10000] [--ranks 512,4096]
+//! [--bootstrap 4096,16384]`
 
 use clap::Parser;
 use muster_bench::{CoordinatorProcess, channels, quantile, rendezvous};
@@ -19,6 +24,9 @@ struct Args {
     /// Simulated rank counts for the barrier benchmark.
     #[arg(long, value_delimiter = ',', default_value = "512,4096")]
     ranks: Vec<u32>,
+    /// Simulated rank counts for the NCCL bootstrap's id distribution (none: skipped).
+    #[arg(long, value_delimiter = ',', default_value = "4096,16384")]
+    bootstrap: Vec<u32>,
     /// Barriers per rank count.
     #[arg(long, default_value_t = 50)]
     iters: usize,
@@ -212,6 +220,71 @@ async fn relayed_barriers(
     Ok((quantile(&mut lat, 0.5), quantile(&mut lat, 0.99)))
 }
 
+/// Distributes communicator `world`'s NCCL unique ids to `ranks` light clients (tasks) of a
+/// formed job: each asks for the plan, each root publishes its id, each rank fetches what it
+/// did not make (every id, with several roots). Returns the time from the first plan request
+/// to the last rank holding every id, and how many ids there were.
+async fn bootstrap(chs: &[Channel], job: &str, ranks: u32) -> anyhow::Result<(Duration, usize)> {
+    let local = 8.min(ranks);
+    rendezvous(chs, job, ranks / local, local).await?;
+    let started = Instant::now();
+    let mut tasks = Vec::with_capacity(ranks as usize);
+    for rank in 0..ranks {
+        let mut ids =
+            pb::unique_ids_client::UniqueIdsClient::new(chs[rank as usize % chs.len()].clone());
+        let job = job.to_owned();
+        tasks.push(tokio::spawn(async move {
+            let roots = ids
+                .roots(pb::UniqueIdRootsRequest {
+                    job_id: job.clone(),
+                    generation: 1,
+                    rank,
+                    communicator: "world".into(),
+                })
+                .await?
+                .into_inner()
+                .roots;
+            if let Some(root) = roots.iter().position(|&r| r == rank) {
+                ids.publish(pb::PublishUniqueIdRequest {
+                    job_id: job.clone(),
+                    generation: 1,
+                    rank,
+                    communicator: "world".into(),
+                    unique_id: vec![root as u8; 128],
+                    root: root as u32,
+                })
+                .await?;
+                if roots.len() == 1 {
+                    return Ok(1);
+                }
+            }
+            let fetched = ids
+                .fetch(pb::FetchUniqueIdRequest {
+                    job_id: job,
+                    generation: 1,
+                    rank,
+                    communicator: "world".into(),
+                    all: roots.len() > 1,
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            anyhow::ensure!(
+                roots.len() == 1 || fetched.unique_ids.len() == roots.len(),
+                "rank {rank} got {} of {} ids",
+                fetched.unique_ids.len(),
+                roots.len()
+            );
+            anyhow::Ok(roots.len())
+        }));
+    }
+    let mut count = 0;
+    for t in tasks {
+        count = t.await??;
+    }
+    Ok((started.elapsed(), count))
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
@@ -263,6 +336,32 @@ async fn main() -> anyhow::Result<()> {
             println!(
                 "| {r} | {path} | {p50:.0} us | {p99:.0} us | {:.1} KiB |",
                 per_rank / 1024.0
+            );
+        }
+    }
+    if args.bootstrap.is_empty() {
+        return Ok(());
+    }
+    println!();
+    println!(
+        "| simulated ranks | ranks per root | unique ids | plan, publish and fetch (all ranks) |"
+    );
+    println!("| --- | --- | --- | --- |");
+    for &r in &args.bootstrap {
+        for per_root in [0u32, 128] {
+            let coordinator = CoordinatorProcess::start_with(|cmd| {
+                cmd.args(["--nccl-ranks-per-root", &per_root.to_string()]);
+            })?;
+            let chs = channels(coordinator.addr, args.connections).await?;
+            let (took, ids) = bootstrap(&chs, &format!("boot-{r}-{per_root}"), r).await?;
+            println!(
+                "| {r} | {} | {ids} | {:.0} ms |",
+                if per_root == 0 {
+                    "one root".to_owned()
+                } else {
+                    per_root.to_string()
+                },
+                took.as_secs_f64() * 1e3
             );
         }
     }

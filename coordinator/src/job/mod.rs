@@ -119,6 +119,10 @@ pub struct Job {
     pub id: JobId,
     state: Mutex<JobState>,
     changed: watch::Sender<u64>,
+    /// Wake-ups of waits for one published value (a unique id, a shared value), by store key:
+    /// a publish wakes its key's waiters only, so that N ranks fetching K ids make about N + K
+    /// wake-ups rather than N × K. An entry lives while a waiter holds it.
+    values: Mutex<HashMap<String, watch::Sender<u64>>>,
     /// Serialises key-value writes of this job and holds its byte total.
     pub kv_bytes: tokio::sync::Mutex<usize>,
     /// Names new generations' values (`<incarnation>-<generation>`).
@@ -220,6 +224,7 @@ impl Job {
             me: me.clone(),
             state: Mutex::new(state),
             changed: watch::channel(0).0,
+            values: Mutex::default(),
             kv_bytes: tokio::sync::Mutex::new(kv_bytes),
             incarnation: ctx.incarnation,
             persist,
@@ -295,6 +300,42 @@ impl Job {
         self.changed.subscribe()
     }
 
+    /// A receiver woken when the value under store key `key` is published
+    /// ([`Job::published`]). Take it before looking for the value, so that a publish in
+    /// between is not missed; call [`Job::forget_value`] once done waiting.
+    pub fn watch_value(&self, key: &str) -> watch::Receiver<u64> {
+        let mut values = self.values.lock().unwrap_or_else(|e| e.into_inner());
+        match values.get(key) {
+            Some(tx) => tx.subscribe(),
+            None => {
+                let (tx, rx) = watch::channel(0);
+                values.insert(key.to_owned(), tx);
+                rx
+            }
+        }
+    }
+
+    /// Wakes every wait for the value under store key `key`: it was published.
+    pub fn published(&self, key: &str) {
+        let woken = self
+            .values
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(key);
+        if let Some(tx) = woken {
+            tx.send_modify(|v| *v = v.wrapping_add(1));
+        }
+    }
+
+    /// Drops `key`'s wake-up once no wait holds it (a waiter that found its value or gave up,
+    /// its receiver dropped).
+    pub fn forget_value(&self, key: &str) {
+        let mut values = self.values.lock().unwrap_or_else(|e| e.into_inner());
+        if values.get(key).is_some_and(|tx| tx.receiver_count() == 0) {
+            values.remove(key);
+        }
+    }
+
     /// The job's round configuration.
     pub fn config(&self) -> RoundConfig {
         self.lock().config
@@ -329,6 +370,13 @@ impl Job {
             Some(f) => GenStatus::Failed(f.describe(&self.id, generation)),
             None => GenStatus::Alive,
         })
+    }
+
+    /// The world size of generation `generation`, once `rank` is checked to be in it.
+    pub fn world_size(&self, generation: u64, rank: u32) -> Result<u32, Error> {
+        self.check_member(generation, rank)?;
+        let mut st = self.lock();
+        Ok(self.running(&mut st, generation)?.ranks.len() as u32)
     }
 
     /// The running generation's state, for publishes and fetches: Ok when `rank` is a member

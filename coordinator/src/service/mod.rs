@@ -337,6 +337,39 @@ async fn wait_for<T, F, Fut>(
     job: &Job,
     deadline: Option<Instant>,
     what: impl Fn() -> String,
+    f: F,
+) -> Result<T, Status>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Option<T>, Status>>,
+{
+    wait_until(job, None, deadline, what, f).await
+}
+
+/// [`wait_for`] the value published under store key `key`: woken by its publish
+/// ([`Job::published`]) rather than by every change of the job, and by the job's changes
+/// (a failed generation ends the wait).
+async fn wait_for_value<T, F, Fut>(
+    job: &Job,
+    key: &str,
+    deadline: Option<Instant>,
+    what: impl Fn() -> String,
+    f: F,
+) -> Result<T, Status>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Option<T>, Status>>,
+{
+    let waited = wait_until(job, Some(key), deadline, what, f).await;
+    job.forget_value(key);
+    waited
+}
+
+async fn wait_until<T, F, Fut>(
+    job: &Job,
+    key: Option<&str>,
+    deadline: Option<Instant>,
+    what: impl Fn() -> String,
     mut f: F,
 ) -> Result<T, Status>
 where
@@ -345,6 +378,7 @@ where
 {
     loop {
         let mut changed = job.subscribe();
+        let mut published = key.map(|key| job.watch_value(key));
         if job.retired() {
             return Err(Status::unavailable(format!(
                 "stopped waiting for {}: this coordinator no longer leads; ask the leader",
@@ -354,19 +388,29 @@ where
         if let Some(v) = f().await? {
             return Ok(v);
         }
+        let woken = async {
+            match &mut published {
+                Some(published) => {
+                    tokio::select! {
+                        _ = changed.changed() => {}
+                        _ = published.changed() => {}
+                    }
+                }
+                None => {
+                    let _ = changed.changed().await;
+                }
+            }
+        };
         match deadline {
-            Some(d) => match tokio::time::timeout_at(d, changed.changed()).await {
-                Ok(_) => {}
-                Err(_) => {
+            Some(d) => {
+                if tokio::time::timeout_at(d, woken).await.is_err() {
                     return Err(Status::deadline_exceeded(format!(
                         "timed out waiting for {}",
                         what()
                     )));
                 }
-            },
-            None => {
-                let _ = changed.changed().await;
             }
+            None => woken.await,
         }
     }
 }

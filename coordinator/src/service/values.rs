@@ -127,6 +127,42 @@ fn decode_published(stored: &[u8]) -> Result<(u32, &[u8]), Status> {
     }
 }
 
+/// The name id `root` of communicator `comm` is kept under: the communicator's own name for
+/// the first (the name a one-id communicator has always used), `<comm>#<root>` for the others
+/// (`#` is not a communicator character, so no communicator's name is another's id).
+fn root_name(comm: &str, root: u32) -> String {
+    if root == 0 {
+        comm.to_owned()
+    } else {
+        format!("{comm}#{root}")
+    }
+}
+
+/// A communicator's bootstrap plan as stored: its ranks per root, then each root's rank, every
+/// number 4 bytes little endian.
+fn encode_plan(ranks_per_root: u32, roots: &[u32]) -> Vec<u8> {
+    std::iter::once(ranks_per_root)
+        .chain(roots.iter().copied())
+        .flat_map(u32::to_le_bytes)
+        .collect()
+}
+
+fn decode_plan(stored: &[u8]) -> Result<(u32, Vec<u32>), Status> {
+    let (_, plan) = decode_published(stored)?;
+    let numbers: Vec<u32> = plan
+        .chunks_exact(4)
+        .map(|n| u32::from_le_bytes([n[0], n[1], n[2], n[3]]))
+        .collect();
+    match numbers.split_first() {
+        Some((per, roots)) if plan.len() % 4 == 0 && !roots.is_empty() => {
+            Ok((*per, roots.to_vec()))
+        }
+        _ => Err(Status::internal(
+            "a stored NCCL bootstrap plan is corrupt (not a limit and one or more ranks)",
+        )),
+    }
+}
+
 /// `muster.v1.KeyValue`, `muster.v1.UniqueIds` and `muster.v1.SharedValues`.
 #[derive(Clone)]
 pub struct ValuesService(pub Arc<Coordinator>);
@@ -318,7 +354,7 @@ impl ValuesService {
                 )));
             }
         }
-        job.notify();
+        job.published(&key);
         Ok(())
     }
 
@@ -335,8 +371,9 @@ impl ValuesService {
         job.check_member(generation, rank)?;
         let key = value_key(&job.id, &job.values_id(generation)?, kind, name);
         let store = &self.0.store;
-        wait_for(
+        wait_for_value(
             job,
+            &key,
             deadline,
             || {
                 format!(
@@ -355,6 +392,50 @@ impl ValuesService {
         )
         .await
     }
+
+    /// Communicator `comm`'s bootstrap plan in `generation` (its ranks per root and each id's
+    /// root), made on first use from the world size and `nccl_ranks_per_root`, and kept with
+    /// the generation's values so that every rank, and a new leader, answers the same one.
+    async fn plan(
+        &self,
+        job: &Arc<Job>,
+        generation: u64,
+        rank: u32,
+        comm: &str,
+    ) -> Result<(u32, Vec<u32>), Status> {
+        let key = plan_key(job, generation, comm)?;
+        if let Some(stored) = self.0.store.get(&key).await? {
+            return decode_plan(&stored);
+        }
+        let world = job.world_size(generation, rank)?;
+        let per = self.0.config.nccl_ranks_per_root;
+        let roots = muster_core::nccl::roots(world, per);
+        let plan = encode_plan(per, &roots);
+        match self
+            .publish(job, generation, rank, "nccl-roots", comm, &plan)
+            .await
+        {
+            Ok(()) => Ok((per, roots)),
+            // Another leader made it with another setting first: its plan stands.
+            Err(refused) if refused.code() == tonic::Code::AlreadyExists => {
+                match self.0.store.get(&key).await? {
+                    Some(stored) => decode_plan(&stored),
+                    None => Err(refused),
+                }
+            }
+            Err(refused) => Err(refused),
+        }
+    }
+}
+
+/// Where communicator `comm`'s bootstrap plan of `generation` is kept.
+fn plan_key(job: &Job, generation: u64, comm: &str) -> Result<String, Status> {
+    Ok(value_key(
+        &job.id,
+        &job.values_id(generation)?,
+        "nccl-roots",
+        comm,
+    ))
 }
 
 /// A request about one job, which a job token may make only for its own job.
@@ -381,6 +462,7 @@ job_scoped!(
     pb::ListRequest,
     pb::PublishUniqueIdRequest,
     pb::FetchUniqueIdRequest,
+    pb::UniqueIdRootsRequest,
     pb::PublishValueRequest,
     pb::FetchValueRequest,
 );
@@ -647,7 +729,38 @@ impl pb::unique_ids_server::UniqueIds for ValuesService {
                 muster_proto::NCCL_UNIQUE_ID_BYTES
             )));
         }
-        self.publish(&job, generation, r.rank, "nccl", &comm, &r.unique_id)
+        // A first id published with no plan made is a one-id communicator's (any rank's, as
+        // before plans); any other needs the plan, and only its root may publish it.
+        let planned = r.root > 0
+            || self
+                .0
+                .store
+                .get(&plan_key(&job, generation, &comm)?)
+                .await?
+                .is_some();
+        if planned {
+            let (_, roots) = self.plan(&job, generation, r.rank, &comm).await?;
+            match roots.get(r.root as usize) {
+                None => {
+                    return Err(Status::invalid_argument(format!(
+                        "root {} is outside communicator '{comm}' of job '{}' generation {generation}: it has {} unique ids (roots 0 to {})",
+                        r.root,
+                        job.id,
+                        roots.len(),
+                        roots.len() - 1
+                    )));
+                }
+                Some(&root) if root != r.rank => {
+                    return Err(Status::permission_denied(format!(
+                        "rank {} is not the root of unique id {} of communicator '{comm}' in job '{}' generation {generation}: rank {root} is",
+                        r.rank, r.root, job.id
+                    )));
+                }
+                Some(_) => {}
+            }
+        }
+        let name = root_name(&comm, r.root);
+        self.publish(&job, generation, r.rank, "nccl", &name, &r.unique_id)
             .await?;
         Ok(Response::new(pb::PublishUniqueIdResponse {}))
     }
@@ -660,11 +773,60 @@ impl pb::unique_ids_server::UniqueIds for ValuesService {
         let job = self.0.job(&r.job_id)?;
         let generation = model::generation(r.generation)?;
         let comm = model::communicator(&r.communicator)?;
-        let (root_rank, unique_id) =
-            ValuesService::fetch(self, &job, generation, r.rank, "nccl", &comm, r.wait_ms).await?;
+        if !r.all {
+            let (root_rank, unique_id) =
+                ValuesService::fetch(self, &job, generation, r.rank, "nccl", &comm, r.wait_ms)
+                    .await?;
+            return Ok(Response::new(pb::FetchUniqueIdResponse {
+                unique_id,
+                root_rank,
+                unique_ids: vec![],
+            }));
+        }
+        let deadline = deadline("wait_ms", r.wait_ms)?;
+        let (_, roots) = self.plan(&job, generation, r.rank, &comm).await?;
+        let values_id = job.values_id(generation)?;
+        let mut unique_ids = Vec::with_capacity(roots.len());
+        for root in 0..roots.len() as u32 {
+            let name = root_name(&comm, root);
+            // An id already published is read at once; the first missing one is waited for.
+            if let Some(stored) = self
+                .0
+                .store
+                .get(&value_key(&job.id, &values_id, "nccl", &name))
+                .await?
+            {
+                unique_ids.push(decode_published(&stored)?.1.to_vec());
+                continue;
+            }
+            // What is left of the caller's wait (at least 1 ms: 0 would mean no limit).
+            let wait_ms = deadline.map_or(0, |d| {
+                (d.saturating_duration_since(Instant::now()).as_millis() as u64).max(1)
+            });
+            let (_, id) =
+                ValuesService::fetch(self, &job, generation, r.rank, "nccl", &name, wait_ms)
+                    .await?;
+            unique_ids.push(id);
+        }
         Ok(Response::new(pb::FetchUniqueIdResponse {
-            unique_id,
-            root_rank,
+            unique_id: unique_ids[0].clone(),
+            root_rank: roots[0],
+            unique_ids,
+        }))
+    }
+
+    async fn roots(
+        &self,
+        request: Request<pb::UniqueIdRootsRequest>,
+    ) -> Rpc<pb::UniqueIdRootsResponse> {
+        let r = authorized(request)?;
+        let job = self.0.job(&r.job_id)?;
+        let generation = model::generation(r.generation)?;
+        let comm = model::communicator(&r.communicator)?;
+        let (ranks_per_root, roots) = self.plan(&job, generation, r.rank, &comm).await?;
+        Ok(Response::new(pb::UniqueIdRootsResponse {
+            roots,
+            ranks_per_root,
         }))
     }
 }

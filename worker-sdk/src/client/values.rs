@@ -48,12 +48,24 @@ impl UniqueIds {
         communicator: &str,
         id: &[u8; NCCL_UNIQUE_ID_BYTES],
     ) -> Result<(), Error> {
+        self.publish_root(communicator, 0, id).await
+    }
+
+    /// Publishes id number `root` of `communicator`, whose root this rank is (see
+    /// [`UniqueIds::roots`]).
+    pub async fn publish_root(
+        &self,
+        communicator: &str,
+        root: u32,
+        id: &[u8; NCCL_UNIQUE_ID_BYTES],
+    ) -> Result<(), Error> {
         let request = pb::PublishUniqueIdRequest {
             job_id: self.job_id.clone(),
             generation: self.generation,
             rank: self.rank,
             communicator: communicator.to_owned(),
             unique_id: id.to_vec(),
+            root,
         };
         self.coordinator
             .unary(
@@ -75,9 +87,39 @@ impl UniqueIds {
         communicator: &str,
         wait: Option<Duration>,
     ) -> Result<[u8; NCCL_UNIQUE_ID_BYTES], Error> {
+        let response = self.fetch_ids(communicator, wait, false).await?;
+        unique_id(communicator, &response.unique_id)
+    }
+
+    /// Fetches every id of `communicator`'s roots, in root order, waiting until each is
+    /// published, the generation fails or `wait` passes (`None`: as long as the generation is
+    /// alive).
+    pub async fn fetch_all(
+        &self,
+        communicator: &str,
+        wait: Option<Duration>,
+    ) -> Result<Vec<[u8; NCCL_UNIQUE_ID_BYTES]>, Error> {
+        let response = self.fetch_ids(communicator, wait, true).await?;
+        if response.unique_ids.is_empty() {
+            return Err(Error::Protocol(format!(
+                "the coordinator answered no unique ids for communicator '{communicator}'"
+            )));
+        }
+        response
+            .unique_ids
+            .iter()
+            .map(|id| unique_id(communicator, id))
+            .collect()
+    }
+
+    async fn fetch_ids(
+        &self,
+        communicator: &str,
+        wait: Option<Duration>,
+        all: bool,
+    ) -> Result<pb::FetchUniqueIdResponse, Error> {
         let started = Instant::now();
-        let response = self
-            .coordinator
+        self.coordinator
             .unary(
                 true,
                 || pb::FetchUniqueIdRequest {
@@ -86,19 +128,51 @@ impl UniqueIds {
                     rank: self.rank,
                     communicator: communicator.to_owned(),
                     wait_ms: wait_ms(wait.map(|w| w.saturating_sub(started.elapsed()))),
+                    all,
                 },
                 |channel, request| async move { UniqueIdsClient::new(channel).fetch(request).await },
             )
             .await
-            .map_err(|failed| failed.error(|| format!("NCCL unique id '{communicator}'")))?;
-        let bytes = response.unique_id;
-        <[u8; NCCL_UNIQUE_ID_BYTES]>::try_from(bytes.as_slice()).map_err(|_| {
-            Error::Protocol(format!(
-                "unique id '{communicator}' has {} bytes, expected {NCCL_UNIQUE_ID_BYTES}",
-                bytes.len()
-            ))
-        })
+            .map_err(|failed| failed.error(|| format!("NCCL unique id '{communicator}'")))
     }
+
+    /// Which rank makes each of `communicator`'s ids, in id order, as the coordinator planned
+    /// it (NCCL's bootstrap roots, see `muster_core::nccl`): one entry (rank 0) for a
+    /// communicator with one id. A coordinator that predates plans (UNIMPLEMENTED) counts as
+    /// one id.
+    pub async fn roots(&self, communicator: &str) -> Result<Vec<u32>, Error> {
+        let answer = self
+            .coordinator
+            .unary(
+                true,
+                || pb::UniqueIdRootsRequest {
+                    job_id: self.job_id.clone(),
+                    generation: self.generation,
+                    rank: self.rank,
+                    communicator: communicator.to_owned(),
+                },
+                |channel, request| async move { UniqueIdsClient::new(channel).roots(request).await },
+            )
+            .await;
+        match answer {
+            Ok(response) if response.roots.is_empty() => Err(Error::Protocol(format!(
+                "the coordinator planned no roots for communicator '{communicator}'"
+            ))),
+            Ok(response) => Ok(response.roots),
+            Err(failed) if failed.status.code() == tonic::Code::Unimplemented => Ok(vec![0]),
+            Err(failed) => Err(failed.error(|| format!("NCCL roots of '{communicator}'"))),
+        }
+    }
+}
+
+/// `bytes` as an NCCL unique id of `communicator`, or a protocol error saying its size.
+fn unique_id(communicator: &str, bytes: &[u8]) -> Result<[u8; NCCL_UNIQUE_ID_BYTES], Error> {
+    <[u8; NCCL_UNIQUE_ID_BYTES]>::try_from(bytes).map_err(|_| {
+        Error::Protocol(format!(
+            "unique id '{communicator}' has {} bytes, expected {NCCL_UNIQUE_ID_BYTES}",
+            bytes.len()
+        ))
+    })
 }
 
 /// Values computed once per generation and shared (`main_process_first_share`): the publisher

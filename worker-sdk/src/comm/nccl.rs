@@ -143,10 +143,6 @@ fn version_name(version: c_int) -> String {
 
 /// A fresh NCCL unique id (`ncclGetUniqueId`), made by the root rank of a communicator and
 /// handed to the others (through the coordinator's unique-id service).
-#[allow(
-    dead_code,
-    reason = "used by connect(); drop this once comm/mod.rs's new_nccl calls connect()"
-)]
 pub(crate) fn new_unique_id() -> Result<[u8; NCCL_UNIQUE_ID_BYTES], Error> {
     available().map_err(backend_error)?;
     let mut id = sys::ncclUniqueId {
@@ -161,9 +157,10 @@ pub(crate) fn new_unique_id() -> Result<[u8; NCCL_UNIQUE_ID_BYTES], Error> {
     Ok(id.internal.map(|byte| byte as u8))
 }
 
-/// Creates the NCCL communicator of `accelerator`'s generation: rank 0 makes the unique id and
-/// publishes it through the coordinator's generation-fenced unique-id service, the other ranks
-/// fetch it, and every rank joins on CUDA device `local_rank`. Failures the coordinator reports
+/// Creates the NCCL communicator of `accelerator`'s generation: its bootstrap roots (rank 0
+/// alone up to the coordinator's `nccl_ranks_per_root`, one per that many ranks above) make
+/// the unique ids and publish them through the coordinator's generation-fenced unique-id
+/// service, the other ranks fetch them, and every rank joins on CUDA device `local_rank`. Failures the coordinator reports
 /// (for example a rank that dies before it joins) abort the communicator, here and in every
 /// later operation.
 ///
@@ -202,14 +199,8 @@ pub(crate) fn connect_at(
     } else {
         format!("muster.comm.nccl.{index}.e{epoch}")
     };
-    let id = if info.rank == 0 {
-        let id = new_unique_id()?;
-        accelerator.publish_nccl_unique_id(&name, &id)?;
-        id
-    } else {
-        accelerator.fetch_nccl_unique_id(&name)?
-    };
-    NcclBackend::with_failure_watch(info, id, accelerator.failure_watch_at(epoch))
+    let ids = accelerator.nccl_unique_ids(&name, new_unique_id)?;
+    NcclBackend::with_failure_watch(info, &ids, accelerator.failure_watch_at(epoch))
 }
 
 fn backend_error(message: impl Into<String>) -> Error {
@@ -430,8 +421,9 @@ mod tests {
         let watch = FailureWatch::default();
         let firing = fire_after(&watch, Duration::from_millis(500), 1);
         let started = Instant::now();
-        let error = NcclBackend::with_failure_watch(&info(0, 2), new_unique_id().unwrap(), watch)
-            .unwrap_err();
+        let error =
+            NcclBackend::with_failure_watch(&info(0, 2), &[new_unique_id().unwrap()], watch)
+                .unwrap_err();
         firing.join().unwrap();
         assert!(
             started.elapsed() < Duration::from_secs(30),
@@ -455,9 +447,12 @@ mod tests {
             return;
         }
         let watch = FailureWatch::default();
-        let mut nccl =
-            NcclBackend::with_failure_watch(&info(0, 1), new_unique_id().unwrap(), watch.clone())
-                .unwrap();
+        let mut nccl = NcclBackend::with_failure_watch(
+            &info(0, 1),
+            &[new_unique_id().unwrap()],
+            watch.clone(),
+        )
+        .unwrap();
         let mut buf = sample(DType::F32, 1024, 0);
         nccl.all_reduce(&mut buf, DType::F32, ReduceOp::Sum)
             .unwrap();

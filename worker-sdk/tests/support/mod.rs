@@ -138,7 +138,22 @@ pub fn with_accelerators<T: Send + 'static>(
     local_sizes: &[u32],
     body: impl Fn(Accelerator) -> T + Send + Sync + 'static,
 ) -> Vec<T> {
-    let coordinator = TestCoordinator::start();
+    with_accelerators_on(
+        muster_coordinator::Config::default(),
+        job,
+        local_sizes,
+        body,
+    )
+}
+
+/// [`with_accelerators`] on a coordinator started with `config`.
+pub fn with_accelerators_on<T: Send + 'static>(
+    config: muster_coordinator::Config,
+    job: &str,
+    local_sizes: &[u32],
+    body: impl Fn(Accelerator) -> T + Send + Sync + 'static,
+) -> Vec<T> {
+    let coordinator = TestCoordinator::start_with(config);
     let client = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()

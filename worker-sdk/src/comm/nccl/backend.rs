@@ -78,14 +78,15 @@ impl NcclBackend {
         info: &RankInfo,
         unique_id: [u8; NCCL_UNIQUE_ID_BYTES],
     ) -> Result<Self, Error> {
-        Self::with_failure_watch(info, unique_id, FailureWatch::default())
+        Self::with_failure_watch(info, &[unique_id], FailureWatch::default())
     }
 
-    /// [`NcclBackend::new`], aborting (the join, and every later operation) when `failures`
-    /// fires.
+    /// [`NcclBackend::new`] with the communicator's unique ids (one per bootstrap root, see
+    /// [`crate::Accelerator::nccl_unique_ids`]), aborting (the join, and every later
+    /// operation) when `failures` fires.
     pub(crate) fn with_failure_watch(
         info: &RankInfo,
-        unique_id: [u8; NCCL_UNIQUE_ID_BYTES],
+        unique_ids: &[[u8; NCCL_UNIQUE_ID_BYTES]],
         failures: FailureWatch,
     ) -> Result<Self, Error> {
         available().map_err(backend_error)?;
@@ -127,7 +128,8 @@ impl NcclBackend {
         context
             .bind_to_thread()
             .map_err(cuda("making the CUDA context current"))?;
-        let (comm, result) = RawComm::start_init(world_size, &unique_id, rank);
+        let (comm, result) =
+            RawComm::start_init(world_size, unique_ids, rank).map_err(backend_error)?;
         let mut backend = Self {
             comm,
             broken: None,

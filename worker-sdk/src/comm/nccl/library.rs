@@ -42,6 +42,8 @@ macro_rules! nccl_functions {
             /// Which file was loaded (for messages).
             path: String,
             $($name: unsafe extern "C" fn($($ty),*) -> $ret,)*
+            /// `ncclCommInitRankScalable`, which only NCCL 2.23 and newer have.
+            scalable: Option<InitScalable>,
             _library: Library,
         }
 
@@ -67,6 +69,12 @@ macro_rules! nccl_functions {
                             format!("{path} has no {}: {e}", stringify!($name))
                         })?
                     },)*
+                    // SAFETY: as above, for the optional function's signature.
+                    scalable: unsafe {
+                        library.get::<InitScalable>(b"ncclCommInitRankScalable\0")
+                    }
+                    .ok()
+                    .map(|symbol| *symbol),
                     path,
                     _library: library,
                 })
@@ -162,6 +170,24 @@ nccl_functions! {
         comm: ncclComm_t,
         stream: cudaStream_t
     ) -> ncclResult_t = ncclResult_t::ncclSystemError;
+}
+
+/// `ncclCommInitRankScalable`'s signature: a communicator from `nId` unique ids, one per
+/// bootstrap root.
+type InitScalable = unsafe extern "C" fn(
+    *mut ncclComm_t,
+    c_int,
+    c_int,
+    c_int,
+    *mut ncclUniqueId,
+    *mut ncclConfig_t,
+) -> ncclResult_t;
+
+/// NCCL's `ncclCommInitRankScalable(comm, nranks, myrank, nId, commIds, config)`, or `None`
+/// when the library did not load or predates it (NCCL before 2.23).
+#[allow(unsafe_code, reason = "NCCL's signature")]
+pub(super) fn ncclCommInitRankScalable() -> Option<InitScalable> {
+    loaded().ok().and_then(|nccl| nccl.scalable)
 }
 
 /// The loaded library, or why it could not be loaded (computed once per process).
@@ -271,6 +297,28 @@ mod tests {
         #[allow(unsafe_code)]
         let result = unsafe { (nccl.ncclCommAbort)(std::ptr::null_mut()) };
         assert_eq!(result, ncclResult_t::ncclInternalError);
+        // NCCL before 2.23 has no scalable init: it still loads, without it.
+        assert!(nccl.scalable.is_none());
+        let scalable = build_library(
+            &dir,
+            "libscalable.so.2",
+            &format!("{c}int ncclCommInitRankScalable(void) {{ return 5; }}\n"),
+        );
+        let nccl = load_from(Some(scalable.into())).unwrap();
+        let init = nccl.scalable.unwrap();
+        // SAFETY: the stand-in ignores its arguments and returns 5.
+        #[allow(unsafe_code)]
+        let result = unsafe {
+            init(
+                std::ptr::null_mut(),
+                2,
+                0,
+                2,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(result, ncclResult_t::ncclInvalidUsage);
 
         // The same library without one function is refused naming it.
         let short = build_library(
@@ -332,6 +380,12 @@ mod tests {
         let result = unsafe { (nccl.ncclGetVersion)(&mut version) };
         assert_eq!(result, ncclResult_t::ncclSuccess);
         assert!(version >= 21_400, "{version}");
-        println!("{} is NCCL {version}", nccl.path);
+        // ncclCommInitRankScalable arrived in 2.23: a wheel that new resolves it.
+        assert_eq!(nccl.scalable.is_some(), version >= 22_300, "{version}");
+        println!(
+            "{} is NCCL {version} (scalable init: {})",
+            nccl.path,
+            nccl.scalable.is_some()
+        );
     }
 }

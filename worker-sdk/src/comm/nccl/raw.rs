@@ -77,14 +77,17 @@ pub(super) enum Call<'a> {
 }
 
 impl RawComm {
-    /// Starts joining communicator `id` as `rank` of `world_size` on the CUDA device current on
-    /// this thread. The join finishes in the background: poll [`RawComm::state`].
+    /// Starts joining the communicator of unique ids `ids` (one per bootstrap root, in root
+    /// order) as `rank` of `world_size` on the CUDA device current on this thread: with one id
+    /// through `ncclCommInitRankConfig`, with several through `ncclCommInitRankScalable`
+    /// (`Err` when the library predates it). The join finishes in the background: poll
+    /// [`RawComm::state`].
     #[allow(unsafe_code)]
     pub(super) fn start_init(
         world_size: c_int,
-        id: &[u8; NCCL_UNIQUE_ID_BYTES],
+        ids: &[[u8; NCCL_UNIQUE_ID_BYTES]],
         rank: c_int,
-    ) -> (Option<Self>, ncclResult_t) {
+    ) -> Result<(Option<Self>, ncclResult_t), String> {
         // NCCL_CONFIG_INITIALIZER, non-blocking.
         let mut config = sys::ncclConfig_t {
             size: std::mem::size_of::<sys::ncclConfig_t>(),
@@ -108,18 +111,48 @@ impl RawComm {
             numRmaCtx: CONFIG_UNDEF,
             maxP2pPeers: CONFIG_UNDEF,
         };
-        let id = sys::ncclUniqueId {
-            internal: id.map(|byte| byte as c_char),
-        };
+        let mut ids: Vec<sys::ncclUniqueId> = ids
+            .iter()
+            .map(|id| sys::ncclUniqueId {
+                internal: id.map(|byte| byte as c_char),
+            })
+            .collect();
         let mut comm: sys::ncclComm_t = ptr::null_mut();
-        // SAFETY: `comm` and `config` are valid for the whole call; NCCL copies the config
-        // (at most `size` bytes, clamped to the struct it knows) and the id before returning,
-        // and keeps no pointer to either. `world_size` and `rank` were checked by the caller.
-        let result = unsafe {
-            library::ncclCommInitRankConfig(&mut comm, world_size, id, rank, &mut config)
+        let result = match ids.as_mut_slice() {
+            [] => return Err("no unique id to join with".to_owned()),
+            // SAFETY: `comm` and `config` are valid for the whole call; NCCL copies the config
+            // (at most `size` bytes, clamped to the struct it knows) and the id before
+            // returning, and keeps no pointer to either. `world_size` and `rank` were checked
+            // by the caller.
+            [id] => unsafe {
+                library::ncclCommInitRankConfig(&mut comm, world_size, *id, rank, &mut config)
+            },
+            several => {
+                let Some(init) = library::ncclCommInitRankScalable() else {
+                    return Err(format!(
+                        "the coordinator planned {} bootstrap roots, but this NCCL has no \
+                         ncclCommInitRankScalable (NCCL 2.23 or newer): upgrade NCCL, or run \
+                         the coordinator with --nccl-ranks-per-root 0",
+                        several.len()
+                    ));
+                };
+                let count = c_int::try_from(several.len()).unwrap_or(c_int::MAX);
+                // SAFETY: as above; `several` holds `count` ids, which NCCL copies before
+                // returning.
+                unsafe {
+                    init(
+                        &mut comm,
+                        world_size,
+                        rank,
+                        count,
+                        several.as_mut_ptr(),
+                        &mut config,
+                    )
+                }
+            }
         };
         let comm = (!comm.is_null()).then_some(Self(comm));
-        (comm, result)
+        Ok((comm, result))
     }
 
     /// The communicator's state: `ncclInProgress` while an init or an enqueue is still under
