@@ -53,7 +53,19 @@ fn start(nodes: usize) -> Option<(Cluster, String)> {
 
 /// `muster-agent launch` on host `host` with `flags`, 2 workers of `sh -c script`.
 fn agent(cluster: &Cluster, host: &str, job: &str, flags: &[&str], script: &str) -> Agent {
-    let nproc = NPROC.to_string();
+    agent_of(cluster, host, job, NPROC, flags, script)
+}
+
+/// [`agent`] with `nproc` workers.
+fn agent_of(
+    cluster: &Cluster,
+    host: &str,
+    job: &str,
+    nproc: u32,
+    flags: &[&str],
+    script: &str,
+) -> Agent {
+    let nproc = nproc.to_string();
     let mut all = vec![
         "--nproc-per-node",
         &nproc,
@@ -89,9 +101,14 @@ fn fields(line: &str) -> BTreeMap<String, String> {
 
 /// Waits for the `ready` lines of `agent`'s workers of generation `generation`.
 fn ready(agent: &Agent, generation: u64) -> Vec<BTreeMap<String, String>> {
+    ready_of(agent, generation, NPROC)
+}
+
+/// [`ready`] for an agent of `nproc` workers.
+fn ready_of(agent: &Agent, generation: u64, nproc: u32) -> Vec<BTreeMap<String, String>> {
     let gen_field = format!(" gen={generation} ");
     agent
-        .wait_for_lines(Stream::Stdout, NPROC as usize, SLOW, |l| {
+        .wait_for_lines(Stream::Stdout, nproc as usize, SLOW, |l| {
             l.contains("] ready ") && l.contains(&gen_field)
         })
         .iter()
@@ -376,6 +393,68 @@ fn a_node_whose_agent_is_killed_fails_the_others_within_seconds() {
     eprintln!(
         "agent of node {} SIGKILLed: the other nodes' workers named it after {:?} and their agents exited after {:?}: {}",
         nodes[lost], d.noticed, d.exited, d.line
+    );
+}
+
+/// An agent SIGKILLed with 8 workers in a barrier loop (issue 29): the coordinator learns of
+/// it from the node's own stream, and the job fails once, for the lost node. Every worker of
+/// the other node names that node and its agent as the cause; none names a worker's session
+/// (its 8 workers' sessions ended too, but a session's end waits for the agent's more precise
+/// word); the coordinator records one failure of the generation.
+#[test]
+fn an_agent_killed_with_eight_workers_mid_barrier_fails_the_job_once_naming_its_node() {
+    let Some((cluster, barrier_loop)) = start(2) else {
+        return;
+    };
+    let job = "mn-kill8";
+    let script = ready_then_loop(&barrier_loop, "100000000");
+    let agents: Vec<Agent> = ["n0", "n1"]
+        .iter()
+        .map(|host| agent_of(&cluster, host, job, 8, &["--nnodes", "2"], &script))
+        .collect();
+    let nodes: Vec<u32> = agents
+        .iter()
+        .map(|a| node_rank(&ready_of(a, 1, 8)))
+        .collect();
+    // Let the barrier loops get going across the nodes.
+    std::thread::sleep(Duration::from_millis(500));
+    let [survivor, victim] = <[Agent; 2]>::try_from(agents).unwrap_or_else(|_| unreachable!());
+    let killed = Instant::now();
+    victim.signal(nix::sys::signal::Signal::SIGKILL);
+    let run = survivor.finish_by(killed + Duration::from_secs(6) + SLACK);
+    let exited = killed.elapsed();
+    assert_eq!(run.code(), Some(1), "{}", run.dump());
+    let addr = cluster.net.addr("n1").to_string();
+    let failed: Vec<&String> = run
+        .stderr
+        .iter()
+        .filter(|l| l.starts_with("[rank ") && l.contains(" failed: "))
+        .collect();
+    assert_eq!(failed.len(), 8, "one error per worker\n{}", run.dump());
+    for line in &failed {
+        assert!(
+            names_node(line, &addr, nodes[1]) && line.contains("agent"),
+            "{line}\n{}",
+            run.dump()
+        );
+        assert!(!line.contains("session"), "{line}");
+    }
+    let summary = all_lines(&run)
+        .find(|l| l.starts_with(&format!("muster-agent: job {job} failed")))
+        .unwrap_or_else(|| panic!("no failure summary\n{}", run.dump()));
+    assert!(
+        names_node(summary, &addr, nodes[1]) && summary.contains("agent"),
+        "{summary}"
+    );
+    let coordinator = cluster.coordinator_process.output();
+    let failures = coordinator
+        .lines()
+        .filter(|l| l.contains(&format!("of job '{job}' generation 1 failed")))
+        .count();
+    assert_eq!(failures, 1, "{coordinator}");
+    eprintln!(
+        "agent of node {} SIGKILLed with 8 workers: the other node's agent exited after {exited:?}: {}",
+        nodes[1], failed[0]
     );
 }
 

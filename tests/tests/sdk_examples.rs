@@ -84,6 +84,47 @@ fn fail_at_makes_the_other_ranks_fail_fast_naming_the_failed_rank() {
     );
 }
 
+/// A worker that dies between registering (with the coordinator, and with its agent's relay)
+/// and its first barrier (issue 29): the others' first barrier fails naming it, and the job
+/// fails once, with its exit status.
+#[test]
+fn a_worker_that_dies_before_its_first_barrier_fails_the_others_first_barrier() {
+    let Some(bin) = example("fail_at") else {
+        return;
+    };
+    let run = launch(4, &bin, &["--rank", "1", "--code", "9", "--at", "0"]).finish(SLOW);
+    assert_eq!(run.code(), Some(1), "{}", run.dump());
+    assert!(
+        run.stderr.iter().any(
+            |l| l == "muster-agent: job sdk failed: rank 1 (node 0, host 127.0.0.1) exited with status 9"
+        ),
+        "{}",
+        run.dump()
+    );
+    for rank in [0, 2, 3] {
+        let error = run
+            .rank_stdout(rank)
+            .into_iter()
+            .find(|l| l.starts_with(&format!("rank={rank} error: ")))
+            .unwrap_or_else(|| panic!("rank {rank} printed no error\n{}", run.dump()))
+            .to_owned();
+        assert!(error.contains("rank 1"), "rank {rank}: {error}");
+        assert!(
+            !run.rank_stdout(rank)
+                .iter()
+                .any(|l| l.contains("passed the barrier")),
+            "{}",
+            run.dump()
+        );
+    }
+    assert!(
+        run.elapsed < Duration::from_secs(4),
+        "{:?}\n{}",
+        run.elapsed,
+        run.dump()
+    );
+}
+
 #[test]
 fn main_first_with_four_ranks() {
     let Some(bin) = example("main_first") else {

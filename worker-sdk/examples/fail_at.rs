@@ -1,9 +1,10 @@
 //! Failure propagation, for end-to-end tests: every rank passes a first barrier, then rank
 //! `R` exits with code `C` while the others wait at a second barrier and print the error they
-//! get (which names the failed rank, its node and host).
+//! get (which names the failed rank, its node and host). With `--at 0`, rank `R` exits before
+//! the first barrier instead, just after registering, and the others fail in the first.
 //!
-//! Usage: `fail_at --rank R --code C`. Ranks other than `R` exit with 1 when the second
-//! barrier fails, 0 if it unexpectedly succeeds.
+//! Usage: `fail_at --rank R --code C [--at 0|1]`. Ranks other than `R` exit with 1 when the
+//! barrier after the death fails, 0 if it unexpectedly succeeds.
 
 use std::process::ExitCode;
 
@@ -20,6 +21,7 @@ fn main() -> ExitCode {
 fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
     let mut fail_rank: Option<usize> = None;
     let mut code: i32 = 3;
+    let mut at = 1;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         let value = args.next().ok_or(format!("{arg} needs a value"))?;
@@ -36,9 +38,10 @@ fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
                     .parse()
                     .map_err(|e| format!("--code {value:?}: {e}"))?
             }
+            "--at" if value == "0" || value == "1" => at = usize::from(value == "1"),
             other => {
                 return Err(format!(
-                    "unknown argument {other:?}; usage: fail_at --rank R --code C"
+                    "unknown argument {other:?} {value:?}; usage: fail_at --rank R --code C [--at 0|1]"
                 )
                 .into());
             }
@@ -48,8 +51,10 @@ fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
 
     let accelerator = muster::Accelerator::from_env()?;
     let rank = accelerator.process_index();
-    accelerator.wait_for_everyone()?;
-    println!("rank={rank} passed the first barrier");
+    if at == 1 {
+        accelerator.wait_for_everyone()?;
+        println!("rank={rank} passed the first barrier");
+    }
     if rank == fail_rank {
         println!("rank={rank} exiting with code {code}");
         // No destructors: the session ends without `leave`, as in a crash.
@@ -57,7 +62,9 @@ fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
     }
     match accelerator.wait_for_everyone() {
         Ok(()) => {
-            println!("rank={rank} passed the second barrier (rank {fail_rank} did not fail?)");
+            println!(
+                "rank={rank} passed the barrier after rank {fail_rank}'s exit (did it not fail?)"
+            );
             Ok(ExitCode::SUCCESS)
         }
         Err(e) => {
