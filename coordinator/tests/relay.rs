@@ -221,3 +221,101 @@ async fn waits_a_relay_holds_show_in_the_ops_view_until_cleared() {
     }
     panic!("an empty report did not clear the held waits");
 }
+
+/// Ranks registered through their node's relay need no session of their own (issue 29): each
+/// is answered on the relay, refused there when it is not the node's or is already
+/// registered, meets the others in relayed barriers, shows in `DescribeJob` with its pid and
+/// host, hears the generation's failure as a `RankEvent`, and may leave.
+#[tokio::test]
+async fn ranks_registered_through_their_relay_need_no_sessions() {
+    let s = start_default().await;
+    let ch = &s.channel;
+    form(ch, "relayed", 2, 2).await;
+    let mut relays = vec![
+        RawRelay::attach(ch, "relayed", 1, 0).await.unwrap(),
+        RawRelay::attach(ch, "relayed", 1, 1).await.unwrap(),
+    ];
+    for rank in 0..4 {
+        let event = relays[rank as usize / 2]
+            .register_rank("relayed", 1, rank)
+            .await;
+        let Some(pb::rank_event::Kind::Message(pb::CoordinatorMessage {
+            kind: Some(pb::coordinator_message::Kind::Registered(r)),
+        })) = event.kind
+        else {
+            panic!("rank {rank}: {event:?}");
+        };
+        assert_eq!((r.world_size, r.node_rank, r.num_nodes), (4, rank / 2, 2));
+    }
+    // Another node's rank, a rank registered twice, a rank outside the world, another job.
+    for (rank, code, needle) in [
+        (
+            2,
+            tonic::Code::InvalidArgument,
+            "is on node 1, not on node 0",
+        ),
+        (1, tonic::Code::AlreadyExists, "already registered"),
+        (9, tonic::Code::InvalidArgument, "outside"),
+    ] {
+        let event = relays[0].register_rank("relayed", 1, rank).await;
+        let Some(pb::rank_event::Kind::Refused(refused)) = event.kind else {
+            panic!("rank {rank}: {event:?}");
+        };
+        assert_eq!(refused.code, code as i32, "{}", refused.message);
+        assert!(refused.message.contains(needle), "{}", refused.message);
+    }
+    let event = relays[0].register_rank("other", 1, 0).await;
+    assert!(
+        matches!(&event.kind, Some(pb::rank_event::Kind::Refused(r)) if r.message.contains("through the relay of job 'relayed'")),
+        "{event:?}"
+    );
+    // A relayed barrier of ranks that have no session.
+    for seq in 1..=3 {
+        relays[0].enter(seq, &[("step", &[0, 1])], 0).await;
+        relays[1].enter(seq, &[("step", &[2, 3])], 0).await;
+        for relay in &mut relays {
+            assert_eq!(relay.result(seq).await, None, "seq {seq}");
+        }
+    }
+    let d = describe(ch, "relayed").await;
+    for rank in &d.ranks {
+        let r = rank.rank.unwrap();
+        assert_eq!(
+            (rank.pid, rank.host.as_str()),
+            (100 + r, format!("host-{r}").as_str())
+        );
+        assert_eq!(rank.global_seq, 3);
+    }
+    // Rank 1 leaves; rank 3's agent reports its exit: node 0's relay hears the failure for the
+    // generation and for its live rank 0, naming rank 3.
+    relays[0].leave_rank(1).await;
+    pb::rendezvous_client::RendezvousClient::new(ch.clone())
+        .report_failure(pb::ReportFailureRequest {
+            job_id: "relayed".into(),
+            generation: 1,
+            rank: 3,
+            reason: "exited with status 3".into(),
+            exit_code: Some(3),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let (mut failed, mut pushed) = (None, vec![]);
+    while failed.is_none() || pushed.is_empty() {
+        match relays[0].event().await {
+            pb::relay_event::Kind::Failed(e) => failed = Some(e),
+            pb::relay_event::Kind::Rank(pb::RankEvent {
+                rank,
+                kind:
+                    Some(pb::rank_event::Kind::Message(pb::CoordinatorMessage {
+                        kind: Some(pb::coordinator_message::Kind::GenerationFailed(e)),
+                    })),
+            }) => pushed.push((rank, e)),
+            other => panic!("{other:?}"),
+        }
+    }
+    assert_eq!(failed.unwrap().rank, 3);
+    assert_eq!(pushed.len(), 1, "only rank 0 is live on node 0: {pushed:?}");
+    assert_eq!(pushed[0].0, 0);
+    assert!(pushed[0].1.message.contains("rank 3"), "{:?}", pushed[0]);
+}

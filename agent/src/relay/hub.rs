@@ -542,7 +542,9 @@ impl Hub {
                 self.withdraw(err, sink);
             }
             Some(pb::relay_event::Kind::Failed(err)) => self.fail_all(err, sink),
-            Some(pb::relay_event::Kind::Registered(_)) | None => {}
+            // This agent's workers register with sessions of their own, never through the
+            // relay, so no rank event is ever addressed to it.
+            Some(pb::relay_event::Kind::Registered(_) | pb::relay_event::Kind::Rank(_)) | None => {}
         }
     }
 

@@ -24,15 +24,30 @@ struct Args {
     /// Simulated rank counts for the barrier benchmark.
     #[arg(long, value_delimiter = ',', default_value = "512,4096")]
     ranks: Vec<u32>,
-    /// Simulated rank counts for the NCCL bootstrap's id distribution (none: skipped).
-    #[arg(long, value_delimiter = ',', default_value = "4096,16384")]
+    /// Simulated rank counts for the NCCL bootstrap's id distribution, e.g. 4096,16384 (none
+    /// by default: skipped).
+    #[arg(long, value_delimiter = ',')]
     bootstrap: Vec<u32>,
+    /// Which ways ranks reach the coordinator in the barrier benchmark.
+    #[arg(long, value_delimiter = ',', default_value = "sessions,relayed,node")]
+    paths: Vec<Path>,
     /// Barriers per rank count.
     #[arg(long, default_value_t = 50)]
     iters: usize,
     /// Connections the simulated clients share.
     #[arg(long, default_value_t = 8)]
     connections: usize,
+}
+
+/// How the simulated ranks reach the coordinator.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Path {
+    /// One session stream per rank, which enters each barrier itself.
+    Sessions,
+    /// One session per rank for liveness, barriers through one relay stream per node.
+    Relayed,
+    /// Ranks registered through their node's relay stream, no session (issue 29).
+    Node,
 }
 
 struct Rank {
@@ -69,11 +84,18 @@ async fn barriers(
     job: &str,
     ranks: u32,
     iters: usize,
-    relayed: bool,
+    path: Path,
 ) -> anyhow::Result<(f64, f64, f64)> {
     let local = 8.min(ranks);
     let before = coordinator.rss_bytes();
     rendezvous(chs, job, ranks / local, local).await?;
+    if path == Path::Node {
+        let relays = attach_relays(chs, job, ranks / local, local, true).await?;
+        let per_rank = (coordinator.rss_bytes().saturating_sub(before)) as f64 / f64::from(ranks);
+        let (p50, p99) = relay_loops(relays, local, iters).await?;
+        return Ok((p50, p99, per_rank));
+    }
+    let relayed = path == Path::Relayed;
     let mut sessions = Vec::with_capacity(ranks as usize);
     for r in 0..ranks {
         sessions.push(attach(chs[r as usize % chs.len()].clone(), job, r).await?);
@@ -157,10 +179,32 @@ async fn relayed_barriers(
             })
         })
         .collect();
-    let (lat_tx, mut lat_rx) = mpsc::unbounded_channel();
-    let mut tasks = vec![];
+    let relays = attach_relays(chs, job, nodes, local, false).await?;
+    let latencies = relay_loops(relays, local, iters).await;
+    for k in keepalive {
+        k.abort();
+    }
+    latencies
+}
+
+/// A node's relay stream, as an agent holds it.
+struct Relay {
+    tx: mpsc::Sender<pb::RelayMessage>,
+    rx: tonic::Streaming<pb::RelayEvent>,
+}
+
+/// Attaches one relay stream per simulated node; with `register`, registers the node's
+/// `local` ranks through it (issue 29: no session of their own) and checks each answer.
+async fn attach_relays(
+    chs: &[Channel],
+    job: &str,
+    nodes: u32,
+    local: u32,
+    register: bool,
+) -> anyhow::Result<Vec<Relay>> {
+    let mut relays = Vec::with_capacity(nodes as usize);
     for node in 0..nodes {
-        let (tx, rx) = mpsc::channel(4);
+        let (tx, rx) = mpsc::channel(local as usize + 4);
         tx.send(pb::RelayMessage {
             kind: Some(pb::relay_message::Kind::Register(pb::RelayRegister {
                 job_id: job.into(),
@@ -175,6 +219,47 @@ async fn relayed_barriers(
             .await?
             .into_inner();
         stream.message().await?;
+        relays.push(Relay { tx, rx: stream });
+    }
+    if register {
+        for (node, relay) in relays.iter_mut().enumerate() {
+            for rank in node as u32 * local..(node as u32 + 1) * local {
+                relay
+                    .tx
+                    .send(pb::RelayMessage {
+                        kind: Some(pb::relay_message::Kind::RankRegister(pb::Register {
+                            job_id: job.into(),
+                            generation: 1,
+                            rank,
+                            pid: rank,
+                            ..Default::default()
+                        })),
+                    })
+                    .await?;
+            }
+        }
+        for relay in &mut relays {
+            for _ in 0..local {
+                match relay.rx.message().await?.and_then(|m| m.kind) {
+                    Some(pb::relay_event::Kind::Rank(pb::RankEvent {
+                        kind: Some(pb::rank_event::Kind::Message(_)),
+                        ..
+                    })) => {}
+                    other => anyhow::bail!("a rank's registration was answered {other:?}"),
+                }
+            }
+        }
+    }
+    Ok(relays)
+}
+
+/// Runs `iters` (after 5 warm-up) global barriers through `relays`, each entering one group of
+/// its `local` ranks; returns (p50, p99) in microseconds as seen by node 0's relay.
+async fn relay_loops(relays: Vec<Relay>, local: u32, iters: usize) -> anyhow::Result<(f64, f64)> {
+    let (lat_tx, mut lat_rx) = mpsc::unbounded_channel();
+    let mut tasks = vec![];
+    for (node, Relay { tx, rx: mut stream }) in relays.into_iter().enumerate() {
+        let node = node as u32;
         let ranks: Vec<u32> = (node * local..(node + 1) * local).collect();
         let lat_tx = lat_tx.clone();
         tasks.push(tokio::spawn(async move {
@@ -203,15 +288,14 @@ async fn relayed_barriers(
                     let _ = lat_tx.send(t.elapsed().as_secs_f64() * 1e6);
                 }
             }
-            anyhow::Ok(())
+            anyhow::Ok((tx, stream))
         }));
     }
     drop(lat_tx);
+    // The streams stay open until every node is done, as the job's would.
+    let mut done = vec![];
     for t in tasks {
-        t.await??;
-    }
-    for k in keepalive {
-        k.abort();
+        done.push(t.await??);
     }
     let mut lat = vec![];
     while let Some(x) = lat_rx.recv().await {
@@ -315,23 +399,16 @@ async fn main() -> anyhow::Result<()> {
     );
     println!("| --- | --- | --- | --- | --- |");
     for &r in &args.ranks {
-        for relayed in [false, true] {
+        for &path in &args.paths {
             // A fresh coordinator per case, so its memory growth is this case's alone.
             let coordinator = CoordinatorProcess::start()?;
             let chs = channels(coordinator.addr, args.connections).await?;
-            let (p50, p99, per_rank) = barriers(
-                &chs,
-                &coordinator,
-                &format!("bar-{r}"),
-                r,
-                args.iters,
-                relayed,
-            )
-            .await?;
-            let path = if relayed {
-                "relayed: 1 group per 8-rank node"
-            } else {
-                "1 session per rank"
+            let (p50, p99, per_rank) =
+                barriers(&chs, &coordinator, &format!("bar-{r}"), r, args.iters, path).await?;
+            let path = match path {
+                Path::Sessions => "1 session per rank",
+                Path::Relayed => "relayed: 1 group per 8-rank node",
+                Path::Node => "node stream only: ranks registered through their relay",
             };
             println!(
                 "| {r} | {path} | {p50:.0} us | {p99:.0} us | {:.1} KiB |",

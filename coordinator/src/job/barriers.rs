@@ -35,10 +35,11 @@ impl Job {
         rank: u32,
         pid: u32,
         host: String,
-        outbox: Outbox,
+        outbox: impl Into<Outbox>,
         resume: Option<[u64; 2]>,
         replacement: Option<u64>,
     ) -> Result<Registration, Error> {
+        let outbox = outbox.into();
         let mut st = self.lock();
         let id = self.id.clone();
         let g = self.running(&mut st, generation)?;
@@ -144,6 +145,60 @@ impl Job {
             self.persist(&st);
         }
         Ok(registration)
+    }
+
+    /// Registers `rank` through node `node_rank`'s relay (issue 29): [`Job::register`], once
+    /// the rank is checked to be that node's, its answers and pushes going out on the relay.
+    #[allow(clippy::too_many_arguments)]
+    pub fn register_relayed(
+        &self,
+        generation: u64,
+        node_rank: u32,
+        rank: u32,
+        pid: u32,
+        host: String,
+        resume: Option<[u64; 2]>,
+        replacement: Option<u64>,
+    ) -> Result<Registration, Error> {
+        self.check_on_node(generation, node_rank, rank)?;
+        let relay = {
+            let mut st = self.lock();
+            let g = self.running(&mut st, generation)?;
+            g.nodes[node_rank as usize].relay.clone()
+        };
+        let Some(relay) = relay else {
+            return Err(Error::FailedPrecondition(format!(
+                "node {node_rank} of job '{}' generation {generation} has no relay",
+                self.id
+            )));
+        };
+        self.register(
+            generation,
+            rank,
+            pid,
+            host,
+            Outbox::Relayed { rank, relay },
+            resume,
+            replacement,
+        )
+    }
+
+    /// Whether `rank` is one of node `node_rank`'s in `generation`.
+    pub fn check_on_node(&self, generation: u64, node_rank: u32, rank: u32) -> Result<(), Error> {
+        let mut st = self.lock();
+        let id = self.id.clone();
+        let g = self.running(&mut st, generation)?;
+        let world = g.ranks.len();
+        match g.ranks.get(rank as usize) {
+            Some(slot) if slot.node_rank == node_rank => Ok(()),
+            Some(slot) => Err(Error::InvalidArgument(format!(
+                "rank {rank} of job '{id}' generation {generation} is on node {}, not on node {node_rank} whose relay this is",
+                slot.node_rank
+            ))),
+            None => Err(Error::InvalidArgument(format!(
+                "rank {rank} is outside job '{id}' generation {generation} (world size {world})"
+            ))),
+        }
     }
 
     /// Session `session` of `rank` ended without leave (or went silent): fails the rank,

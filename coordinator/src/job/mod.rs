@@ -39,6 +39,7 @@ pub use muster_core::failure::{Failure, FailureDetail};
 pub use muster_core::requests::{Hang, JoinReq, NodeRef, OnHang, Recovery, RoundConfig};
 pub use nodes::Drained;
 pub use persist::{RECORDS_PREFIX, record_key};
+pub use push::rank_event;
 pub use recovery::QuorumAnswer;
 
 use crate::store::Store;
@@ -62,8 +63,53 @@ use tokio::sync::{mpsc, oneshot, watch};
 use tokio_util::sync::CancellationToken;
 use tonic::Status;
 
-/// Where a session's answers go: the stream tonic sends to the worker.
-pub type Outbox = mpsc::UnboundedSender<Result<pb::CoordinatorMessage, Status>>;
+/// Where a rank's answers and pushes go: its own session stream, or, for a rank registered
+/// through its node's relay (issue 29), that relay's stream, each message wrapped in a
+/// `RankEvent` naming the rank.
+#[derive(Debug, Clone)]
+pub enum Outbox {
+    /// The stream tonic sends to the worker's session.
+    Session(mpsc::UnboundedSender<Result<pb::CoordinatorMessage, Status>>),
+    /// The relay stream of the rank's node.
+    Relayed {
+        /// The rank the messages are for.
+        rank: u32,
+        /// The relay's stream.
+        relay: RelayOutbox,
+    },
+}
+
+impl From<mpsc::UnboundedSender<Result<pb::CoordinatorMessage, Status>>> for Outbox {
+    fn from(session: mpsc::UnboundedSender<Result<pb::CoordinatorMessage, Status>>) -> Self {
+        Self::Session(session)
+    }
+}
+
+impl Outbox {
+    /// Sends `message` to the rank: a message, or the status its session ends with (through a
+    /// relay, a `refused` event: the relay's stream goes on for the node's other ranks).
+    /// `Err` when the stream is gone.
+    pub fn send(&self, message: Result<pb::CoordinatorMessage, Status>) -> Result<(), Closed> {
+        match self {
+            Self::Session(session) => session.send(message).map_err(|_| Closed),
+            Self::Relayed { rank, relay } => relay
+                .send(Ok(rank_event(*rank, message)))
+                .map_err(|_| Closed),
+        }
+    }
+
+    /// Whether the stream the messages go to has ended.
+    pub fn is_closed(&self) -> bool {
+        match self {
+            Self::Session(session) => session.is_closed(),
+            Self::Relayed { relay, .. } => relay.is_closed(),
+        }
+    }
+}
+
+/// The stream an [`Outbox`] sends to has ended.
+#[derive(Debug)]
+pub struct Closed;
 
 /// Where a relaying agent's answers go.
 pub type RelayOutbox = mpsc::UnboundedSender<Result<pb::RelayEvent, Status>>;

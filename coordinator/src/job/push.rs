@@ -29,6 +29,24 @@ pub(super) fn relay_result(seq: u64, error: Option<pb::BarrierError>) -> pb::Rel
     }
 }
 
+/// A message (or the status its session ends with) for `rank`, registered through its node's
+/// relay.
+pub fn rank_event(rank: u32, message: Result<pb::CoordinatorMessage, Status>) -> pb::RelayEvent {
+    let kind = match message {
+        Ok(message) => pb::rank_event::Kind::Message(message),
+        Err(status) => pb::rank_event::Kind::Refused(pb::RankRefused {
+            code: status.code() as i32,
+            message: status.message().to_owned(),
+        }),
+    };
+    pb::RelayEvent {
+        kind: Some(pb::relay_event::Kind::Rank(pb::RankEvent {
+            rank,
+            kind: Some(kind),
+        })),
+    }
+}
+
 /// Node `node_rank`'s answer to its join of the round that formed `nodes`.
 pub(super) fn join_answer(
     job: &JobId,

@@ -347,7 +347,7 @@ async fn in_place(nodes: u32, max_restarts: u32) -> (Arc<Job>, Vec<(Outbox, Inbo
             .register(1, r, 100 + r, String::new(), tx.clone(), None, None)
             .unwrap();
         ids.push(reg.session);
-        sessions.push((tx, rx));
+        sessions.push((tx.into(), rx));
     }
     (job, sessions, ids)
 }
@@ -528,7 +528,15 @@ async fn an_in_place_rank_failure_replaces_the_rank_and_the_quorum_heals_it() {
     assert_eq!((rec.quorum_epoch, rec.healed_from), (1, Some(0)));
     // The membership is settled: rank 0 enters barrier #1 again (its seq was not used up).
     job.barrier(1, 0, Scope::Global, 1, "step".into(), None, &s[0].0);
-    job.barrier(1, 1, Scope::Global, 1, "step".into(), None, &tx);
+    job.barrier(
+        1,
+        1,
+        Scope::Global,
+        1,
+        "step".into(),
+        None,
+        &Outbox::Session(tx.clone()),
+    );
     job.barrier(1, 2, Scope::Global, 1, "step".into(), None, &s[2].0);
     match pushed(&mut s[0].1) {
         pb::coordinator_message::Kind::Barrier(b) => assert_eq!((b.seq, b.error), (1, None)),

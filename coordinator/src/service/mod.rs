@@ -415,6 +415,18 @@ where
     }
 }
 
+/// The answer to a rank's registration, on its session or through its node's relay.
+fn registered(config: &Config, info: &crate::job::Registration) -> pb::CoordinatorMessage {
+    pb::CoordinatorMessage {
+        kind: Some(pb::coordinator_message::Kind::Registered(pb::Registered {
+            heartbeat_interval_ms: config.heartbeat_interval().as_millis() as u64,
+            world_size: info.world_size,
+            node_rank: info.node_rank,
+            num_nodes: info.num_nodes,
+        })),
+    }
+}
+
 /// Reads the first message of a stream (`what`: "session" or "relay"), which must come within
 /// `within`.
 async fn first_message<T: prost::Message + Default>(

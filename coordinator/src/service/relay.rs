@@ -1,5 +1,6 @@
 //! `muster.v1.Relay`: a node agent's relay stream, which enters global barriers for the
-//! node's ranks at once and reports the waits it holds.
+//! node's ranks at once, reports the waits it holds, and carries the registrations, leaves and
+//! pushes of the node's ranks that register through it rather than with sessions of their own.
 
 use super::*;
 
@@ -38,8 +39,10 @@ impl pb::relay_server::Relay for RelayService {
             self.0.config.heartbeat_interval(),
             resume,
         )?;
+        let coordinator = Arc::clone(&self.0);
         // Task policy: one per relay; ends with the stream. A relay that goes away needs no
-        // action here: its workers' own sessions report their ends.
+        // action here: its workers' own sessions report their ends, and the ranks registered
+        // through it end with their agent (its reports, its node's stream and lease).
         tokio::spawn(async move {
             while let Ok(Some(msg)) = inbound.message().await {
                 if job.retired() {
@@ -77,6 +80,20 @@ impl pb::relay_server::Relay for RelayService {
                             }
                         }
                     }
+                    Some(pb::relay_message::Kind::RankRegister(reg)) => {
+                        let rank = reg.rank;
+                        let answer = register_rank(&job, generation, node_rank, &reg)
+                            .map(|info| registered(&coordinator.config, &info));
+                        let _ = tx.send(Ok(crate::job::rank_event(rank, answer)));
+                    }
+                    Some(pb::relay_message::Kind::RankLeave(pb::RankLeave { rank })) => {
+                        match job.check_on_node(generation, node_rank, rank) {
+                            Ok(()) => job.leave(generation, rank),
+                            Err(e) => {
+                                let _ = tx.send(Ok(crate::job::rank_event(rank, Err(e.into()))));
+                            }
+                        }
+                    }
                     Some(pb::relay_message::Kind::Heartbeat(_)) => {}
                     Some(pb::relay_message::Kind::Waiting(report)) => {
                         // Information for the ops view, capped like any list from the network.
@@ -95,4 +112,29 @@ impl pb::relay_server::Relay for RelayService {
         });
         Ok(Response::new(Box::pin(self.0.tenure().guard(rx))))
     }
+}
+
+/// A rank's registration through node `node_rank`'s relay of `generation`: the session's
+/// checks, plus that the rank is of this relay's job, generation and node.
+fn register_rank(
+    job: &Arc<Job>,
+    generation: u64,
+    node_rank: u32,
+    reg: &pb::Register,
+) -> Result<crate::job::Registration, Status> {
+    if reg.job_id != job.id.as_str() || reg.generation != generation {
+        return Err(Status::invalid_argument(format!(
+            "rank {} registered for job '{}' generation {} through the relay of job '{}' generation {generation}",
+            reg.rank, reg.job_id, reg.generation, job.id
+        )));
+    }
+    let SessionRegister {
+        generation,
+        rank,
+        pid,
+        host,
+        resume,
+        replacement,
+    } = SessionRegister::try_from(reg)?;
+    Ok(job.register_relayed(generation, node_rank, rank, pid, host, resume, replacement)?)
 }

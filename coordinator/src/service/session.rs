@@ -45,15 +45,16 @@ impl pb::session_server::Session for SessionService {
             replacement,
         } = SessionRegister::try_from(&reg)?;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let info = job.register(generation, rank, pid, host, tx.clone(), resume, replacement)?;
-        let _ = tx.send(Ok(pb::CoordinatorMessage {
-            kind: Some(pb::coordinator_message::Kind::Registered(pb::Registered {
-                heartbeat_interval_ms: self.0.config.heartbeat_interval().as_millis() as u64,
-                world_size: info.world_size,
-                node_rank: info.node_rank,
-                num_nodes: info.num_nodes,
-            })),
-        }));
+        let info = job.register(
+            generation,
+            rank,
+            pid,
+            host,
+            Outbox::Session(tx.clone()),
+            resume,
+            replacement,
+        )?;
+        let _ = tx.send(Ok(registered(&self.0.config, &info)));
         tracing::debug!(job = %job.id, generation, rank, pid, "session registered");
         // Task policy: one per session; ends with the stream; on coordinator shutdown it is
         // dropped with the runtime (workers see the connection close).
@@ -61,7 +62,7 @@ impl pb::session_server::Session for SessionService {
             job,
             (generation, rank, info.session),
             inbound,
-            tx,
+            tx.into(),
             hb,
         ));
         Ok(Response::new(Box::pin(self.0.tenure().guard(rx))))

@@ -340,6 +340,41 @@ impl RawRelay {
             .unwrap();
     }
 
+    /// Registers `rank` through this relay (pid 100 + rank) and returns the coordinator's
+    /// answer for it.
+    pub async fn register_rank(&mut self, job: &str, generation: u64, rank: u32) -> pb::RankEvent {
+        self.tx
+            .send(pb::RelayMessage {
+                kind: Some(pb::relay_message::Kind::RankRegister(pb::Register {
+                    job_id: job.into(),
+                    generation,
+                    rank,
+                    pid: 100 + rank,
+                    host: format!("host-{rank}"),
+                    ..Default::default()
+                })),
+            })
+            .await
+            .unwrap();
+        match self.event().await {
+            pb::relay_event::Kind::Rank(event) => {
+                assert_eq!(event.rank, rank, "{event:?}");
+                event
+            }
+            other => panic!("expected a rank event, got {other:?}"),
+        }
+    }
+
+    /// Sends `leave` for `rank`, registered through this relay.
+    pub async fn leave_rank(&self, rank: u32) {
+        self.tx
+            .send(pb::RelayMessage {
+                kind: Some(pb::relay_message::Kind::RankLeave(pb::RankLeave { rank })),
+            })
+            .await
+            .unwrap();
+    }
+
     pub async fn report(&self, barriers: Vec<pb::BarrierInfo>) {
         self.tx
             .send(pb::RelayMessage {
