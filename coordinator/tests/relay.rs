@@ -319,3 +319,35 @@ async fn ranks_registered_through_their_relay_need_no_sessions() {
     assert_eq!(pushed[0].0, 0);
     assert!(pushed[0].1.message.contains("rank 3"), "{:?}", pushed[0]);
 }
+
+/// A thousand workers on one node (issue 29's light clients: its relay registers them all)
+/// under a per-peer cap of 4 connections: one stream holds them, so no connection limit is in
+/// the way, and a barrier of all of them completes.
+#[tokio::test]
+async fn a_thousand_ranks_on_one_node_need_one_stream() {
+    let s = start(muster_coordinator::Config {
+        max_connections_per_peer: 4,
+        ..muster_coordinator::Config::default()
+    })
+    .await;
+    let ch = &s.channel;
+    form(ch, "wide", 1, 1000).await;
+    let mut relay = RawRelay::attach(ch, "wide", 1, 0).await.unwrap();
+    for rank in 0..1000 {
+        let event = relay.register_rank("wide", 1, rank).await;
+        assert!(
+            matches!(event.kind, Some(pb::rank_event::Kind::Message(_))),
+            "rank {rank}: {event:?}"
+        );
+    }
+    let all: Vec<u32> = (0..1000).collect();
+    relay.enter(1, &[("wide", &all)], 0).await;
+    assert_eq!(relay.result(1).await, None);
+    let d = describe(ch, "wide").await;
+    assert_eq!(d.ranks.len(), 1000);
+    assert!(
+        d.ranks
+            .iter()
+            .all(|r| r.pid == 100 + r.rank.unwrap() && r.global_seq == 1)
+    );
+}

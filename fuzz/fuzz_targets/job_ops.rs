@@ -154,7 +154,7 @@ async fn run(input: Input) {
                     None,
                 );
                 if registered.is_ok() {
-                    sessions.push((u64::from(generation), u32::from(rank), tx, rx));
+                    sessions.push((u64::from(generation), u32::from(rank), tx.into(), rx));
                 }
             }
             Op::Touch { generation, rank } => job.touch(u64::from(generation), u32::from(rank)),
