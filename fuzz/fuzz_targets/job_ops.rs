@@ -123,6 +123,7 @@ async fn run(input: Input) {
                     } else {
                         format!("req-{request_id}")
                     },
+                    watches: request_id % 3 == 0,
                 };
                 if let Ok(answer) = job.join(req) {
                     answers.push(answer);
