@@ -147,12 +147,7 @@ pub fn classify_stream(status: &Status) -> Verdict {
 /// no leader ("no leader is elected yet") has no address to put in the metadata, so the
 /// message is the only signal it sends; those phrases are part of the HA contract.
 pub fn not_applied(status: &Status) -> bool {
-    let refused = status.code() == Code::Unavailable
-        && !is_local(status)
-        && (status.metadata().contains_key(LEADER_KEY)
-            || status.message().contains("is not the leader")
-            || status.message().contains("no leader"));
-    refused || has_source::<tonic::ConnectError>(status)
+    not_leading(status) || has_source::<tonic::ConnectError>(status)
 }
 
 /// Whether the status was made on this side of the connection (tonic attaches the transport
