@@ -164,7 +164,6 @@ pub fn worker_env(
 ) -> Vec<(&'static str, String)> {
     let rank = node.rank_offset + local_rank;
     let mut env = vec![
-        (var::MUSTER_COORDINATOR, node.coordinator.clone()),
         (var::MUSTER_JOB_ID, node.job_id.clone()),
         (var::MUSTER_GENERATION, node.generation.to_string()),
         (var::MUSTER_RANK, rank.to_string()),
@@ -187,8 +186,11 @@ pub fn worker_env(
     if node.epoch > 0 {
         env.push((var::MUSTER_EPOCH, node.epoch.to_string()));
     }
-    if let Some(socket) = &node.agent_socket {
-        env.push((var::MUSTER_AGENT_SOCKET, socket.clone()));
+    // Under the relay, a worker reaches the coordinator through the agent's gateway beside
+    // the socket, and gets no address of its own.
+    match &node.agent_socket {
+        Some(socket) => env.push((var::MUSTER_AGENT_SOCKET, socket.clone())),
+        None => env.insert(0, (var::MUSTER_COORDINATOR, node.coordinator.clone())),
     }
     let error_file = node.error_dir.as_deref().map(|dir| {
         crate::error_file::error_path(dir, rank)
@@ -351,7 +353,7 @@ mod tests {
             &node(),
             1,
             &[],
-            "MUSTER_COORDINATOR=10.0.0.1:29470,10.0.0.2:29470 MUSTER_JOB_ID=job7 MUSTER_GENERATION=3
+            "MUSTER_JOB_ID=job7 MUSTER_GENERATION=3
              MUSTER_RANK=5 MUSTER_LOCAL_RANK=1 MUSTER_WORLD_SIZE=6 MUSTER_LOCAL_WORLD_SIZE=2
              MUSTER_NODE_RANK=1 MUSTER_NUM_NODES=2 MUSTER_RESTART_COUNT=2 MUSTER_HOST=node-b
              MUSTER_FAILOVER_TIMEOUT_MS=2500 MUSTER_RECOVERY=restart

@@ -39,11 +39,13 @@
 //! - "relay-report": once a second, reports the waits held here that are a second old to the
 //!   coordinator (for its ops view), and clears the report when none are left.
 
+mod gateway;
 mod hub;
 
 use crate::env::NodeAssignment;
 use crate::failover::{self, Coordinators, Retry};
 use futures::channel::mpsc::{UnboundedSender, unbounded};
+use gateway::Ranks;
 use hub::{Hub, Sink, farewell};
 use muster_core::contract::frame::{self, Frame, FrameError};
 use muster_proto::v1 as pb;
@@ -143,6 +145,8 @@ pub struct Relay {
     completed: Arc<AtomicU64>,
     stop: Option<oneshot::Sender<()>>,
     thread: Option<std::thread::JoinHandle<()>>,
+    /// Stops the gateway ([`gateway::serve`]).
+    stop_gateway: Option<oneshot::Sender<()>>,
 }
 
 impl Relay {
@@ -170,6 +174,7 @@ impl Relay {
             completed: Arc::default(),
             stop: None,
             thread: None,
+            stop_gateway: None,
         };
         let path = relay.dir.join(SOCKET_NAME);
         relay.socket = path
@@ -182,9 +187,25 @@ impl Relay {
                 path: path.clone(),
                 source,
             })?;
+        let gateway_path = relay.dir.join(muster_core::contract::AGENT_GATEWAY_SOCKET);
+        let gateway =
+            tokio::net::UnixListener::bind(&gateway_path).map_err(|source| RelayError::Listen {
+                path: gateway_path,
+                source,
+            })?;
+        let ranks = Arc::new(Ranks::default());
         let (ready_tx, ready_rx) = oneshot::channel();
         let (stop_tx, stop_rx) = oneshot::channel();
         relay.stop = Some(stop_tx);
+        let (stop_gateway, gateway_stopped) = oneshot::channel();
+        relay.stop_gateway = Some(stop_gateway);
+        // Task policy: one per relay, on the agent's runtime; ends when the relay is dropped.
+        tokio::spawn(gateway::serve(
+            gateway,
+            Arc::clone(&ranks),
+            coordinators.clone(),
+            gateway_stopped,
+        ));
         let node = node.clone();
         // Channels of the relay's own (they run on its thread's runtime).
         let coordinators = coordinators.fork();
@@ -193,7 +214,14 @@ impl Relay {
             std::thread::Builder::new()
                 .name("muster-relay".to_owned())
                 .spawn(move || {
-                    relay_thread(node, coordinators, listener, completed, ready_tx, stop_rx)
+                    relay_thread(
+                        node,
+                        coordinators,
+                        listener,
+                        (completed, ranks),
+                        ready_tx,
+                        stop_rx,
+                    )
                 })
                 .map_err(RelayError::Thread)?,
         );
@@ -221,6 +249,9 @@ impl Drop for Relay {
     /// Stops the relay thread (it ends at its next wakeup, within microseconds), waits for it,
     /// and removes the socket directory.
     fn drop(&mut self) {
+        if let Some(stop) = self.stop_gateway.take() {
+            let _ = stop.send(());
+        }
         if let Some(stop) = self.stop.take() {
             let _ = stop.send(());
         }
@@ -242,7 +273,7 @@ fn relay_thread(
     node: NodeAssignment,
     coordinators: Coordinators,
     listener: std::os::unix::net::UnixListener,
-    completed: Arc<AtomicU64>,
+    shared: (Arc<AtomicU64>, Arc<Ranks>),
     ready: oneshot::Sender<Result<(), RelayError>>,
     stop: oneshot::Receiver<()>,
 ) {
@@ -260,7 +291,7 @@ fn relay_thread(
     tasks.block_on(&runtime, async move {
         tokio::select! {
             _ = stop => {}
-            () = relay_main(node, coordinators, listener, completed, ready) => {}
+            () = relay_main(node, coordinators, listener, shared, ready) => {}
         }
     });
 }
@@ -292,10 +323,22 @@ use failover::random_u64;
 /// Encodes `msg` as one frame into `out`, replacing what was there (the contract's framing).
 pub use muster_core::contract::frame::encode as encode_frame;
 
-/// The relay's state: the barrier hub and the wires its answers go out on.
+/// The relay's state: the barrier hub, the wires its answers go out on, and the ranks
+/// registered through the gateway.
 struct State {
     hub: Hub,
     wires: Wires,
+    ranks: Arc<Ranks>,
+}
+
+impl State {
+    /// An event from the coordinator: a rank's for the gateway, the rest for the hub.
+    fn on_event(&mut self, event: pb::RelayEvent) {
+        match event.kind {
+            Some(pb::relay_event::Kind::Rank(rank)) => self.ranks.deliver(rank),
+            _ => self.hub.on_event(event, &mut self.wires),
+        }
+    }
 }
 
 type Shared = Rc<RefCell<State>>;
@@ -306,7 +349,7 @@ async fn relay_main(
     node: NodeAssignment,
     coordinators: Coordinators,
     listener: std::os::unix::net::UnixListener,
-    completed: Arc<AtomicU64>,
+    (completed, ranks): (Arc<AtomicU64>, Arc<Ranks>),
     ready: oneshot::Sender<Result<(), RelayError>>,
 ) {
     let started = first_attach(&coordinators, &node)
@@ -326,6 +369,7 @@ async fn relay_main(
             return;
         }
     };
+    ranks.attached(to_coordinator.clone(), None);
     let timer = Rc::new(Notify::new());
     let state: Shared = Rc::new(RefCell::new(State {
         hub: Hub::new(&node).counting(completed),
@@ -335,11 +379,12 @@ async fn relay_main(
             coordinator: to_coordinator,
             timer: Rc::clone(&timer),
         },
+        ranks,
     }));
     {
         let st = &mut *state.borrow_mut();
         for event in early {
-            st.hub.on_event(event, &mut st.wires);
+            st.on_event(event);
         }
     }
     spawn_local(timer_loop(Rc::clone(&state), timer));
@@ -547,10 +592,7 @@ async fn coordinator_loop(
         let addr = coordinators.leader_addr();
         let ended = loop {
             match inbound.message().await {
-                Ok(Some(event)) => {
-                    let st = &mut *state.borrow_mut();
-                    st.hub.on_event(event, &mut st.wires);
-                }
+                Ok(Some(event)) => state.borrow_mut().on_event(event),
                 Ok(None) => break Status::unavailable("the coordinator ended the stream"),
                 Err(status) => break status,
             }
@@ -582,9 +624,12 @@ async fn coordinator_loop(
             match attach(&coordinators, &node, true, released).await {
                 Ok((tx, stream, early)) => {
                     let st = &mut *state.borrow_mut();
+                    // The ranks first: the leader takes a node's entries only of ranks it
+                    // knows.
+                    st.ranks.attached(tx.clone(), Some(st.hub.released_seqs()));
                     st.wires.coordinator = tx;
                     for event in early {
-                        st.hub.on_event(event, &mut st.wires);
+                        st.on_event(event);
                     }
                     st.hub.resend(&mut st.wires);
                     inbound = stream;
@@ -612,6 +657,7 @@ async fn coordinator_loop(
     };
     tracing::warn!(%why, "the node relay gives up");
     let st = &mut *state.borrow_mut();
+    st.ranks.close(&why);
     st.hub.coordinator_lost(why, &mut st.wires);
 }
 

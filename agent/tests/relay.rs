@@ -1,6 +1,7 @@
 //! The node relay end to end, in one process: a real coordinator on 127.0.0.1:0, one relay per
 //! node (as `muster-agent launch` starts them) and the SDK's `Accelerator` in one thread per
-//! rank, connected to its node's relay through `RankInfo::agent_socket`.
+//! rank, connected to its node's relay through `RankInfo::agent_socket` and to the
+//! coordinator through the relay's gateway beside it, as a worker under an agent is.
 #![allow(clippy::unwrap_used, missing_docs)]
 
 use muster::{Accelerator, Error, RankInfo};
@@ -63,15 +64,19 @@ impl Cluster {
         }
     }
 
-    /// Every rank's `RankInfo`, pointing at its node's relay.
+    /// Every rank's `RankInfo`, pointing at its node's relay and gateway.
     fn ranks(&self) -> Vec<RankInfo> {
         self.nodes
             .iter()
             .zip(&self.relays)
             .flat_map(|(node, relay)| {
-                let socket = relay.as_ref().map(|r| r.socket().into());
+                let socket: Option<std::path::PathBuf> = relay.as_ref().map(|r| r.socket().into());
+                let coordinator = match &socket {
+                    Some(socket) => muster_core::contract::agent_coordinator(socket),
+                    None => self.addr.clone(),
+                };
                 (0..node.local_world_size).map(move |local| RankInfo {
-                    coordinator: Some(self.addr.clone()),
+                    coordinator: Some(coordinator.clone()),
                     job_id: node.job_id.clone(),
                     generation: node.generation,
                     rank: node.rank_offset + local,
@@ -344,6 +349,49 @@ fn a_dead_rank_fails_the_others_within_two_seconds_naming_it() {
             "rank {rank} learned after {elapsed:?}"
         );
         eprintln!("rank {rank} after {elapsed:?}: {error}");
+    }
+}
+
+/// Everything but barriers goes through the gateway: registration, a key-value value bigger
+/// than gRPC's default 4 MiB limit, NCCL unique ids and shared values; the coordinator's own
+/// refusals come back unchanged.
+#[test]
+fn the_gateway_carries_every_call_of_its_workers() {
+    let cluster = Cluster::start("gateway", &[2, 2]);
+    let results = cluster.run(|info| {
+        let rank = info.rank;
+        let accelerator = Accelerator::new(info).unwrap();
+        assert!(accelerator.session().unwrap().coordinator().through_agent());
+        let big = vec![rank as u8; 6 << 20];
+        accelerator.kv().set(&format!("big/{rank}"), big).unwrap();
+        accelerator.wait_for_everyone().unwrap();
+        let other = (rank + 1) % 4;
+        let value = accelerator
+            .kv()
+            .get(&format!("big/{other}"))
+            .unwrap()
+            .unwrap();
+        assert_eq!((value.len(), value[0]), (6 << 20, other as u8));
+        let id = if rank == 0 {
+            accelerator
+                .publish_nccl_unique_id("world", &[7; 128])
+                .unwrap();
+            [7; 128]
+        } else {
+            accelerator.fetch_nccl_unique_id("world").unwrap()
+        };
+        let shared = accelerator
+            .main_process_first_share(|| format!("from rank {rank}"))
+            .unwrap();
+        let refused = accelerator.kv().get(&"k".repeat(100_000)).unwrap_err();
+        accelerator.wait_for_everyone().unwrap();
+        accelerator.finish().unwrap();
+        (id, shared, refused.to_string())
+    });
+    for (rank, (id, shared, refused)) in results.iter().enumerate() {
+        assert_eq!(id, &[7; 128], "rank {rank}");
+        assert_eq!(shared, "from rank 0", "rank {rank}");
+        assert!(refused.contains("key"), "rank {rank}: {refused}");
     }
 }
 

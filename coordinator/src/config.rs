@@ -769,9 +769,10 @@ impl Config {
         Ok(())
     }
 
-    /// How often workers should send heartbeats: a third of the timeout.
+    /// How often workers should send heartbeats: a third of the timeout
+    /// ([`muster_core::failure::HEARTBEATS_PER_TIMEOUT`]).
     pub fn heartbeat_interval(&self) -> Duration {
-        self.heartbeat_timeout / 3
+        self.heartbeat_timeout / muster_core::failure::HEARTBEATS_PER_TIMEOUT
     }
 }
 

@@ -320,6 +320,106 @@ async fn ranks_registered_through_their_relay_need_no_sessions() {
     assert!(pushed[0].1.message.contains("rank 3"), "{:?}", pushed[0]);
 }
 
+/// A node's relay stream that breaks and comes back to the same leader (no failover) takes
+/// its ranks back: each registers again with `resume` and gets its pushes on the new stream,
+/// while a registration without `resume` is still refused, and so is a rank that had a
+/// session of its own.
+#[tokio::test]
+async fn a_relay_back_on_the_same_leader_takes_its_ranks_back() {
+    let s = start_default().await;
+    let ch = &s.channel;
+    form(ch, "back", 1, 3).await;
+    let mut first = RawRelay::attach(ch, "back", 1, 0).await.unwrap();
+    for rank in 0..2 {
+        let event = first.register_rank("back", 1, rank).await;
+        assert!(
+            matches!(event.kind, Some(pb::rank_event::Kind::Message(_))),
+            "{event:?}"
+        );
+    }
+    let _session = Raw::attach(ch, "back", 1, 2).await.unwrap();
+    drop(first);
+    // The coordinator notices the old stream's end in its own time.
+    let resumed = pb::RelayRegister {
+        job_id: "back".into(),
+        generation: 1,
+        node_rank: 0,
+        resume: true,
+        released: 0,
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    let mut relay = loop {
+        match RawRelay::attach_with(ch, resumed.clone()).await {
+            Ok(relay) => break relay,
+            Err(status) if status.code() == tonic::Code::AlreadyExists => {
+                assert!(tokio::time::Instant::now() < deadline, "{status:?}");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(status) => panic!("{status:?}"),
+        }
+    };
+    let register = |rank: u32, resume: bool| pb::Register {
+        job_id: "back".into(),
+        generation: 1,
+        rank,
+        pid: 100 + rank,
+        host: format!("host-{rank}"),
+        resume,
+        ..Default::default()
+    };
+    // Without resume, and a rank with a session of its own: refused, nothing changes.
+    for (rank, resume) in [(0, false), (2, true)] {
+        let event = relay.register_rank_with(register(rank, resume)).await;
+        assert!(
+            matches!(&event.kind, Some(pb::rank_event::Kind::Refused(r)) if r.code == tonic::Code::AlreadyExists as i32),
+            "rank {rank}: {event:?}"
+        );
+    }
+    for rank in 0..2 {
+        let event = relay.register_rank_with(register(rank, true)).await;
+        assert!(
+            matches!(
+                &event.kind,
+                Some(pb::rank_event::Kind::Message(pb::CoordinatorMessage {
+                    kind: Some(pb::coordinator_message::Kind::Registered(_))
+                }))
+            ),
+            "rank {rank}: {event:?}"
+        );
+    }
+    // Rank 2 fails: rank 0 and 1 hear it on the new stream.
+    pb::rendezvous_client::RendezvousClient::new(ch.clone())
+        .report_failure(pb::ReportFailureRequest {
+            job_id: "back".into(),
+            generation: 1,
+            rank: 2,
+            reason: "exited with status 1".into(),
+            exit_code: Some(1),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let mut pushed = vec![];
+    while pushed.len() < 2 {
+        match relay.event().await {
+            pb::relay_event::Kind::Failed(_) => {}
+            pb::relay_event::Kind::Rank(pb::RankEvent {
+                rank,
+                kind:
+                    Some(pb::rank_event::Kind::Message(pb::CoordinatorMessage {
+                        kind: Some(pb::coordinator_message::Kind::GenerationFailed(e)),
+                    })),
+            }) => {
+                assert!(e.message.contains("rank 2"), "{e:?}");
+                pushed.push(rank);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    pushed.sort_unstable();
+    assert_eq!(pushed, [0, 1]);
+}
+
 /// A thousand workers on one node (issue 29's light clients: its relay registers them all)
 /// under a per-peer cap of 4 connections: one stream holds them, so no connection limit is in
 /// the way, and a barrier of all of them completes.

@@ -6,6 +6,29 @@ use muster_proto::v1 as pb;
 use pb::barrier_error::Kind as ErrKind;
 use std::fmt::Write as _;
 
+/// How many heartbeat intervals make a session's heartbeat timeout: the coordinator asks for a
+/// heartbeat every `timeout / HEARTBEATS_PER_TIMEOUT` (its `Registered` answer), and whoever
+/// watches a session (the coordinator, or the agent's gateway for its workers) gives up on it
+/// after that many intervals of silence.
+pub const HEARTBEATS_PER_TIMEOUT: u32 = 3;
+
+/// Why a worker's session ended without `leave`, at the coordinator (a worker's own session)
+/// or at its agent's gateway.
+pub const SESSION_LOST: &str = "session ended without leave (process exited or was killed)";
+
+/// How long a session's end waits before it is reported as its rank's failure, so that the
+/// agent's report of the process's end (exit status, stderr) usually comes first and names
+/// the cause.
+pub const AGENT_REPORT_GRACE: std::time::Duration = std::time::Duration::from_millis(150);
+
+/// Why a session that stopped sending heartbeats for `timeout` failed its rank.
+pub fn no_heartbeat(timeout: std::time::Duration) -> String {
+    format!(
+        "no heartbeat for {:.1}s (process stopped, hung or partitioned)",
+        timeout.as_secs_f64()
+    )
+}
+
 /// The first failure of a generation: which rank, where, and why.
 #[derive(Debug, Clone)]
 pub struct Failure {

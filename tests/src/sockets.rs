@@ -1,9 +1,10 @@
-//! Who listens where: every listening TCP socket of a network namespace, read from
-//! `/proc/<pid>/net/tcp{,6}` (the sockets and their inodes), with the processes that hold each
-//! one, found through `/proc/<pid>/fd` (inodes are unique across namespaces); both read with
-//! the agent's own `muster_agent::procfs`. The agent store
-//! tests use it to check that only the agent listens on `MASTER_PORT`, on loopback, and that no
-//! worker opens a store server; and the `ready` line their scripts print about their store.
+//! Who listens where and who is connected to whom: the kernel's TCP socket table of a network
+//! namespace, read from `/proc/<pid>/net/tcp{,6}` (the sockets and their inodes), with the
+//! processes that hold each one, found through `/proc/<pid>/fd` (inodes are unique across
+//! namespaces); both read with the agent's own `muster_agent::procfs`. The agent store tests
+//! use it to check that only the agent listens on `MASTER_PORT`, on loopback, and that no
+//! worker opens a store server; the launch tests, that workers hold no connection to the
+//! coordinator ([`connected_to`]); and the `ready` line the store scripts print.
 
 use muster_agent::procfs;
 use std::collections::BTreeMap;
@@ -56,6 +57,25 @@ fn listeners_in(proc_entry: &str) -> Vec<Listener> {
             pids: pids.remove(&inode).unwrap_or_default(),
         })
         .collect()
+}
+
+/// This process's network namespace's TCP connections to `port` (of any address), each as the
+/// processes that hold it: one entry per connection.
+pub fn connected_to(port: u16) -> Vec<Vec<u32>> {
+    let connections: Vec<u64> = procfs::tcp_sockets("self")
+        .into_iter()
+        .filter(|s| !s.listening && s.remote.port() == port)
+        .map(|s| s.inode)
+        .collect();
+    let mut pids: BTreeMap<u64, Vec<u32>> = connections.iter().map(|&i| (i, Vec::new())).collect();
+    for pid in procfs::processes() {
+        for inode in procfs::socket_inodes(pid) {
+            if let Some(holders) = pids.get_mut(&inode) {
+                holders.push(pid);
+            }
+        }
+    }
+    pids.into_values().collect()
 }
 
 /// The listening sockets held by `pid`.

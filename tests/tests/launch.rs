@@ -71,7 +71,7 @@ fn workers_get_the_contract_environment() {
     let run = agent.finish(SLOW);
     assert_eq!(run.code(), Some(0), "{}", run.dump());
     let mut master_ports = Vec::new();
-    let mut coordinators = Vec::new();
+    let mut agents = Vec::new();
     for rank in 0..3u32 {
         let env: BTreeMap<&str, &str> = run
             .rank_stdout(rank)
@@ -120,25 +120,29 @@ fn workers_get_the_contract_environment() {
             .unwrap_or_else(|| panic!("rank {rank} has no numeric MASTER_PORT\n{}", run.dump()));
         assert_ne!(port, 0);
         master_ports.push(port);
-        let coordinator = env.get("MUSTER_COORDINATOR").copied().unwrap_or_default();
-        assert!(
-            coordinator.starts_with("127.0.0.1:") && !coordinator.contains("//"),
-            "rank {rank} MUSTER_COORDINATOR={coordinator:?}"
+        // A worker reaches the coordinator only through its agent: it gets the agent's
+        // socket, not the coordinator's address.
+        assert_eq!(
+            env.get("MUSTER_COORDINATOR"),
+            None,
+            "rank {rank}\n{}",
+            run.dump()
         );
-        coordinators.push(coordinator.to_owned());
+        let socket = env.get("MUSTER_AGENT_SOCKET").copied().unwrap_or_default();
+        assert!(
+            socket.starts_with('/') && socket.ends_with("/relay.sock"),
+            "rank {rank} MUSTER_AGENT_SOCKET={socket:?}"
+        );
+        agents.push(socket.to_owned());
     }
     master_ports.dedup();
-    coordinators.dedup();
+    agents.dedup();
     assert_eq!(
         master_ports.len(),
         1,
         "every worker gets the same MASTER_PORT"
     );
-    assert_eq!(
-        coordinators.len(),
-        1,
-        "every worker gets the same coordinator"
-    );
+    assert_eq!(agents.len(), 1, "every worker gets the same agent");
 }
 
 #[test]
@@ -412,6 +416,83 @@ fn launching_eight_trivial_workers_is_fast() {
     assert_eq!(run.code(), Some(0), "{}", run.dump());
     eprintln!("muster-agent launch of 8 `true` workers: {:?}", run.elapsed);
     assert!(run.elapsed < Duration::from_secs(5), "{:?}", run.elapsed);
+}
+
+/// Issue 29: during an 8-worker job at an external coordinator (run in process), no worker
+/// holds a TCP connection to the coordinator, and the agent at most 2 (its own and its
+/// relay's), seen in the kernel's socket table while the workers train (registered, with
+/// barriers, collectives and the key-value store behind them).
+#[test]
+fn eight_workers_hold_no_connection_to_the_coordinator_and_their_agent_at_most_two() {
+    let Some(bin) = muster_tests::example_bin("ddp_train") else {
+        eprintln!("skipped: worker-sdk/examples/ddp_train does not exist");
+        return;
+    };
+    let runtime = tokio::runtime::Runtime::new().expect("runtime");
+    let listener = runtime
+        .block_on(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .expect("bind");
+    let port = listener.local_addr().expect("addr").port();
+    let addr = format!("127.0.0.1:{port}");
+    runtime.spawn(muster_coordinator::serve(
+        listener,
+        muster_coordinator::Config::default(),
+        std::future::pending(),
+    ));
+    let job = format!("connections-{}", std::process::id());
+    let mut agent = Agent::start_with_env(
+        &[
+            "launch",
+            "--coordinator",
+            &addr,
+            "--job-id",
+            &job,
+            "--nproc-per-node",
+            "8",
+            "--",
+            bin.to_str().expect("a UTF-8 target path"),
+            "--epochs",
+            "2",
+            "--step-sleep-ms",
+            "20",
+            "--quiet",
+        ],
+        &[("MUSTER_COMM_BACKEND", "cpu")],
+    );
+    let agent_pid = agent.pid().as_raw() as u32;
+    let mut busiest = 0;
+    while !agent.exited() {
+        let workers = muster_agent::procfs::children(agent_pid);
+        let connections = muster_tests::sockets::connected_to(port);
+        for holders in &connections {
+            assert!(
+                holders.iter().all(|pid| !workers.contains(pid)),
+                "a worker holds a connection to the coordinator: {holders:?} (workers {workers:?})\n{}",
+                agent.output()
+            );
+        }
+        let of_agent = connections
+            .iter()
+            .filter(|holders| holders.contains(&agent_pid))
+            .count();
+        assert!(
+            of_agent <= 2,
+            "the agent holds {of_agent} connections to the coordinator\n{}",
+            agent.output()
+        );
+        // The agent's children: its 8 workers (and any helper it runs).
+        if workers.len() >= 8 {
+            busiest = busiest.max(of_agent);
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let run = agent.finish(SLOW);
+    assert_eq!(run.code(), Some(0), "{}", run.dump());
+    assert!(
+        busiest >= 1,
+        "the socket table was never read while 8 workers ran\n{}",
+        run.dump()
+    );
 }
 
 /// Two agents on this machine form one two-node job at an external coordinator (run in

@@ -31,8 +31,9 @@ pub const SINGLE_PROCESS_JOB_ID: &str = "local";
 /// benchmarks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RankInfo {
-    /// The coordinator's `host:port`, or a comma-separated list of its replicas' addresses;
-    /// `None` means single-process mode (no launcher, no network: every call succeeds
+    /// The coordinator's `host:port`, a comma-separated list of its replicas' addresses, or
+    /// under an agent its gateway socket (`unix:<dir>/coordinator.sock`); `None` means
+    /// single-process mode (no launcher, no network: every call succeeds
     /// locally, as Accelerate does without `accelerate launch`).
     pub coordinator: Option<String>,
     /// The job id.
@@ -80,11 +81,14 @@ impl RankInfo {
         }
     }
 
-    /// Reads the process environment. No `MUSTER_COORDINATOR` means single-process mode (the
-    /// other `MUSTER_*` variables are then ignored); with it, every variable of the contract
-    /// must be present and well-formed (`MUSTER_RESTART_COUNT` defaults to 0 and `MUSTER_HOST`
-    /// to this machine's hostname; `MUSTER_AGENT_SOCKET` is optional, and so is
-    /// `MUSTER_FAILOVER_TIMEOUT_MS`, the coordinator failover budget, 30000 by default).
+    /// Reads the process environment. Neither `MUSTER_AGENT_SOCKET` nor `MUSTER_COORDINATOR`
+    /// means single-process mode (the other `MUSTER_*` variables are then ignored). Under an
+    /// agent (`MUSTER_AGENT_SOCKET`), the coordinator is reached through the agent's gateway
+    /// socket beside it ([`muster_core::contract::agent_coordinator`]) and `MUSTER_COORDINATOR`
+    /// is not read; a rank started by hand names the coordinator in `MUSTER_COORDINATOR`.
+    /// Every other variable of the contract must then be present and well-formed
+    /// (`MUSTER_RESTART_COUNT` defaults to 0, `MUSTER_HOST` to this machine's hostname, and
+    /// `MUSTER_FAILOVER_TIMEOUT_MS`, the coordinator failover budget, to 30000).
     pub fn from_env() -> Result<Self, Error> {
         Self::from_lookup(|name| std::env::var_os(name).map(|v| v.to_string_lossy().into_owned()))
     }
@@ -92,10 +96,26 @@ impl RankInfo {
     /// Like [`RankInfo::from_env`], reading variables through `lookup`, so that parsing can be
     /// tested without touching the process environment.
     pub fn from_lookup(lookup: impl Fn(&str) -> Option<String>) -> Result<Self, Error> {
-        let Some(coordinator) = lookup(var::MUSTER_COORDINATOR) else {
-            return Ok(Self::single_process());
+        let agent_socket = match lookup(var::MUSTER_AGENT_SOCKET) {
+            Some(path) if path.trim().is_empty() => {
+                return Err(Error::Config(format!(
+                    "{} is set but empty",
+                    var::MUSTER_AGENT_SOCKET
+                )));
+            }
+            Some(path) => Some(PathBuf::from(path)),
+            None => None,
         };
-        check_coordinator_addr(&coordinator)?;
+        // Under an agent, the coordinator is the agent's gateway socket: a coordinator
+        // address in the environment (inherited by the agent, say) is not used.
+        let coordinator = match (&agent_socket, lookup(var::MUSTER_COORDINATOR)) {
+            (Some(socket), _) => muster_core::contract::agent_coordinator(socket),
+            (None, Some(coordinator)) => {
+                check_coordinator_addr(&coordinator)?;
+                coordinator
+            }
+            (None, None) => return Ok(Self::single_process()),
+        };
         // Read again when connecting; checked here so that a bad value fails at start.
         failover::timeout_from(lookup(var::MUSTER_FAILOVER_TIMEOUT_MS).as_deref())?;
         let vars = Vars { lookup: &lookup };
@@ -122,16 +142,7 @@ impl RankInfo {
                 Some(host) => host,
                 None => local_hostname(),
             },
-            agent_socket: match lookup(var::MUSTER_AGENT_SOCKET) {
-                Some(path) if path.trim().is_empty() => {
-                    return Err(Error::Config(format!(
-                        "{} is set but empty",
-                        var::MUSTER_AGENT_SOCKET
-                    )));
-                }
-                Some(path) => Some(PathBuf::from(path)),
-                None => None,
-            },
+            agent_socket,
         };
         info.validate()?;
         Ok(info)
@@ -525,7 +536,6 @@ mod tests {
         ("MUSTER_NUM_NODES", "2"),
         ("MUSTER_RESTART_COUNT", "2"),
         ("MUSTER_HOST", "node-b"),
-        ("MUSTER_AGENT_SOCKET", "/tmp/muster-7-ab/relay.sock"),
     ];
 
     /// Parses VALID with `changes` applied (`None` removes the variable) and compares the
@@ -578,7 +588,7 @@ mod tests {
                         num_nodes: 2,
                         restart_count: 2,
                         host: "node-b".into(),
-                        agent_socket: Some("/tmp/muster-7-ab/relay.sock".into()),
+                        agent_socket: None,
                     }
                 )
             }),
@@ -591,10 +601,25 @@ mod tests {
             &[("MUSTER_HOST", None)],
             Ok(|info| assert!(!info.host.is_empty())),
         );
-        check(
-            &[("MUSTER_AGENT_SOCKET", None)],
-            Ok(|info| assert_eq!(info.agent_socket, None)),
-        );
+        // Under an agent, the coordinator is its gateway, whatever MUSTER_COORDINATOR says.
+        for coordinator in [None, Some("coord.example:29470"), Some("bad")] {
+            check(
+                &[
+                    ("MUSTER_AGENT_SOCKET", Some("/tmp/muster-7-ab/relay.sock")),
+                    ("MUSTER_COORDINATOR", coordinator),
+                ],
+                Ok(|info| {
+                    assert_eq!(
+                        info.agent_socket.as_deref(),
+                        Some(Path::new("/tmp/muster-7-ab/relay.sock"))
+                    );
+                    assert_eq!(
+                        info.coordinator.as_deref(),
+                        Some("unix:/tmp/muster-7-ab/coordinator.sock")
+                    );
+                }),
+            );
+        }
         check(
             &[("MUSTER_RANK", Some(" 7 "))],
             Ok(|info| assert_eq!(info.rank, 7)),

@@ -8,7 +8,9 @@
 //!   coordinator it runs as a single process and every call succeeds locally.
 //! - [`relay`] carries the barriers of a worker launched by `muster-agent` to the agent over
 //!   a local socket (`MUSTER_AGENT_SOCKET`), so that a node's barriers cost the coordinator one
-//!   message per node.
+//!   message per node. Everything else such a worker asks of the coordinator goes to the
+//!   agent's gateway socket beside it (`unix:<dir>/coordinator.sock`): a worker under an agent
+//!   holds no connection to the coordinator.
 //! - [`client`] is the async core ([`client::Coordinator`], [`client::Session`] and typed
 //!   wrappers over the key-value, unique-id and shared-value services), for async code and for
 //!   benchmarks that simulate many ranks in one process. It fails over between coordinator

@@ -542,8 +542,7 @@ impl Hub {
                 self.withdraw(err, sink);
             }
             Some(pb::relay_event::Kind::Failed(err)) => self.fail_all(err, sink),
-            // This agent's workers register with sessions of their own, never through the
-            // relay, so no rank event is ever addressed to it.
+            // Rank events are the gateway's (`State::on_event`).
             Some(pb::relay_event::Kind::Registered(_) | pb::relay_event::Kind::Rank(_)) | None => {}
         }
     }
@@ -552,6 +551,15 @@ impl Hub {
     /// the relay tells the next leader when it registers again after a failover.
     pub fn released(&self) -> u64 {
         self.barriers.released(Scope::Global, 0)
+    }
+
+    /// The last global and node barrier seqs this node was released from: what its ranks
+    /// tell the next leader when they register again after a failover.
+    pub fn released_seqs(&self) -> (u64, u64) {
+        (
+            self.released(),
+            self.barriers.released(Scope::Node, self.node_rank),
+        )
     }
 
     /// After a failover: sends the coordinator every global barrier handed to it and not yet

@@ -450,10 +450,9 @@ fn ops_tables(s: &Setup, args: &Args) -> anyhow::Result<()> {
 /// add, on the same client, from the environment `muster-agent launch` gives a worker.
 fn kv_worker(iters: u32) -> anyhow::Result<()> {
     let rank = muster::env::RankInfo::from_env()?;
-    let addr = rank
-        .coordinator
-        .clone()
-        .context("not under muster-agent launch (no MUSTER_COORDINATOR)")?;
+    let addr = rank.coordinator.clone().context(
+        "not under muster-agent launch (neither MUSTER_AGENT_SOCKET nor MUSTER_COORDINATOR)",
+    )?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;

@@ -105,6 +105,16 @@ impl Job {
                 )));
             }
             (RankState::Pending, None) => {}
+            (RankState::Running, None)
+                if resume.is_some()
+                    && matches!(
+                        (&slot.outbox, &outbox),
+                        (Some(Outbox::Relayed { .. }), Outbox::Relayed { .. })
+                    ) =>
+            {
+                // Its node's relay came back to this same leader (a broken stream, not a
+                // failover): the rank's messages go to the new stream.
+            }
             (_, None) => {
                 return Err(Error::AlreadyExists(format!(
                     "rank {rank} of job '{id}' generation {generation} is already registered (pid {} on host {})",

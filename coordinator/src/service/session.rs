@@ -3,8 +3,7 @@
 
 use super::*;
 
-/// How long a session that ended without leave waits for its agent's more precise report.
-const AGENT_REPORT_GRACE: Duration = Duration::from_millis(150);
+use muster_core::failure::{AGENT_REPORT_GRACE, SESSION_LOST};
 
 /// `muster.v1.Session`.
 #[derive(Clone)]
@@ -80,15 +79,10 @@ async fn session_loop(
     let reason = loop {
         // Silence counts only while this process runs (`tenure::within`).
         match crate::tenure::within(hb, inbound.message()).await {
-            None => {
-                break format!(
-                    "no heartbeat for {:.1}s (process stopped, hung or partitioned)",
-                    hb.as_secs_f64()
-                );
-            }
+            None => break muster_core::failure::no_heartbeat(hb),
             Some(Err(status)) => break format!("connection lost ({})", status.message()),
             Some(Ok(None)) => {
-                break "session ended without leave (process exited or was killed)".to_owned();
+                break SESSION_LOST.to_owned();
             }
             Some(Ok(Some(_))) if job.retired() => {
                 // A lapsed leader takes no barrier entry in; the worker moves to the leader.

@@ -293,14 +293,26 @@ impl RawRelay {
         generation: u64,
         node_rank: u32,
     ) -> Result<RawRelay, Status> {
-        let (tx, rx) = mpsc::channel(16);
-        tx.send(pb::RelayMessage {
-            kind: Some(pb::relay_message::Kind::Register(pb::RelayRegister {
+        Self::attach_with(
+            ch,
+            pb::RelayRegister {
                 job_id: job.into(),
                 generation,
                 node_rank,
                 ..Default::default()
-            })),
+            },
+        )
+        .await
+    }
+
+    /// Opens a relay with `register` as its first message (one that resumes, say).
+    pub async fn attach_with(
+        ch: &Channel,
+        register: pb::RelayRegister,
+    ) -> Result<RawRelay, Status> {
+        let (tx, rx) = mpsc::channel(16);
+        tx.send(pb::RelayMessage {
+            kind: Some(pb::relay_message::Kind::Register(register)),
         })
         .await
         .unwrap();
@@ -343,16 +355,23 @@ impl RawRelay {
     /// Registers `rank` through this relay (pid 100 + rank) and returns the coordinator's
     /// answer for it.
     pub async fn register_rank(&mut self, job: &str, generation: u64, rank: u32) -> pb::RankEvent {
+        self.register_rank_with(pb::Register {
+            job_id: job.into(),
+            generation,
+            rank,
+            pid: 100 + rank,
+            host: format!("host-{rank}"),
+            ..Default::default()
+        })
+        .await
+    }
+
+    /// Sends `register` for a rank through this relay and returns the coordinator's answer.
+    pub async fn register_rank_with(&mut self, register: pb::Register) -> pb::RankEvent {
+        let rank = register.rank;
         self.tx
             .send(pb::RelayMessage {
-                kind: Some(pb::relay_message::Kind::RankRegister(pb::Register {
-                    job_id: job.into(),
-                    generation,
-                    rank,
-                    pid: 100 + rank,
-                    host: format!("host-{rank}"),
-                    ..Default::default()
-                })),
+                kind: Some(pb::relay_message::Kind::RankRegister(register)),
             })
             .await
             .unwrap();

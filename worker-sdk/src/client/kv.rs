@@ -8,14 +8,8 @@ use std::time::Duration;
 use muster_proto::v1::{self as pb, key_value_client::KeyValueClient};
 use tokio::time::Instant;
 
-use super::{Coordinator, Failed, wait_ms};
+use super::{Coordinator, Failed, MAX_MESSAGE_BYTES, wait_ms};
 use crate::Error;
-
-/// The largest reply taken from the coordinator's `KeyValue` service: a value is up to the
-/// coordinator's `max_value_bytes` (8 MiB by default, torch's limit), and a `List` carries a
-/// whole prefix's values (up to the job's `max_job_bytes`); gRPC's default of 4 MiB would
-/// refuse both. The cap is the coordinator's own upper bound on a message.
-const MAX_REPLY_BYTES: usize = 1 << 30;
 
 /// The outcome of [`Kv::compare_and_set`].
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,7 +85,7 @@ impl Kv {
                 || request.clone(),
                 |channel, request| async move {
                     KeyValueClient::new(channel)
-                        .max_decoding_message_size(MAX_REPLY_BYTES)
+                        .max_decoding_message_size(MAX_MESSAGE_BYTES)
                         .set(request)
                         .await
                 },
@@ -115,7 +109,7 @@ impl Kv {
                 || request.clone(),
                 |channel, request| async move {
                     KeyValueClient::new(channel)
-                        .max_decoding_message_size(MAX_REPLY_BYTES)
+                        .max_decoding_message_size(MAX_MESSAGE_BYTES)
                         .get(request)
                         .await
                 },
@@ -143,7 +137,7 @@ impl Kv {
                 },
                 |channel, request| async move {
                     KeyValueClient::new(channel)
-                        .max_decoding_message_size(MAX_REPLY_BYTES)
+                        .max_decoding_message_size(MAX_MESSAGE_BYTES)
                         .get(request)
                         .await
                 },
@@ -190,7 +184,7 @@ impl Kv {
                 || request.clone(),
                 |channel, request| async move {
                     KeyValueClient::new(channel)
-                        .max_decoding_message_size(MAX_REPLY_BYTES)
+                        .max_decoding_message_size(MAX_MESSAGE_BYTES)
                         .add(request)
                         .await
                 },
@@ -236,7 +230,7 @@ impl Kv {
                 || request.clone(),
                 |channel, request| async move {
                     KeyValueClient::new(channel)
-                        .max_decoding_message_size(MAX_REPLY_BYTES)
+                        .max_decoding_message_size(MAX_MESSAGE_BYTES)
                         .compare_and_set(request)
                         .await
                 },
@@ -272,7 +266,7 @@ impl Kv {
                 || request.clone(),
                 |channel, request| async move {
                     KeyValueClient::new(channel)
-                        .max_decoding_message_size(MAX_REPLY_BYTES)
+                        .max_decoding_message_size(MAX_MESSAGE_BYTES)
                         .delete(request)
                         .await
                 },
@@ -295,7 +289,7 @@ impl Kv {
                 || request.clone(),
                 |channel, request| async move {
                     KeyValueClient::new(channel)
-                        .max_decoding_message_size(MAX_REPLY_BYTES)
+                        .max_decoding_message_size(MAX_MESSAGE_BYTES)
                         .list(request)
                         .await
                 },

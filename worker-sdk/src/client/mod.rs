@@ -25,7 +25,15 @@ use std::{
     time::Duration,
 };
 
+use muster_core::contract::unix_socket;
 use tonic::transport::Channel;
+
+/// The largest message taken from the coordinator, or passed on by an agent's gateway: a
+/// key-value value is up to the coordinator's `max_value_bytes` (8 MiB by default, torch's
+/// limit), and a `List` carries a whole prefix's values (up to the job's `max_job_bytes`);
+/// gRPC's default of 4 MiB would refuse both. The cap is the coordinator's own upper bound on
+/// a message.
+pub const MAX_MESSAGE_BYTES: usize = 1 << 30;
 
 /// How a [`Coordinator`] connects (TLS or plaintext) and the credentials it sends: re-exported
 /// so that SDK users need not depend on `muster-proto`.
@@ -147,7 +155,7 @@ impl Coordinator {
         let failover_timeout = failover::timeout_from_env()?;
         let mut last = None;
         for addr in &list {
-            match endpoint(&security, addr, list.len() > 1)?.connect().await {
+            match connect_now(&security, addr, list.len() > 1)?.await {
                 Ok(channel) => {
                     let coordinator =
                         Self::lazy(addrs, list.clone(), failover_timeout, security, true)?;
@@ -234,7 +242,7 @@ impl Coordinator {
         let channels = list
             .iter()
             .map(|addr| {
-                let channel = endpoint(&security, addr, list.len() > 1)?.connect_lazy();
+                let channel = open(&security, addr, list.len() > 1)?;
                 Ok((addr.clone(), security.wrap(channel)))
             })
             .collect::<Result<_, Error>>()?;
@@ -329,9 +337,8 @@ impl Coordinator {
                 let security = &self.inner.security;
                 let several = state.rotation.addrs().len() > 1;
                 let channel = security.wrap(
-                    endpoint(security, &addr, several)
-                        .unwrap_or_else(|_| Channel::from_static("http://[::]:1"))
-                        .connect_lazy(),
+                    open(security, &addr, several)
+                        .unwrap_or_else(|_| Channel::from_static("http://[::]:1").connect_lazy()),
                 );
                 state.channels.insert(addr.clone(), channel.clone());
                 channel
@@ -360,9 +367,19 @@ impl Coordinator {
     }
 
     /// Whether a leader a follower named makes an endpoint (its channel is made on first use).
+    /// Never through an agent's gateway: the agent follows the leader for its workers.
     fn usable(&self, leader: &str) -> bool {
+        if self.through_agent() {
+            return false;
+        }
         self.state().channels.contains_key(leader)
             || endpoint(&self.inner.security, leader, true).is_ok()
+    }
+
+    /// Whether this client reaches the coordinator through its agent's gateway socket (a
+    /// worker under `muster-agent`) rather than over TCP.
+    pub fn through_agent(&self) -> bool {
+        unix_socket(&self.inner.addrs).is_some()
     }
 
     /// Makes `addr` (which answered) the address calls go to, with its connected `channel`.
@@ -547,6 +564,10 @@ impl Coordinator {
 }
 
 fn parse_list(addrs: &str) -> Result<Vec<String>, Error> {
+    let addrs = addrs.trim();
+    if unix_socket(addrs).is_some() {
+        return Ok(vec![addrs.to_owned()]);
+    }
     failover::parse_addrs(addrs).map_err(|why| {
         Error::Config(if addrs.contains(',') {
             format!("coordinator address list {addrs:?}: {why}")
@@ -564,6 +585,68 @@ fn endpoint(
     several: bool,
 ) -> Result<tonic::transport::Endpoint, Error> {
     muster_core::failover::endpoint(security, addr, several).map_err(Error::Config)
+}
+
+/// A channel to `addr`, connected on first use: [`endpoint`]'s, or the agent's gateway socket
+/// for a `unix:` address (plaintext and without the TCP settings: the socket is in the agent's
+/// private directory).
+fn open(security: &ClientSecurity, addr: &str, several: bool) -> Result<Channel, Error> {
+    Ok(match unix_socket(addr) {
+        Some(path) => gateway().connect_with_connector_lazy(UnixConnector(path.into())),
+        None => endpoint(security, addr, several)?.connect_lazy(),
+    })
+}
+
+/// [`open`], connecting now: the future fails if `addr` cannot be reached.
+fn connect_now(
+    security: &ClientSecurity,
+    addr: &str,
+    several: bool,
+) -> Result<impl Future<Output = Result<Channel, tonic::transport::Error>> + use<>, Error> {
+    let (endpoint, unix) = match unix_socket(addr) {
+        Some(path) => (gateway(), Some(UnixConnector(path.into()))),
+        None => (endpoint(security, addr, several)?, None),
+    };
+    Ok(async move {
+        match unix {
+            Some(connector) => endpoint.connect_with_connector(connector).await,
+            None => endpoint.connect().await,
+        }
+    })
+}
+
+/// The endpoint an agent's gateway socket is reached through (its URI only names the
+/// HTTP/2 authority; [`UnixConnector`] makes the connection).
+fn gateway() -> tonic::transport::Endpoint {
+    tonic::transport::Endpoint::from_static("http://muster-agent")
+}
+
+/// Connects to a Unix socket, for tonic's channel.
+#[derive(Clone)]
+struct UnixConnector(Arc<std::path::Path>);
+
+impl tower_service::Service<http::Uri> for UnixConnector {
+    type Response = hyper_util::rt::TokioIo<tokio::net::UnixStream>;
+    type Error = std::io::Error;
+    type Future = std::pin::Pin<
+        Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send + 'static>,
+    >;
+
+    fn poll_ready(
+        &mut self,
+        _: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<(), Self::Error>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: http::Uri) -> Self::Future {
+        let path = Arc::clone(&self.0);
+        Box::pin(async move {
+            tokio::net::UnixStream::connect(&*path)
+                .await
+                .map(hyper_util::rt::TokioIo::new)
+        })
+    }
 }
 
 /// `None` (wait as long as the generation lives) is 0 on the wire; a real wait is at least 1 ms

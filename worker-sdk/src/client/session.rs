@@ -990,9 +990,13 @@ async fn pump(
 
 impl Link {
     /// Whether the end of the stream is the session's end rather than a failover: `leave` went
-    /// out, or the generation failed (there is nothing to resume).
+    /// out, the generation failed (there is nothing to resume), or the session is with the
+    /// worker's agent (which carries it across coordinator failovers itself: its end is the
+    /// agent's).
     fn ended_for_good(&self) -> bool {
-        self.shared.lock().leave == Leave::Sent || self.failures.has_fired()
+        self.shared.lock().leave == Leave::Sent
+            || self.failures.has_fired()
+            || self.coordinator.through_agent()
     }
 }
 
