@@ -250,43 +250,6 @@ where
         .map_err(|failed| failed.status)
 }
 
-/// The most time one attempt of a failure report may take (it is retried across a failover).
-pub const REPORT_TIMEOUT: Duration = Duration::from_secs(1);
-
-/// Tells the coordinator that a worker failed: the agent's one way to report a rank's death
-/// (the supervisor's exits, the gateway's silent sessions). Best effort: each attempt bounded
-/// by [`REPORT_TIMEOUT`], and retried across a failover within the budget (a report is
-/// idempotent).
-pub(crate) fn report_failure(
-    coordinators: Coordinators,
-    request: muster_proto::v1::ReportFailureRequest,
-) -> tokio::task::JoinHandle<()> {
-    // Task "report-failure": on error, log and continue; awaited, bounded, before the agent
-    // exits. After a failover the report is how the new leader learns of the death (a dead
-    // worker never re-attaches), so it is retried; an attempt that takes REPORT_TIMEOUT
-    // counts as a coordinator that does not answer.
-    tokio::spawn(async move {
-        let sent = call(&coordinators, "Rendezvous.ReportFailure", |channel| {
-            let request = request.clone();
-            async move {
-                let mut client =
-                    muster_proto::v1::rendezvous_client::RendezvousClient::new(channel);
-                match tokio::time::timeout(REPORT_TIMEOUT, client.report_failure(request)).await {
-                    Ok(answer) => answer,
-                    Err(_) => Err(tonic::Status::unavailable(format!(
-                        "no answer within {} ms",
-                        REPORT_TIMEOUT.as_millis()
-                    ))),
-                }
-            }
-        })
-        .await;
-        if let Err(status) = sent {
-            tracing::debug!(%status, "failure report not taken");
-        }
-    })
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]

@@ -52,7 +52,8 @@ use supervisor::{End, PreviousEnd, Supervisor};
 pub const CONNECT_WINDOW: Duration = Duration::from_secs(10);
 /// After this long in the rendezvous the agent says what it is waiting for.
 pub const WAITING_NOTICE: Duration = Duration::from_secs(1);
-pub use crate::failover::REPORT_TIMEOUT;
+/// The most time one attempt of a failure report may take (it is retried across a failover).
+pub const REPORT_TIMEOUT: Duration = Duration::from_secs(1);
 /// After a failure, how long the workers get to end on their own before SIGTERM (capped by
 /// the grace period).
 pub const FAILURE_SETTLE: Duration = Duration::from_millis(500);

@@ -3,8 +3,11 @@
 //! complete here; a global barrier goes to the coordinator as one `GroupEnter` per node on the
 //! relay's own stream (`Relay.Attach`), and its one answer is fanned out to the node's ranks.
 //! The socket's framing is the contract's (`muster_core::contract::frame`), shared with the SDK.
-//! The ranks' coordinator sessions still carry registration, liveness and everything that is
-//! not a barrier. The protocol is in `docs/contract.md` ("Node relay").
+//! The workers' sessions (registration, liveness, pushes) and every other call they make go to
+//! the agent's gateway beside the relay socket (`gateway.rs`), which registers them on this
+//! relay's stream (`rank_register`, `rank_leave`, `rank_lost`) and forwards the rest: workers
+//! hold no connection to the coordinator. The protocols are in `docs/contract.md` ("Node
+//! relay", "The agent's gateway").
 //!
 //! Traces: a worker's barrier frame carries its W3C trace context in `BarrierEnter`'s
 //! `trace_context` when it traces (the map is empty, and absent from the frame, otherwise),

@@ -124,46 +124,6 @@ async fn agent_report_gives_the_precise_reason() {
     );
 }
 
-/// A report without an exit code or signal (an agent's gateway that saw a worker's session
-/// end) gives a first reason, which the report of the process's end replaces; in the other
-/// order, the precise reason stands.
-#[tokio::test]
-async fn a_report_without_an_exit_status_is_refined_and_never_refines() {
-    let s = start_default().await;
-    let report = |job: &str, precise: bool| {
-        let channel = s.channel.clone();
-        let request = pb::ReportFailureRequest {
-            job_id: job.into(),
-            generation: 1,
-            rank: 1,
-            reason: if precise {
-                "exited with status 3".into()
-            } else {
-                muster_core::failure::SESSION_LOST.into()
-            },
-            exit_code: precise.then_some(3),
-            ..Default::default()
-        };
-        async move {
-            pb::rendezvous_client::RendezvousClient::new(channel)
-                .report_failure(request)
-                .await
-                .unwrap();
-        }
-    };
-    let reason = |job: &'static str| {
-        let channel = s.channel.clone();
-        async move { describe(&channel, job).await.failure.unwrap().reason }
-    };
-    for (job, first) in [("refined", false), ("stands", true)] {
-        form(&s.channel, job, 1, 2).await;
-        let _r = attach_all(&s.channel, job, 1, 2).await;
-        report(job, first).await;
-        report(job, !first).await;
-        assert_eq!(reason(job).await, "exited with status 3", "{job}");
-    }
-}
-
 #[tokio::test]
 async fn divergent_names_error_every_rank_listing_who_is_where() {
     let s = start_default().await;

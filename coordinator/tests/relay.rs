@@ -420,6 +420,67 @@ async fn a_relay_back_on_the_same_leader_takes_its_ranks_back() {
     assert_eq!(pushed, [0, 1]);
 }
 
+/// `rank_lost` (an agent's gateway that lost a worker's session) fails the rank with a first
+/// reason, which the agent's report of the exit refines; in the other order the report's
+/// reason stands. Another node's rank, or an empty reason, is refused and changes nothing.
+#[tokio::test]
+async fn a_lost_rank_fails_its_generation_and_its_agents_report_refines_it() {
+    let s = start_default().await;
+    let ch = &s.channel;
+    let reason = |job: &'static str| async move {
+        describe(ch, job)
+            .await
+            .failure
+            .map(|f| f.reason)
+            .unwrap_or_default()
+    };
+    let report = |job: &'static str| async move {
+        pb::rendezvous_client::RendezvousClient::new(ch.clone())
+            .report_failure(pb::ReportFailureRequest {
+                job_id: job.into(),
+                generation: 1,
+                rank: 1,
+                reason: "exited with status 3".into(),
+                exit_code: Some(3),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+    };
+    for (job, report_first) in [("lost-first", false), ("report-first", true)] {
+        form(ch, job, 2, 2).await;
+        let mut relay = RawRelay::attach(ch, job, 1, 0).await.unwrap();
+        for rank in 0..2 {
+            relay.register_rank(job, 1, rank).await;
+        }
+        for (rank, why, needle) in [(2, "gone", "not on node 0"), (1, "", "must not be empty")] {
+            relay.lose_rank(rank, why).await;
+            let event = match relay.event().await {
+                pb::relay_event::Kind::Rank(event) => event,
+                other => panic!("{other:?}"),
+            };
+            assert!(
+                matches!(&event.kind, Some(pb::rank_event::Kind::Refused(r)) if r.message.contains(needle)),
+                "{event:?}"
+            );
+        }
+        assert_eq!(reason(job).await, "", "{job}: a refusal changes nothing");
+        if report_first {
+            report(job).await;
+        }
+        relay.lose_rank(1, muster_core::failure::SESSION_LOST).await;
+        match relay.event().await {
+            pb::relay_event::Kind::Failed(e) => assert_eq!(e.rank, 1, "{e:?}"),
+            other => panic!("{other:?}"),
+        }
+        if !report_first {
+            assert_eq!(reason(job).await, muster_core::failure::SESSION_LOST);
+            report(job).await;
+        }
+        assert_eq!(reason(job).await, "exited with status 3", "{job}");
+    }
+}
+
 /// A thousand workers on one node (issue 29's light clients: its relay registers them all)
 /// under a per-peer cap of 4 connections: one stream holds them, so no connection limit is in
 /// the way, and a barrier of all of them completes.

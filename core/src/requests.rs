@@ -312,15 +312,6 @@ pub struct FailureReport {
     pub detail: FailureDetail,
 }
 
-impl FailureReport {
-    /// Whether the report says how the process ended (an exit code or a signal). One without
-    /// (the agent's gateway saw the worker's session end or go silent before the process's
-    /// end was known) gives a first reason that a later, precise report refines.
-    pub fn precise(&self) -> bool {
-        self.detail.exit_code.is_some() || self.detail.signal.is_some()
-    }
-}
-
 impl TryFrom<pb::ReportFailureRequest> for FailureReport {
     type Error = Invalid;
 

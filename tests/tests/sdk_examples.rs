@@ -125,6 +125,40 @@ fn a_worker_that_dies_before_its_first_barrier_fails_the_others_first_barrier() 
     );
 }
 
+/// A worker that exits 0 while the others wait, without `leave` (issue 29): the supervisor
+/// does not report a clean exit, so the coordinator learns of it from the agent's gateway,
+/// whose session with the worker ended (`rank_lost`); the others' barrier fails naming it,
+/// and so does the job.
+#[test]
+fn a_worker_that_exits_0_without_leave_fails_the_others_naming_it() {
+    let Some(bin) = example("fail_at") else {
+        return;
+    };
+    let run = launch(4, &bin, &["--rank", "2", "--code", "0"]).finish(SLOW);
+    assert_eq!(run.code(), Some(1), "{}", run.dump());
+    assert!(
+        run.stderr.iter().any(|l| l
+            == "muster-agent: job sdk failed: rank 2 (node 0, host 127.0.0.1) session ended without leave (process exited or was killed)"),
+        "{}",
+        run.dump()
+    );
+    for rank in [0, 1, 3] {
+        let error = run
+            .rank_stdout(rank)
+            .into_iter()
+            .find(|l| l.starts_with(&format!("rank={rank} error: ")))
+            .unwrap_or_else(|| panic!("rank {rank} printed no error\n{}", run.dump()))
+            .to_owned();
+        assert!(error.contains("rank 2"), "rank {rank}: {error}");
+    }
+    assert!(
+        run.elapsed < Duration::from_secs(4),
+        "{:?}\n{}",
+        run.elapsed,
+        run.dump()
+    );
+}
+
 #[test]
 fn main_first_with_four_ranks() {
     let Some(bin) = example("main_first") else {

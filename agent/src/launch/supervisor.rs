@@ -9,7 +9,7 @@
 //! with `MUSTER_EPOCH`, counted as a restart), or `ended` when it has none (everything goes
 //! as in restart mode). A repeat of a `replace` (a failover re-sends it) is ignored.
 
-use super::{FAILURE_SETTLE, Stops, workers};
+use super::{FAILURE_SETTLE, REPORT_TIMEOUT, Stops, workers};
 use crate::env::{NodeAssignment, Recovery, worker_env};
 use crate::failover::{self, Coordinators};
 use crate::metrics::{self, FailureCause, WorkerState, WorkerStates};
@@ -19,6 +19,7 @@ use crate::worker::{Exit, Worker};
 use futures::StreamExt;
 use futures::stream::FuturesUnordered;
 use muster_proto::v1 as pb;
+use muster_proto::v1::rendezvous_client::RendezvousClient;
 use nix::sys::signal::Signal;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -749,7 +750,7 @@ impl<'a> Supervisor<'a> {
         self.stop = Stop::Killed;
     }
 
-    /// Tells the coordinator ([`failover::report_failure`]: best effort, each attempt bounded, and
+    /// Tells the coordinator (best effort: each attempt bounded by [`REPORT_TIMEOUT`], and
     /// retried across a failover within the budget; a report is idempotent).
     fn report_failure(&self, exit: &Exit, info: &pb::FailureInfo) -> JoinHandle<()> {
         let coordinators = self.coordinators.clone();
@@ -764,7 +765,31 @@ impl<'a> Supervisor<'a> {
             error_message: info.error_message.clone(),
             error_traceback: info.error_traceback.clone(),
         };
-        failover::report_failure(coordinators, request)
+        // Task "report-failure": on error, log and continue (the coordinator also learns of
+        // the failure from the worker's session); awaited, bounded, before the agent exits.
+        // After a failover the report is how the new leader learns of the exit (a dead worker
+        // never re-attaches), so it is retried; an attempt that takes REPORT_TIMEOUT counts as
+        // a coordinator that does not answer.
+        tokio::spawn(async move {
+            let sent = failover::call(&coordinators, "Rendezvous.ReportFailure", |channel| {
+                let request = request.clone();
+                async move {
+                    let mut client = RendezvousClient::new(channel);
+                    match tokio::time::timeout(REPORT_TIMEOUT, client.report_failure(request)).await
+                    {
+                        Ok(answer) => answer,
+                        Err(_) => Err(tonic::Status::unavailable(format!(
+                            "no answer within {} ms",
+                            REPORT_TIMEOUT.as_millis()
+                        ))),
+                    }
+                }
+            })
+            .await;
+            if let Err(status) = sent {
+                tracing::debug!(%status, "failure report not taken");
+            }
+        })
     }
 }
 
@@ -787,7 +812,6 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::cli::{Parsed, parse_in};
-    use crate::failover;
     use tokio::sync::mpsc::UnboundedSender;
 
     /// Each worker appends `rank pid epoch restart_count torchelastic_restart_count recovery`

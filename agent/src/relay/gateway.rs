@@ -6,9 +6,10 @@
 //! - **A worker's session ends here.** `Session.Attach`'s `register` goes to the coordinator
 //!   as a `rank_register` on the node's relay stream, and the answer and every later push for
 //!   the rank (`generation_failed`, `membership_changed`, a refusal) come back as `RankEvent`s,
-//!   which [`Ranks::deliver`] hands to the rank's stream. Heartbeats stop here: the worker's
-//!   liveness is its process, which the agent's supervisor watches. `leave` is a
-//!   `rank_leave`. After a coordinator failover the relay registers its ranks again with
+//!   which [`Ranks::deliver`] hands to the rank's stream. `leave` is a `rank_leave`.
+//!   Heartbeats stop here: a session that goes silent, or ends without `leave`, is a
+//!   `rank_lost` on the relay stream ([`Ranks::lost`]), whose reason the supervisor's report of
+//!   the process's end (its exit status) refines. After a coordinator failover the relay registers its ranks again with
 //!   `resume` ([`Ranks::attached`]), and the workers never see it.
 //! - **Every other call is forwarded** unchanged (path, message bytes, metadata but the
 //!   credentials) on the agent's own connection, with its failover policy: a refusal that
@@ -193,12 +194,31 @@ impl Ranks {
         }
     }
 
-    /// Session `id` of `rank` ended without `leave`: forgotten here. Its process's end is the
-    /// supervisor's to report, with the exit status.
+    /// Session `id` of `rank` ended: forgotten here ([`Ranks::lost`] says whether it was lost).
     fn gone(&self, rank: u32, id: u64) {
         let mut st = self.lock();
         if st.routes.get(&rank).is_some_and(|r| r.id == id) {
             st.routes.remove(&rank);
+        }
+    }
+
+    /// A session of `rank` that ended without `leave`, or went silent, is lost (`reason`):
+    /// unless the rank registered again since (an in-place replacement), the coordinator is
+    /// told on the relay stream, ordered before any later registration of the rank, so the
+    /// report can never name the replacement.
+    fn lost(&self, rank: u32, reason: String) {
+        let st = self.lock();
+        if st.routes.contains_key(&rank) {
+            return;
+        }
+        if let Some(relay) = &st.relay {
+            // A stream that is gone loses it: the supervisor's report of the exit remains.
+            let _ = relay.unbounded_send(pb::RelayMessage {
+                kind: Some(pb::relay_message::Kind::RankLost(pb::RankLost {
+                    rank,
+                    reason,
+                })),
+            });
         }
     }
 
@@ -242,10 +262,7 @@ pub async fn serve(
     coordinators: Coordinators,
     stop: oneshot::Receiver<()>,
 ) {
-    let sessions = pb::session_server::SessionServer::new(Sessions {
-        ranks,
-        coordinators: coordinators.clone(),
-    });
+    let sessions = pb::session_server::SessionServer::new(Sessions { ranks });
     let router = tonic::service::Routes::new(sessions)
         .into_axum_router()
         .fallback(move |request: axum::extract::Request| {
@@ -266,8 +283,6 @@ pub async fn serve(
 /// `muster.v1.Session` at the gateway.
 struct Sessions {
     ranks: Arc<Ranks>,
-    /// Where a silent session is reported.
-    coordinators: Coordinators,
 }
 
 type AttachStream =
@@ -293,13 +308,7 @@ impl pb::session_server::Session for Sessions {
                 "the first session message must be register",
             ));
         };
-        let (rank, pid) = (register.rank, register.pid);
-        let report = pb::ReportFailureRequest {
-            job_id: register.job_id.clone(),
-            generation: register.generation,
-            rank,
-            ..Default::default()
-        };
+        let rank = register.rank;
         let (to, from) = mpsc::unbounded_channel();
         let (id, answered) = self.ranks.register(register, to)?;
         let interval = match tokio::time::timeout(REGISTER_TIMEOUT, answered).await {
@@ -322,10 +331,7 @@ impl pb::session_server::Session for Sessions {
             ranks: Arc::clone(&self.ranks),
             rank,
             id,
-            pid,
             interval,
-            report,
-            coordinators: self.coordinators.clone(),
         };
         // Task policy: one per worker session; ends with the worker's stream, or when the
         // agent stops (the runtime drops it).
@@ -339,32 +345,30 @@ struct Session {
     ranks: Arc<Ranks>,
     rank: u32,
     id: u64,
-    /// The worker's process, as it registered.
-    pid: u32,
     /// How often the worker sends heartbeats.
     interval: Duration,
-    /// The report for this rank, without its reason.
-    report: pb::ReportFailureRequest,
-    coordinators: Coordinators,
 }
 
 impl Session {
-    /// Reads the worker's stream: heartbeats stop here (silence for the timeout, counted only
-    /// while the agent runs, is reported as the rank's failure, as the coordinator would),
-    /// `leave` is passed on, and a barrier is refused (a worker under an agent enters barriers
+    /// Reads the worker's stream: heartbeats stop here (silence past the timeout fails the
+    /// rank, as at the coordinator), `leave` is passed on, an end without `leave` fails the
+    /// rank after a grace, and a barrier is refused (a worker under an agent enters barriers
     /// on the relay socket).
     async fn serve(self, mut inbound: Streaming<pb::WorkerMessage>) {
         let Self {
-            ranks, rank, id, ..
-        } = &self;
-        let (ranks, rank, id) = (ranks, *rank, *id);
+            ranks,
+            rank,
+            id,
+            interval,
+        } = self;
+        let ranks = &ranks;
         loop {
-            let received = match heard(self.interval, &mut inbound).await {
+            let received = match heard(interval, &mut inbound).await {
                 Some(received) => received,
                 None => {
                     ranks.gone(rank, id);
-                    let reason = no_heartbeat(self.interval * HEARTBEATS_PER_TIMEOUT);
-                    self.report(reason).await;
+                    tracing::warn!(rank, "a worker's session at the gateway went silent");
+                    ranks.lost(rank, no_heartbeat(interval * HEARTBEATS_PER_TIMEOUT));
                     return;
                 }
             };
@@ -402,30 +406,15 @@ impl Session {
                 }
             },
             Ok(None) | Err(_) => {
-                // A process's end is the supervisor's to report, with its exit status (and a
-                // late report here would name the rank's replacement, in place). Only a
-                // worker whose session ended while its process goes on is reported here.
+                // After a grace, so that the supervisor's report of the process's end (exit
+                // status, stderr) usually comes first and names the cause.
                 ranks.gone(rank, id);
                 tokio::time::sleep(AGENT_REPORT_GRACE).await;
-                if crate::procfs::running(self.pid) {
-                    self.report(SESSION_LOST.to_owned()).await;
-                }
+                ranks.lost(rank, SESSION_LOST.to_owned());
                 return;
             }
             }
         }
-    }
-
-    /// Reports this rank failed for `reason` (without an exit status: see
-    /// `ReportFailureRequest`).
-    async fn report(self, reason: String) {
-        tracing::warn!(rank = self.rank, %reason, "a worker's session at the gateway failed");
-        let report = pb::ReportFailureRequest {
-            reason,
-            ..self.report
-        };
-        // Its task ends once the coordinator took the report or the budget is spent.
-        let _ = failover::report_failure(self.coordinators, report).await;
     }
 }
 

@@ -94,6 +94,22 @@ impl pb::relay_server::Relay for RelayService {
                             }
                         }
                     }
+                    Some(pb::relay_message::Kind::RankLost(pb::RankLost { rank, reason })) => {
+                        let checked = job
+                            .check_on_node(generation, node_rank, rank)
+                            .map_err(Status::from)
+                            .and_then(|()| {
+                                muster_core::model::label("reason", &reason, 4096)
+                                    .map_err(|e| Status::invalid_argument(e.0))
+                            });
+                        match checked {
+                            // A first reason, which the agent's report refines.
+                            Ok(reason) => job.fail_rank(generation, rank, reason, None),
+                            Err(status) => {
+                                let _ = tx.send(Ok(crate::job::rank_event(rank, Err(status))));
+                            }
+                        }
+                    }
                     Some(pb::relay_message::Kind::Heartbeat(_)) => {}
                     Some(pb::relay_message::Kind::Waiting(report)) => {
                         // Information for the ops view, capped like any list from the network.

@@ -258,8 +258,12 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
         let job = self.0.job(&r.job_id)?;
         let report = FailureReport::try_from(r)?;
         job.check_member(report.generation, report.rank)?;
-        let detail = report.precise().then_some(report.detail);
-        job.fail_rank(report.generation, report.rank, report.reason, detail);
+        job.fail_rank(
+            report.generation,
+            report.rank,
+            report.reason,
+            Some(report.detail),
+        );
         Ok(Response::new(pb::ReportFailureResponse {}))
     }
 }

@@ -384,6 +384,19 @@ impl RawRelay {
         }
     }
 
+    /// Says that `rank`, registered through this relay, is lost (`rank_lost`).
+    pub async fn lose_rank(&self, rank: u32, reason: &str) {
+        self.tx
+            .send(pb::RelayMessage {
+                kind: Some(pb::relay_message::Kind::RankLost(pb::RankLost {
+                    rank,
+                    reason: reason.into(),
+                })),
+            })
+            .await
+            .unwrap();
+    }
+
     /// Sends `leave` for `rank`, registered through this relay.
     pub async fn leave_rank(&self, rank: u32) {
         self.tx
