@@ -84,7 +84,7 @@ fn fail_at_makes_the_other_ranks_fail_fast_naming_the_failed_rank() {
     );
 }
 
-/// A worker that dies between registering (with the coordinator, and with its agent's relay)
+/// A worker that dies between registering (through its agent, and with its relay)
 /// and its first barrier (issue 29): the others' first barrier fails naming it, and the job
 /// fails once, with its exit status.
 #[test]

@@ -1,7 +1,8 @@
 //! Failure propagation, for end-to-end tests: every rank passes a first barrier, then rank
 //! `R` exits with code `C` while the others wait at a second barrier and print the error they
 //! get (which names the failed rank, its node and host). With `--at 0`, rank `R` exits before
-//! the first barrier instead, just after registering, and the others fail in the first.
+//! the first barrier instead, once every rank has registered (each says so in the key-value
+//! store), and the others fail in the first.
 //!
 //! Usage: `fail_at --rank R --code C [--at 0|1]`. Ranks other than `R` exit with 1 when the
 //! barrier after the death fails, 0 if it unexpectedly succeeds.
@@ -51,6 +52,20 @@ fn run() -> Result<ExitCode, Box<dyn std::error::Error>> {
 
     let accelerator = muster::Accelerator::from_env()?;
     let rank = accelerator.process_index();
+    if at == 0 {
+        // The death comes after every rank registered, so that what fails for the others is
+        // their first barrier, not their registration.
+        let key = |r: usize| format!("fail_at/registered/{r}");
+        if rank == fail_rank {
+            for other in (0..accelerator.num_processes()).filter(|&r| r != rank) {
+                accelerator
+                    .kv()
+                    .get_wait(&key(other), std::time::Duration::from_secs(30))?;
+            }
+        } else {
+            accelerator.kv().set(&key(rank), b"1".to_vec())?;
+        }
+    }
     if at == 1 {
         accelerator.wait_for_everyone()?;
         println!("rank={rank} passed the first barrier");
