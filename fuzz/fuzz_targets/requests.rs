@@ -69,11 +69,14 @@ fn check_stream_message(selector: u8, bytes: &[u8]) {
                 let _ = JobId::parse(&r.job_id);
                 let _ = model::generation(r.generation);
             }
-            if let Some(pb::relay_message::Kind::Enter(e)) = m.kind {
+            if let Some(pb::relay_message::Kind::Enter(e)) = &m.kind {
                 for g in &e.groups {
                     let _ = model::label("barrier name", &g.name, 512);
                 }
                 let _ = model::wait("timeout_ms", e.timeout_ms);
+            }
+            if let Some(pb::relay_message::Kind::RankLost(l)) = &m.kind {
+                let _ = model::label("reason", &l.reason, 4096);
             }
         }
         2 => {
@@ -136,7 +139,7 @@ async fn handle(coordinator: &Arc<Coordinator>, selector: u8, bytes: &[u8]) {
             }
         };
     }
-    match selector % 22 {
+    match selector % 23 {
         0 => unary!(rendezvous, Rendezvous::join, pb::JoinRequest),
         1 => unary!(
             rendezvous,
@@ -159,8 +162,9 @@ async fn handle(coordinator: &Arc<Coordinator>, selector: u8, bytes: &[u8]) {
         15 => unary!(ops, Ops::cancel_job, pb::CancelJobRequest),
         16 => unary!(ops, Ops::list_agents, pb::ListAgentsRequest),
         17 => unary!(ops, Ops::drain_node, pb::DrainNodeRequest),
-        18 => restore_record(bytes),
-        s => check_stream_message(s - 19, bytes),
+        18 => unary!(values, UniqueIds::roots, pb::UniqueIdRootsRequest),
+        19 => restore_record(bytes),
+        s => check_stream_message(s - 20, bytes),
     }
 }
 
