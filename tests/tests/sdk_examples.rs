@@ -2,7 +2,7 @@
 //! ranks, main-process-first ordering, and failure propagation from one rank to the others.
 //! A test whose example does not exist in `worker-sdk/examples/` is skipped with a message.
 
-use muster_tests::{Agent, SLOW, example_bin};
+use muster_tests::{Agent, Finished, SLOW, example_bin};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
@@ -67,15 +67,7 @@ fn fail_at_makes_the_other_ranks_fail_fast_naming_the_failed_rank() {
     );
     // The others learn of the failure from the coordinator and say so before the agent stops
     // them; the whole job ends well within the grace period.
-    for rank in [0, 1, 3] {
-        let error = run
-            .rank_stdout(rank)
-            .into_iter()
-            .find(|l| l.starts_with(&format!("rank={rank} error: ")))
-            .unwrap_or_else(|| panic!("rank {rank} printed no error\n{}", run.dump()))
-            .to_owned();
-        assert!(error.contains("rank 2"), "rank {rank}: {error}");
-    }
+    errors_name(&run, &[0, 1, 3], 2);
     assert!(
         run.elapsed < Duration::from_secs(4),
         "{:?}\n{}",
@@ -101,14 +93,8 @@ fn a_worker_that_dies_before_its_first_barrier_fails_the_others_first_barrier() 
         "{}",
         run.dump()
     );
+    errors_name(&run, &[0, 2, 3], 1);
     for rank in [0, 2, 3] {
-        let error = run
-            .rank_stdout(rank)
-            .into_iter()
-            .find(|l| l.starts_with(&format!("rank={rank} error: ")))
-            .unwrap_or_else(|| panic!("rank {rank} printed no error\n{}", run.dump()))
-            .to_owned();
-        assert!(error.contains("rank 1"), "rank {rank}: {error}");
         assert!(
             !run.rank_stdout(rank)
                 .iter()
@@ -142,15 +128,7 @@ fn a_worker_that_exits_0_without_leave_fails_the_others_naming_it() {
         "{}",
         run.dump()
     );
-    for rank in [0, 1, 3] {
-        let error = run
-            .rank_stdout(rank)
-            .into_iter()
-            .find(|l| l.starts_with(&format!("rank={rank} error: ")))
-            .unwrap_or_else(|| panic!("rank {rank} printed no error\n{}", run.dump()))
-            .to_owned();
-        assert!(error.contains("rank 2"), "rank {rank}: {error}");
-    }
+    errors_name(&run, &[0, 1, 3], 2);
     assert!(
         run.elapsed < Duration::from_secs(4),
         "{:?}\n{}",
@@ -257,4 +235,19 @@ fn a_worker_killed_mid_barrier_fails_every_other_rank_within_two_seconds() {
         run.dump()
     );
     eprintln!("the other ranks learned of rank 1's SIGKILL after {noticed:?}");
+}
+
+/// Checks that each of `ranks` printed a `fail_at` error line naming rank `dead`.
+fn errors_name(run: &Finished, ranks: &[u32], dead: u32) {
+    for &rank in ranks {
+        let error = run
+            .rank_stdout(rank)
+            .into_iter()
+            .find(|l| l.starts_with(&format!("rank={rank} error: ")))
+            .unwrap_or_else(|| panic!("rank {rank} printed no error\n{}", run.dump()));
+        assert!(
+            error.contains(&format!("rank {dead}")),
+            "rank {rank}: {error}"
+        );
+    }
 }
