@@ -3,7 +3,9 @@ in-place``: a torch CPU loop (a small MLP, gradients averaged with ``dist.all_re
 SGD with momentum) whose last rank aborts itself at step 15. The survivors keep their processes,
 rebuild the process group through the muster store, heal the replacement over it, and end with
 the same weights, bit for bit, as a run without the failure. The same loop on
-``muster.Communicator`` (``reconfigure`` and ``heal_bytes``) checks the SDK's own collectives."""
+``muster.Communicator`` (``reconfigure`` and ``heal_bytes``) checks the SDK's own collectives.
+A variant that draws random numbers every step (dropout, Python's and numpy's generators) heals
+its generators too, and ends with the same weights only when it marks its steps."""
 
 from __future__ import annotations
 
@@ -20,14 +22,18 @@ needs_torch = pytest.mark.skipif(
     importlib.util.find_spec("torch") is None, reason="torch is not installed in this venv"
 )
 
-#: The training loop. ``COMM`` (gloo or muster) picks what averages the gradients; ``FAIL_AT``
-#: (0: never) is the step after which the last rank aborts in the job's first life.
+#: The training loop, run once per ``(COMM, DRAWS)`` of ``LOOPS``. ``COMM`` (gloo or muster)
+#: picks what averages the gradients; ``DRAWS``: 0, no random draws; 1, dropout and noise from
+#: Python's and numpy's generators, each step marked with ``muster.torch.begin_step``; 2, the
+#: same draws with no marks. ``FAIL_AT`` (0: never) is the step after which the last rank
+#: aborts in the job's first life.
 TRAIN = """
-import hashlib, io, os, sys
+import hashlib, io, os, random, sys
+import numpy
 import torch, torch.distributed as dist
 import muster, muster.torch
 
-COMMS, FAIL_AT, STEPS = {comms}, {fail_at}, 24
+LOOPS, FAIL_AT, STEPS = {loops}, {fail_at}, 24
 acc = muster.Accelerator()
 rank, world = acc.process_index, acc.num_processes
 print(f"started rank={{rank}} pid={{os.getpid()}}", flush=True)
@@ -67,9 +73,12 @@ def recover(committed):
     print(f"recovered rank={{rank}} epoch={{quorum.epoch}} step={{quorum.step}} heal={{quorum.heal}}", flush=True)
 
 
-for COMM in COMMS:
+for COMM, DRAWS in LOOPS:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    random.seed(1)
+    numpy.random.seed(2)
+    dropout = [torch.nn.Dropout(0.25)] if DRAWS else []
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), *dropout, torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     params = list(model.parameters())
     step, loss_avg = 0, float("nan")
@@ -93,9 +102,14 @@ for COMM in COMMS:
         if acc.membership_changed():
             recover(step)
             continue
+        if DRAWS == 1:
+            muster.torch.begin_step(step)
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(16, 8, generator=g)
         y = x.sum(dim=1, keepdim=True).sin()
+        if DRAWS:
+            noise = torch.from_numpy(numpy.random.standard_normal(x.shape)).float()
+            x = x * (1 + 0.1 * random.random()) + 0.01 * noise
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x), y)
         loss.backward()
@@ -126,7 +140,7 @@ for COMM in COMMS:
 
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in params)).hexdigest()
     if rank == 0:
-        print(f"final comm={{COMM}} steps={{step}} loss={{loss_avg!r}} checksum={{digest}}", flush=True)
+        print(f"final loop={{COMM}}/{{DRAWS}} steps={{step}} loss={{loss_avg!r}} checksum={{digest}}", flush=True)
     if COMM == "gloo":
         dist.barrier()
         dist.destroy_process_group()
@@ -138,12 +152,12 @@ FLAGS = ("--recovery", "in-place", "--max-restarts", "1")
 
 
 def _finals(run) -> dict[str, dict[str, str]]:
-    """Rank 0's ``final`` lines, by communicator: ``{"gloo": {"steps": ..., ...}}``."""
+    """Rank 0's ``final`` lines, by loop: ``{"gloo/0": {"steps": ..., ...}}``."""
     finals = {}
     for line in run.lines(0):
         if line.startswith("final "):
             fields = dict(kv.split("=", 1) for kv in line.split()[1:])
-            finals[fields.pop("comm")] = fields
+            finals[fields.pop("loop")] = fields
     return finals
 
 
@@ -153,16 +167,21 @@ def _pids(run, rank: int) -> list[str]:
 
 @needs_torch
 def test_a_torch_loop_recovers_in_place_with_the_same_weights(launch) -> None:
-    # The failure-free runs of both loops, in one launch.
-    clean = launch(4, TRAIN.format(comms=["gloo", "muster"], fail_at=0), *FLAGS, timeout=120)
+    # The failure-free runs of every loop, in one launch.
+    loops = [("gloo", 0), ("muster", 0), ("gloo", 1)]
+    clean = launch(4, TRAIN.format(loops=loops, fail_at=0), *FLAGS, timeout=120)
     assert clean.code == 0, clean.dump()
     expected = _finals(clean)
-    assert sorted(expected) == ["gloo", "muster"], clean.dump()
-    for comm in ("gloo", "muster"):
-        assert expected[comm]["steps"] == "24", clean.dump()
+    assert sorted(expected) == ["gloo/0", "gloo/1", "muster/0"], clean.dump()
+    for loop in expected.values():
+        assert loop["steps"] == "24", clean.dump()
 
-    for comm in ("gloo", "muster"):
-        run = launch(4, TRAIN.format(comms=[comm], fail_at=15), *FLAGS, timeout=120)
+    # The loop that draws random numbers marks its steps: the survivors rewind their
+    # generators to the interrupted step's start and the replacement gets its source's, so the
+    # redone step draws what the run without the failure drew.
+    for loop in loops:
+        key = f"{loop[0]}/{loop[1]}"
+        run = launch(4, TRAIN.format(loops=[loop], fail_at=15), *FLAGS, timeout=120)
         assert run.code == 0, run.dump()
         assert "aborting rank=3 step=15" in run.stderr, run.dump()
         # The survivors kept their processes; only the dead rank started twice.
@@ -175,7 +194,16 @@ def test_a_torch_loop_recovers_in_place_with_the_same_weights(launch) -> None:
             assert recovered, run.dump()
             assert "step=15 heal=[(3, " in recovered[-1], run.dump()
         # The discarded step was redone at full world size: the same weights, bit for bit.
-        assert _finals(run) == {comm: expected[comm]}, run.dump()
+        assert _finals(run) == {key: expected[key]}, run.dump()
+
+    # The control: with no marks the survivors redo the step with generators that already
+    # drew for it, and the weights differ.
+    unmarked = launch(4, TRAIN.format(loops=[("gloo", 2)], fail_at=15), *FLAGS, timeout=120)
+    assert unmarked.code == 0, unmarked.dump()
+    assert "aborting rank=3 step=15" in unmarked.stderr, unmarked.dump()
+    got = _finals(unmarked)["gloo/2"]
+    assert got["steps"] == "24", unmarked.dump()
+    assert got["checksum"] != expected["gloo/1"]["checksum"], unmarked.dump()
 
 
 def test_without_a_launcher_recovery_is_a_world_of_one() -> None:

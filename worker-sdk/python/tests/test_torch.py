@@ -6,6 +6,10 @@ operations as torch calls them."""
 from __future__ import annotations
 
 import importlib.util
+import pickle
+import random
+import subprocess
+import sys
 
 import pytest
 
@@ -194,3 +198,28 @@ def test_the_agent_store_and_muster_torch_store_are_two_doors_to_the_same_keys(l
         assert run.value(rank, "sdk_sees") == "t", run.dump()
         assert run.value(rank, "n") == "22,22", run.dump()
         assert run.value(rank, "agent_store") == "True", run.dump()
+
+
+def test_a_generator_state_restores_every_generator_in_another_process() -> None:
+    # No launcher: muster.torch's generator helpers are plain torch, numpy and random calls.
+    code = """
+import pickle, random, sys
+import numpy, torch
+import muster.torch
+torch.manual_seed(5); random.seed(6); numpy.random.seed(7)
+state = muster.torch.rng_state()
+draws = (torch.rand(3).tolist(), random.random(), numpy.random.random(2).tolist())
+sys.stdout.buffer.write(pickle.dumps((state, draws)))
+"""
+    done = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, timeout=60)
+    import muster.torch
+    import numpy
+    import torch
+
+    state, draws = pickle.loads(done.stdout)
+    assert sorted(state) == ["numpy", "python", "torch"]
+    torch.manual_seed(0)
+    random.seed(0)
+    numpy.random.seed(0)
+    muster.torch.set_rng_state(state)
+    assert (torch.rand(3).tolist(), random.random(), numpy.random.random(2).tolist()) == draws

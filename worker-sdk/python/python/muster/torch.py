@@ -10,7 +10,9 @@ step that a rank's death broke (torch raises a ``RuntimeError`` from a collectiv
 died) and closes this rank's process group so that its peers' collectives fail too;
 :func:`rebuild_process_group` makes the process group again for a quorum's epoch through the
 muster store, and :func:`heal` moves the training state from live ranks to the replacement
-over it. See docs/python.md for the whole loop.
+over it. :func:`begin_step` marks where a step starts: :func:`recover` rewinds every random
+generator there and heals the replacement with the same generators (:func:`rng_state`). See
+docs/python.md for the whole loop.
 
 Importing this module imports torch; ``import muster`` alone does not.
 """
@@ -21,6 +23,8 @@ import contextlib
 import datetime
 import io
 import os
+import random
+import sys
 import time
 import traceback
 from collections.abc import Iterator
@@ -45,6 +49,12 @@ _IN_PLACE_SLICE = 0.5
 #: gloo's switch (read when a process group connects) for reading the ranks' addresses with
 #: one multi_get from a store that has the extended API, as this one has.
 _GLOO_BATCHED_READS = "GLOO_ENABLE_STORE_V2_API"
+
+#: The key under which :func:`recover` sends the random generators with the healed state.
+_RNG_KEY = "muster.rng"
+
+#: The step :func:`begin_step` last marked, and the random generators' state when it did.
+_STEP_START: tuple[int, dict[str, Any]] | None = None
 
 
 class Store(dist.Store):
@@ -317,20 +327,76 @@ def recover(
     rebuilds the process group (:func:`rebuild_process_group`) and heals (:func:`heal`, with
     ``state`` this rank's current state); a death during any of it starts it again. Returns the
     quorum and, on a healed rank, the state it received (None elsewhere): load it and continue
-    from its step."""
+    from its step.
+
+    The random generators (:func:`rng_state`) travel with the state: a healed rank continues
+    with its source's, and every other rank rewinds its own to where :func:`begin_step` marked
+    the interrupted step (with no mark for ``step``, the call is taken to be at a step boundary
+    and the generators stay as they are). A loop that marks its steps and seeds every rank
+    alike, as ``accelerate.utils.set_seed`` does by default, then redoes the step with the
+    same draws as a run without the failure (dropout masks, augmentations, shuffles)."""
     accelerator = accelerator or Accelerator()
     rank = accelerator.process_index
+    generators = _generators_at(step)
+    sent = {**state, _RNG_KEY: generators}
     while True:
         abort_process_group()
         quorum = accelerator.quorum(step)
         try:
             rebuild_process_group(quorum, backend, accelerator, timeout)
-            received = heal(quorum, state, accelerator)
+            received = heal(quorum, sent, accelerator)
         except Exception as e:
             if interrupted(e, accelerator):
                 continue
             raise
-        return quorum, (received if quorum.source_of(rank) is not None else None)
+        if quorum.source_of(rank) is None:
+            set_rng_state(generators)
+            return quorum, None
+        received = dict(received)
+        set_rng_state(received.pop(_RNG_KEY))
+        return quorum, received
+
+
+def begin_step(step: int) -> None:
+    """Marks the start of training step ``step`` (call it before the step draws anything):
+    remembers every random generator's state (:func:`rng_state`), which :func:`recover` rewinds
+    to when this step is interrupted, and sends to the ranks it heals. 56 us a call with numpy
+    imported (numpy's own state getter is 36 us of it), 12 us without."""
+    global _STEP_START
+    _STEP_START = (step, rng_state())
+
+
+def _generators_at(step: int | None) -> dict[str, Any]:
+    """The generators' state at the start of ``step``: :func:`begin_step`'s, if it marked that
+    step, else the present state."""
+    if _STEP_START is not None and step is not None and _STEP_START[0] == step:
+        return _STEP_START[1]
+    return rng_state()
+
+
+def rng_state() -> dict[str, Any]:
+    """The state of every random generator a torch training step draws from: Python's
+    ``random``, numpy's global generator (if numpy is imported), torch's CPU generator and,
+    once CUDA is initialised, every CUDA device's. :func:`set_rng_state` restores it."""
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        state["numpy"] = numpy.random.get_state()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restores what :func:`rng_state` returned, here or in another process of the job."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def _rendezvous(url: str, timeout: datetime.timedelta = DEFAULT_TIMEOUT, **_: Any) -> Iterator:
@@ -347,9 +413,12 @@ __all__ = [
     "DEFAULT_TIMEOUT",
     "Store",
     "abort_process_group",
+    "begin_step",
     "heal",
     "init_process_group",
     "interrupted",
     "rebuild_process_group",
     "recover",
+    "rng_state",
+    "set_rng_state",
 ]
