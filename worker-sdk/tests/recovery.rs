@@ -20,6 +20,7 @@ use muster::{
     checkpoint::{CheckpointState, DataPosition, StateDict, Tensor},
     client::{Coordinator, QuorumAsk, SessionConfig},
     membership::{Heal, Quorum},
+    train::SeededRng,
 };
 use muster_proto::v1::{
     self as pb,
@@ -54,6 +55,13 @@ fn a_rebuilt_communicator_heals_a_rank_bit_for_bit() {
         } else {
             (model(9.0), DataPosition { epoch: 0, step: 0 })
         };
+        // Every rank's generator is seeded alike; the trained ranks drew 15 times.
+        let mut rng = SeededRng::new(5);
+        if rank < 2 {
+            for _ in 0..15 {
+                rng.next_u64();
+            }
+        }
         let quorum = Quorum {
             epoch: 1,
             world_size: world,
@@ -84,7 +92,8 @@ fn a_rebuilt_communicator_heals_a_rank_bit_for_bit() {
         let mut state = CheckpointState::new();
         state
             .register_model("model", &mut weights)
-            .register_data_position("data", &mut position);
+            .register_data_position("data", &mut position)
+            .register_rng("dropout", &mut rng);
         comm.heal(&quorum, &mut state).unwrap();
         drop(state);
         // The healed mesh still reduces.
@@ -92,7 +101,7 @@ fn a_rebuilt_communicator_heals_a_rank_bit_for_bit() {
         comm.all_reduce(&mut sum, muster::comm::ReduceOp::Sum)
             .unwrap();
         assert_eq!(sum, [6]);
-        (weights, position)
+        (weights, position, rng)
     });
     let (source, healed) = (&results[0], &results[2]);
     assert_eq!(healed.0, source.0);
@@ -104,6 +113,9 @@ fn a_rebuilt_communicator_heals_a_rank_bit_for_bit() {
         );
     }
     assert_eq!(healed.1, DataPosition { epoch: 1, step: 7 });
+    // The replacement's generator draws on where its source's was, not from its own start.
+    assert_eq!(healed.2, source.2);
+    assert_ne!(healed.2, SeededRng::new(5));
     assert_eq!(results[1].0, source.0, "rank 1 was not involved");
 }
 

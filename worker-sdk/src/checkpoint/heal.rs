@@ -1,5 +1,5 @@
 //! A training state in memory, for in-place recovery's healing: every object registered in a
-//! [`CheckpointState`] (but random generators) saved into one safetensors blob that a healthy
+//! [`CheckpointState`] (random generators included) saved into one safetensors blob that a healthy
 //! rank sends to a replacement, and loaded from it there. The same `Stateful` protocol and
 //! the same safetensors encoding as the checkpoint files, so anything that checkpoints heals.
 
@@ -31,16 +31,16 @@ struct BlobEntry {
 }
 
 impl CheckpointState<'_> {
-    /// Saves every registered object except random generators (each rank keeps its own) into
-    /// one safetensors blob: what a healing source sends
-    /// ([`Communicator::heal`](crate::comm::Communicator::heal)).
+    /// Saves every registered object into one safetensors blob: what a healing source sends
+    /// ([`Communicator::heal`](crate::comm::Communicator::heal)). Random generators go too, so
+    /// a healed rank draws on from its source's state: the same draws as a run without the
+    /// failure when every rank's generator follows one sequence (seeded alike). A rank's own
+    /// sequence (seeded by rank) cannot be rebuilt from another rank's; the healed rank then
+    /// continues its source's.
     pub fn heal_bytes(&self) -> Result<Vec<u8>, Error> {
         self.check_names()?;
         let mut dicts: Vec<(usize, &str, Kind, StateDict)> = Vec::new();
         for (index, entry) in self.entries.iter().enumerate() {
-            if entry.kind == Kind::Rng {
-                continue;
-            }
             let dict = entry.object.save().map_err(|e| {
                 Error::Checkpoint(format!(
                     "saving {} '{}' to heal a rank: {}",
@@ -78,7 +78,7 @@ impl CheckpointState<'_> {
 
     /// Loads a blob made by [`CheckpointState::heal_bytes`] on rank `source` into the objects
     /// registered here (found by kind and name, as [`load_state`](super::load_state) finds
-    /// them; random generators are left alone). Errors name the object and the source.
+    /// them, random generators included). Errors name the object and the source.
     pub fn load_heal_bytes(&mut self, bytes: &[u8], source: u32) -> Result<(), Error> {
         self.check_names()?;
         let what = format!("the state received from rank {source}");
@@ -108,7 +108,7 @@ impl CheckpointState<'_> {
             dict.set_metadata(entry.metadata.clone());
             dicts.push((entry, dict));
         }
-        for target in self.entries.iter_mut().filter(|e| e.kind != Kind::Rng) {
+        for target in &mut self.entries {
             let position = dicts
                 .iter()
                 .position(|(e, _)| e.kind == target.kind && e.name == target.name)
@@ -137,7 +137,7 @@ impl CheckpointState<'_> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::checkpoint::DataPosition;
+    use crate::{checkpoint::DataPosition, train::SeededRng};
 
     fn model(seed: f32) -> StateDict {
         StateDict::new()
@@ -153,18 +153,23 @@ mod tests {
     fn a_state_moves_bit_identically() {
         let (mut model_a, mut optimizer_a) = (model(0.1), model(3.0));
         let mut position_a = DataPosition { epoch: 2, step: 15 };
+        let mut rng_a = SeededRng::new(11);
+        rng_a.next_u64();
         let mut state = CheckpointState::new();
         state
             .register_model("model", &mut model_a)
             .register_optimizer("sgd", &mut optimizer_a)
-            .register_data_position("data", &mut position_a);
+            .register_data_position("data", &mut position_a)
+            .register_rng("dropout", &mut rng_a);
         let bytes = state.heal_bytes().unwrap();
         drop(state);
 
         let (mut model_b, mut optimizer_b) = (model(9.0), model(9.0));
         let mut position_b = DataPosition { epoch: 0, step: 0 };
+        let mut rng_b = SeededRng::new(11);
         let mut state = CheckpointState::new();
         state
+            .register_rng("dropout", &mut rng_b)
             .register_data_position("data", &mut position_b)
             .register_model("model", &mut model_b)
             .register_optimizer("sgd", &mut optimizer_b);
@@ -177,6 +182,9 @@ mod tests {
             model_a.tensor("w").unwrap().bytes()
         );
         assert_eq!(position_b, position_a);
+        // The generator draws on from the source's state, not from its own start.
+        assert_eq!(rng_b, rng_a);
+        assert_eq!(rng_b.next_u64(), rng_a.next_u64());
 
         // An object the source did not send is an error naming it and the source.
         let mut other = model(1.0);

@@ -274,8 +274,11 @@ impl Communicator {
     /// ([`Communicator::heal_bytes`]: every object of `state` as the checkpoint module's
     /// [`StateDict`](crate::checkpoint::StateDict)s, in one safetensors blob) and loads it; a
     /// source sends its state to every rank it heals, in rank order; ranks not involved return
-    /// at once. Random generators are not sent (each rank keeps its own). Every rank of the
-    /// heal list must call it with the same registry layout (kinds and names).
+    /// at once. Random generators are sent too ([`CheckpointState::heal_bytes`]); a rank not
+    /// healed keeps its own as they are, so a loop that drew during the interrupted step
+    /// registers a copy taken at the step's start (as `muster.torch.begin_step` keeps in
+    /// Python). Every rank of the heal list must call it with the same registry layout (kinds
+    /// and names).
     pub fn heal(&self, quorum: &Quorum, state: &mut CheckpointState<'_>) -> Result<(), Error> {
         let me = self.rank as u32;
         if let Some(source) = quorum.source_of(me) {
