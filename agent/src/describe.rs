@@ -500,8 +500,8 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
 }
 
 /// One in-place recovery, ending with a newline: `RECOVERED epoch E: rank R (node N, host H)
-/// REASON; replaced by pid P, healed from rank S, quorum Q in T` (or where it stands while
-/// it is open).
+/// REASON; replaced by pid P after T1, healed from rank S, quorum Q in T2` (or where it
+/// stands while it is open).
 fn recovery_line(r: &pb::RecoveryInfo) -> String {
     let closed = r.quorum_epoch > 0;
     let mut line = format!(
@@ -514,7 +514,12 @@ fn recovery_line(r: &pb::RecoveryInfo) -> String {
         r.reason
     );
     if r.replacement_pid > 0 {
-        let _ = write!(line, "; replaced by pid {}", r.replacement_pid);
+        let _ = write!(
+            line,
+            "; replaced by pid {} after {}",
+            r.replacement_pid,
+            ago(r.respawn_ms)
+        );
     } else {
         line.push_str("; waiting for its replacement");
     }
@@ -558,6 +563,7 @@ mod tests {
                 quorum_epoch: 2,
                 healed_from: Some(0),
                 quorum_ms: 1_250,
+                respawn_ms: 480,
             },
             pb::RecoveryInfo {
                 epoch: 3,
@@ -589,9 +595,9 @@ mod tests {
         );
         assert!(
             text.contains(
-                "\nRECOVERED epoch 1: rank 2 (node 1, host 10.0.0.2) exited with status 3; replaced by pid 4242, healed from rank 0, quorum 2 in 1.2 s\n\
+                "\nRECOVERED epoch 1: rank 2 (node 1, host 10.0.0.2) exited with status 3; replaced by pid 4242 after 480 ms, healed from rank 0, quorum 2 in 1.2 s\n\
                  RECOVERING epoch 3: rank 1 (node 0, host 10.0.0.1) killed by signal 9 (SIGKILL); waiting for its replacement\n\
-                 RECOVERING epoch 4: rank 0 (node 0, host 10.0.0.1) stopped answering; replaced by pid 77, waiting for the quorum\n\n\
+                 RECOVERING epoch 4: rank 0 (node 0, host 10.0.0.1) stopped answering; replaced by pid 77 after 0 ms, waiting for the quorum\n\n\
                  FAILED generation 1"
             ),
             "{text}"

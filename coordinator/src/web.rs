@@ -227,6 +227,7 @@ mod tests {
             quorum_epoch: 1,
             healed_from: Some(0),
             quorum_ms: 250,
+            respawn_ms: 120,
         };
         let v = to_json("muster.v1.RecoveryInfo", &r);
         assert_eq!(
@@ -243,6 +244,7 @@ mod tests {
             "quorum_epoch",
             "healed_from",
             "quorum_ms",
+            "respawn_ms",
         ] {
             assert!(v.get(field).is_some(), "{field} missing from {v}");
             assert!(

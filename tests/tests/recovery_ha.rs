@@ -189,6 +189,16 @@ fn leader_killed(victim: u32, when: LeaderDies) {
         listed[0].starts_with(&format!("RECOVERED epoch 1: rank {victim} ")),
         "{view}"
     );
+    // The time from the death to the replacement's registration is kept through the failover
+    // (no respawn takes 0 ms: a process starts and registers).
+    let respawn = listed[0]
+        .split_once(" after ")
+        .and_then(|(_, rest)| rest.split_once(','))
+        .map(|(took, _)| took);
+    assert!(
+        respawn.is_some_and(|took| took != "0 ms"),
+        "{respawn:?} in {view}"
+    );
     assert_eq!(checksum(&run), expected, "{}", context());
     eprintln!("{when:?}: the run took {:?}; {}", run.elapsed, recovered[0]);
 }

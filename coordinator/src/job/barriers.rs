@@ -78,6 +78,7 @@ impl Job {
                     .find(|r| r.info.rank == Some(rank) && r.info.replacement_pid == 0)
                 {
                     rec.info.replacement_pid = pid;
+                    rec.info.respawn_ms = rec.died.elapsed().as_millis() as u64;
                 }
                 tracing::info!(job = %id, generation, rank, pid, epoch, "replacement registered");
             }
