@@ -449,7 +449,9 @@ pub fn cpu_model() -> String {
 }
 
 /// A join of simulated node `node` (of `nodes`, `local` ranks each) to `job`.
-pub fn join_req(job: &str, node: u32, local: u32, nodes: u32) -> pb::JoinRequest {
+/// `watches`: the node will hold a lease (it attaches a watch and heartbeats on it, as an
+/// agent does).
+pub fn join_req(job: &str, node: u32, local: u32, nodes: u32, watches: bool) -> pb::JoinRequest {
     pb::JoinRequest {
         job_id: job.into(),
         node_id: format!("node-{node}"),
@@ -466,7 +468,7 @@ pub fn join_req(job: &str, node: u32, local: u32, nodes: u32) -> pb::JoinRequest
             ..Default::default()
         }),
         request_id: String::new(),
-        watches: false,
+        watches,
     }
 }
 
@@ -478,15 +480,29 @@ pub async fn rendezvous(
     nodes: u32,
     local: u32,
 ) -> anyhow::Result<Duration> {
+    rendezvous_with(chs, job, nodes, local, false)
+        .await
+        .map(|(took, _)| took)
+}
+
+/// [`rendezvous`], with every node saying whether it will hold a lease ([`join_req`]); also
+/// returns each simulated node's place: `node_ranks[n]` is node `node-<n>`'s node rank.
+pub async fn rendezvous_with(
+    chs: &[Channel],
+    job: &str,
+    nodes: u32,
+    local: u32,
+    watches: bool,
+) -> anyhow::Result<(Duration, Vec<u32>)> {
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
     for n in 0..nodes - 1 {
         let mut c =
             pb::rendezvous_client::RendezvousClient::new(chs[n as usize % chs.len()].clone());
         let tx = done_tx.clone();
-        let req = join_req(job, n, local, nodes);
+        let req = join_req(job, n, local, nodes, watches);
         tokio::spawn(async move {
             let r = c.join(req).await;
-            let _ = tx.send((Instant::now(), r.map(|r| r.into_inner())));
+            let _ = tx.send((Instant::now(), n, r.map(|r| r.into_inner())));
         });
     }
     while waiting(&chs[0], job).await < nodes - 1 {
@@ -495,22 +511,26 @@ pub async fn rendezvous(
     let mut c = pb::rendezvous_client::RendezvousClient::new(chs[0].clone());
     let t0 = Instant::now();
     let last = c
-        .join(join_req(job, nodes - 1, local, nodes))
+        .join(join_req(job, nodes - 1, local, nodes, watches))
         .await?
         .into_inner();
     let mut latest = Instant::now();
+    let mut node_ranks = vec![0; nodes as usize];
+    node_ranks[nodes as usize - 1] = last.node_rank;
     let mut answers = vec![last];
     for _ in 0..nodes - 1 {
-        let (at, r) = done_rx
+        let (at, n, r) = done_rx
             .recv()
             .await
             .ok_or_else(|| anyhow::anyhow!("a joiner vanished"))?;
-        answers.push(r?);
+        let answer = r?;
+        node_ranks[n as usize] = answer.node_rank;
+        answers.push(answer);
         latest = latest.max(at);
     }
     anyhow::ensure!(
         answers.iter().all(|a| a.num_nodes == nodes),
         "wrong node count"
     );
-    Ok(latest - t0)
+    Ok((latest - t0, node_ranks))
 }

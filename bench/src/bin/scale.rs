@@ -5,11 +5,15 @@
 //! roots publish their ids and every rank fetches them all, with one root and with one per 128
 //! ranks (`ncclCommInitRankScalable`).
 //!
+//! And idling: a formed job of simulated nodes that each hold a lease as an agent does (a
+//! watch, heartbeats at the interval the coordinator asks for) stays up for `--idle-secs`
+//! with no spurious failure, then still barriers.
+//!
 //! `cargo run --release -p muster-bench --bin scale -- [--nodes 1000,10000] [--ranks 512,4096]
-//! [--bootstrap 4096,16384]`
+//! [--bootstrap 4096,16384] [--idle-ranks 100000 --idle-secs 600]`
 
 use clap::Parser;
-use muster_bench::{CoordinatorProcess, channels, quantile, rendezvous};
+use muster_bench::{CoordinatorProcess, channels, quantile, rendezvous, rendezvous_with};
 use muster_proto::v1 as pb;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -37,6 +41,16 @@ struct Args {
     /// Connections the simulated clients share.
     #[arg(long, default_value_t = 8)]
     connections: usize,
+    /// Simulated ranks (8 per node) of the idle check (0: skipped).
+    #[arg(long, default_value_t = 0)]
+    idle_ranks: u32,
+    /// How long the idle check's job idles, in seconds.
+    #[arg(long, default_value_t = 600)]
+    idle_secs: u64,
+    /// The idle check's coordinator `--heartbeat-timeout-ms` (0: its default, 10 s; the
+    /// nodes heartbeat at the interval it gives, a third of it).
+    #[arg(long, default_value_t = 0)]
+    heartbeat_timeout_ms: u64,
 }
 
 /// How the simulated ranks reach the coordinator.
@@ -191,6 +205,8 @@ async fn relayed_barriers(
 struct Relay {
     tx: mpsc::Sender<pb::RelayMessage>,
     rx: tonic::Streaming<pb::RelayEvent>,
+    /// The last barrier sequence number the node entered.
+    seq: u64,
 }
 
 /// Attaches one relay stream per simulated node; with `register`, registers the node's
@@ -219,7 +235,11 @@ async fn attach_relays(
             .await?
             .into_inner();
         stream.message().await?;
-        relays.push(Relay { tx, rx: stream });
+        relays.push(Relay {
+            tx,
+            rx: stream,
+            seq: 0,
+        });
     }
     if register {
         for (node, relay) in relays.iter_mut().enumerate() {
@@ -256,14 +276,35 @@ async fn attach_relays(
 /// Runs `iters` (after 5 warm-up) global barriers through `relays`, each entering one group of
 /// its `local` ranks; returns (p50, p99) in microseconds as seen by node 0's relay.
 async fn relay_loops(relays: Vec<Relay>, local: u32, iters: usize) -> anyhow::Result<(f64, f64)> {
+    relay_loops_keeping(relays, local, iters)
+        .await
+        .map(|(p50, p99, _)| (p50, p99))
+}
+
+/// [`relay_loops`], handing the streams back for more barriers (each call's barriers continue
+/// the node's sequence).
+async fn relay_loops_keeping(
+    relays: Vec<Relay>,
+    local: u32,
+    iters: usize,
+) -> anyhow::Result<(f64, f64, Vec<Relay>)> {
     let (lat_tx, mut lat_rx) = mpsc::unbounded_channel();
     let mut tasks = vec![];
-    for (node, Relay { tx, rx: mut stream }) in relays.into_iter().enumerate() {
+    for (
+        node,
+        Relay {
+            tx,
+            rx: mut stream,
+            seq: first,
+        },
+    ) in relays.into_iter().enumerate()
+    {
         let node = node as u32;
         let ranks: Vec<u32> = (node * local..(node + 1) * local).collect();
         let lat_tx = lat_tx.clone();
         tasks.push(tokio::spawn(async move {
-            for seq in 1..=(iters as u64 + 5) {
+            let last = first + iters as u64 + 5;
+            for seq in first + 1..=last {
                 let t = Instant::now();
                 let groups = vec![pb::BarrierName {
                     name: "bench".into(),
@@ -284,11 +325,15 @@ async fn relay_loops(relays: Vec<Relay>, local: u32, iters: usize) -> anyhow::Re
                 {
                     anyhow::bail!("barrier failed: {}", e.message);
                 }
-                if node == 0 && seq > 5 {
+                if node == 0 && seq > first + 5 {
                     let _ = lat_tx.send(t.elapsed().as_secs_f64() * 1e6);
                 }
             }
-            anyhow::Ok((tx, stream))
+            anyhow::Ok(Relay {
+                tx,
+                rx: stream,
+                seq: last,
+            })
         }));
     }
     drop(lat_tx);
@@ -301,7 +346,7 @@ async fn relay_loops(relays: Vec<Relay>, local: u32, iters: usize) -> anyhow::Re
     while let Some(x) = lat_rx.recv().await {
         lat.push(x);
     }
-    Ok((quantile(&mut lat, 0.5), quantile(&mut lat, 0.99)))
+    Ok((quantile(&mut lat, 0.5), quantile(&mut lat, 0.99), done))
 }
 
 /// Distributes communicator `world`'s NCCL unique ids to `ranks` light clients (tasks) of a
@@ -369,9 +414,143 @@ async fn bootstrap(chs: &[Channel], job: &str, ranks: u32) -> anyhow::Result<(Du
     Ok((started.elapsed(), count))
 }
 
+/// Attaches one watch per simulated node of a job formed with leases (node `node-<n>` at node
+/// rank `node_ranks[n]`) and heartbeats on each at
+/// the interval the coordinator asks for, as an agent does. Every event other than a
+/// heartbeat's answer goes to `events` (a spurious failure would be a `GenerationEnded`).
+async fn hold_leases(
+    chs: &[Channel],
+    job: &str,
+    node_ranks: &[u32],
+    events: mpsc::UnboundedSender<String>,
+) -> anyhow::Result<Vec<tokio::task::JoinHandle<()>>> {
+    let mut tasks = Vec::with_capacity(node_ranks.len());
+    for (index, &node) in node_ranks.iter().enumerate() {
+        let (tx, rx) = mpsc::channel(4);
+        tx.send(pb::NodeMessage {
+            kind: Some(pb::node_message::Kind::Attach(pb::NodeAttach {
+                job_id: job.into(),
+                generation: 1,
+                node_rank: node,
+                node_id: format!("node-{index}"),
+                resume: false,
+                attempt: 0,
+            })),
+        })
+        .await?;
+        let mut stream =
+            pb::rendezvous_client::RendezvousClient::new(chs[node as usize % chs.len()].clone())
+                .watch(ReceiverStream::new(rx))
+                .await?
+                .into_inner();
+        let interval = match stream.message().await?.and_then(|m| m.kind) {
+            Some(pb::node_event::Kind::Attached(a)) => {
+                Duration::from_millis(a.heartbeat_interval_ms)
+            }
+            other => anyhow::bail!("node {node}'s watch was answered {other:?}"),
+        };
+        let events = events.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut beat = tokio::time::interval(interval);
+            loop {
+                tokio::select! {
+                    _ = beat.tick() => {
+                        let heartbeat = pb::NodeMessage {
+                            kind: Some(pb::node_message::Kind::Heartbeat(pb::Heartbeat {})),
+                        };
+                        if tx.send(heartbeat).await.is_err() {
+                            let _ = events.send(format!("node {node}: its watch closed"));
+                            return;
+                        }
+                    }
+                    event = stream.message() => match event {
+                        Ok(Some(pb::NodeEvent { kind: Some(pb::node_event::Kind::Heartbeat(_)) })) => {}
+                        Ok(Some(other)) => {
+                            let _ = events.send(format!("node {node}: {other:?}"));
+                        }
+                        Ok(None) | Err(_) => {
+                            let _ = events.send(format!("node {node}: its watch ended: {event:?}"));
+                            return;
+                        }
+                    },
+                }
+            }
+        }));
+    }
+    Ok(tasks)
+}
+
+/// The idle check: `ranks` simulated ranks (8 per node) form with leases, register through
+/// their node's relay, barrier, idle for `idle`, and barrier again. Prints what the
+/// coordinator's leases and the relays saw.
+async fn idle_check(args: &Args) -> anyhow::Result<()> {
+    let (ranks, idle) = (args.idle_ranks, Duration::from_secs(args.idle_secs));
+    let (iters, connections) = (args.iters, args.connections);
+    let local = 8.min(ranks);
+    let nodes = ranks / local;
+    let job = format!("idle-{ranks}");
+    let coordinator = CoordinatorProcess::start_with(|cmd| {
+        if args.heartbeat_timeout_ms > 0 {
+            cmd.args([
+                "--heartbeat-timeout-ms",
+                &args.heartbeat_timeout_ms.to_string(),
+            ]);
+        }
+    })?;
+    let chs = channels(coordinator.addr, connections).await?;
+    let formed = Instant::now();
+    let (_, node_ranks) = rendezvous_with(&chs, &job, nodes, local, true).await?;
+    let (events_tx, mut events) = mpsc::unbounded_channel();
+    let leases = hold_leases(&chs, &job, &node_ranks, events_tx).await?;
+    let relays = attach_relays(&chs, &job, nodes, local, true).await?;
+    let formed = formed.elapsed();
+    let (p50, p99, relays) = relay_loops_keeping(relays, local, iters).await?;
+    let rss_before = coordinator.rss_bytes();
+    let started = Instant::now();
+    let mut seen = vec![];
+    while started.elapsed() < idle {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        while let Ok(event) = events.try_recv() {
+            seen.push(event);
+        }
+    }
+    let rss_after = coordinator.rss_bytes();
+    let (after_p50, after_p99, _) = relay_loops_keeping(relays, local, iters).await?;
+    while let Ok(event) = events.try_recv() {
+        seen.push(event);
+    }
+    println!(
+        "| simulated ranks | formed with leases | barrier p50 / p99 before | idle | events on the watches | barrier p50 / p99 after | coordinator RSS before / after idling |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    println!(
+        "| {ranks} ({nodes} nodes) | {:.1} s | {:.1} / {:.1} ms | {} s | {} | {:.1} / {:.1} ms | {:.0} / {:.0} MiB |",
+        formed.as_secs_f64(),
+        p50 / 1e3,
+        p99 / 1e3,
+        idle.as_secs(),
+        seen.len(),
+        after_p50 / 1e3,
+        after_p99 / 1e3,
+        rss_before as f64 / f64::from(1 << 20),
+        rss_after as f64 / f64::from(1 << 20),
+    );
+    for event in seen.iter().take(10) {
+        println!("event: {event}");
+    }
+    for lease in leases {
+        lease.abort();
+    }
+    anyhow::ensure!(seen.is_empty(), "{} spurious events while idle", seen.len());
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    if args.idle_ranks > 0 {
+        return idle_check(&args).await;
+    }
     let coordinator = CoordinatorProcess::start()?;
     let chs = channels(coordinator.addr, args.connections).await?;
     println!("| simulated nodes | rendezvous (last join -> all assigned) |");
