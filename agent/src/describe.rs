@@ -239,6 +239,9 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
         let _ = write!(out, ", membership epoch {}", d.epoch);
     }
     out.push('\n');
+    if let Some(t) = &d.training {
+        out.push_str(&training_line(t));
+    }
     if !d.straggler.is_empty() {
         let _ = writeln!(out, "{}", d.straggler);
     }
@@ -499,6 +502,29 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
     out
 }
 
+/// The effective training time, ending with a newline: `training: ETTR 93.1% of 2 min 03 s
+/// since rank 0's first step marker, at step S; lost L (in-place recoveries R, restarts and
+/// redone steps X)`.
+fn training_line(t: &pb::TrainingTime) -> String {
+    let mut line = format!(
+        "training: ETTR {:.1}% of {} since rank 0's first step marker, at step {}",
+        t.ettr * 100.0,
+        ago(t.wall_ms),
+        t.last_step
+    );
+    if t.lost_ms > 0 {
+        let _ = write!(
+            line,
+            "; lost {} (in-place recoveries {}, restarts and redone steps {})",
+            ago(t.lost_ms),
+            ago(t.recoveries_ms),
+            ago(t.lost_ms - t.recoveries_ms.min(t.lost_ms))
+        );
+    }
+    line.push('\n');
+    line
+}
+
 /// One in-place recovery, ending with a newline: `RECOVERED epoch E: rank R (node N, host H)
 /// REASON; replaced by pid P after T1, healed from rank S, quorum Q in T2` (or where it
 /// stands while it is open).
@@ -528,6 +554,9 @@ fn recovery_line(r: &pb::RecoveryInfo) -> String {
             let _ = write!(line, ", healed from rank {source}");
         }
         let _ = write!(line, ", quorum {} in {}", r.quorum_epoch, ago(r.quorum_ms));
+        if r.resumed_ms > 0 {
+            let _ = write!(line, ", training again after {}", ago(r.resumed_ms));
+        }
     } else if r.replacement_pid > 0 {
         line.push_str(", waiting for the quorum");
     }
@@ -539,6 +568,44 @@ fn recovery_line(r: &pb::RecoveryInfo) -> String {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    /// The effective training time under the headline, its lost time split.
+    #[test]
+    fn the_training_line_says_what_share_counted_and_where_the_rest_went() {
+        let mut d = stuck();
+        d.training = Some(pb::TrainingTime {
+            ettr: 0.9,
+            wall_ms: 123_000,
+            counted_ms: 110_700,
+            lost_ms: 12_300,
+            recoveries_ms: 1_400,
+            last_step: 240,
+            highest_step: 240,
+        });
+        let text = render(&d);
+        assert_eq!(
+            text.lines().nth(1),
+            Some(
+                "training: ETTR 90.0% of 2 min 03 s since rank 0's first step marker, at step 240; \
+                 lost 12.3 s (in-place recoveries 1.4 s, restarts and redone steps 10.9 s)"
+            ),
+            "{text}"
+        );
+        // Nothing lost: no split.
+        d.training = Some(pb::TrainingTime {
+            ettr: 1.0,
+            wall_ms: 500,
+            counted_ms: 500,
+            ..Default::default()
+        });
+        assert!(
+            render(&d).contains(
+                "\ntraining: ETTR 100.0% of 500 ms since rank 0's first step marker, at step 0\n"
+            ),
+            "{}",
+            render(&d)
+        );
+    }
 
     /// In place: the epoch in the headline, the replaced rank's state in the table, and one
     /// line per recovery, closed or still open.
@@ -564,6 +631,7 @@ mod tests {
                 healed_from: Some(0),
                 quorum_ms: 1_250,
                 respawn_ms: 480,
+                resumed_ms: 1_400,
             },
             pb::RecoveryInfo {
                 epoch: 3,
@@ -595,7 +663,7 @@ mod tests {
         );
         assert!(
             text.contains(
-                "\nRECOVERED epoch 1: rank 2 (node 1, host 10.0.0.2) exited with status 3; replaced by pid 4242 after 480 ms, healed from rank 0, quorum 2 in 1.2 s\n\
+                "\nRECOVERED epoch 1: rank 2 (node 1, host 10.0.0.2) exited with status 3; replaced by pid 4242 after 480 ms, healed from rank 0, quorum 2 in 1.2 s, training again after 1.4 s\n\
                  RECOVERING epoch 3: rank 1 (node 0, host 10.0.0.1) killed by signal 9 (SIGKILL); waiting for its replacement\n\
                  RECOVERING epoch 4: rank 0 (node 0, host 10.0.0.1) stopped answering; replaced by pid 77 after 0 ms, waiting for the quorum\n\n\
                  FAILED generation 1"

@@ -943,6 +943,9 @@ fn handle(
             conn.send(&st.wires.frame);
         }
         (Peer::Rank(_), None) => return Err("sent an empty message to the agent".into()),
+        (Peer::Rank(_), Some(Kind::Step(_))) => {
+            return Err("sent a step marker on the relay socket; it goes on the session".into());
+        }
         (Peer::Left, _) => {}
     }
     Ok(())

@@ -384,7 +384,7 @@ async fn state_snapshot(coordinator: &Arc<Coordinator>) -> metrics::StateSnapsho
         .await
         .map(|r| r.into_inner().jobs)
         .unwrap_or_default();
-    let mut ranks = vec![];
+    let (mut ranks, mut training) = (vec![], vec![]);
     for s in &jobs {
         // As the gauges count them: jobs in a known state that have a generation.
         let known = !matches!(
@@ -399,7 +399,11 @@ async fn state_snapshot(coordinator: &Arc<Coordinator>) -> metrics::StateSnapsho
             ..Default::default()
         });
         if let Ok(d) = ops.describe_job(request).await {
-            ranks.extend(d.into_inner().ranks);
+            let d = d.into_inner();
+            if let Some(t) = d.training {
+                training.push((s.job_id.clone(), t.ettr));
+            }
+            ranks.extend(d.ranks);
         }
     }
     let agents = ops
@@ -411,6 +415,7 @@ async fn state_snapshot(coordinator: &Arc<Coordinator>) -> metrics::StateSnapsho
         jobs,
         ranks,
         agents,
+        training,
     }
 }
 

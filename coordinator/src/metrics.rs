@@ -13,9 +13,11 @@ use muster_telemetry::metrics::{
     DurationHistogram, LATENCY_BUCKETS, Labeled, OTHER_METHOD, RpcLatencyLayer,
 };
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 use std::sync::LazyLock;
+use std::sync::atomic::AtomicU64;
 use std::time::Duration;
 
 /// Upper bounds (seconds) for rendezvous rounds, which wait for nodes: 10 ms to 1 h.
@@ -278,6 +280,8 @@ pub struct StateSnapshot {
     pub ranks: Vec<pb::RankInfo>,
     /// How many daemon agents are registered; `None` when they could not be listed.
     pub agents: Option<usize>,
+    /// Each job's effective training time ratio, for the jobs that marked steps.
+    pub training: Vec<(String, f64)>,
 }
 
 /// The state gauges of `snapshot`.
@@ -337,6 +341,10 @@ fn state_registry(snapshot: &StateSnapshot) -> Registry {
     if let Some(n) = snapshot.agents {
         agents.set(i64::try_from(n).unwrap_or(i64::MAX));
     }
+    let ettr = Family::<Vec<(&'static str, String)>, Gauge<f64, AtomicU64>>::default();
+    for (job, ratio) in &snapshot.training {
+        ettr.get_or_create(&vec![("job", job.clone())]).set(*ratio);
+    }
     let mut registry = Registry::with_prefix("muster");
     registry.register("jobs", "Jobs known to the coordinator, by state", jobs);
     registry.register(
@@ -353,6 +361,12 @@ fn state_registry(snapshot: &StateSnapshot) -> Registry {
         "agents",
         "Daemon agents registered with the coordinator",
         agents,
+    );
+    registry.register(
+        "job_effective_training_ratio",
+        "A job's effective training time ratio (ETTR): the share of the wall-clock since rank \
+         0's first step marker spent in steps that moved the job forward",
+        ettr,
     );
     registry
 }

@@ -228,6 +228,7 @@ mod tests {
             healed_from: Some(0),
             quorum_ms: 250,
             respawn_ms: 120,
+            resumed_ms: 400,
         };
         let v = to_json("muster.v1.RecoveryInfo", &r);
         assert_eq!(
@@ -245,6 +246,7 @@ mod tests {
             "healed_from",
             "quorum_ms",
             "respawn_ms",
+            "resumed_ms",
         ] {
             assert!(v.get(field).is_some(), "{field} missing from {v}");
             assert!(
@@ -257,11 +259,26 @@ mod tests {
             &pb::DescribeJobResponse {
                 recoveries: vec![r],
                 epoch: 1,
+                training: Some(pb::TrainingTime {
+                    ettr: 0.5,
+                    wall_ms: 2_000,
+                    last_step: 7,
+                    ..Default::default()
+                }),
                 ..Default::default()
             },
         );
         assert_eq!(d["recoveries"][0]["reason"], "exited with status 9", "{d}");
         assert!(PAGE.contains("d.recoveries") && PAGE.contains("d.epoch"));
+        // The headline's effective training time reads these fields.
+        assert_eq!(
+            (&d["training"]["ettr"], &d["training"]["wall_ms"]),
+            (&json!(0.5), &json!(2000)),
+            "{d}"
+        );
+        for field in ["ettr", "wall_ms", "last_step"] {
+            assert!(PAGE.contains(&format!("d.training.{field}")), "{field}");
+        }
     }
 
     /// A follower's job state is not the cluster's: its view is empty and names the leader.

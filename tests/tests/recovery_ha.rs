@@ -199,6 +199,12 @@ fn leader_killed(victim: u32, when: LeaderDies) {
         respawn.is_some_and(|took| took != "0 ms"),
         "{respawn:?} in {view}"
     );
+    // Rank 0's step markers reached the new leader through its agent's gateway: the job's
+    // effective training time is in the view (counted since that leader took over).
+    assert!(
+        view.lines().any(|l| l.starts_with("training: ETTR ")),
+        "{view}"
+    );
     assert_eq!(checksum(&run), expected, "{}", context());
     eprintln!("{when:?}: the run took {:?}; {}", run.elapsed, recovered[0]);
 }

@@ -355,6 +355,19 @@ impl Accelerator {
         self.info.restart_count
     }
 
+    /// Marks the start of training step `step`, for the job's effective training time (ETTR,
+    /// in `describe` and the metrics): rank 0's markers are sent to the coordinator (a message
+    /// on its session, no wait); other ranks' and a single process's cost nothing. A step
+    /// counts when the next marker names a higher step than any before; a step begun again
+    /// (after an in-place recovery) or redone (after a restart from a checkpoint) is time lost.
+    pub fn begin_step(&self, step: u64) {
+        if self.info.rank == 0
+            && let Some(session) = self.session()
+        {
+            session.step_begun(step);
+        }
+    }
+
     /// The async session underneath (`None` in single-process mode), for code that mixes this
     /// API with [`crate::client`]. Under an agent relay (`MUSTER_AGENT_SOCKET`) this
     /// accelerator's barriers go through the relay; do not also call

@@ -222,6 +222,21 @@ impl Ranks {
         }
     }
 
+    /// `rank` began training step `step` (its session's step marker): passed on to the
+    /// coordinator on the relay stream. A marker sent while the stream is away is not kept
+    /// (the next one counts the time since).
+    fn step(&self, rank: u32, step: u64) {
+        let st = self.lock();
+        if let Some(relay) = &st.relay {
+            let _ = relay.unbounded_send(pb::RelayMessage {
+                kind: Some(pb::relay_message::Kind::RankStep(pb::RankStep {
+                    rank,
+                    step,
+                })),
+            });
+        }
+    }
+
     /// Sends `message` on session `id` of `rank`, if it is still open.
     fn send(&self, rank: u32, id: u64, message: Result<pb::CoordinatorMessage, Status>) {
         let st = self.lock();
@@ -375,6 +390,7 @@ impl Session {
             match received {
             Ok(Some(pb::WorkerMessage { kind })) => match kind {
                 Some(worker_message::Kind::Heartbeat(_)) => {}
+                Some(worker_message::Kind::Step(pb::StepBegun { step })) => ranks.step(rank, step),
                 Some(worker_message::Kind::Leave(_)) => {
                     ranks.leave(rank, id);
                     return;

@@ -228,6 +228,27 @@ impl Job {
         self.fail_rank(generation, rank, reason, None);
     }
 
+    /// Rank `rank` began training step `step` (its step marker). Rank 0's count toward the
+    /// effective training time; the first after a quorum also says when the running
+    /// generation's recoveries resumed.
+    pub fn step_begun(&self, generation: u64, rank: u32, step: u64) {
+        if rank != 0 {
+            return;
+        }
+        let mut st = self.lock();
+        let Ok(g) = self.running(&mut st, generation) else {
+            return;
+        };
+        for rec in g
+            .recoveries
+            .iter_mut()
+            .filter(|r| r.info.quorum_epoch != 0 && r.info.resumed_ms == 0)
+        {
+            rec.info.resumed_ms = rec.died.elapsed().as_millis() as u64;
+        }
+        st.steps.begun(step, Instant::now());
+    }
+
     /// Records a heartbeat.
     pub fn touch(&self, generation: u64, rank: u32) {
         let mut st = self.lock();

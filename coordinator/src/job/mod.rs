@@ -30,6 +30,7 @@ mod recovery;
 mod rendezvous;
 #[cfg(test)]
 mod tests;
+mod training;
 mod views;
 
 pub use barriers::Registration;
@@ -154,6 +155,8 @@ struct JobState {
     hangs: std::collections::VecDeque<pb::HangReport>,
     /// The stack dumps in flight: where each node's answer goes.
     dumps: hangs::Dumps,
+    /// Rank 0's step markers, for the effective training time (kept across generations).
+    steps: training::Steps,
 }
 
 /// How many generations' failures a job keeps for its view.
@@ -236,6 +239,7 @@ impl Job {
             recent_failures: Default::default(),
             hangs: Default::default(),
             dumps: Default::default(),
+            steps: Default::default(),
             phase: Phase::Open(OpenRound {
                 seq: 0,
                 joiners: vec![],

@@ -268,6 +268,7 @@ impl Job {
             recent_failures: Default::default(),
             hangs: Default::default(),
             dumps: Default::default(),
+            steps: Default::default(),
         };
         Ok(Self::with_state(id, state, kv_bytes, ctx))
     }

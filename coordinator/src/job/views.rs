@@ -335,6 +335,8 @@ impl Job {
                 resp.failure = g.failure.as_ref().map(|f| f.to_info(g.generation));
             }
         }
+        let recovering: u64 = resp.recoveries.iter().map(|r| r.resumed_ms).sum();
+        resp.training = st.steps.view(now, Duration::from_millis(recovering));
         resp
     }
 

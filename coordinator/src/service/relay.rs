@@ -110,6 +110,14 @@ impl pb::relay_server::Relay for RelayService {
                             }
                         }
                     }
+                    Some(pb::relay_message::Kind::RankStep(pb::RankStep { rank, step })) => {
+                        match job.check_on_node(generation, node_rank, rank) {
+                            Ok(()) => job.step_begun(generation, rank, step),
+                            Err(e) => {
+                                let _ = tx.send(Ok(crate::job::rank_event(rank, Err(e.into()))));
+                            }
+                        }
+                    }
                     Some(pb::relay_message::Kind::Heartbeat(_)) => {}
                     Some(pb::relay_message::Kind::Waiting(report)) => {
                         // Information for the ops view, capped like any list from the network.

@@ -397,6 +397,19 @@ impl RawRelay {
             .unwrap();
     }
 
+    /// Says that `rank`, registered through this relay, began training step `step`.
+    pub async fn step(&self, rank: u32, step: u64) {
+        self.tx
+            .send(pb::RelayMessage {
+                kind: Some(pb::relay_message::Kind::RankStep(pb::RankStep {
+                    rank,
+                    step,
+                })),
+            })
+            .await
+            .unwrap();
+    }
+
     /// Sends `leave` for `rank`, registered through this relay.
     pub async fn leave_rank(&self, rank: u32) {
         self.tx

@@ -560,9 +560,13 @@ fn train(
         };
         let last = sampler.len().saturating_sub(1);
         for batch in sampler.iter().skip(skip) {
-            // The per-step check: atomic loads only, no coordinator call.
-            if boundary && membership.changed() {
-                return Ok(Flow::Recover);
+            if boundary {
+                // The per-step check: atomic loads only, no coordinator call.
+                if membership.changed() {
+                    return Ok(Flow::Recover);
+                }
+                // The step marker, for the job's effective training time.
+                accelerator.begin_step(trainer.schedule.step);
             }
             boundary = false;
             let (params, grads) = (&trainer.params, &mut trainer.grads);

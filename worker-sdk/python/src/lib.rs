@@ -397,6 +397,13 @@ impl Native {
         Ok(self.get(py)?.membership().changed())
     }
 
+    /// Marks the start of training step `step` for the job's effective training time (rank
+    /// 0's markers go to the coordinator on its session; no wait, the GIL kept).
+    fn begin_step(&self, py: Python<'_>, step: u64) -> PyResult<()> {
+        self.get(py)?.begin_step(step);
+        Ok(())
+    }
+
     /// Agrees on the new membership with every other rank (blocks until the quorum forms);
     /// `step`: the steps this rank committed, None for a replacement with no state.
     #[pyo3(signature = (step=None))]

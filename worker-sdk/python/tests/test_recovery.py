@@ -215,6 +215,7 @@ a = muster.Accelerator()
 assert (a.recovery, a.is_replacement, a.epoch, a.membership_changed()) == ("restart", False, 0, False)
 q = a.quorum(7)
 assert (q.epoch, q.world_size, q.step, q.heal, q.source_of(0), q.healed_by(0)) == (0, 1, 7, [], None, [])
+a.begin_step(3)  # a step marker with no coordinator to count it: nothing to do
 print(repr(q))
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MUSTER_", "PET_"))}

@@ -770,6 +770,17 @@ impl Session {
         }
     }
 
+    /// Says that this rank began training step `step` (the job's effective training time
+    /// counts rank 0's markers: `describe`'s training line). No answer and no wait: a marker
+    /// that finds the stream full, or away during a failover, is dropped, and the next one
+    /// counts the time since.
+    pub fn step_begun(&self, step: u64) {
+        let state = self.shared.lock();
+        if let Some(outbound) = &state.outbound {
+            let _ = outbound.try_send(message(worker_message::Kind::Step(pb::StepBegun { step })));
+        }
+    }
+
     /// The sequence number the next barrier of `scope` will use (for diagnostics and tests).
     pub fn next_seq(&self, scope: Scope) -> u64 {
         self.shared.lock().scopes[scope.index()].next_seq

@@ -212,6 +212,14 @@ class Accelerator:
         coordinator pushes changes and this reads a local epoch, so call it every step."""
         return self._native.membership_changed()
 
+    def begin_step(self, step: int) -> None:
+        """Marks the start of training step ``step``, for the job's effective training time
+        (ETTR, in ``muster-agent describe`` and the metrics): rank 0's markers go to the
+        coordinator (no wait); a step counts when the next marker names a higher step than any
+        before, and a step begun again after a recovery, or redone after a restart, is time
+        lost. ``muster.torch.begin_step`` calls it."""
+        self._native.begin_step(step)
+
     def quorum(self, step: int | None) -> Quorum:
         """Agrees on the new membership with every other rank after a death and returns it
         (blocks until every rank of the job is alive and has asked). ``step``: the training
