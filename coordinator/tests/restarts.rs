@@ -318,6 +318,81 @@ async fn a_watch_left_before_its_first_heartbeat_is_not_a_lost_node() {
     }
 }
 
+/// An agent that said it would hold a lease and stops between its join's answer and its
+/// watch is lost once the heartbeat timeout passes, as a silent one is; a node that attached
+/// in time is not.
+#[tokio::test]
+async fn a_node_that_never_attaches_its_watch_is_lost_after_the_heartbeat_timeout() {
+    let s = start(Config {
+        heartbeat_timeout: Duration::from_millis(600),
+        ..Config::default()
+    })
+    .await;
+    let job = "unattached";
+    let handles: Vec<_> = (0..2)
+        .map(|i| {
+            let mut req = restart_req(job, &format!("n{i}"), 2, 0);
+            req.watches = true;
+            spawn_join(&s.channel, req)
+        })
+        .collect();
+    let mut nodes = vec![];
+    for h in handles {
+        nodes.push(h.await.unwrap().unwrap());
+    }
+    assert_eq!(nodes.len(), 2);
+    let t = Instant::now();
+    let node_id = |rank: u32| {
+        // The test's node ids follow the join order, not the node ranks.
+        let d = describe(&s.channel, job);
+        async move {
+            d.await
+                .nodes
+                .into_iter()
+                .find(|n| n.node_rank == Some(rank))
+                .unwrap()
+                .node_id
+        }
+    };
+    let w0 = RawWatch::attach(&s.channel, job, 1, 0, &node_id(0).await)
+        .await
+        .unwrap();
+    let beat = async {
+        loop {
+            w0.send(pb::node_message::Kind::Heartbeat(pb::Heartbeat {}))
+                .await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let failed = async {
+        loop {
+            if let Some(f) = describe(&s.channel, job).await.failure {
+                break f;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    let f = tokio::time::timeout(Duration::from_secs(5), async {
+        tokio::select! {
+            f = failed => f,
+            () = beat => unreachable!(),
+        }
+    })
+    .await
+    .expect("node 1, which never attached its watch, was never declared lost");
+    let waited = t.elapsed();
+    assert!(
+        waited >= Duration::from_millis(500) && waited < Duration::from_secs(3),
+        "{waited:?}"
+    );
+    assert_eq!(f.node_rank, Some(1), "{f:?}");
+    assert!(
+        f.reason.contains("never attached its watch within 0.6s"),
+        "{}",
+        f.reason
+    );
+}
+
 #[tokio::test]
 async fn a_silent_node_is_declared_dead_after_the_heartbeat_timeout() {
     let s = start(Config {

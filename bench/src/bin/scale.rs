@@ -425,32 +425,52 @@ async fn hold_leases(
     events: mpsc::UnboundedSender<String>,
 ) -> anyhow::Result<Vec<tokio::task::JoinHandle<()>>> {
     let mut tasks = Vec::with_capacity(node_ranks.len());
+    let mut attached = Vec::with_capacity(node_ranks.len());
+    // Every node attaches at once, as agents do after their join's answer: the coordinator
+    // loses a node whose watch does not attach within the heartbeat timeout.
     for (index, &node) in node_ranks.iter().enumerate() {
-        let (tx, rx) = mpsc::channel(4);
-        tx.send(pb::NodeMessage {
-            kind: Some(pb::node_message::Kind::Attach(pb::NodeAttach {
-                job_id: job.into(),
-                generation: 1,
-                node_rank: node,
-                node_id: format!("node-{index}"),
-                resume: false,
-                attempt: 0,
-            })),
-        })
-        .await?;
-        let mut stream =
-            pb::rendezvous_client::RendezvousClient::new(chs[node as usize % chs.len()].clone())
-                .watch(ReceiverStream::new(rx))
-                .await?
-                .into_inner();
-        let interval = match stream.message().await?.and_then(|m| m.kind) {
-            Some(pb::node_event::Kind::Attached(a)) => {
-                Duration::from_millis(a.heartbeat_interval_ms)
-            }
-            other => anyhow::bail!("node {node}'s watch was answered {other:?}"),
-        };
-        let events = events.clone();
+        let (ready, answered) = tokio::sync::oneshot::channel::<anyhow::Result<()>>();
+        attached.push(answered);
+        let (channel, job, events) = (
+            chs[node as usize % chs.len()].clone(),
+            job.to_owned(),
+            events.clone(),
+        );
         tasks.push(tokio::spawn(async move {
+            let (tx, rx) = mpsc::channel(4);
+            let attach = pb::NodeMessage {
+                kind: Some(pb::node_message::Kind::Attach(pb::NodeAttach {
+                    job_id: job,
+                    generation: 1,
+                    node_rank: node,
+                    node_id: format!("node-{index}"),
+                    resume: false,
+                    attempt: 0,
+                })),
+            };
+            let opened = async {
+                tx.send(attach).await?;
+                let mut stream = pb::rendezvous_client::RendezvousClient::new(channel)
+                    .watch(ReceiverStream::new(rx))
+                    .await?
+                    .into_inner();
+                match stream.message().await?.and_then(|m| m.kind) {
+                    Some(pb::node_event::Kind::Attached(a)) => {
+                        anyhow::Ok((stream, Duration::from_millis(a.heartbeat_interval_ms)))
+                    }
+                    other => anyhow::bail!("node {node}'s watch was answered {other:?}"),
+                }
+            };
+            let (mut stream, interval) = match opened.await {
+                Ok(opened) => {
+                    let _ = ready.send(Ok(()));
+                    opened
+                }
+                Err(e) => {
+                    let _ = ready.send(Err(e));
+                    return;
+                }
+            };
             let mut beat = tokio::time::interval(interval);
             loop {
                 tokio::select! {
@@ -476,6 +496,9 @@ async fn hold_leases(
                 }
             }
         }));
+    }
+    for answered in attached {
+        answered.await??;
     }
     Ok(tasks)
 }

@@ -184,6 +184,8 @@ pub struct Job {
     /// Whether this coordinator leads now (its lease deadline has not passed): without it,
     /// the job decides nothing, as if retired (`ha.rs`, "A leader that did not run").
     tenure: crate::tenure::Tenure,
+    /// [`JobContext::heartbeat_timeout`].
+    heartbeat_timeout: Duration,
     /// The job itself, for tasks that act on it once its record is stored.
     me: std::sync::Weak<Job>,
 }
@@ -198,6 +200,9 @@ pub struct JobContext {
     pub store: Option<Arc<dyn Store>>,
     /// Whether this coordinator may act as the leader now.
     pub tenure: crate::tenure::Tenure,
+    /// How long a node that said it would hold a lease may take to attach its watch after
+    /// the rendezvous (the heartbeat timeout): then it is lost.
+    pub heartbeat_timeout: Duration,
 }
 
 /// Where a generation stands, for callers outside barriers (value fetches, publishes).
@@ -280,6 +285,7 @@ impl Job {
             persist,
             retired,
             tenure: ctx.tenure.clone(),
+            heartbeat_timeout: ctx.heartbeat_timeout,
         })
     }
 

@@ -172,6 +172,51 @@ impl Job {
         Ok(watch_id)
     }
 
+    /// Once the heartbeat timeout has passed (while this process ran) after `generation`'s
+    /// rendezvous, a node that said it would hold a lease and never attached its watch is lost:
+    /// its agent stopped or hung between its join's answer and its watch, and no lease of it
+    /// would ever expire.
+    pub(super) fn arm_watch_deadline(&self, generation: u64) {
+        let Some(job) = self.me.upgrade() else {
+            return;
+        };
+        let limit = self.heartbeat_timeout;
+        // Task "watch-deadline", one per generation: waits once, then checks.
+        tokio::spawn(async move {
+            crate::tenure::within(limit, std::future::pending::<()>()).await;
+            job.check_watches_attached(generation, limit);
+        });
+    }
+
+    pub(super) fn check_watches_attached(&self, generation: u64, limit: Duration) {
+        let unattached: Vec<u32> = {
+            let mut st = self.lock();
+            let Ok(g) = self.running(&mut st, generation) else {
+                return;
+            };
+            if g.recovered {
+                // A new leader's generation: its re-attach grace decides.
+                return;
+            }
+            g.nodes
+                .iter()
+                .enumerate()
+                .filter(|(_, n)| {
+                    n.watched && n.watch.is_none() && n.last_seen.is_none() && !n.finished
+                })
+                .map(|(i, _)| i as u32)
+                .collect()
+        };
+        let why = format!(
+            "its agent never attached its watch within {:.1}s of the rendezvous (agent stopped, hung or partitioned)",
+            limit.as_secs_f64()
+        );
+        for node_rank in unattached {
+            // Watch ids start at 1: a watch that attached meanwhile makes this a no-op.
+            self.node_lost(generation, node_rank, 0, &why);
+        }
+    }
+
     /// After a failover: once `grace` has passed, fails the recovered generation if a node
     /// whose agent had a watch, or a rank that had a session, has not re-attached (it died
     /// while no coordinator led, so no one saw it go).

@@ -439,5 +439,6 @@ impl Job {
         let version = self.persist(st);
         self.answer_when_persisted(version, replies);
         self.notify();
+        self.arm_watch_deadline(generation);
     }
 }

@@ -22,6 +22,7 @@ async fn the_drained_set_is_in_the_record_and_a_restored_job_still_refuses_the_n
         incarnation: 1,
         store: None,
         tenure: crate::tenure::Tenure::always(),
+        heartbeat_timeout: Duration::from_secs(10),
     };
     let config = RoundConfig {
         min_nodes: 1,
@@ -58,6 +59,7 @@ fn ctx() -> JobContext {
         incarnation: 1,
         store: None,
         tenure: crate::tenure::Tenure::always(),
+        heartbeat_timeout: Duration::from_secs(10),
     }
 }
 

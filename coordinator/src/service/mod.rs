@@ -85,6 +85,7 @@ impl Coordinator {
             } else {
                 crate::tenure::Tenure::always()
             },
+            heartbeat_timeout: config.heartbeat_timeout,
         };
         // Liveness timeouts discount the time this process did not run from now on.
         crate::tenure::start_stall_clock();
