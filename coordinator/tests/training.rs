@@ -10,8 +10,10 @@ use muster_proto::v1 as pb;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-/// The gap between two markers: a lower bound of each interval's length.
-const GAP: Duration = Duration::from_millis(30);
+/// The gap between two markers as sent. The coordinator times them as they arrive, so the
+/// checks ask only that each interval it measures is not empty (the interval's arithmetic has
+/// its unit test in `job/training.rs`).
+const GAP: Duration = Duration::from_millis(100);
 
 fn step(step: u64) -> pb::worker_message::Kind {
     pb::worker_message::Kind::Step(pb::StepBegun { step })
@@ -59,8 +61,7 @@ async fn rank_0s_markers_count_the_steps_that_moved_forward() {
     let t = training_when(ch, "ettr", |t| t.last_step == 3).await;
     assert_eq!(t.highest_step, 3, "{t:?}");
     // 0→1, 1→2 and the second 2→3 counted; the first 2→2 lost.
-    assert!(t.counted_ms >= 3 * GAP.as_millis() as u64, "{t:?}");
-    assert!(t.lost_ms >= GAP.as_millis() as u64, "{t:?}");
+    assert!(t.counted_ms > 0 && t.lost_ms > 0, "{t:?}");
     assert!(t.wall_ms >= t.counted_ms + t.lost_ms, "{t:?}");
     assert!(t.ettr > 0.0 && t.ettr < 1.0, "{t:?}");
     assert_eq!(t.recoveries_ms, 0, "{t:?}");
@@ -103,7 +104,7 @@ async fn a_relay_passes_its_rank_0s_markers_and_not_another_nodes() {
     tokio::time::sleep(GAP).await;
     relays[0].step(0, 8).await;
     let t = training_when(ch, "relayed-ettr", |t| t.last_step == 8).await;
-    assert!(t.counted_ms >= GAP.as_millis() as u64, "{t:?}");
+    assert!(t.counted_ms > 0, "{t:?}");
 
     // Rank 0 is not node 1's: refused, and nothing counted.
     relays[1].step(0, 50).await;
