@@ -319,8 +319,8 @@ async fn a_watch_left_before_its_first_heartbeat_is_not_a_lost_node() {
 }
 
 /// An agent that said it would hold a lease and stops between its join's answer and its
-/// watch is lost once the heartbeat timeout passes, as a silent one is; a node that attached
-/// in time is not.
+/// watch is lost once twice the heartbeat timeout has passed, as a silent one is; a node that
+/// attached in time is not.
 #[tokio::test]
 async fn a_node_that_never_attaches_its_watch_is_lost_after_the_heartbeat_timeout() {
     let s = start(Config {
@@ -372,7 +372,7 @@ async fn a_node_that_never_attaches_its_watch_is_lost_after_the_heartbeat_timeou
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     };
-    let f = tokio::time::timeout(Duration::from_secs(5), async {
+    let f = tokio::time::timeout(Duration::from_secs(6), async {
         tokio::select! {
             f = failed => f,
             () = beat => unreachable!(),
@@ -382,12 +382,12 @@ async fn a_node_that_never_attaches_its_watch_is_lost_after_the_heartbeat_timeou
     .expect("node 1, which never attached its watch, was never declared lost");
     let waited = t.elapsed();
     assert!(
-        waited >= Duration::from_millis(500) && waited < Duration::from_secs(3),
+        waited >= Duration::from_millis(1_100) && waited < Duration::from_secs(4),
         "{waited:?}"
     );
     assert_eq!(f.node_rank, Some(1), "{f:?}");
     assert!(
-        f.reason.contains("never attached its watch within 0.6s"),
+        f.reason.contains("never attached its watch within 1.2s"),
         "{}",
         f.reason
     );

@@ -200,8 +200,8 @@ pub struct JobContext {
     pub store: Option<Arc<dyn Store>>,
     /// Whether this coordinator may act as the leader now.
     pub tenure: crate::tenure::Tenure,
-    /// How long a node that said it would hold a lease may take to attach its watch after
-    /// the rendezvous (the heartbeat timeout): then it is lost.
+    /// The heartbeat timeout: a node that said it would hold a lease and has not attached its
+    /// watch twice this long after the rendezvous is lost.
     pub heartbeat_timeout: Duration,
 }
 

@@ -172,15 +172,16 @@ impl Job {
         Ok(watch_id)
     }
 
-    /// Once the heartbeat timeout has passed (while this process ran) after `generation`'s
-    /// rendezvous, a node that said it would hold a lease and never attached its watch is lost:
-    /// its agent stopped or hung between its join's answer and its watch, and no lease of it
-    /// would ever expire.
+    /// Once twice the heartbeat timeout has passed (while this process ran) after
+    /// `generation`'s rendezvous, a node that said it would hold a lease and never attached its
+    /// watch is lost: its agent stopped or hung between its join's answer and its watch, and
+    /// no lease of it would ever expire. Twice: the clock starts at the round's close, before
+    /// the answers go out (with etcd, once the record is stored).
     pub(super) fn arm_watch_deadline(&self, generation: u64) {
         let Some(job) = self.me.upgrade() else {
             return;
         };
-        let limit = self.heartbeat_timeout;
+        let limit = self.heartbeat_timeout * 2;
         // Task "watch-deadline", one per generation: waits once, then checks.
         tokio::spawn(async move {
             crate::tenure::within(limit, std::future::pending::<()>()).await;
