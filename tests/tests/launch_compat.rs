@@ -25,6 +25,10 @@ const LAUNCH_LIMIT: Duration = Duration::from_secs(90);
 /// Rows running at once: the machine has two cores, and more would slow every launch down.
 const PARALLEL_ROWS: usize = 2;
 
+/// Held while a row that names no port runs: its launchers use the default one (29500), and
+/// two such rows at once collide (the peer's store fails with EADDRINUSE).
+static DEFAULT_PORT: Mutex<()> = Mutex::new(());
+
 /// The launcher a row's command line was written for.
 #[derive(Debug, Clone, Copy)]
 enum Peer {
@@ -736,6 +740,13 @@ fn torchrun_and_accelerate_command_lines_give_the_workers_the_same_under_muster(
                 loop {
                     let index = next.fetch_add(1, Ordering::Relaxed);
                     let Some(row) = ROWS.get(index) else { break };
+                    let names_a_port = row.args.iter().any(|a| a.contains("{port}"))
+                        || row.env.iter().any(|(_, v)| v.contains("{port}"));
+                    let _default_port = (!names_a_port).then(|| {
+                        DEFAULT_PORT
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    });
                     let peer = run_side(row, Side::Peer, &setup);
                     let muster = run_side(row, Side::Muster, &setup);
                     let diffs = differences(row, &peer, &muster);
