@@ -54,6 +54,8 @@ pub struct AccelerateConfig {
     pub muster_hang_timeout: Option<Option<std::time::Duration>>,
     /// `muster_on_hang` (muster's own key, as `--on-hang`): `report`, `fail` or `restart`.
     pub muster_on_hang: Option<muster_core::requests::OnHang>,
+    /// `muster_max_spares` (muster's own key, as `--max-spares`): spare agents admitted.
+    pub muster_max_spares: Option<u32>,
     /// `muster_sample_stacks` (muster's own key, as `--sample-stacks`): samples a second.
     pub muster_sample_stacks: Option<f64>,
     /// `muster_flight_recorder` (muster's own key; `false` as `--no-flight-recorder`).
@@ -372,6 +374,7 @@ fn read_setting(config: &mut AccelerateConfig, key: &str, value: &Yaml) -> Resul
         "num_machines" => config.num_machines = v.int(1, u64::from(model::MAX_NODES))?,
         "machine_rank" => config.machine_rank = v.int(0, u64::from(model::MAX_NODES) - 1)?,
         "max_restarts" => config.max_restarts = v.int(0, u64::from(u32::MAX))?,
+        "muster_max_spares" => config.muster_max_spares = v.int(0, u64::from(u32::MAX))?,
         "main_process_port" => config.main_process_port = v.int(0, u64::from(u16::MAX))?,
         "main_process_ip" => {
             config.main_process_ip = match v.string()? {
@@ -678,6 +681,7 @@ mod tests {
                 add("recovery", c.muster_recovery.map(|v| v.to_string()));
                 add("hang", c.muster_hang_timeout.map(|v| format!("{v:?}")));
                 add("on_hang", c.muster_on_hang.map(|v| v.to_string()));
+                add("spares", c.muster_max_spares.map(|v| v.to_string()));
                 add("sample", c.muster_sample_stacks.map(|v| v.to_string()));
                 add("monitor", c.monitor_interval.map(|v| v.to_string()));
                 for w in &c.warnings {
@@ -792,6 +796,7 @@ dynamo_config:
     /// muster's own keys for `--hang-timeout` and `--on-hang`, with the flags' spellings.
     #[test]
     fn the_hang_keys() {
+        check("muster_max_spares: 2", "spares=2");
         check("muster_hang_timeout: 90s", "hang=Some(90s)");
         check("muster_hang_timeout: 5m", "hang=Some(300s)");
         check("muster_hang_timeout: \"off\"", "hang=None");

@@ -235,6 +235,14 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
     if in_place {
         out.push_str(", in-place recovery");
     }
+    if d.max_spares > 0 {
+        let _ = write!(
+            out,
+            ", spares {}/{} standing by",
+            d.spares.len(),
+            d.max_spares
+        );
+    }
     if d.epoch > 0 {
         let _ = write!(out, ", membership epoch {}", d.epoch);
     }
@@ -244,6 +252,21 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
     }
     if !d.straggler.is_empty() {
         let _ = writeln!(out, "{}", d.straggler);
+    }
+    for s in &d.spares {
+        let _ = writeln!(
+            out,
+            "spare: {} (host {}, {} slots) standing by for {}{}",
+            s.node_id,
+            s.host,
+            s.local_world_size,
+            ago(s.standing_ms),
+            if s.connected {
+                ""
+            } else {
+                " (its agent has not joined this coordinator again since the failover)"
+            }
+        );
     }
 
     let rank_info = |r: u32| d.ranks.iter().find(|i| i.rank() == r);
@@ -499,6 +522,11 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
     for (node, why) in drained {
         let _ = writeln!(out, "drained: node {node}: {why}");
     }
+    let mut replaced: Vec<_> = d.replaced.iter().collect();
+    replaced.sort();
+    for (node, why) in replaced {
+        let _ = writeln!(out, "replaced: node {node}: {why}");
+    }
     out
 }
 
@@ -539,15 +567,20 @@ fn recovery_line(r: &pb::RecoveryInfo) -> String {
         r.host,
         r.reason
     );
+    let on_spare = if r.spare_node_id.is_empty() {
+        String::new()
+    } else {
+        format!(" on spare {} (host {})", r.spare_node_id, r.spare_host)
+    };
     if r.replacement_pid > 0 {
         let _ = write!(
             line,
-            "; replaced by pid {} after {}",
+            "; replaced by pid {}{on_spare} after {}",
             r.replacement_pid,
             ago(r.respawn_ms)
         );
     } else {
-        line.push_str("; waiting for its replacement");
+        let _ = write!(line, "; waiting for its replacement{on_spare}");
     }
     if closed {
         if let Some(source) = r.healed_from {
@@ -632,6 +665,7 @@ mod tests {
                 quorum_ms: 1_250,
                 respawn_ms: 480,
                 resumed_ms: 1_400,
+                ..Default::default()
             },
             pb::RecoveryInfo {
                 epoch: 3,

@@ -25,6 +25,9 @@ pub struct NodeAssignment {
     pub failover_timeout: std::time::Duration,
     /// The job id.
     pub job_id: String,
+    /// This agent's node id (the coordinator checks it on the relay and failure reports: a
+    /// node a spare replaced is refused).
+    pub node_id: String,
     /// The generation (restart round), from 1.
     pub generation: u64,
     /// This node's rank.
@@ -313,6 +316,7 @@ mod tests {
             coordinator: "10.0.0.1:29470,10.0.0.2:29470".into(),
             failover_timeout: std::time::Duration::from_millis(2500),
             job_id: "job7".into(),
+            node_id: String::new(),
             generation: 3,
             node_rank: 1,
             num_nodes: 2,
@@ -420,6 +424,7 @@ mod tests {
             coordinator: "127.0.0.1:40000".into(),
             failover_timeout: crate::failover::DEFAULT_BUDGET,
             job_id: "j".into(),
+            node_id: String::new(),
             generation: 1,
             node_rank: 0,
             num_nodes: 1,

@@ -323,6 +323,15 @@ async fn run_at(
             Waited::Done(Err(LaunchError::Join { status, .. }))
                 if status
                     .metadata()
+                    .contains_key(muster_core::error::FINISHED_METADATA) =>
+            {
+                // A spare whose job finished without needing it.
+                eprintln!("muster-agent: job {job}: {}; exiting 0", status.message());
+                return Ok(Outcome::Succeeded);
+            }
+            Waited::Done(Err(LaunchError::Join { status, .. }))
+                if status
+                    .metadata()
                     .contains_key(muster_core::error::CANCELLED_METADATA) =>
             {
                 // Cancelled while this node waited in an open round, or between generations.
@@ -678,21 +687,40 @@ async fn waiting_join(
         tokio::time::interval_at(tokio::time::Instant::now() + WAITING_NOTICE, WAITING_NOTICE);
     let mut shown = None;
     let job = &spec.job_id;
+    let mut standing = false;
+    if spec.spare && !spec.quiet {
+        eprintln!(
+            "muster-agent: job {job}: standing by as a spare ({}) at coordinator {}, until a node is lost",
+            workers(spec.nproc_per_node as usize),
+            coordinators.leader_addr()
+        );
+        standing = true;
+    }
     loop {
         tokio::select! {
             out = &mut fut => return Waited::Done(out),
             sig = stops.recv() => return Waited::Signal(sig),
             _ = tick.tick() => {
                 // One attempt, on whichever replica leads now: this is only a status line.
-                let joined = OpsClient::new(coordinators.channel())
+                let view = OpsClient::new(coordinators.channel())
                     .describe_job(pb::DescribeJobRequest {
                         job_id: job.clone(),
                         ..Default::default()
                     })
                     .await
                     .ok()
-                    .and_then(|r| r.into_inner().summary)
-                    .map(|s| s.nodes_waiting);
+                    .map(tonic::Response::into_inner);
+                if view.as_ref().is_some_and(|v| v.spares.iter().any(|s| s.node_id == node_id)) {
+                    // Parked as a spare (the running generation was full): said once.
+                    if !standing && !spec.quiet {
+                        eprintln!(
+                            "muster-agent: job {job}: every node of the running generation is taken; standing by as a spare until one is lost"
+                        );
+                    }
+                    standing = true;
+                    continue;
+                }
+                let joined = view.and_then(|r| r.summary).map(|s| s.nodes_waiting);
                 if joined != shown && !spec.quiet {
                     shown = joined;
                     let (min, max) = (spec.nodes.min, spec.nodes.max);

@@ -471,6 +471,7 @@ async fn attach(
             node_rank: node.node_rank,
             resume,
             released,
+            node_id: node.node_id.clone(),
         })),
     });
     let mut inbound = RelayClient::new(channel)

@@ -57,6 +57,10 @@ pub struct LaunchSpec {
     pub max_restarts: u32,
     /// `--recovery`: what a worker's death does (the job's first joiner fixes it).
     pub recovery: Recovery,
+    /// `--spare`: this agent stands by as a spare until a lost node's ranks are assigned.
+    pub spare: bool,
+    /// `--max-spares`: spares the job admits (the job's first joiner fixes it).
+    pub max_spares: u32,
     /// `--hang-timeout` and `--on-hang` (the job's first joiner fixes them).
     pub hang: muster_core::requests::Hang,
     /// `--sample-stacks`: stack samples a second per worker (0: only on demand).

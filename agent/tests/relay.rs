@@ -158,6 +158,7 @@ fn assignment(addr: &str, n: &pb::JoinResponse) -> NodeAssignment {
         coordinator: addr.to_owned(),
         failover_timeout: std::time::Duration::from_secs(30),
         job_id: n.job_id.clone(),
+        node_id: String::new(),
         generation: n.generation,
         node_rank: n.node_rank,
         num_nodes: n.num_nodes,

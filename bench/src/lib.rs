@@ -469,6 +469,7 @@ pub fn join_req(job: &str, node: u32, local: u32, nodes: u32, watches: bool) -> 
         }),
         request_id: String::new(),
         watches,
+        spare: false,
     }
 }
 

@@ -229,6 +229,8 @@ mod tests {
             quorum_ms: 250,
             respawn_ms: 120,
             resumed_ms: 400,
+            spare_node_id: "spare-1".into(),
+            spare_host: "10.0.0.9".into(),
         };
         let v = to_json("muster.v1.RecoveryInfo", &r);
         assert_eq!(
@@ -247,6 +249,7 @@ mod tests {
             "quorum_ms",
             "respawn_ms",
             "resumed_ms",
+            "spare_node_id",
         ] {
             assert!(v.get(field).is_some(), "{field} missing from {v}");
             assert!(
@@ -279,6 +282,41 @@ mod tests {
         for field in ["ettr", "wall_ms", "last_step"] {
             assert!(PAGE.contains(&format!("d.training.{field}")), "{field}");
         }
+        // Spares standing by, and the nodes they replaced, with the fields the page reads.
+        let d = to_json(
+            "muster.v1.DescribeJobResponse",
+            &pb::DescribeJobResponse {
+                spares: vec![pb::SpareInfo {
+                    node_id: "spare-1".into(),
+                    host: "10.0.0.9".into(),
+                    local_world_size: 2,
+                    standing_ms: 1_500,
+                    connected: true,
+                }],
+                max_spares: 1,
+                replaced: [("n1".to_owned(), "replaced by spare 'spare-1'".to_owned())].into(),
+                ..Default::default()
+            },
+        );
+        assert_eq!(d["max_spares"], 1, "{d}");
+        assert_eq!(d["replaced"]["n1"], "replaced by spare 'spare-1'", "{d}");
+        for field in [
+            "node_id",
+            "host",
+            "local_world_size",
+            "connected",
+            "standing_ms",
+        ] {
+            assert!(
+                d["spares"][0].get(field).is_some(),
+                "{field} missing from {d}"
+            );
+            assert!(
+                PAGE.contains(&format!("p.{field}")),
+                "the page does not show {field}"
+            );
+        }
+        assert!(PAGE.contains("d.spares") && PAGE.contains("d.replaced"));
     }
 
     /// A follower's job state is not the cluster's: its view is empty and names the leader.

@@ -346,6 +346,7 @@ async fn a_relay_back_on_the_same_leader_takes_its_ranks_back() {
         node_rank: 0,
         resume: true,
         released: 0,
+        node_id: String::new(),
     };
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
     let mut relay = loop {

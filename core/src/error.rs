@@ -15,6 +15,10 @@ pub const DRAINED_METADATA: &str = "muster-drained";
 /// so that an agent can tell a cancel (stop, exit with the cancelled status) from a failure.
 pub const CANCELLED_METADATA: &str = "muster-cancelled";
 
+/// The metadata key set on a spare's join answered because its job finished without needing
+/// it, so that a spare agent exits 0 rather than as a failure.
+pub const FINISHED_METADATA: &str = "muster-finished";
+
 /// Why a job refused or could not complete a call. Each variant carries the whole message the
 /// caller reads.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -36,6 +40,9 @@ pub enum Error {
     /// sent away. The message carries the operator's reason.
     #[error("{0}")]
     Cancelled(String),
+    /// The job finished: a spare standing by is sent away (it was not needed).
+    #[error("{0}")]
+    Finished(String),
     /// The place asked for is taken: a node already joined, a rank already registered, a
     /// relay already attached, a job already created.
     #[error("{0}")]
@@ -69,6 +76,7 @@ impl Error {
             | Self::FailedPrecondition(m)
             | Self::Drained(m)
             | Self::Cancelled(m)
+            | Self::Finished(m)
             | Self::AlreadyExists(m)
             | Self::WrongNode(m)
             | Self::NotFound(m)
@@ -116,6 +124,14 @@ impl From<Error> for Status {
                 );
                 status
             }
+            Error::Finished(m) => {
+                let mut status = Status::failed_precondition(m);
+                status.metadata_mut().insert(
+                    FINISHED_METADATA,
+                    tonic::metadata::MetadataValue::from_static("1"),
+                );
+                status
+            }
             Error::AlreadyExists(m) => Status::already_exists(m),
             Error::WrongNode(m) => Status::permission_denied(m),
             Error::NotFound(m) => Status::not_found(m),
@@ -144,6 +160,7 @@ mod tests {
             ),
             (Error::Drained("d".into()), Code::FailedPrecondition),
             (Error::Cancelled("l".into()), Code::FailedPrecondition),
+            (Error::Finished("m".into()), Code::FailedPrecondition),
             (Error::AlreadyExists("e".into()), Code::AlreadyExists),
             (Error::WrongNode("f".into()), Code::PermissionDenied),
             (Error::NotFound("g".into()), Code::NotFound),

@@ -27,6 +27,8 @@ pub struct RoundConfig {
     pub recovery: Recovery,
     /// How a hang is detected and what it does.
     pub hang: Hang,
+    /// Spare agents admitted (standing by to take a lost node's ranks in place).
+    pub max_spares: u32,
 }
 
 /// A job's hang detection (`RendezvousConfig.hang_timeout_ms` and `on_hang`).
@@ -155,6 +157,8 @@ pub struct RoundSpec {
     pub recovery: Option<Recovery>,
     /// Hang detection, when set: a join that leaves it unset takes the existing job's.
     pub hang: Option<Hang>,
+    /// Spares admitted, when set (the first joiner's stands, as for hang detection).
+    pub max_spares: Option<u32>,
 }
 
 impl RoundSpec {
@@ -170,6 +174,7 @@ impl RoundSpec {
             && c.recovery == 0
             && c.hang_timeout_ms.is_none()
             && c.on_hang == 0
+            && c.max_spares.is_none()
         {
             return Ok(None);
         }
@@ -179,6 +184,14 @@ impl RoundSpec {
             return Err(Invalid(format!(
                 "max_restarts ({n}) is above the limit of {}",
                 model::MAX_RESTARTS
+            )));
+        }
+        if let Some(n) = c.max_spares
+            && n > model::MAX_NODES
+        {
+            return Err(Invalid(format!(
+                "max_spares ({n}) is above the limit of {}",
+                model::MAX_NODES
             )));
         }
         let min_nodes = c.min_nodes.max(1);
@@ -206,12 +219,14 @@ impl RoundSpec {
             max_restarts: c.max_restarts,
             recovery: Recovery::from_wire("recovery", c.recovery)?,
             hang: Hang::from_wire(c.hang_timeout_ms, c.on_hang)?,
+            max_spares: c.max_spares,
         }))
     }
 
     /// The configuration with the waits it left unset taken from `defaults` and, when it
     /// left the restart budget, the recovery mode or hang detection unset, `max_restarts`,
-    /// `recovery` and `hang` (the existing job's, or restart, 0 and none for a new one).
+    /// `recovery` and `hang` (the existing job's, or restart, 0 and none for a new one), and
+    /// the spares `defaults` has where it left them unset.
     pub fn resolve(
         self,
         defaults: RoundConfig,
@@ -227,6 +242,7 @@ impl RoundSpec {
             max_restarts: self.max_restarts.unwrap_or(max_restarts),
             recovery: self.recovery.unwrap_or(recovery),
             hang: self.hang.unwrap_or(hang),
+            max_spares: self.max_spares.unwrap_or(defaults.max_spares),
         }
     }
 }
@@ -247,6 +263,8 @@ pub struct JoinReq {
     pub request_id: String,
     /// The caller will watch its node once the round closes (an agent does).
     pub watches: bool,
+    /// A spare: it stands by, taking no ranks until a node is lost.
+    pub spare: bool,
 }
 
 /// `Rendezvous.Join`, checked.
@@ -284,6 +302,7 @@ impl TryFrom<pb::JoinRequest> for Join {
                 model::label("request_id", &r.request_id, 128)?
             },
             watches: r.watches,
+            spare: r.spare,
         };
         Ok(Self {
             job_id,
@@ -310,6 +329,8 @@ pub struct FailureReport {
     pub reason: String,
     /// Exit status, error file and stderr, each clipped to its end.
     pub detail: FailureDetail,
+    /// The reporting agent's node id (empty: not said).
+    pub node_id: String,
 }
 
 impl TryFrom<pb::ReportFailureRequest> for FailureReport {
@@ -326,6 +347,11 @@ impl TryFrom<pb::ReportFailureRequest> for FailureReport {
                 error_message: clip(&r.error_message, 4096),
                 error_traceback: clip(&r.error_traceback, 16384),
                 stderr_tail: clip(&r.stderr_tail, 8192),
+            },
+            node_id: if r.node_id.is_empty() {
+                String::new()
+            } else {
+                model::node_id(&r.node_id)?
             },
         })
     }
@@ -412,6 +438,8 @@ pub struct RelayRegister {
     pub node_rank: u32,
     /// When re-attaching after a failover: the last global barrier seq released.
     pub resume: Option<u64>,
+    /// The agent's node id (empty: not said).
+    pub node_id: String,
 }
 
 impl TryFrom<&pb::RelayRegister> for RelayRegister {
@@ -422,6 +450,11 @@ impl TryFrom<&pb::RelayRegister> for RelayRegister {
             generation: model::generation(r.generation)?,
             node_rank: r.node_rank,
             resume: r.resume.then_some(r.released),
+            node_id: if r.node_id.is_empty() {
+                String::new()
+            } else {
+                model::node_id(&r.node_id)?
+            },
         })
     }
 }
@@ -663,6 +696,7 @@ mod tests {
             max_restarts: 0,
             recovery: Recovery::Restart,
             hang: Hang::default(),
+            max_spares: 0,
         };
         assert_eq!(
             spec.map(|s| s.map(|s| s.resolve(defaults, 7, Recovery::Restart, Hang::default()))),
@@ -760,6 +794,7 @@ mod tests {
             max_restarts: 0,
             recovery: Recovery::Restart,
             hang: Hang::default(),
+            max_spares: 0,
         };
         // Unset: the job's mode; set: the join's.
         let unset = RoundSpec {

@@ -559,6 +559,7 @@ fn sigterm_drains_a_coordinator_with_a_waiting_client() {
                     }),
                     request_id: String::new(),
                     watches: false,
+                    spare: false,
                 })
                 .await
         }

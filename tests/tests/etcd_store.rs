@@ -329,6 +329,7 @@ async fn form(ch: &Channel, job: &str, local: u32) -> u64 {
             }),
             request_id: String::new(),
             watches: false,
+            spare: false,
         })
         .await
         .unwrap()

@@ -91,6 +91,7 @@ fn join_req(job: &str, node: u32, request_id: &str) -> pb::JoinRequest {
         }),
         request_id: request_id.into(),
         watches: false,
+        spare: false,
     }
 }
 

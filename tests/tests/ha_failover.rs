@@ -80,6 +80,7 @@ async fn form(addr: &str, id: &str, nodes: u32, local: u32) -> Job {
             }),
             request_id: format!("{id}-{n}-{}-{:?}", std::process::id(), Instant::now()),
             watches: false,
+            spare: false,
         })
         .collect();
     let joins: Vec<_> = requests

@@ -200,6 +200,7 @@ async fn a_barrier_and_a_kv_call_are_one_trace_across_processes() {
             }),
             request_id: "traced-node-0".into(),
             watches: false,
+            spare: false,
         })
         .await
         .unwrap()

@@ -132,6 +132,7 @@ impl Secured {
                 NEXT.fetch_add(1, Ordering::Relaxed)
             ),
             watches: false,
+            spare: false,
         };
         RendezvousClient::new(agent.channel())
             .join(request)

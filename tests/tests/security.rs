@@ -89,6 +89,7 @@ fn join(job: &str) -> pb::JoinRequest {
         }),
         request_id: String::new(),
         watches: false,
+        spare: false,
     }
 }
 

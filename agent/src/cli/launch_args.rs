@@ -94,6 +94,18 @@ pub struct LaunchArgs {
     #[arg(long, value_enum, value_name = "MODE", alias = "recovery_mode")]
     pub recovery: Option<Recovery>,
 
+    /// Join as a spare: take no ranks, stand by, and take a lost node's ranks in place when
+    /// the coordinator assigns them (an in-place job that admits spares, --max-spares). Give
+    /// it the job's --nproc-per-node, coordinator and program, as its nodes have.
+    #[arg(long)]
+    pub spare: bool,
+
+    /// How many spare agents (--spare) the job admits, standing by to take a lost node's
+    /// ranks in place (--recovery in-place). The job's first node sets it. Default: 0 (or
+    /// muster_max_spares in --config-file).
+    #[arg(long, value_name = "N")]
+    pub max_spares: Option<u32>,
+
     /// How long the job may make no progress before it is a hang (`90s`, `5m`, `off`):
     /// progress is a muster barrier completing, a worker's sampled stack changing, or a
     /// worker outside any wait using the CPU (docs/hangs.md). A hang is reported with every

@@ -215,6 +215,8 @@ impl LaunchArgs {
         let accelerate = self.accelerate_only() || acc.given;
         let max_restarts = self.max_restarts.or(config.max_restarts).unwrap_or(0);
         let recovery = self.recovery.or(config.muster_recovery).unwrap_or_default();
+        let max_spares = self.max_spares.or(config.muster_max_spares).unwrap_or(0);
+        self.check_spares(recovery, max_spares)?;
         let (hang, sample_hz) = self.hang(&config)?;
         self.check_monitor_interval()?;
 
@@ -232,6 +234,16 @@ impl LaunchArgs {
             self.take_slurm_job_id(s, &nodes, node_rank.as_ref(), &main, &rdzv, &mut warnings);
         }
         let place = self.coordination(&rdzv, &nodes, &main, &mut warnings)?;
+        if self.spare && place.coordinator.is_none() {
+            return Err(UsageError::Invalid(
+                "--spare stands by for a job other agents run: give it that job's coordinator (--coordinator or --rdzv-endpoint)".to_owned(),
+            ));
+        }
+        if self.spare && node_rank.is_some() {
+            return Err(UsageError::Invalid(
+                "--spare takes no node rank: a spare is given a lost node's place".to_owned(),
+            ));
+        }
         let security = self.security_for(place.coordinator.as_deref(), &mut warnings)?;
 
         if self.command.is_empty() {
@@ -252,6 +264,8 @@ impl LaunchArgs {
             grace_period,
             max_restarts,
             recovery,
+            spare: self.spare,
+            max_spares,
             hang,
             sample_hz,
             flight_recorder: !self.no_flight_recorder
@@ -597,6 +611,26 @@ impl LaunchArgs {
         }
         let action = self.on_hang.or(config.muster_on_hang).unwrap_or_default();
         Ok((muster_core::requests::Hang { timeout, action }, hz))
+    }
+
+    /// Spares recover a lost node in place: `--spare` and `--max-spares` need
+    /// `--recovery in-place`.
+    fn check_spares(
+        &self,
+        recovery: crate::env::Recovery,
+        max_spares: u32,
+    ) -> Result<(), UsageError> {
+        if recovery != crate::env::Recovery::InPlace && (self.spare || max_spares > 0) {
+            let flag = if self.spare {
+                "--spare"
+            } else {
+                "--max-spares"
+            };
+            return Err(UsageError::Invalid(format!(
+                "{flag}: spares take a lost node's ranks in place; it needs --recovery in-place"
+            )));
+        }
+        Ok(())
     }
 
     /// `--monitor-interval` is accepted (torchrun's) but must be a number of seconds.

@@ -47,9 +47,11 @@ pub(super) async fn join(
             recovery: spec.recovery.to_wire(),
             hang_timeout_ms: Some(spec.hang.timeout_ms()),
             on_hang: spec.hang.action.to_wire(),
+            max_spares: Some(spec.max_spares),
         }),
         request_id: failover::request_id(),
         watches: true,
+        spare: spec.spare,
     };
     let join_error = |status| LaunchError::Join {
         job: spec.job_id.clone(),
@@ -94,6 +96,25 @@ pub(super) async fn join(
             answer.local_world_size, spec.nproc_per_node
         ))));
     }
+    let epoch = match &answer.took_over {
+        Some(t) => {
+            if !spec.quiet {
+                eprintln!(
+                    "muster-agent: job {}: this spare takes node {}'s place (ranks {}-{}, membership epoch {}): node '{}' (host {}) was lost: {}",
+                    spec.job_id,
+                    answer.node_rank,
+                    answer.rank_offset,
+                    answer.rank_offset + answer.local_world_size - 1,
+                    t.epoch,
+                    t.node_id,
+                    t.host,
+                    t.reason
+                );
+            }
+            t.epoch
+        }
+        None => 0,
+    };
     let recovery = Recovery::from_answer(answer.recovery);
     if recovery != spec.recovery && !spec.quiet {
         // Only a coordinator that predates in-place recovery answers so (it leaves the field
@@ -121,6 +142,7 @@ pub(super) async fn join(
         coordinator: coordinators.addr().to_owned(),
         failover_timeout: coordinators.failover_timeout(),
         job_id: answer.job_id,
+        node_id: node_id.to_owned(),
         generation: answer.generation,
         node_rank: answer.node_rank,
         num_nodes: answer.num_nodes,
@@ -130,7 +152,8 @@ pub(super) async fn join(
         restart_count: answer.restart_count,
         max_restarts: answer.max_restarts,
         recovery,
-        epoch: 0,
+        // A spare's workers are all replacements, in the epoch that gave it the place.
+        epoch,
         host: host.to_owned(),
         master_addr: spec.master_addr.clone().unwrap_or(answer.master_host),
         master_port,

@@ -157,6 +157,11 @@ impl<'a> Supervisor<'a> {
         previous: Option<PreviousEnd>,
     ) -> Self {
         let error_dirs = vec![node.error_dir.clone(); spec.nproc_per_node as usize];
+        // A spare's workers are replacements already: an order for this epoch repeats.
+        let respawned = (0..node.local_world_size)
+            .filter(|_| node.epoch > 0)
+            .map(|l| (node.rank_offset + l, node.epoch))
+            .collect();
         Self {
             spec,
             node,
@@ -176,7 +181,7 @@ impl<'a> Supervisor<'a> {
             reports: Vec::new(),
             dead: HashMap::new(),
             killing: HashMap::new(),
-            respawned: HashMap::new(),
+            respawned,
             error_dirs,
             previous,
             states: WorkerStates::starting(spec.nproc_per_node),
@@ -764,6 +769,7 @@ impl<'a> Supervisor<'a> {
             stderr_tail: info.stderr_tail.clone(),
             error_message: info.error_message.clone(),
             error_traceback: info.error_traceback.clone(),
+            node_id: self.node.node_id.clone(),
         };
         // Task "report-failure": on error, log and continue (the coordinator also learns of
         // the failure from the worker's session); awaited, bounded, before the agent exits.
@@ -856,6 +862,7 @@ exit 0"#
             coordinator: "127.0.0.1:1".into(),
             failover_timeout: Duration::from_millis(100),
             job_id: "inplace".into(),
+            node_id: String::new(),
             generation: 1,
             node_rank: 0,
             num_nodes: 1,

@@ -171,6 +171,7 @@ fn join_req(job: &str, node: u32, nodes: u32) -> pb::JoinRequest {
         }),
         request_id: format!("{job}-{node}-{}", std::process::id()),
         watches: false,
+        spare: false,
     }
 }
 

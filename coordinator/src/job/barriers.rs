@@ -165,40 +165,43 @@ impl Job {
         &self,
         generation: u64,
         node_rank: u32,
+        relay: &RelayOutbox,
         rank: u32,
         pid: u32,
         host: String,
         resume: Option<[u64; 2]>,
         replacement: Option<u64>,
     ) -> Result<Registration, Error> {
-        self.check_on_node(generation, node_rank, rank)?;
-        let relay = {
-            let mut st = self.lock();
-            let g = self.running(&mut st, generation)?;
-            g.nodes[node_rank as usize].relay.clone()
-        };
-        let Some(relay) = relay else {
-            return Err(Error::FailedPrecondition(format!(
-                "node {node_rank} of job '{}' generation {generation} has no relay",
-                self.id
-            )));
-        };
+        self.check_on_node(generation, node_rank, rank, relay)?;
         self.register(
             generation,
             rank,
             pid,
             host,
-            Outbox::Relayed { rank, relay },
+            Outbox::Relayed {
+                rank,
+                relay: relay.clone(),
+            },
             resume,
             replacement,
         )
     }
 
-    /// Whether `rank` is one of node `node_rank`'s in `generation`.
-    pub fn check_on_node(&self, generation: u64, node_rank: u32, rank: u32) -> Result<(), Error> {
+    /// Whether `rank` is one of node `node_rank`'s in `generation`, and `relay` (the stream
+    /// the call came on) is still that node's relay.
+    pub fn check_on_node(
+        &self,
+        generation: u64,
+        node_rank: u32,
+        rank: u32,
+        relay: &RelayOutbox,
+    ) -> Result<(), Error> {
         let mut st = self.lock();
         let id = self.id.clone();
         let g = self.running(&mut st, generation)?;
+        if let Some(e) = g.stale_relay(&id, node_rank, relay) {
+            return Err(e);
+        }
         let world = g.ranks.len();
         match g.ranks.get(rank as usize) {
             Some(slot) if slot.node_rank == node_rank => Ok(()),
@@ -446,12 +449,15 @@ impl Job {
         &self,
         generation: u64,
         node_rank: u32,
+        node_id: &str,
         outbox: RelayOutbox,
         heartbeat_interval: Duration,
         resume: Option<u64>,
     ) -> Result<(), Error> {
         let mut st = self.lock();
         let id = self.id.clone();
+        // An agent whose place a spare took (`spares.rs`) is told so.
+        let replaced = self.replaced_refusal(&st, node_id);
         let g = self.running(&mut st, generation)?;
         let num_nodes = g.nodes.len() as u32;
         let world_size = g.ranks.len() as u32;
@@ -460,6 +466,14 @@ impl Job {
                 "node rank {node_rank} is outside job '{id}' generation {generation} ({num_nodes} nodes)"
             )));
         };
+        if !node_id.is_empty() && node.node_id != node_id {
+            return Err(replaced.unwrap_or_else(|| {
+                Error::WrongNode(format!(
+                    "node rank {node_rank} of job '{id}' generation {generation} is node '{}', not '{node_id}'",
+                    node.node_id
+                ))
+            }));
+        }
         if node.relay.as_ref().is_some_and(|r| !r.is_closed()) {
             return Err(Error::AlreadyExists(format!(
                 "node {node_rank} of job '{id}' generation {generation} already has a relay"
@@ -544,6 +558,12 @@ impl Job {
         };
         if let Some(f) = &g.failure {
             return reply_now(f.to_error(&id, generation));
+        }
+        if let Some(e) = g.stale_relay(&id, node_rank, outbox) {
+            return reply_now(simple_error(
+                ErrKind::StaleGeneration,
+                e.message().to_owned(),
+            ));
         }
         if g.membership_open() {
             return reply_now(g.membership_error(&id));

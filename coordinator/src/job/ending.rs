@@ -107,6 +107,7 @@ impl Job {
             } else {
                 format!("{text} (no restarts left: {restarts} of {max_restarts} used)")
             }));
+            self.release_spares(st);
         }
         let Ok(g) = self.running(st, generation) else {
             return;
@@ -174,6 +175,7 @@ impl Job {
         );
         tracing::info!(job = %self.id, generation = g.generation, "job finished: {why}");
         st.done = Some(Done::Finished(why));
+        self.release_spares(st);
         true
     }
 
@@ -186,6 +188,7 @@ impl Job {
             return false;
         }
         st.done = Some(Done::Cancelled(why.to_owned()));
+        self.release_spares(&mut st);
         let (generation, restarts, max_restarts) =
             (st.generation, st.restarts, st.config.max_restarts);
         tracing::warn!(job = %self.id, generation, "job {}", cancelled_text(why));

@@ -37,6 +37,10 @@ pub(super) struct NodeSlot {
     pub(super) watched: bool,
     /// When its agent was last heard on its watch (attach or heartbeat).
     pub(super) last_seen: Option<Instant>,
+    /// Watch ids below this one are a replaced agent's: their end loses nothing.
+    pub(super) min_watch: u64,
+    /// The spare that took this place over, and whose place it was (persisted).
+    pub(super) took_over: Option<pb::SpareTakeover>,
 }
 
 pub(super) struct RankSlot {

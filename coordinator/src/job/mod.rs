@@ -14,6 +14,7 @@
 //! - `nodes.rs`: agents' watches (the node lease), recovery after a failover, drains;
 //! - `persist.rs`: the job record, its writer task, and restoring a job from it;
 //! - `recovery.rs`: in-place recovery (a dead rank replaced alone, and `Quorum`);
+//! - `spares.rs`: spare agents standing by, and one taking a lost node's place;
 //! - `push.rs`: the wire messages the job pushes (barrier results, failures, ends, join
 //!   answers);
 //! - `hangs.rs`: stack dumps across the nodes (`DumpStacks`) and hang detection;
@@ -28,6 +29,9 @@ mod persist;
 mod push;
 mod recovery;
 mod rendezvous;
+mod spares;
+#[cfg(test)]
+mod spares_tests;
 #[cfg(test)]
 mod tests;
 mod training;
@@ -56,6 +60,7 @@ use pb::barrier_error::Kind as ErrKind;
 use persist::*;
 use push::*;
 use rendezvous::*;
+use spares::*;
 use std::collections::HashMap;
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -157,6 +162,10 @@ struct JobState {
     dumps: hangs::Dumps,
     /// Rank 0's step markers, for the effective training time (kept across generations).
     steps: training::Steps,
+    /// Spare agents standing by (persisted).
+    spares: Vec<Spare>,
+    /// Nodes whose place a spare took (node id to why): their agents are refused (persisted).
+    replaced: HashMap<String, String>,
 }
 
 /// How many generations' failures a job keeps for its view.
@@ -245,6 +254,8 @@ impl Job {
             hangs: Default::default(),
             dumps: Default::default(),
             steps: Default::default(),
+            spares: vec![],
+            replaced: HashMap::new(),
             phase: Phase::Open(OpenRound {
                 seq: 0,
                 joiners: vec![],
@@ -328,6 +339,12 @@ impl Job {
                         let _ = watch.send(Err(status()));
                     }
                 }
+            }
+        }
+        // Spares send their joins again to the new leader.
+        for spare in &mut st.spares {
+            if let Some(reply) = spare.reply.take() {
+                let _ = reply.send(Err(error()));
             }
         }
         drop(st);

@@ -26,8 +26,9 @@ pub struct Drained {
 }
 
 impl Job {
-    /// A node's agent went away or went silent while its ranks ran: fails the generation
-    /// naming the node (and its first live rank).
+    /// A node's agent went away or went silent while its ranks ran: a spare takes its place
+    /// (an in-place job with one standing by, `spares.rs`), or the generation fails naming
+    /// the node (and its first live rank).
     pub fn node_lost(&self, generation: u64, node_rank: u32, watch_id: u64, why: &str) {
         let mut st = self.lock();
         if self.retired() {
@@ -44,6 +45,10 @@ impl Job {
         };
         if node.watch.as_ref().is_some_and(|(id, _)| *id != watch_id) {
             // A newer stream of the same agent replaced this one.
+            return;
+        }
+        if watch_id != 0 && watch_id < node.min_watch {
+            // The watch of an agent a spare replaced: the place is the spare's now.
             return;
         }
         // Dropping the outbox ends the stream's answers.
@@ -66,6 +71,14 @@ impl Job {
             }
             return;
         };
+        if g.failure.is_none() && self.take_over(&mut st, generation, node_rank, why) {
+            return;
+        }
+        let spare_note = self.no_spare_note(&st, node_rank);
+        let Ok(g) = self.running(&mut st, generation) else {
+            return;
+        };
+        let node = &g.nodes[node_rank as usize];
         let node_id = node.node_id.clone();
         let host = node.host.clone();
         for r in range {
@@ -85,7 +98,9 @@ impl Job {
             rank,
             node_rank,
             host: host.clone(),
-            reason: format!("node {node_rank} (host {host}, agent {node_id}) was lost: {why}"),
+            reason: format!(
+                "node {node_rank} (host {host}, agent {node_id}) was lost: {why}{spare_note}"
+            ),
             precise: true,
             detail: FailureDetail::default(),
             node_id,
@@ -277,6 +292,16 @@ impl Job {
                     lost_rank = Some(r as usize);
                     break;
                 }
+            }
+        }
+        if let Some(n) = lost_node {
+            // A spare standing by (it joined this leader again) takes the node's place.
+            let why = format!(
+                "its agent did not re-attach within {:.1}s after the coordinator failover (stopped, or cannot reach the new leader)",
+                grace.as_secs_f64()
+            );
+            if self.take_over(&mut st, generation, n as u32, &why) {
+                return;
             }
         }
         let Phase::Running(g) = &mut st.phase else {

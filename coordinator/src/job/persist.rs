@@ -115,6 +115,8 @@ impl Gen {
                 finished: n.finished,
                 watched: n.watched,
                 last_seen: None,
+                min_watch: 0,
+                took_over: n.took_over.clone(),
             });
             let bit = |bits: &[u8], rank: usize| {
                 bits.get(rank / 8)
@@ -224,6 +226,7 @@ impl Job {
                 .ok()
                 .flatten()
                 .unwrap_or_default(),
+            max_spares: record.max_spares,
         };
         let done = if !record.cancelled.is_empty() {
             Some(Done::Cancelled(record.cancelled.clone()))
@@ -269,6 +272,8 @@ impl Job {
             hangs: Default::default(),
             dumps: Default::default(),
             steps: Default::default(),
+            spares: record.spares.iter().map(Spare::restore).collect(),
+            replaced: record.replaced.clone(),
         };
         Ok(Self::with_state(id, state, kv_bytes, ctx))
     }
@@ -300,6 +305,7 @@ impl Job {
                             request_id: n.request_id.clone(),
                             watched: n.watched,
                             finished: n.finished,
+                            took_over: n.took_over.clone(),
                         })
                         .collect(),
                     failure: g.failure.as_ref().map(|f| f.to_info(g.generation)),
@@ -337,6 +343,9 @@ impl Job {
             recovery: c.recovery.to_wire(),
             hang_timeout_ms: c.hang.timeout_ms(),
             on_hang: c.hang.action.to_wire(),
+            spares: st.spares.iter().map(Spare::to_record).collect(),
+            max_spares: c.max_spares,
+            replaced: st.replaced.clone(),
         }
     }
 

@@ -72,6 +72,7 @@ pub(super) fn join_answer(
         restart_count,
         max_restarts: config.max_restarts,
         recovery: config.recovery.to_wire(),
+        took_over: node.took_over.clone(),
     }
 }
 

@@ -150,61 +150,86 @@ impl Gen {
         true
     }
 
-    /// The death of `rank` with restarts left: REPLACING, a new epoch, the recovery recorded,
-    /// waits withdrawn, sessions told, the node's agent told to respawn it. `restart_count`
-    /// counts this restart.
+    /// The death of `ranks` (one rank, or a lost node's) with restarts left: each REPLACING,
+    /// one new epoch, a recovery recorded per rank, waits withdrawn, sessions told, and each
+    /// rank's replacement order kept (sent by [`Job::order_replacement`], or, for a lost
+    /// node, answered to the spare that takes its place: `spare` is its node id and host).
+    /// `restart_count` counts this restart.
     #[allow(clippy::too_many_arguments)]
-    fn replace_rank(
+    pub(super) fn replace_ranks(
         &mut self,
         job: &JobId,
-        rank: u32,
+        ranks: &[u32],
         reason: String,
         precise: bool,
         restart_count: u32,
         max_restarts: u32,
+        spare: Option<(&str, &str)>,
     ) {
+        let Some(&first) = ranks.first() else {
+            return;
+        };
         let generation = self.generation;
-        let loc = self.location(rank);
+        let loc = self.location(first);
         self.epoch += 1;
         let epoch = self.epoch;
-        let slot = &mut self.ranks[rank as usize];
-        slot.state = RankState::Replacing;
-        slot.outbox = None;
-        if let Some(w) = self.quorum.remove(&rank) {
-            let _ = w.reply.send(Err(Error::FailedPrecondition(format!(
-                "rank {rank} of job '{job}' generation {generation} died while it waited for the quorum; its replacement asks again"
-            ))));
-        }
         let who = rank_failed(
-            rank,
+            first,
             loc.node_rank(),
             &loc.host,
             job.as_str(),
             generation,
             &reason,
         );
+        let taken = spare.map_or_else(String::new, |(id, host)| {
+            format!(", its node's ranks taken by spare '{id}' (host {host})")
+        });
         let message = replacing_in_place(
             &who,
-            &format!(" (restart {restart_count} of {max_restarts}, membership epoch {epoch})"),
+            &format!(
+                " (restart {restart_count} of {max_restarts}, membership epoch {epoch}{taken})"
+            ),
         );
-        tracing::warn!(job = %job, generation, rank, epoch, "{message}");
-        self.recoveries.push_front(Recovered {
-            info: pb::RecoveryInfo {
-                epoch,
+        tracing::warn!(job = %job, generation, rank = first, ranks = ranks.len(), epoch, "{message}");
+        for &rank in ranks {
+            let loc = self.location(rank);
+            let slot = &mut self.ranks[rank as usize];
+            slot.state = RankState::Replacing;
+            slot.outbox = None;
+            if let Some(w) = self.quorum.remove(&rank) {
+                let _ = w.reply.send(Err(Error::FailedPrecondition(format!(
+                    "rank {rank} of job '{job}' generation {generation} died while it waited for the quorum; its replacement asks again"
+                ))));
+            }
+            self.recoveries.push_front(Recovered {
+                info: pb::RecoveryInfo {
+                    epoch,
+                    rank: Some(rank),
+                    node_rank: loc.node_rank,
+                    host: loc.host.clone(),
+                    reason: reason.clone(),
+                    spare_node_id: spare.map(|s| s.0.to_owned()).unwrap_or_default(),
+                    spare_host: spare.map(|s| s.1.to_owned()).unwrap_or_default(),
+                    ..Default::default()
+                },
+                died: Instant::now(),
+                precise,
+            });
+            // The order goes out once the record holding it is stored.
+            self.ranks[rank as usize].replace = Some(pb::RankReplace {
+                generation,
                 rank: Some(rank),
-                node_rank: loc.node_rank,
-                host: loc.host.clone(),
-                reason,
-                ..Default::default()
-            },
-            died: Instant::now(),
-            precise,
-        });
+                epoch,
+                restart_count,
+                max_restarts,
+                message: message.clone(),
+            });
+        }
         self.recoveries.truncate(RECOVERIES_KEPT);
         let withdrawn = pb::BarrierError {
             kind: ErrKind::MembershipChanged as i32,
-            message: message.clone(),
-            rank,
+            message,
+            rank: first,
             node_rank: loc.node_rank(),
             host: loc.host.clone(),
             missing: vec![],
@@ -231,15 +256,6 @@ impl Gen {
                 },
             );
         }
-        // The order goes out once the record holding it is stored ([`Job::order_replacement`]).
-        self.ranks[rank as usize].replace = Some(pb::RankReplace {
-            generation,
-            rank: Some(rank),
-            epoch,
-            restart_count,
-            max_restarts,
-            message,
-        });
     }
 
     /// Sends `rank`'s replacement order to its node's watch (if the agent is attached).
@@ -328,13 +344,14 @@ impl Job {
         let Phase::Running(g) = &mut st.phase else {
             return false;
         };
-        g.replace_rank(
+        g.replace_ranks(
             &self.id,
-            rank,
+            &[rank],
             reason.to_owned(),
             precise,
             restarts + 1,
             max_restarts,
+            None,
         );
         crate::metrics::recovered_in_place();
         let version = self.persist(st);

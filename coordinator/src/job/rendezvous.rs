@@ -96,6 +96,12 @@ impl Job {
                 }
             }
         }
+        if Job::joins_as_spare(&st, &req) {
+            return self.join_spare(&mut st, req, attempt);
+        }
+        if let Some(e) = self.replaced_refusal(&st, &req.node_id) {
+            return Err(e);
+        }
         if let Phase::Open(round) = &st.phase {
             if let Some(j) = round.joiners.iter().find(|j| j.req.node_id == req.node_id) {
                 return Err(Error::AlreadyExists(format!(
@@ -229,10 +235,11 @@ impl Job {
         });
     }
 
-    /// Removes a joiner whose caller went away before its round closed.
+    /// Removes a joiner whose caller went away before its round closed (or a spare whose
+    /// caller went away while it stood by).
     pub fn withdraw(&self, generation: u64, node_id: &str, attempt: u64) {
         let mut st = self.lock();
-        if st.generation != generation {
+        if self.withdraw_spare(&mut st, node_id, attempt) || st.generation != generation {
             return;
         }
         let min = st.config.min_nodes;
@@ -393,6 +400,8 @@ impl Job {
                 finished: false,
                 watched: j.req.watches,
                 last_seen: None,
+                min_watch: 0,
+                took_over: None,
             });
             for _ in 0..j.req.local_world_size {
                 ranks.push(RankSlot::new(node_rank as u32));

@@ -5,7 +5,7 @@
 
 use super::*;
 
-fn req(node_id: &str) -> JoinReq {
+pub(super) fn req(node_id: &str) -> JoinReq {
     JoinReq {
         node_id: node_id.into(),
         host: format!("host-{node_id}"),
@@ -13,6 +13,7 @@ fn req(node_id: &str) -> JoinReq {
         requested: None,
         request_id: String::new(),
         watches: false,
+        spare: false,
     }
 }
 
@@ -32,6 +33,7 @@ async fn the_drained_set_is_in_the_record_and_a_restored_job_still_refuses_the_n
         max_restarts: 2,
         recovery: Recovery::Restart,
         hang: Hang::default(),
+        max_spares: 0,
     };
     let job = Job::new(JobId::parse("j").unwrap(), config, &ctx);
     let (_, _, a) = job.join(req("a")).unwrap();
@@ -54,7 +56,7 @@ async fn the_drained_set_is_in_the_record_and_a_restored_job_still_refuses_the_n
     assert!(restored.join(req("a")).is_ok());
 }
 
-fn ctx() -> JobContext {
+pub(super) fn ctx() -> JobContext {
     JobContext {
         incarnation: 1,
         store: None,
@@ -63,7 +65,7 @@ fn ctx() -> JobContext {
     }
 }
 
-fn config(nodes: u32, max_restarts: u32) -> RoundConfig {
+pub(super) fn config(nodes: u32, max_restarts: u32) -> RoundConfig {
     RoundConfig {
         min_nodes: nodes,
         max_nodes: nodes,
@@ -72,6 +74,7 @@ fn config(nodes: u32, max_restarts: u32) -> RoundConfig {
         max_restarts,
         recovery: Recovery::Restart,
         hang: Hang::default(),
+        max_spares: 0,
     }
 }
 
@@ -361,7 +364,7 @@ fn exited(code: i32) -> Option<FailureDetail> {
     })
 }
 
-fn ask(rank: u32, epoch: u64, step: Option<u64>) -> QuorumAsk {
+pub(super) fn ask(rank: u32, epoch: u64, step: Option<u64>) -> QuorumAsk {
     QuorumAsk {
         job_id: JobId::parse("j").unwrap(),
         generation: 1,
@@ -403,7 +406,7 @@ fn replaces(rx: &mut UnboundedReceiver<Result<pb::NodeEvent, Status>>) -> Vec<pb
     out
 }
 
-fn code_and_message(e: Error) -> (tonic::Code, String) {
+pub(super) fn code_and_message(e: Error) -> (tonic::Code, String) {
     let s = tonic::Status::from(e);
     (s.code(), s.message().to_owned())
 }

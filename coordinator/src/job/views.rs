@@ -146,6 +146,7 @@ impl Job {
             recovery: st.config.recovery.to_wire(),
             hang_timeout_ms: Some(st.config.hang.timeout_ms()),
             on_hang: st.config.hang.action.to_wire(),
+            max_spares: Some(st.config.max_spares),
         };
         let mut resp = pb::DescribeJobResponse {
             summary: Some(self.summary_locked(&st)),
@@ -156,6 +157,9 @@ impl Job {
             hangs: st.hangs.iter().cloned().collect(),
             hang_timeout_ms: st.config.hang.timeout_ms(),
             on_hang: st.config.hang.action.to_wire(),
+            spares: st.spares.iter().map(Spare::info).collect(),
+            max_spares: st.config.max_spares,
+            replaced: st.replaced.clone(),
             ..Default::default()
         };
         let now = Instant::now();

@@ -207,6 +207,8 @@ impl Coordinator {
             max_restarts: spec.max_restarts,
             recovery: Recovery::from_wire("recovery", spec.recovery)?.unwrap_or_default(),
             hang: Hang::from_wire(spec.hang_timeout_ms, spec.on_hang)?.unwrap_or_default(),
+            // Daemon agents (`serve`) stand by as no job's spares.
+            max_spares: 0,
         };
         jobs.insert(id.clone(), Job::new(id, config, &self.ctx));
         Ok(())
@@ -326,6 +328,7 @@ impl Coordinator {
             max_restarts: 0,
             recovery: Recovery::Restart,
             hang: Hang::default(),
+            max_spares: 0,
         }
     }
 }

@@ -30,11 +30,13 @@ impl pb::relay_server::Relay for RelayService {
             generation,
             node_rank,
             resume,
+            node_id,
         } = RelayRegister::try_from(&reg)?;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         job.relay_register(
             generation,
             node_rank,
+            &node_id,
             tx.clone(),
             self.0.config.heartbeat_interval(),
             resume,
@@ -82,12 +84,12 @@ impl pb::relay_server::Relay for RelayService {
                     }
                     Some(pb::relay_message::Kind::RankRegister(reg)) => {
                         let rank = reg.rank;
-                        let answer = register_rank(&job, generation, node_rank, &reg)
+                        let answer = register_rank(&job, generation, node_rank, &tx, &reg)
                             .map(|info| registered(&coordinator.config, &info));
                         let _ = tx.send(Ok(crate::job::rank_event(rank, answer)));
                     }
                     Some(pb::relay_message::Kind::RankLeave(pb::RankLeave { rank })) => {
-                        match job.check_on_node(generation, node_rank, rank) {
+                        match job.check_on_node(generation, node_rank, rank, &tx) {
                             Ok(()) => job.leave(generation, rank),
                             Err(e) => {
                                 let _ = tx.send(Ok(crate::job::rank_event(rank, Err(e.into()))));
@@ -96,7 +98,7 @@ impl pb::relay_server::Relay for RelayService {
                     }
                     Some(pb::relay_message::Kind::RankLost(pb::RankLost { rank, reason })) => {
                         let checked = job
-                            .check_on_node(generation, node_rank, rank)
+                            .check_on_node(generation, node_rank, rank, &tx)
                             .map_err(Status::from)
                             .and_then(|()| {
                                 muster_core::model::label("reason", &reason, 4096)
@@ -111,7 +113,7 @@ impl pb::relay_server::Relay for RelayService {
                         }
                     }
                     Some(pb::relay_message::Kind::RankStep(pb::RankStep { rank, step })) => {
-                        match job.check_on_node(generation, node_rank, rank) {
+                        match job.check_on_node(generation, node_rank, rank, &tx) {
                             Ok(()) => job.step_begun(generation, rank, step),
                             Err(e) => {
                                 let _ = tx.send(Ok(crate::job::rank_event(rank, Err(e.into()))));
@@ -144,6 +146,7 @@ fn register_rank(
     job: &Arc<Job>,
     generation: u64,
     node_rank: u32,
+    relay: &crate::job::RelayOutbox,
     reg: &pb::Register,
 ) -> Result<crate::job::Registration, Status> {
     if reg.job_id != job.id.as_str() || reg.generation != generation {
@@ -160,5 +163,14 @@ fn register_rank(
         resume,
         replacement,
     } = SessionRegister::try_from(reg)?;
-    Ok(job.register_relayed(generation, node_rank, rank, pid, host, resume, replacement)?)
+    Ok(job.register_relayed(
+        generation,
+        node_rank,
+        relay,
+        rank,
+        pid,
+        host,
+        resume,
+        replacement,
+    )?)
 }

@@ -94,6 +94,7 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
                         // takes the job's; hang detection is the first joiner's.
                         let c = RoundConfig {
                             hang: have.hang,
+                            max_spares: have.max_spares,
                             ..spec.resolve(defaults, have.max_restarts, have.recovery, have.hang)
                         };
                         if c != have {
@@ -258,6 +259,7 @@ impl pb::rendezvous_server::Rendezvous for RendezvousService {
         let job = self.0.job(&r.job_id)?;
         let report = FailureReport::try_from(r)?;
         job.check_member(report.generation, report.rank)?;
+        job.check_reporter(report.generation, report.rank, &report.node_id)?;
         job.fail_rank(
             report.generation,
             report.rank,

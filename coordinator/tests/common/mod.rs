@@ -69,6 +69,7 @@ pub fn join_req(job: &str, node: &str, local: u32, min: u32, max: u32) -> pb::Jo
         }),
         request_id: String::new(),
         watches: false,
+        spare: false,
     }
 }
 

@@ -56,6 +56,7 @@ fn start(job: &str, world: u32) -> (tokio::runtime::Runtime, Vec<RankInfo>) {
                 }),
                 request_id: format!("{job}-{:016x}", rand::random::<u64>()),
                 watches: false,
+                spare: false,
             })
             .await
             .unwrap()

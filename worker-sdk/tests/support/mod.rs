@@ -96,6 +96,7 @@ pub async fn join(addr: &str, job: &str, local_sizes: &[u32]) -> Vec<pb::JoinRes
                 // One per join attempt (the coordinator requires it, to make retries safe).
                 request_id: format!("{job}-node-{i}-{:016x}", rand::random::<u64>()),
                 watches: false,
+                spare: false,
             };
             tokio::spawn(async move { client.join(request).await.unwrap().into_inner() })
         })

@@ -12,6 +12,7 @@ fn node() -> NodeAssignment {
         coordinator: "127.0.0.1:1".into(),
         failover_timeout: crate::failover::DEFAULT_BUDGET,
         job_id: "j".into(),
+        node_id: String::new(),
         generation: 2,
         node_rank: 1,
         num_nodes: 2,
