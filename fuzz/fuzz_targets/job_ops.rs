@@ -53,6 +53,11 @@ enum Op {
         generation: u8,
         node_rank: u8,
     },
+    /// A node's lease ended (a spare may take its place).
+    NodeLost {
+        generation: u8,
+        node_rank: u8,
+    },
     Cancel,
     Describe,
     Sleep {
@@ -94,11 +99,13 @@ async fn run(input: Input) {
             muster_coordinator::job::Recovery::Restart
         },
         hang: muster_coordinator::job::Hang::default(),
+        max_spares: u32::from(input.extra_nodes >> 4) % 3,
     };
     let ctx = JobContext {
         incarnation: 1,
         store: None,
         tenure: muster_coordinator::tenure::Tenure::always(),
+        heartbeat_timeout: Duration::from_secs(10),
     };
     let Ok(id) = JobId::parse("fuzz") else { return };
     let job = Job::new(id, config, &ctx);
@@ -124,6 +131,7 @@ async fn run(input: Input) {
                         format!("req-{request_id}")
                     },
                     watches: request_id % 3 == 0,
+                    spare: request_id % 5 == 0,
                 };
                 if let Ok(answer) = job.join(req) {
                     answers.push(answer);
@@ -211,6 +219,15 @@ async fn run(input: Input) {
                 job.node_finished(u64::from(generation), u32::from(node_rank))
                     .await
             }
+            Op::NodeLost {
+                generation,
+                node_rank,
+            } => job.node_lost(
+                u64::from(generation),
+                u32::from(node_rank),
+                0,
+                "fuzz: its lease ended",
+            ),
             Op::Cancel => {
                 let _ = job.cancel("fuzz");
             }

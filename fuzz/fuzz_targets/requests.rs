@@ -118,6 +118,7 @@ fn restore_record(bytes: &[u8]) {
         incarnation: 1,
         store: None,
         tenure: muster_coordinator::tenure::Tenure::always(),
+        heartbeat_timeout: std::time::Duration::from_secs(10),
     };
     if let Ok(job) = Job::restore(&record, 0, &ctx) {
         let _ = job.describe();
