@@ -541,9 +541,14 @@ fn training_line(t: &pb::TrainingTime) -> String {
         t.last_step
     );
     if t.lost_ms > 0 {
+        let detection = if t.detection_ms > 0 {
+            format!(", of which detecting lost nodes {}", ago(t.detection_ms))
+        } else {
+            String::new()
+        };
         let _ = write!(
             line,
-            "; lost {} (in-place recoveries {}, restarts and redone steps {})",
+            "; lost {} (in-place recoveries {}{detection}, restarts and redone steps {})",
             ago(t.lost_ms),
             ago(t.recoveries_ms),
             ago(t.lost_ms - t.recoveries_ms.min(t.lost_ms))
@@ -572,6 +577,13 @@ fn recovery_line(r: &pb::RecoveryInfo) -> String {
     } else {
         format!(" on spare {} (host {})", r.spare_node_id, r.spare_host)
     };
+    if r.detect_ms > 0 {
+        let _ = write!(
+            line,
+            "; seen {} after its agent was last heard",
+            ago(r.detect_ms)
+        );
+    }
     if r.replacement_pid > 0 {
         let _ = write!(
             line,
@@ -614,6 +626,7 @@ mod tests {
             recoveries_ms: 1_400,
             last_step: 240,
             highest_step: 240,
+            detection_ms: 0,
         });
         let text = render(&d);
         assert_eq!(
@@ -623,6 +636,16 @@ mod tests {
                  lost 12.3 s (in-place recoveries 1.4 s, restarts and redone steps 10.9 s)"
             ),
             "{text}"
+        );
+        // A lost node's detection is named within the recoveries.
+        if let Some(t) = d.training.as_mut() {
+            t.detection_ms = 1_000;
+        }
+        assert!(
+            render(&d)
+                .contains("(in-place recoveries 1.4 s, of which detecting lost nodes 1.0 s, "),
+            "{}",
+            render(&d)
         );
         // Nothing lost: no split.
         d.training = Some(pb::TrainingTime {

@@ -231,6 +231,7 @@ mod tests {
             resumed_ms: 400,
             spare_node_id: "spare-1".into(),
             spare_host: "10.0.0.9".into(),
+            detect_ms: 2_000,
         };
         let v = to_json("muster.v1.RecoveryInfo", &r);
         assert_eq!(
@@ -250,6 +251,7 @@ mod tests {
             "respawn_ms",
             "resumed_ms",
             "spare_node_id",
+            "detect_ms",
         ] {
             assert!(v.get(field).is_some(), "{field} missing from {v}");
             assert!(

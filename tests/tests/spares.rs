@@ -196,6 +196,15 @@ fn a_node_cut_off_past_its_lease_is_replaced_and_its_agent_is_refused_when_it_co
     spare.wait_for_lines(Stream::Stderr, 1, LIMIT, |l| {
         l.contains("this spare takes node 1's place")
     });
+    // The recovery's timeline starts at the loss: detected once the agent had been silent for
+    // the heartbeat timeout, then the spare's replacements.
+    let view = describe(&cluster, &job);
+    let line = view
+        .lines()
+        .find(|l| l.starts_with("RECOVER") && l.contains("rank 2 "))
+        .unwrap_or_else(|| panic!("no recovery of rank 2 in\n{view}"));
+    assert!(line.contains("after its agent was last heard"), "{view}");
+    assert!(line.contains("on spare "), "{view}");
     // The link comes back within the lost agent's lease: its watch is refused, naming the
     // spare, and it stops its workers and leaves.
     cluster.net.heal("n1");

@@ -16,11 +16,20 @@
 //! Needs release builds (`cargo build --release -p muster-agent -p muster --examples -p
 //! muster-bench`) and the peers' venv (`scripts/install-peers.sh`).
 //!
-//! `target/release/recovery [--rounds 3] [--procs 4,8] [--kill-after 20]`
+//! A second table loses a whole node (issue 30): 2 nodes of `--node-procs` ranks on one
+//! `muster-coordinator`, node 1's agent SIGKILLed (its workers die with it). muster in place
+//! with a spare agent standing by (`--spare`, `--max-spares 1`): split into when rank 0 heard
+//! of the loss, when the spare was given the place (its line), when its replacements started
+//! (their `started` lines), and rank 0's quorum, rebuild and heal; against muster's restart mode
+//! (`--recovery restart`, `ddp_train` checkpointing every step, node 1's agent started again at
+//! once, as a supervisor would) and torchrun's restart plus reload of the first table at the
+//! same world size (a worker's death: a node's loss costs torchrun at least that).
+//!
+//! `target/release/recovery [--rounds 3] [--procs 4,8] [--kill-after 20] [--node-procs 4]`
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use muster_bench::{bin_dir, field, load_average, peers_venv, quantile};
+use muster_bench::{CoordinatorProcess, bin_dir, field, load_average, peers_venv, quantile};
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use std::io::{BufRead, BufReader};
@@ -50,6 +59,12 @@ struct Args {
     /// The peers' venv.
     #[arg(long, env = "MUSTER_PEERS_VENV")]
     venv: Option<PathBuf>,
+    /// Ranks per node of the node-loss table (2 nodes); 0 leaves it out.
+    #[arg(long, default_value_t = 4)]
+    node_procs: u32,
+    /// Only the node-loss table.
+    #[arg(long)]
+    node_loss_only: bool,
 }
 
 /// One line of a launcher's output, with when it arrived.
@@ -318,6 +333,137 @@ fn torch_round(
     result
 }
 
+/// How a node-loss round recovers.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum NodeMode {
+    /// `--recovery in-place` with a spare standing by.
+    Spare,
+    /// `--recovery restart`, checkpoints every step, the lost agent started again at once.
+    Restart,
+}
+
+/// One node-loss round: in milliseconds from node 1's agent SIGKILL, [first step again at
+/// full world size, rank 0 heard of it, the spare given the place, its replacements started,
+/// quorum, rebuild, heal] (NaN where the mode has no such phase).
+fn node_round(
+    agent: &Path,
+    ddp_train: &Path,
+    args: &Args,
+    mode: NodeMode,
+    dir: &Path,
+    round: usize,
+) -> anyhow::Result<[f64; 7]> {
+    let coordinator = CoordinatorProcess::start_with(|c| {
+        c.args(["--heartbeat-timeout-ms", "2000"]);
+    })?;
+    let job = format!("node-loss-{}-{round}", std::process::id());
+    let mut script = format!(
+        "echo started rank=$RANK pid=$$; exec {} --epochs 100000 --samples 8192 --batch-size 64 --hidden {} --eval-samples 0 --step-sleep-ms {}",
+        ddp_train.display(),
+        args.hidden,
+        args.step_sleep_ms
+    );
+    if mode == NodeMode::Restart {
+        let ckpt = dir.join(&job);
+        script.push_str(&format!(
+            " --checkpoint-dir {} --checkpoint-every 1",
+            ckpt.display()
+        ));
+    }
+    let addr = coordinator.addr.to_string();
+    let node = |flags: &[&str]| {
+        let mut cmd = Command::new(agent);
+        cmd.args(["launch", "--coordinator", &addr, "--job-id", &job])
+            .args([
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                &args.node_procs.to_string(),
+            ])
+            .args(["--max-restarts", "1"])
+            .args(match mode {
+                NodeMode::Spare => ["--recovery", "in-place", "--max-spares", "1"].as_slice(),
+                NodeMode::Restart => ["--recovery", "restart"].as_slice(),
+            })
+            .args(flags)
+            .args(["--", "sh", "-c", &script])
+            .env("MUSTER_COMM_BACKEND", "cpu")
+            .env("OMP_NUM_THREADS", "1");
+        Run::start(cmd)
+    };
+    let mut n0 = node(&["--node-rank", "0"])?;
+    let n1 = node(&["--node-rank", "1"])?;
+    let mut spare = match mode {
+        NodeMode::Spare => Some(node(&["--spare"])?),
+        NodeMode::Restart => None,
+    };
+    let result = (|| {
+        if let Some(spare) = &mut spare {
+            spare.until("the spare standing by", |l| {
+                l.contains("standing by as a spare")
+            })?;
+        }
+        n0.until("the kill step", |l| {
+            step_of(l).is_some_and(|s| s >= args.kill_after)
+        })?;
+        let (killed, killed_wall) = (Instant::now(), unix_ns());
+        kill(Pid::from_raw(n1.child.id() as i32), Signal::SIGKILL).context("killing node 1")?;
+        let ms = |at: Instant| at.duration_since(killed).as_secs_f64() * 1000.0;
+        match &mut spare {
+            Some(spare) => {
+                let placed =
+                    spare.until("the spare's place", |l| l.contains("takes node 1's place"))?;
+                let placed = spare.seen[placed].at;
+                let started =
+                    spare.until("a replacement started", |l| l.contains("started rank="))?;
+                let started = spare.seen[started].at;
+                let recovered =
+                    n0.until("the recovered line", |l| l.contains("recovered epoch="))?;
+                let line = n0.seen[recovered].text.clone();
+                n0.until("a step after the recovery", |l| step_of(l).is_some())?;
+                let first = n0.seen.last().map_or(killed, |l| l.at);
+                let failed_ns = field(&line, "failed_unix_ns=").context("no failed_unix_ns")?;
+                Ok([
+                    ms(first),
+                    (failed_ns - killed_wall as f64) / 1e6,
+                    ms(placed),
+                    ms(started),
+                    field(&line, "quorum_ms=").context("no quorum_ms")?,
+                    field(&line, "rebuild_ms=").context("no rebuild_ms")?,
+                    field(&line, "heal_ms=").context("no heal_ms")?,
+                ])
+            }
+            None => {
+                // The lost machine's agent, started again by its supervisor.
+                let n1b = node(&["--node-rank", "1"])?;
+                let out = (|| {
+                    n0.until("the resumed line", |l| l.contains("resumed from"))?;
+                    n0.until("a step after the restart", |l| step_of(l).is_some())?;
+                    let first = n0.seen.last().map_or(killed, |l| l.at);
+                    Ok([
+                        ms(first),
+                        f64::NAN,
+                        f64::NAN,
+                        f64::NAN,
+                        f64::NAN,
+                        f64::NAN,
+                        f64::NAN,
+                    ])
+                })();
+                n1b.stop();
+                out
+            }
+        }
+    })();
+    n0.stop();
+    n1.stop();
+    if let Some(spare) = spare {
+        spare.stop();
+    }
+    drop(coordinator);
+    result
+}
+
 fn median(xs: &mut [f64]) -> f64 {
     quantile(xs, 0.5)
 }
@@ -344,6 +490,78 @@ fn main() -> anyhow::Result<()> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/ddp_restart.py");
     let dir = std::env::temp_dir().join(format!("muster-recovery-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
+    if !args.node_loss_only {
+        worker_tables(&args, &agent, &ddp_train, &torchrun, &script, &dir)?;
+    }
+    if args.node_procs > 0 {
+        node_table(&args, &agent, &ddp_train, &torchrun, &script, &dir)?;
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// The node-loss table (see the module's docs).
+fn node_table(
+    args: &Args,
+    agent: &Path,
+    ddp_train: &Path,
+    torchrun: &Path,
+    script: &Path,
+    dir: &Path,
+) -> anyhow::Result<()> {
+    let procs = args.node_procs * 2;
+    println!(
+        "\n## Node loss, 2 nodes x {} ranks (SIGKILL of node 1's agent to the first step completed again at full world size; median of {} rounds; load {})\n",
+        args.node_procs,
+        args.rounds,
+        load_average()
+    );
+    println!(
+        "| muster in place, spare | rank 0 told | spare given the place | replacements started | quorum | rebuild | heal | muster restart + reload | torchrun restart + reload ({procs} procs, a worker's death) | spare / muster restart | spare / torchrun |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    let (mut spare, mut restart, mut torch): ([Vec<f64>; 7], Vec<f64>, Vec<f64>) =
+        Default::default();
+    for round in 0..args.rounds {
+        let a = node_round(agent, ddp_train, args, NodeMode::Spare, dir, round)
+            .with_context(|| format!("node loss with a spare, round {round}"))?;
+        for (v, x) in spare.iter_mut().zip(a) {
+            v.push(x);
+        }
+        let b = node_round(agent, ddp_train, args, NodeMode::Restart, dir, round)
+            .with_context(|| format!("node loss with a restart, round {round}"))?;
+        restart.push(b[0]);
+        let t = torch_round(torchrun, script, procs, args, dir, round + 1000);
+        match &t {
+            Ok(t) => torch.push(t[0]),
+            Err(e) => eprintln!("torchrun did not train again: {e:#}"),
+        }
+        eprintln!(
+            "node loss, round {round}: spare {:.0} ms, muster restart {:.0} ms, torchrun {}",
+            a[0],
+            b[0],
+            t.map_or_else(|_| "failed".to_owned(), |t| format!("{:.0} ms", t[0]))
+        );
+    }
+    let [total, told, placed, started, quorum, rebuild, heal] = spare.each_mut().map(|v| median(v));
+    let (r, t) = (median(&mut restart), median(&mut torch));
+    println!(
+        "| {total:.0} ms | {told:.1} ms | {placed:.0} ms | {started:.0} ms | {quorum:.0} ms | {rebuild:.1} ms | {heal:.1} ms | {r:.0} ms | {t:.0} ms | {:.3}x | {:.3}x |",
+        total / r,
+        total / t
+    );
+    Ok(())
+}
+
+/// The worker-death tables (see the module's docs).
+fn worker_tables(
+    args: &Args,
+    agent: &Path,
+    ddp_train: &Path,
+    torchrun: &Path,
+    script: &Path,
+    dir: &Path,
+) -> anyhow::Result<()> {
     println!(
         "## Recovery time (SIGKILL of the last rank to the first step completed again at full world size; median of {} rounds; load {})\n",
         args.rounds,
@@ -358,14 +576,14 @@ fn main() -> anyhow::Result<()> {
         let mut t: [Vec<f64>; 2] = Default::default();
         let mut torch_failed = 0;
         for round in 0..args.rounds {
-            let a = muster_round(&agent, &ddp_train, procs, &args, round)
+            let a = muster_round(agent, ddp_train, procs, args, round)
                 .with_context(|| format!("muster, {procs} processes, round {round}"))?;
             for (v, x) in m.iter_mut().zip(a) {
                 v.push(x);
             }
             // A torchrun round that never trains again is a result, not a harness error: it
             // is counted and said, and its time is left out of the median.
-            match torch_round(&torchrun, &script, procs, &args, &dir, round) {
+            match torch_round(torchrun, script, procs, args, dir, round) {
                 Ok(b) => {
                     for (v, x) in t.iter_mut().zip(b) {
                         v.push(x);
@@ -410,7 +628,7 @@ fn main() -> anyhow::Result<()> {
     for &procs in &args.procs {
         let (mut check, mut step) = (vec![], vec![]);
         for _ in 0..args.rounds {
-            let [c, s] = check_round(&agent, &ddp_train, procs, &args)?;
+            let [c, s] = check_round(agent, ddp_train, procs, args)?;
             check.push(c);
             step.push(s);
         }
@@ -420,6 +638,5 @@ fn main() -> anyhow::Result<()> {
             c / (s * 1000.0) * 100.0
         );
     }
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }

@@ -154,7 +154,8 @@ impl Gen {
     /// one new epoch, a recovery recorded per rank, waits withdrawn, sessions told, and each
     /// rank's replacement order kept (sent by [`Job::order_replacement`], or, for a lost
     /// node, answered to the spare that takes its place: `spare` is its node id and host).
-    /// `restart_count` counts this restart.
+    /// `restart_count` counts this restart; `detected` is how long after the death it was
+    /// seen (a lost node's silence), from which the recovery's times count.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn replace_ranks(
         &mut self,
@@ -165,6 +166,7 @@ impl Gen {
         restart_count: u32,
         max_restarts: u32,
         spare: Option<(&str, &str)>,
+        detected: Duration,
     ) {
         let Some(&first) = ranks.first() else {
             return;
@@ -210,9 +212,12 @@ impl Gen {
                     reason: reason.clone(),
                     spare_node_id: spare.map(|s| s.0.to_owned()).unwrap_or_default(),
                     spare_host: spare.map(|s| s.1.to_owned()).unwrap_or_default(),
+                    detect_ms: detected.as_millis() as u64,
                     ..Default::default()
                 },
-                died: Instant::now(),
+                died: Instant::now()
+                    .checked_sub(detected)
+                    .unwrap_or_else(Instant::now),
                 precise,
             });
             // The order goes out once the record holding it is stored.
@@ -352,6 +357,7 @@ impl Job {
             restarts + 1,
             max_restarts,
             None,
+            Duration::ZERO,
         );
         crate::metrics::recovered_in_place();
         let version = self.persist(st);

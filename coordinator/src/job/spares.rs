@@ -200,6 +200,9 @@ impl Job {
         };
         let node = &g.nodes[node_rank as usize];
         let (old_id, old_host) = (node.node_id.clone(), node.host.clone());
+        // Detection: since its agent was last heard (a lease's silence; a broken stream is
+        // seen within one heartbeat interval of it).
+        let detected = node.last_seen.map_or(Duration::ZERO, |t| t.elapsed());
         let reason = format!("node {node_rank} (host {old_host}, agent {old_id}) was lost: {why}");
         let ranks: Vec<u32> = range.collect();
         g.replace_ranks(
@@ -210,6 +213,7 @@ impl Job {
             restarts + 1,
             c.max_restarts,
             Some((&spare.req.node_id, &spare.req.host)),
+            detected,
         );
         let epoch = g.epoch;
         let node = &mut g.nodes[node_rank as usize];

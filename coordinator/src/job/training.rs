@@ -64,6 +64,8 @@ impl Steps {
             recoveries_ms: ms(recoveries.min(self.lost)),
             last_step,
             highest_step: self.highest,
+            // Set by the view, which knows the recoveries.
+            detection_ms: 0,
         })
     }
 }
