@@ -76,11 +76,15 @@ pub enum FaultKind {
     WorkerPause,
     /// Cut one agent's network link (network namespaces) for the fault's duration, then heal.
     LinkCut,
+    /// SIGKILL one agent of the `in-place` job (a node, or the spare standing by): a spare takes
+    /// a lost node's ranks in place (issue 30); a new agent is started after the fault's
+    /// duration, and stands by as the spare, as a machine that comes back does.
+    NodeLoss,
 }
 
 impl FaultKind {
     /// Every kind, in a fixed order (the schedule draws from a subset of it).
-    pub const ALL: [FaultKind; 11] = [
+    pub const ALL: [FaultKind; 12] = [
         FaultKind::LeaderKill,
         FaultKind::LeaderPauseShort,
         FaultKind::LeaderPauseLong,
@@ -92,6 +96,7 @@ impl FaultKind {
         FaultKind::WorkerKill,
         FaultKind::WorkerPause,
         FaultKind::LinkCut,
+        FaultKind::NodeLoss,
     ];
 
     /// The kind's name in the printed schedule and the history.
@@ -108,6 +113,7 @@ impl FaultKind {
             FaultKind::WorkerKill => "worker-kill",
             FaultKind::WorkerPause => "worker-pause",
             FaultKind::LinkCut => "link-cut",
+            FaultKind::NodeLoss => "node-loss",
         }
     }
 
@@ -129,6 +135,7 @@ impl FaultKind {
             FaultKind::WorkerKill => (0, 0),
             FaultKind::WorkerPause => (100, 3_000),
             FaultKind::LinkCut => (500, 3_000),
+            FaultKind::NodeLoss => (100, 1_000),
         }
     }
 }

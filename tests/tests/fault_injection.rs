@@ -26,9 +26,12 @@
 //!   `python` one of Python SDK workers (`tests/python/fault_python.py`: barriers,
 //!   `main_process_first_share`, the store, a `Communicator` all_reduce; the `muster` package
 //!   in the peers' venv); each is skipped, saying why, without its Python; `in-place` adds a
-//!   `ddp_train` job under `--recovery in-place` whose workers the worker faults may kill, and
-//!   whose final checksum must equal a failure-free run's. The run's first line names the
-//!   seed and the workloads;
+//!   `ddp_train` job under `--recovery in-place` of 2 nodes and a spare agent standing by
+//!   (`--max-spares 1`), whose workers the worker faults may kill and whose agents the
+//!   `node-loss` faults kill (a spare takes a lost node's ranks; a new agent is started and
+//!   stands by as the spare), and whose final checksum must equal a failure-free run's; a scan
+//!   of its trainers every 100 ms asserts that no rank ever has two live processes. The run's
+//!   first line names the seed and the workloads;
 //! - `MUSTER_SOAK=1` is the soak (issue 28, not in CI): 8 jobs of 4 ranks (every workload,
 //!   `multi-job` with [`SOAK_SIDE_JOBS`] jobs) for 30 minutes (`MUSTER_SOAK_MINUTES=N` for
 //!   another length), with a fault about every minute from [`SOAK_KINDS`]; it reports the
@@ -39,6 +42,7 @@
 //! It skips, printing why, where etcd is not installed.
 #![allow(clippy::unwrap_used, missing_docs)]
 
+use std::collections::BTreeMap;
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -131,6 +135,11 @@ const IN_PLACE_TRAIN: &[&str] = &[
 ];
 /// The invariant of `in-place`: the job exits 0 with the failure-free run's checksum.
 const INV_IN_PLACE: &str = "in-place-checksum";
+/// The invariant of `in-place` with spares: a rank never has two live trainers (a spare's
+/// replacement never runs beside the lost node's worker).
+const INV_ONE_OWNER: &str = "in-place-one-owner";
+/// The `in-place` job's agents: 2 nodes and the spare.
+const IN_PLACE_AGENTS: usize = 3;
 /// The extra jobs of `multi-job`, each one agent of [`NPROC`] workers.
 const SIDE_JOBS: usize = 2;
 
@@ -159,7 +168,7 @@ struct Usage {
 }
 
 impl Usage {
-    fn of(cluster: &Cluster, sides: &[SideJob], in_place: Option<&Agent>) -> Self {
+    fn of(cluster: &Cluster, sides: &[SideJob]) -> Self {
         let rss = |pid: i32| -> u64 {
             std::fs::read_to_string(format!("/proc/{pid}/status"))
                 .ok()
@@ -180,7 +189,7 @@ impl Usage {
             .agents
             .iter()
             .chain(sides.iter().filter_map(|s| s.agent.as_ref()))
-            .chain(in_place)
+            .chain(cluster.in_place.iter().flat_map(|j| j.agents.iter()))
             .map(|a| a.pid().as_raw())
             .collect();
         Self {
@@ -375,6 +384,90 @@ struct Cluster {
     net: Option<Links>,
     /// [`BALANCER`] or `MUSTER_FAULT_BALANCER=1`.
     balancer: bool,
+    /// The `in-place` workload's job, when it runs.
+    in_place: Option<InPlace>,
+}
+
+/// The `in-place` workload's job: 2 nodes of half its ranks and a spare agent standing by.
+/// Every agent gets the same flags: the first two to join are its nodes, a later one finds
+/// the job full and stands by as its spare (`--max-spares 1`).
+struct InPlace {
+    id: String,
+    /// The failure-free run's checksum.
+    reference: String,
+    /// `muster-agent launch`'s arguments and environment.
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    /// Its agents, and those the schedule killed (kept for their output).
+    agents: Vec<Agent>,
+    lost: Vec<Agent>,
+    /// What the owner scan saw: two live trainers of one rank.
+    doubled: Arc<Mutex<Vec<String>>>,
+}
+
+impl InPlace {
+    fn start_agent(&self, agent: &Path) -> Agent {
+        let mut cmd = std::process::Command::new(agent);
+        cmd.args(&self.args)
+            .envs(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        Agent::spawn(cmd, format!("in-place job {}", self.id))
+    }
+}
+
+/// The `in-place` job's live trainers by rank (`RANK` in their environment), from `/proc`.
+fn trainers_by_rank(marker: &str) -> BTreeMap<String, Vec<i32>> {
+    let mut by_rank: BTreeMap<String, Vec<i32>> = BTreeMap::new();
+    for (pid, what) in marked_processes(marker) {
+        if !what.split_whitespace().nth(2).is_some_and(|p| p.ends_with("/ddp_train")) {
+            continue;
+        }
+        let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
+        if let Some(rank) = environ
+            .split(|b| *b == 0)
+            .find_map(|v| v.strip_prefix(b"RANK="))
+        {
+            by_rank
+                .entry(String::from_utf8_lossy(rank).into_owned())
+                .or_default()
+                .push(pid);
+        }
+    }
+    by_rank
+}
+
+/// Scans the `in-place` job's trainers every 100 ms until `stop`, keeping every sight of a
+/// rank with two live processes (each checked again once, 50 ms later, so that a process
+/// caught between its exit and its reaping is not counted).
+fn scan_owners(
+    marker: String,
+    doubled: Arc<Mutex<Vec<String>>>,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        while !stop.load(Ordering::SeqCst) {
+            let twice: Vec<(String, Vec<i32>)> = trainers_by_rank(&marker)
+                .into_iter()
+                .filter(|(_, pids)| pids.len() > 1)
+                .collect();
+            if !twice.is_empty() {
+                std::thread::sleep(Duration::from_millis(50));
+                let again = trainers_by_rank(&marker);
+                for (rank, pids) in twice {
+                    let still: Vec<i32> = again
+                        .get(&rank)
+                        .map(|now| pids.iter().copied().filter(|p| now.contains(p)).collect())
+                        .unwrap_or_default();
+                    if still.len() > 1 {
+                        doubled
+                            .lock()
+                            .unwrap()
+                            .push(format!("rank {rank} had live trainers {still:?} at {}", now_ms()));
+                    }
+                }
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    })
 }
 
 /// The agents' hosts, and the way from them to the replicas.
@@ -648,6 +741,28 @@ impl Cluster {
                 }
                 format!("worker pid {pid}")
             }
+            FaultKind::NodeLoss => {
+                let agent_bin = self.agent.clone();
+                let Some(job) = &mut self.in_place else {
+                    return "skipped: no in-place job".into();
+                };
+                if job.agents.is_empty() {
+                    return "skipped: the in-place job has no agent".into();
+                }
+                let i = usize::try_from(fault.target).unwrap_or(0) % job.agents.len();
+                let pid = job.agents[i].pid();
+                job.agents[i].signal(Signal::SIGKILL);
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while !job.agents[i].exited() && Instant::now() < deadline {
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                let lost = job.agents.remove(i);
+                job.lost.push(lost);
+                std::thread::sleep(hold);
+                let fresh = job.start_agent(&agent_bin);
+                job.agents.push(fresh);
+                format!("in-place agent {i} (pid {pid}), a new one started")
+            }
             FaultKind::LinkCut => {
                 let Some(links) = &self.net else {
                     return "skipped: network namespaces are not available here".into();
@@ -905,6 +1020,7 @@ fn randomized_faults_keep_the_invariants() {
         agent_addrs,
         net: links,
         balancer: settings.balancer,
+        in_place: None,
     };
     cluster.agents = (0..NODES).map(|n| cluster.start_agent(n)).collect();
     let stop_observing = Arc::new(AtomicBool::new(false));
@@ -978,7 +1094,8 @@ fn randomized_faults_keep_the_invariants() {
     }
     // in-place: the failure-free reference first (on an embedded coordinator, away from the
     // faults), then the job under the schedule.
-    let mut in_place: Option<(Agent, String)> = None;
+    let mut owner_scan = None;
+    let stop_scanning = Arc::new(AtomicBool::new(false));
     if settings.workloads.contains(&"in-place") {
         match example_bin("ddp_train") {
             Some(bin) => {
@@ -1006,6 +1123,8 @@ fn randomized_faults_keep_the_invariants() {
                 let reference = muster_tests::recovery::checksum(&run);
                 let id = format!("{job}-in-place");
                 let max = max_restarts.to_string();
+                // 2 nodes of half the ranks each: the same world size and checksum.
+                let per_node = (settings.side_nproc() / 2).max(1).to_string();
                 let mut args: Vec<&str> = vec![
                     "launch",
                     "--coordinator",
@@ -1013,13 +1132,15 @@ fn randomized_faults_keep_the_invariants() {
                     "--job-id",
                     &id,
                     "--nnodes",
-                    "1",
+                    "2",
                     "--nproc-per-node",
-                    &nproc,
+                    &per_node,
                     "--recovery",
                     "in-place",
                     "--max-restarts",
                     &max,
+                    "--max-spares",
+                    "1",
                     "--grace-period-ms",
                     "1000",
                 ];
@@ -1035,14 +1156,41 @@ fn randomized_faults_keep_the_invariants() {
                 args.extend_from_slice(&["--", &trainer]);
                 args.extend_from_slice(IN_PLACE_TRAIN);
                 args.extend_from_slice(&["--step-sleep-ms", &sleep_ms]);
-                let mut cmd = std::process::Command::new(&cluster.agent);
-                cmd.args(&args).envs([
-                    ("MUSTER_COMM_BACKEND", "cpu"),
-                    ("NO_COLOR", "1"),
-                    (cluster.marker.0.as_str(), cluster.marker.1.as_str()),
-                ]);
-                println!("job {id} started (in-place; the failure-free {reference})");
-                in_place = Some((Agent::spawn(cmd, format!("job {id}")), reference));
+                let mut job = InPlace {
+                    id: id.clone(),
+                    reference: reference.clone(),
+                    args: args.iter().map(|a| (*a).to_owned()).collect(),
+                    env: [
+                        ("MUSTER_COMM_BACKEND", "cpu"),
+                        ("NO_COLOR", "1"),
+                        (cluster.marker.0.as_str(), cluster.marker.1.as_str()),
+                    ]
+                    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                    .to_vec(),
+                    agents: vec![],
+                    lost: vec![],
+                    doubled: Arc::default(),
+                };
+                // The nodes first, the spare once they run (it finds the job full).
+                job.agents.push(job.start_agent(&cluster.agent));
+                job.agents.push(job.start_agent(&cluster.agent));
+                let deadline = Instant::now() + Duration::from_secs(60);
+                while trainers_by_rank(&cluster.marker()).len() < settings.side_nproc()
+                    && Instant::now() < deadline
+                {
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                job.agents.push(job.start_agent(&cluster.agent));
+                owner_scan = Some(scan_owners(
+                    cluster.marker(),
+                    Arc::clone(&job.doubled),
+                    Arc::clone(&stop_scanning),
+                ));
+                println!(
+                    "job {id} started (in-place, 2 nodes and {} spare; the failure-free {reference})",
+                    IN_PLACE_AGENTS - 2
+                );
+                cluster.in_place = Some(job);
             }
             None => println!("the in-place workload is skipped: no ddp_train example"),
         }
@@ -1086,7 +1234,7 @@ fn randomized_faults_keep_the_invariants() {
         let due = Instant::now() + Duration::from_millis(fault.gap_ms);
         if settings.soak.is_some() && soak_start.is_none() && warmed_at <= due {
             std::thread::sleep(warmed_at.saturating_duration_since(Instant::now()));
-            let u = Usage::of(&cluster, &sides, in_place.as_ref().map(|(a, _)| a));
+            let u = Usage::of(&cluster, &sides);
             println!("soak start: {u}");
             soak_start = Some(u);
         }
@@ -1118,7 +1266,7 @@ fn randomized_faults_keep_the_invariants() {
     }
     let schedule_took = started.elapsed();
     let soak_end = settings.soak.map(|_| {
-        let u = Usage::of(&cluster, &sides, in_place.as_ref().map(|(a, _)| a));
+        let u = Usage::of(&cluster, &sides);
         println!("soak end:   {u}");
         u
     });
@@ -1201,11 +1349,28 @@ fn randomized_faults_keep_the_invariants() {
     });
     println!("the job ended {elapsed:?} after the stop; agents exited {codes:?}");
 
-    // The in-place job ends by itself (its training is done): wait for it.
-    let in_place_run = in_place.map(|(agent, reference)| {
-        let run = agent.finish(Duration::from_secs(120));
-        println!("the in-place job ended: exit {:?}", run.code());
-        (run, reference)
+    // The in-place job ends by itself (its training is done): wait for its agents (a spare
+    // leaves with it).
+    let in_place_run = cluster.in_place.take().map(|job| {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let runs: Vec<muster_tests::Finished> =
+            job.agents.into_iter().map(|a| a.finish_by(deadline)).collect();
+        let lost: Vec<muster_tests::Finished> = job
+            .lost
+            .into_iter()
+            .map(|a| a.finish(Duration::from_secs(5)))
+            .collect();
+        stop_scanning.store(true, Ordering::SeqCst);
+        if let Some(scan) = owner_scan.take() {
+            scan.join().unwrap();
+        }
+        let doubled = job.doubled.lock().unwrap().clone();
+        println!(
+            "the in-place job ended: its agents exited {:?} ({} lost to the schedule)",
+            runs.iter().map(muster_tests::Finished::code).collect::<Vec<_>>(),
+            lost.len()
+        );
+        (runs, lost, doubled, job.reference)
     });
 
     // A failover after the end: the final state must survive it (finding 2).
@@ -1288,33 +1453,48 @@ fn randomized_faults_keep_the_invariants() {
     let checking = Instant::now();
     let mut violations = check_all(&events, max_restarts);
     let in_place_done = in_place_run.is_some();
-    if let Some((run, reference)) = in_place_run {
-        std::fs::write(dir.join("in-place.log"), run.dump()).unwrap();
-        let recovered = run
-            .stderr
+    if let Some((runs, lost, doubled, reference)) = in_place_run {
+        let log: Vec<String> = runs
             .iter()
+            .chain(&lost)
+            .enumerate()
+            .map(|(i, r)| format!("=== agent {i}\n{}", r.dump()))
+            .collect();
+        std::fs::write(dir.join("in-place.log"), log.join("\n")).unwrap();
+        let all = || runs.iter().chain(&lost);
+        let recovered = all()
+            .flat_map(|r| &r.stderr)
             .filter(|l| l.contains("respawned in place"))
             .count();
-        let got = run
-            .rank_stdout(0)
+        let spares = all()
+            .flat_map(|r| &r.stderr)
+            .filter(|l| l.contains("this spare takes node"))
+            .count();
+        let got = runs
             .iter()
+            .flat_map(|r| r.rank_stdout(0))
             .find(|l| l.starts_with("final "))
             .and_then(|l| l.split(' ').find(|w| w.starts_with("checksum=")))
             .map(str::to_owned);
+        let codes: Vec<Option<i32>> = runs.iter().map(muster_tests::Finished::code).collect();
         println!(
-            "in-place job: exit {:?}, {recovered} rank(s) respawned in place, {} (failure-free {reference})",
-            run.code(),
+            "in-place job: exits {codes:?}, {recovered} rank(s) respawned in place, {spares} node(s) taken by a spare, {} (failure-free {reference})",
             got.as_deref().unwrap_or("no checksum")
         );
-        if run.code() != Some(0) || got.as_deref() != Some(reference.as_str()) {
+        if codes.iter().any(|c| *c != Some(0)) || got.as_deref() != Some(reference.as_str()) {
             violations.push(faults::Violation {
                 invariant: INV_IN_PLACE,
                 detail: format!(
-                    "the in-place job exited {:?} with {} instead of the failure-free {reference}; its log: {}",
-                    run.code(),
+                    "the in-place job's agents exited {codes:?} with {} instead of the failure-free {reference}; its log: {}",
                     got.as_deref().unwrap_or("no checksum"),
                     dir.join("in-place.log").display()
                 ),
+            });
+        }
+        for d in doubled {
+            violations.push(faults::Violation {
+                invariant: INV_ONE_OWNER,
+                detail: format!("{d}; the in-place log: {}", dir.join("in-place.log").display()),
             });
         }
     }
