@@ -418,7 +418,11 @@ impl InPlace {
 fn trainers_by_rank(marker: &str) -> BTreeMap<String, Vec<i32>> {
     let mut by_rank: BTreeMap<String, Vec<i32>> = BTreeMap::new();
     for (pid, what) in marked_processes(marker) {
-        if !what.split_whitespace().nth(2).is_some_and(|p| p.ends_with("/ddp_train")) {
+        if !what
+            .split_whitespace()
+            .nth(2)
+            .is_some_and(|p| p.ends_with("/ddp_train"))
+        {
             continue;
         }
         let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap_or_default();
@@ -458,10 +462,10 @@ fn scan_owners(
                         .map(|now| pids.iter().copied().filter(|p| now.contains(p)).collect())
                         .unwrap_or_default();
                     if still.len() > 1 {
-                        doubled
-                            .lock()
-                            .unwrap()
-                            .push(format!("rank {rank} had live trainers {still:?} at {}", now_ms()));
+                        doubled.lock().unwrap().push(format!(
+                            "rank {rank} had live trainers {still:?} at {}",
+                            now_ms()
+                        ));
                     }
                 }
             }
@@ -1353,8 +1357,11 @@ fn randomized_faults_keep_the_invariants() {
     // leaves with it).
     let in_place_run = cluster.in_place.take().map(|job| {
         let deadline = Instant::now() + Duration::from_secs(120);
-        let runs: Vec<muster_tests::Finished> =
-            job.agents.into_iter().map(|a| a.finish_by(deadline)).collect();
+        let runs: Vec<muster_tests::Finished> = job
+            .agents
+            .into_iter()
+            .map(|a| a.finish_by(deadline))
+            .collect();
         let lost: Vec<muster_tests::Finished> = job
             .lost
             .into_iter()
@@ -1367,7 +1374,9 @@ fn randomized_faults_keep_the_invariants() {
         let doubled = job.doubled.lock().unwrap().clone();
         println!(
             "the in-place job ended: its agents exited {:?} ({} lost to the schedule)",
-            runs.iter().map(muster_tests::Finished::code).collect::<Vec<_>>(),
+            runs.iter()
+                .map(muster_tests::Finished::code)
+                .collect::<Vec<_>>(),
             lost.len()
         );
         (runs, lost, doubled, job.reference)
@@ -1494,7 +1503,10 @@ fn randomized_faults_keep_the_invariants() {
         for d in doubled {
             violations.push(faults::Violation {
                 invariant: INV_ONE_OWNER,
-                detail: format!("{d}; the in-place log: {}", dir.join("in-place.log").display()),
+                detail: format!(
+                    "{d}; the in-place log: {}",
+                    dir.join("in-place.log").display()
+                ),
             });
         }
     }
