@@ -3,28 +3,34 @@
 With ``TORCH_WORKER_SERVER_SOCKET`` set, it takes the variable out of the environment (the
 worker's own children, data loader workers, must not bind the rank's socket) and waits for the
 script to import ``torch.distributed``; then ``_muster_flight`` starts torch's worker server
-there, for the agent to read the rank's Flight Recorder. A ``sitecustomize`` this one shadows
-is run after it. It runs in every Python process the agent starts, often compiled afresh
-(PYTHONDONTWRITEBYTECODE), so it is short and imports only ``os`` and ``sys``.
+there, for the agent to read the rank's Flight Recorder. With ``MUSTER_STEP_SOCKET`` set
+(global rank 0 only), it takes that out too and waits for ``torch.optim``; then
+``_muster_steps`` sends each optimizer step to the agent, the job's step markers. A
+``sitecustomize`` this one shadows is run after it. It runs in every Python process the agent
+starts, often compiled afresh (PYTHONDONTWRITEBYTECODE), so it is short and imports only ``os``
+and ``sys``.
 """
 
 import os
 import sys
 
 
-class _AfterTorchDistributed:
-    """A meta path finder that hands ``torch.distributed`` to ``_muster_flight``."""
+class _After:
+    """A meta path finder that hands module ``module`` to ``handler``'s ``find_spec``, with
+    ``arg`` (``torch.distributed`` to ``_muster_flight``, ``torch.optim`` to
+    ``_muster_steps``)."""
 
-    def __init__(self, socket):
-        self.socket = socket
+    def __init__(self, module, handler, arg):
+        self.module = module
+        self.handler = handler
+        self.arg = arg
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname != "torch.distributed":
+        if fullname != self.module:
             return None
         sys.meta_path.remove(self)
-        import _muster_flight
-
-        return _muster_flight.find_spec(self, fullname, path, target, self.socket)
+        handler = __import__(self.handler)
+        return handler.find_spec(self, fullname, path, target, self.arg)
 
 
 def _run_shadowed():
@@ -44,5 +50,8 @@ def _run_shadowed():
 
 _socket = os.environ.pop("TORCH_WORKER_SERVER_SOCKET", None)
 if _socket:
-    sys.meta_path.insert(0, _AfterTorchDistributed(_socket))
+    sys.meta_path.insert(0, _After("torch.distributed", "_muster_flight", _socket))
+_steps = os.environ.pop("MUSTER_STEP_SOCKET", None)
+if _steps:
+    sys.meta_path.insert(0, _After("torch.optim", "_muster_steps", _steps))
 _run_shadowed()

@@ -195,8 +195,13 @@ pub async fn status(args: StatusArgs) -> Result<u8, String> {
         let m = a.machine.unwrap_or_default();
         let mut labels: Vec<String> = m.labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
         labels.sort();
+        let spare = if a.spare_for.is_empty() {
+            String::new()
+        } else {
+            format!(", spare for [{}]", a.spare_for.join(","))
+        };
         println!(
-            "agent {} on {} ({}): {} cpus, {} gpus, labels [{}], jobs [{}], seen {} ms ago",
+            "agent {} on {} ({}): {} cpus, {} gpus, labels [{}], jobs [{}]{spare}, seen {} ms ago",
             m.agent_id,
             m.hostname,
             m.address,
@@ -233,18 +238,19 @@ pub async fn cancel(args: CancelArgs) -> Result<u8, String> {
     Ok(0)
 }
 
-/// The spec of a job placed here: its flags ([`ServeArgs::launch_args`]) through the
-/// command line's validation, then the job's own environment for the workers.
+/// The spec of a job placed here: its flags ([`ServeArgs::launch_args`], `--spare` when it is
+/// placed as a spare) through the command line's validation, then the job's own environment
+/// for the workers.
 fn launch_spec(
     args: &ServeArgs,
     agent_id: &str,
     spec: &pb::JobSpec,
+    spare: bool,
     path: Option<&std::ffi::OsStr>,
 ) -> Result<LaunchSpec, String> {
-    let mut launch = args
-        .launch_args(spec)?
-        .validate(path)
-        .map_err(|e| e.to_string())?;
+    let mut flags = args.launch_args(spec)?;
+    flags.spare = spare;
+    let mut launch = flags.validate(path).map_err(|e| e.to_string())?;
     let mut env: Vec<(String, String)> = spec.env.clone().into_iter().collect();
     env.sort();
     launch.program.env = env;
@@ -415,7 +421,7 @@ pub async fn serve(args: ServeArgs) -> Result<u8, String> {
                                 continue;
                             }
                             eprintln!("muster-agent: starting job {job_id}: {} {}", spec.program, spec.args.join(" "));
-                            match launch_spec(&args, &agent_id, &spec, path.as_deref()) {
+                            match launch_spec(&args, &agent_id, &spec, s.spare, path.as_deref()) {
                                 Ok(launch_spec) => {
                                     let grace = launch_spec.grace_period;
                                     let token = shutdown.child_token();

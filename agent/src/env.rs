@@ -192,7 +192,18 @@ pub fn worker_env(
     // Under the relay, a worker reaches the coordinator through the agent's gateway beside
     // the socket, and gets no address of its own.
     match &node.agent_socket {
-        Some(socket) => env.push((var::MUSTER_AGENT_SOCKET, socket.clone())),
+        Some(socket) => {
+            env.push((var::MUSTER_AGENT_SOCKET, socket.clone()));
+            if rank == 0 {
+                // Rank 0's steps, for a script that marks none itself (`_muster_steps.py`).
+                let steps =
+                    std::path::Path::new(socket).with_file_name(muster_core::contract::STEP_SOCKET);
+                env.push((
+                    var::MUSTER_STEP_SOCKET,
+                    steps.to_string_lossy().into_owned(),
+                ));
+            }
+        }
         None => env.insert(0, (var::MUSTER_COORDINATOR, node.coordinator.clone())),
     }
     let error_file = node.error_dir.as_deref().map(|dir| {
@@ -349,6 +360,28 @@ mod tests {
             got, expected,
             "local rank {local_rank}, inherited {inherited:?}"
         );
+    }
+
+    /// Global rank 0 alone gets the step socket, beside its relay socket.
+    #[test]
+    fn only_global_rank_0_gets_the_step_socket() {
+        let first = NodeAssignment {
+            rank_offset: 0,
+            node_rank: 0,
+            ..node()
+        };
+        let steps = |n: &NodeAssignment, local_rank| {
+            worker_env(n, local_rank, &WorkerOptions::default(), |_| false)
+                .into_iter()
+                .find(|(k, _)| *k == var::MUSTER_STEP_SOCKET)
+                .map(|(_, v)| v)
+        };
+        assert_eq!(
+            steps(&first, 0).as_deref(),
+            Some("/tmp/muster-1-2/steps.sock")
+        );
+        assert_eq!(steps(&first, 1), None);
+        assert_eq!(steps(&node(), 0), None, "rank 4 on node 1");
     }
 
     #[test]

@@ -38,10 +38,11 @@ const KEPT: usize = 8;
 /// node's answer.
 const READ_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// The hook (`sitecustomize.py`, small: every Python worker runs it at start) and the module
-/// it imports once the script imports torch.distributed (`_muster_flight.py`), written into
-/// each launch's folder.
-const HOOK: [(&str, &str); 2] = [
+/// The hook (`sitecustomize.py`, small: every Python worker runs it at start), the module it
+/// imports once the script imports torch.distributed (`_muster_flight.py`), and the one that
+/// marks rank 0's optimizer steps once it imports torch.optim (`_muster_steps.py`), written
+/// into each launch's folder.
+const HOOK: [(&str, &str); 3] = [
     (
         "sitecustomize.py",
         include_str!("../python/sitecustomize.py"),
@@ -49,6 +50,10 @@ const HOOK: [(&str, &str); 2] = [
     (
         "_muster_flight.py",
         include_str!("../python/_muster_flight.py"),
+    ),
+    (
+        "_muster_steps.py",
+        include_str!("../python/_muster_steps.py"),
     ),
 ];
 

@@ -150,6 +150,8 @@ pub struct Relay {
     thread: Option<std::thread::JoinHandle<()>>,
     /// Stops the gateway ([`gateway::serve`]).
     stop_gateway: Option<oneshot::Sender<()>>,
+    /// Stops the step socket's reader ([`gateway::steps`]).
+    stop_steps: Option<oneshot::Sender<()>>,
 }
 
 impl Relay {
@@ -178,6 +180,7 @@ impl Relay {
             stop: None,
             thread: None,
             stop_gateway: None,
+            stop_steps: None,
         };
         let path = relay.dir.join(SOCKET_NAME);
         relay.socket = path
@@ -196,7 +199,18 @@ impl Relay {
                 path: gateway_path,
                 source,
             })?;
+        let steps_path = relay.dir.join(muster_core::contract::STEP_SOCKET);
+        let steps =
+            tokio::net::UnixDatagram::bind(&steps_path).map_err(|source| RelayError::Listen {
+                path: steps_path,
+                source,
+            })?;
         let ranks = Arc::new(Ranks::default());
+        let (stop_steps, steps_stopped) = oneshot::channel();
+        relay.stop_steps = Some(stop_steps);
+        // Task "step-socket", one per relay, on the agent's runtime; ends when the relay is
+        // dropped.
+        tokio::spawn(gateway::steps(steps, Arc::clone(&ranks), steps_stopped));
         let (ready_tx, ready_rx) = oneshot::channel();
         let (stop_tx, stop_rx) = oneshot::channel();
         relay.stop = Some(stop_tx);
@@ -253,6 +267,9 @@ impl Drop for Relay {
     /// and removes the socket directory.
     fn drop(&mut self) {
         if let Some(stop) = self.stop_gateway.take() {
+            let _ = stop.send(());
+        }
+        if let Some(stop) = self.stop_steps.take() {
             let _ = stop.send(());
         }
         if let Some(stop) = self.stop.take() {

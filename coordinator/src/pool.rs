@@ -3,7 +3,9 @@
 //! job on idle agents that match its node selector, which then run it exactly as
 //! `muster-agent launch` would (joining the job's rendezvous like any node). An agent that
 //! registers, or becomes idle, while a submitted job runs with fewer than its most nodes is
-//! started on it too: the job's next round takes it in (torchrun's elastic scale-up).
+//! started on it too: the job's next round takes it in (torchrun's elastic scale-up). An
+//! in-place job that admits spares (`JobSpec.max_spares`) gets that many more idle agents,
+//! started as spares (`StartJob.spare`), and an idle agent fills a missing spare the same way.
 //!
 //! The pool's state sits behind one small lock, held for microseconds and never across an
 //! `.await`; commands go out through each agent's unbounded outbox.
@@ -37,6 +39,8 @@ struct AgentEntry {
 struct Submitted {
     spec: pb::JobSpec,
     agents: BTreeSet<String>,
+    /// Agents started as its spares.
+    spares: BTreeSet<String>,
     /// A node reported the job's end, or it was cancelled: no agent is added any more.
     over: bool,
     /// Agents whose node was drained from the job: never offered it again.
@@ -69,15 +73,25 @@ impl PoolState {
         for (id, job) in &mut self.jobs {
             if job.over
                 || job.drained.contains(agent_id)
-                || job.agents.len() as u32 >= max_nodes(&job.spec)
                 || !matches(&agent.info.labels, &job.spec.node_selector)
             {
                 continue;
             }
-            tracing::info!(job = %id, agent = agent_id, "starting a submitted job on a newly available agent");
-            job.agents.insert(agent_id.to_owned());
+            let spare = if (job.agents.len() as u32) < max_nodes(&job.spec) {
+                false
+            } else if (job.spares.len() as u32) < job.spec.max_spares {
+                true
+            } else {
+                continue;
+            };
+            tracing::info!(job = %id, agent = agent_id, spare, "starting a submitted job on a newly available agent");
+            if spare {
+                job.spares.insert(agent_id.to_owned());
+            } else {
+                job.agents.insert(agent_id.to_owned());
+            }
             agent.jobs.insert(id.clone());
-            let _ = agent.outbox.send(Ok(start(&job.spec)));
+            let _ = agent.outbox.send(Ok(start(&job.spec, spare)));
             return;
         }
     }
@@ -94,10 +108,11 @@ fn matches(
     selector.iter().all(|(k, v)| labels.get(k) == Some(v))
 }
 
-fn start(spec: &pb::JobSpec) -> pb::AgentCommand {
+fn start(spec: &pb::JobSpec, spare: bool) -> pb::AgentCommand {
     pb::AgentCommand {
         kind: Some(pb::agent_command::Kind::Start(pb::StartJob {
             spec: Some(spec.clone()),
+            spare,
         })),
     }
 }
@@ -195,7 +210,20 @@ pub fn check_spec(
         )));
     }
     // Unspecified means restart; the agents' joins then carry what the job has.
-    muster_core::requests::Recovery::from_wire("recovery", spec.recovery)?;
+    let recovery = muster_core::requests::Recovery::from_wire("recovery", spec.recovery)?;
+    if spec.max_spares > 0 && recovery != Some(muster_core::requests::Recovery::InPlace) {
+        return Err(Status::invalid_argument(format!(
+            "max_spares {}: spares take a lost node's ranks in place; the job needs recovery in-place",
+            spec.max_spares
+        )));
+    }
+    if spec.max_spares > model::MAX_NODES {
+        return Err(Status::invalid_argument(format!(
+            "max_spares {} is above the limit of {}",
+            spec.max_spares,
+            model::MAX_NODES
+        )));
+    }
     check_labels("node_selector", &spec.node_selector)?;
     Ok(spec)
 }
@@ -262,6 +290,7 @@ impl Pool {
                 for job in a.jobs {
                     if let Some(j) = st.jobs.get_mut(&job) {
                         j.agents.remove(agent_id);
+                        j.spares.remove(agent_id);
                     }
                 }
             }
@@ -276,6 +305,7 @@ impl Pool {
             if update.outcome == pb::JobOutcome::Drained as i32 {
                 j.drained.insert(agent_id.to_owned());
                 j.agents.remove(agent_id);
+                j.spares.remove(agent_id);
             } else {
                 j.over = true;
             }
@@ -347,24 +377,31 @@ impl Pool {
             )));
         }
         create(&spec)?;
-        let chosen: Vec<String> = idle.into_iter().take(spec.max_nodes as usize).collect();
-        for id in &chosen {
+        let mut idle = idle.into_iter();
+        let chosen: Vec<String> = idle.by_ref().take(spec.max_nodes as usize).collect();
+        let spares: Vec<String> = idle.take(spec.max_spares as usize).collect();
+        for (id, spare) in chosen
+            .iter()
+            .map(|id| (id, false))
+            .chain(spares.iter().map(|id| (id, true)))
+        {
             if let Some(a) = st.agents.get_mut(id) {
                 a.jobs.insert(spec.job_id.clone());
-                let _ = a.outbox.send(Ok(start(&spec)));
+                let _ = a.outbox.send(Ok(start(&spec, spare)));
             }
         }
-        tracing::info!(job = %spec.job_id, agents = ?chosen, "job submitted");
+        tracing::info!(job = %spec.job_id, agents = ?chosen, spares = ?spares, "job submitted");
         st.jobs.insert(
             spec.job_id.clone(),
             Submitted {
                 spec,
                 agents: chosen.iter().cloned().collect(),
+                spares: spares.iter().cloned().collect(),
                 over: false,
                 drained: BTreeSet::new(),
             },
         );
-        Ok(chosen)
+        Ok(chosen.into_iter().chain(spares).collect())
     }
 
     /// Tells the agents running `job_id` to stop it. Returns whether the job was submitted.
@@ -432,6 +469,16 @@ impl Pool {
                 machine: Some(a.info.clone()),
                 last_seen_ms_ago: now.duration_since(a.last_seen).as_millis() as u64,
                 jobs: a.jobs.iter().cloned().collect(),
+                spare_for: a
+                    .jobs
+                    .iter()
+                    .filter(|j| {
+                        st.jobs
+                            .get(j.as_str())
+                            .is_some_and(|s| s.spares.contains(&a.info.agent_id))
+                    })
+                    .cloned()
+                    .collect(),
             })
             .collect()
     }
@@ -504,6 +551,49 @@ mod tests {
         let listed = pool.list();
         assert_eq!(listed.len(), 4);
         assert_eq!(listed[0].jobs, ["j"]);
+    }
+
+    /// Whether the next command on `rx` starts a job as a spare.
+    fn as_spare(rx: &mut mpsc::UnboundedReceiver<Result<pb::AgentCommand, Status>>) -> bool {
+        match rx.try_recv() {
+            Ok(Ok(pb::AgentCommand {
+                kind: Some(pb::agent_command::Kind::Start(s)),
+            })) => s.spare,
+            other => panic!("no start: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn an_in_place_job_gets_its_spares_from_idle_agents_and_a_lost_spare_is_replaced() {
+        let pool = Pool::default();
+        let mut a = agent(&pool, "a", &[]);
+        let mut b = agent(&pool, "b", &[]);
+        let mut c = agent(&pool, "c", &[]);
+        let s = pb::JobSpec {
+            max_spares: 1,
+            recovery: pb::RecoveryMode::InPlace as i32,
+            ..spec(2, 2)
+        };
+        let chosen = pool.submit(s, |_| Ok(())).unwrap();
+        assert_eq!(chosen, ["a", "b", "c"]);
+        assert!(!as_spare(&mut a) && !as_spare(&mut b));
+        assert!(as_spare(&mut c));
+        let listed = pool.list();
+        assert_eq!(listed[2].spare_for, ["j"]);
+        assert!(listed[0].spare_for.is_empty());
+        // The spare's agent goes away: the next idle agent stands by in its stead.
+        pool.unregister("c", 3, "gone");
+        let mut d = agent(&pool, "d", &[]);
+        assert!(as_spare(&mut d));
+        let mut e = agent(&pool, "e", &[]);
+        assert_eq!(started(&mut e), None, "max_spares reached");
+        // Spares need in-place recovery, and a count within the limit.
+        let restart = pb::JobSpec {
+            max_spares: 1,
+            ..spec(1, 1)
+        };
+        let err = check_spec(restart, String::new).unwrap_err();
+        assert!(err.message().contains("recovery in-place"), "{err:?}");
     }
 
     #[test]

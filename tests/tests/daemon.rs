@@ -236,3 +236,92 @@ fn bad_daemon_flags_exit_2_with_one_line() {
         assert!(err.contains(message), "{args:?}: {err}");
     }
 }
+
+/// A submitted in-place job with `--max-spares 1` starts a third idle agent as its spare
+/// (`status` says so); when a node's daemon is SIGKILLed, the spare takes its ranks in place
+/// and the job finishes; `describe` names the replaced node and the spare.
+#[test]
+fn a_submitted_job_s_spare_agent_takes_a_lost_node_s_place() {
+    let Some(trainer) = muster_tests::example_bin("ddp_train") else {
+        eprintln!("skipped: no ddp_train example");
+        return;
+    };
+    let c = Coordinator::start(&[]);
+    let a = serve(&c, "agent-a", "pool=s");
+    let b = serve(&c, "agent-b", "pool=s");
+    let spare = serve(&c, "agent-c", "pool=s");
+    wait_status(&c, None, "agent agent-c");
+    let out = cli(&[
+        "submit",
+        "--coordinator",
+        &c.addr,
+        "--job-id",
+        "subspare",
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--recovery",
+        "in-place",
+        "--max-restarts",
+        "2",
+        "--max-spares",
+        "1",
+        "--selector",
+        "pool=s",
+        "--env",
+        "MUSTER_COMM_BACKEND=cpu",
+        "--",
+        trainer.to_str().expect("a UTF-8 path"),
+        "--epochs",
+        "6",
+        "--samples",
+        "512",
+        "--batch-size",
+        "32",
+        "--eval-samples",
+        "0",
+        "--step-sleep-ms",
+        "100",
+    ]);
+    assert!(out.status.success(), "{}", text(&out));
+    let listing = wait_status(&c, None, "spare for [subspare]");
+    assert!(
+        listing
+            .lines()
+            .any(|l| l.starts_with("agent agent-c") && l.contains("spare for [subspare]")),
+        "{listing}"
+    );
+    // Training is under way; then the daemon without rank 0 dies with its worker.
+    let at_step = |agent: &Agent| {
+        agent
+            .lines(Stream::Stdout)
+            .iter()
+            .any(|l| l.contains("[rank 0] epoch=") && l.contains(" step=10 "))
+    };
+    let deadline = Instant::now() + SLOW;
+    let (keep, mut lost, lost_id) = loop {
+        if at_step(&a) {
+            break (a, b, "agent-b");
+        }
+        if at_step(&b) {
+            break (b, a, "agent-a");
+        }
+        assert!(Instant::now() < deadline, "no step 10 on either node");
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    lost.signal(nix::sys::signal::Signal::SIGKILL);
+    spare.wait_for_lines(Stream::Stderr, 1, SLOW, |l| {
+        l.contains("this spare takes node 1's place")
+    });
+    wait_status(&c, Some("subspare"), "finished");
+    let view = cli(&["describe", "--coordinator", &c.addr, "subspare"]);
+    let view = String::from_utf8_lossy(&view.stdout).into_owned();
+    assert!(
+        view.contains(&format!("replaced: node {lost_id}")),
+        "{view}"
+    );
+    assert!(view.contains("on spare agent-c"), "{view}");
+    assert!(lost.exited());
+    drop((keep, spare));
+}

@@ -58,24 +58,30 @@ fn the_rank_the_others_wait_for_is_named_within_30_s() {
     let Some((agent, addr, training)) = start("ddp-skewed", &[("STRAGGLER_RANK", "3")]) else {
         return;
     };
+    // The view is over each rank's last 30 s of samples: on a loaded machine the first
+    // samples of the straggler can still be its start-up (torch's import, DDP's construction),
+    // so where it spends its time may name that first. Every straggler line must name rank 3;
+    // within 30 s one must name its data loading.
     let text = loop {
         let text = describe(&addr, "ddp-skewed");
-        if text.lines().any(|l| l.starts_with("straggler: ")) {
-            break text;
+        if let Some(line) = text.lines().find(|l| l.starts_with("straggler: ")) {
+            assert!(
+                line.starts_with("straggler: rank 3 (node 0, host "),
+                "{text}"
+            );
+            if line.contains("load_batch") {
+                break text;
+            }
         }
         assert!(
             training.elapsed() < Duration::from_secs(30),
-            "no straggler named within 30 s:\n{text}\n{}",
+            "no straggler named at its data loading within 30 s:\n{text}\n{}",
             agent.output()
         );
         std::thread::sleep(Duration::from_secs(1));
     };
     eprintln!("named {:?} after training began", training.elapsed());
     let line = text.lines().find(|l| l.starts_with("straggler: ")).unwrap();
-    assert!(
-        line.starts_with("straggler: rank 3 (node 0, host ") && line.contains("load_batch"),
-        "{text}"
-    );
     assert!(line.contains("the others wait at torch.autograd"), "{text}");
     // Every rank's share of samples spent waiting is in the table.
     assert!(text.contains(" WAITING "), "{text}");

@@ -91,6 +91,7 @@ impl ServeArgs {
         ));
         args.nproc_per_node = Some(Nproc::Count(job.nproc_per_node));
         args.max_restarts = Some(job.max_restarts);
+        args.max_spares = Some(job.max_spares);
         // Unspecified: what a bare launch does (a restart).
         args.recovery = Recovery::from_wire("recovery", job.recovery)
             .map_err(|_| {
@@ -151,6 +152,10 @@ pub struct SubmitArgs {
     /// the dead worker is respawned), as `launch --recovery`.
     #[arg(long, value_enum, value_name = "MODE")]
     pub recovery: Option<Recovery>,
+    /// Spare agents the job admits (with `--recovery in-place`): that many more idle matching
+    /// agents stand by to take a lost node's ranks, as `launch --max-spares`.
+    #[arg(long, value_name = "N", default_value_t = 0)]
+    pub max_spares: u32,
     /// Extra environment for the workers, `NAME=VALUE` (repeatable).
     #[arg(long = "env", value_name = "NAME=VALUE")]
     pub env: Vec<String>,
@@ -220,6 +225,7 @@ impl SubmitArgs {
                 .hang_timeout
                 .map(|Limit(t)| t.map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))),
             on_hang: self.on_hang.map_or(0, OnHang::to_wire),
+            max_spares: self.max_spares,
         })
     }
 }

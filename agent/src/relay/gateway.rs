@@ -225,7 +225,7 @@ impl Ranks {
     /// `rank` began training step `step` (its session's step marker): passed on to the
     /// coordinator on the relay stream. A marker sent while the stream is away is not kept
     /// (the next one counts the time since).
-    fn step(&self, rank: u32, step: u64) {
+    pub(super) fn step(&self, rank: u32, step: u64) {
         let st = self.lock();
         if let Some(relay) = &st.relay {
             let _ = relay.unbounded_send(pb::RelayMessage {
@@ -267,6 +267,32 @@ impl Ranks {
 fn rank_register(register: pb::Register) -> pb::RelayMessage {
     pb::RelayMessage {
         kind: Some(pb::relay_message::Kind::RankRegister(register)),
+    }
+}
+
+/// Passes on global rank 0's steps that come on the agent's step socket
+/// (`muster_core::contract::STEP_SOCKET`: decimal text, one step a datagram, from the agent's
+/// Python start-up hook) as rank 0's step markers, until `stop` fires. Anything else is
+/// dropped: the socket is in the relay's private directory, and a marker is information only.
+pub async fn steps(
+    socket: tokio::net::UnixDatagram,
+    ranks: Arc<Ranks>,
+    mut stop: oneshot::Receiver<()>,
+) {
+    let mut buf = [0u8; 32];
+    loop {
+        tokio::select! {
+            _ = &mut stop => return,
+            got = socket.recv(&mut buf) => {
+                let Ok(n) = got else { return };
+                if let Some(step) = std::str::from_utf8(&buf[..n])
+                    .ok()
+                    .and_then(|s| s.trim().parse::<u64>().ok())
+                {
+                    ranks.step(0, step);
+                }
+            }
+        }
     }
 }
 

@@ -249,7 +249,10 @@ impl Job {
         {
             rec.info.resumed_ms = rec.died.elapsed().as_millis() as u64;
         }
-        st.steps.begun(step, Instant::now());
+        if st.steps.begun(step, Instant::now()) {
+            // The counts, for a new leader (at most once a minute from markers).
+            self.persist(&st);
+        }
     }
 
     /// Records a heartbeat.

@@ -271,7 +271,11 @@ impl Job {
             recent_failures: Default::default(),
             hangs: Default::default(),
             dumps: Default::default(),
-            steps: Default::default(),
+            steps: record
+                .training
+                .as_ref()
+                .map(|t| training::Steps::restore(t, Instant::now(), training::unix_now()))
+                .unwrap_or_default(),
             spares: record.spares.iter().map(Spare::restore).collect(),
             replaced: record.replaced.clone(),
         };
@@ -346,6 +350,7 @@ impl Job {
             spares: st.spares.iter().map(Spare::to_record).collect(),
             max_spares: c.max_spares,
             replaced: st.replaced.clone(),
+            training: st.steps.to_record(Instant::now(), training::unix_now()),
         }
     }
 

@@ -57,6 +57,16 @@ impl Job {
         if req.spare || c.recovery != Recovery::InPlace || c.max_spares == 0 {
             return req.spare;
         }
+        // The same join sent again (a failover cut the call): it stands by still, whatever
+        // room is left (it is the spare that fills it).
+        if !req.request_id.is_empty()
+            && st
+                .spares
+                .iter()
+                .any(|s| s.req.request_id == req.request_id && s.req.node_id == req.node_id)
+        {
+            return true;
+        }
         let Phase::Running(g) = &st.phase else {
             return false;
         };

@@ -227,6 +227,26 @@ async fn a_full_in_place_job_takes_a_new_agent_as_a_spare() {
     let (code, msg) = code_and_message(job.join(req("later")).unwrap_err());
     assert_eq!(code, tonic::Code::FailedPrecondition);
     assert!(msg.contains("the job is full"), "{msg}");
+    // A failover cuts such a spare's call: its join sent again (the same request id) to the
+    // new leader stands by again, though the spare it is fills the room (the fault suite's
+    // finding: it was refused as "full", and its agent exited 1 when the job finished).
+    let late = JoinReq {
+        request_id: "req-late".into(),
+        ..req("late2")
+    };
+    let (job, _inboxes) = two_nodes(1).await;
+    let (_, _, _first) = job.join(late.clone()).unwrap();
+    let restored = Job::restore(&job.record(&job.lock()), 0, &ctx()).unwrap();
+    let (_, _, mut again) = restored.join(late).unwrap();
+    assert!(again.try_recv().is_err(), "it stands by");
+    assert!(restored.describe().spares[0].connected);
+    assert!(restored.cancel("done"));
+    let e = tonic::Status::from(again.await.unwrap().unwrap_err());
+    assert!(
+        e.metadata()
+            .contains_key(muster_core::error::CANCELLED_METADATA),
+        "{e:?}"
+    );
 }
 
 #[tokio::test]

@@ -1264,3 +1264,28 @@ async fn an_older_attach_read_late_does_not_replace_the_nodes_watch() {
     job.node_lost(1, 0, unnumbered, "its agent disconnected");
     assert_ne!(job.summary().state, pb::RoundState::Running as i32);
 }
+
+/// The effective training time's counts are in the job record: a new leader goes on counting
+/// from them instead of from its first marker.
+#[tokio::test]
+async fn a_restored_job_keeps_its_training_counts() {
+    let job = formed(1, 0).await;
+    for step in 0..3 {
+        job.step_begun(1, 0, step);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let before = job.describe().training.unwrap();
+    assert_eq!(before.highest_step, 2);
+    assert!(before.counted_ms >= 40, "{before:?}");
+    let record = job.record(&job.lock());
+    let restored = Job::restore(&record, 0, &ctx()).unwrap();
+    let after = restored.describe().training.unwrap();
+    assert_eq!(
+        (after.counted_ms, after.highest_step, after.last_step),
+        (before.counted_ms, 2, 2)
+    );
+    assert!(after.wall_ms >= before.wall_ms, "{after:?} {before:?}");
+    restored.step_begun(1, 0, 3);
+    let on = restored.describe().training.unwrap();
+    assert!(on.counted_ms > before.counted_ms, "{on:?}");
+}

@@ -6,9 +6,19 @@
 //! when the next names a step above every step begun before (the job got further); otherwise
 //! it is lost: a step interrupted and begun again after an in-place recovery, or a generation
 //! restarted from a checkpoint that begins steps it had already done. The step in progress is
-//! neither yet. Kept in memory by the leader: a new leader starts counting afresh.
+//! neither yet. The counts are in the job record (written with it, and at least once a minute
+//! while markers come): a new leader goes on from the last record, and the interval from the
+//! last marker it knew of to its first one counts as any interval does.
 
-use std::time::{Duration, Instant};
+use std::cell::Cell;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// The wall clock, since the Unix epoch (what the job record's times are in).
+pub(super) fn unix_now() -> Duration {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+}
 
 use muster_proto::v1 as pb;
 
@@ -23,11 +33,18 @@ pub(super) struct Steps {
     highest: u64,
     counted: Duration,
     lost: Duration,
+    /// When the counts were last put in the job record (for [`Steps::begun`]'s answer; the
+    /// record is built from a shared borrow of the job's state).
+    recorded: Cell<Option<Instant>>,
 }
 
+/// How often markers alone have the counts written to the job record.
+const RECORD_EVERY: Duration = Duration::from_secs(60);
+
 impl Steps {
-    /// Rank 0 began `step` at `now`.
-    pub(super) fn begun(&mut self, step: u64, now: Instant) {
+    /// Rank 0 began `step` at `now`. Returns whether the counts are due in the job record
+    /// (none written for [`RECORD_EVERY`]).
+    pub(super) fn begun(&mut self, step: u64, now: Instant) -> bool {
         match self.last {
             None => {
                 self.first = Some(now);
@@ -44,6 +61,45 @@ impl Steps {
             }
         }
         self.last = Some((step, now));
+        self.recorded
+            .get()
+            .is_none_or(|at| now.saturating_duration_since(at) >= RECORD_EVERY)
+    }
+
+    /// The counts for the job record, written at `now`, `unix` since the Unix epoch (`None`
+    /// before the first marker).
+    pub(super) fn to_record(&self, now: Instant, unix: Duration) -> Option<pb::TrainingRecord> {
+        let (first, (last_step, last)) = (self.first?, self.last?);
+        self.recorded.set(Some(now));
+        let unix_ms = |at: Instant| {
+            unix.saturating_sub(now.saturating_duration_since(at))
+                .as_millis() as u64
+        };
+        Some(pb::TrainingRecord {
+            first_unix_ms: unix_ms(first),
+            last_unix_ms: unix_ms(last),
+            last_step,
+            highest_step: self.highest,
+            counted_ms: self.counted.as_millis() as u64,
+            lost_ms: self.lost.as_millis() as u64,
+        })
+    }
+
+    /// The counts a job record kept, as of `now`, `unix` since the Unix epoch (a new
+    /// leader's).
+    pub(super) fn restore(r: &pb::TrainingRecord, now: Instant, unix: Duration) -> Self {
+        let at = |ms: u64| {
+            let ago = unix.saturating_sub(Duration::from_millis(ms));
+            now.checked_sub(ago).unwrap_or(now)
+        };
+        Self {
+            first: Some(at(r.first_unix_ms)),
+            last: Some((r.last_step, at(r.last_unix_ms))),
+            highest: r.highest_step,
+            counted: Duration::from_millis(r.counted_ms),
+            lost: Duration::from_millis(r.lost_ms),
+            recorded: Cell::new(Some(now)),
+        }
     }
 
     /// The view at `now`, with `recoveries` the time of the running generation's in-place
@@ -110,5 +166,39 @@ mod tests {
         // What recoveries took is never more than what was lost.
         let v = steps.view(at(t, 1_900), Duration::from_secs(60)).unwrap();
         assert_eq!(v.recoveries_ms, v.lost_ms);
+    }
+
+    /// A new leader goes on from the record: the counts kept, and the interval from the last
+    /// marker in the record to the next one counted as any interval is.
+    #[test]
+    fn the_counts_survive_a_record_and_go_on() {
+        let t = Instant::now();
+        let mut steps = Steps::default();
+        assert!(steps.begun(0, t), "the first marker is due in the record");
+        // The job writes its record then (the wall clock at 1000 s).
+        let unix = |ms: u64| Duration::from_secs(1_000) + Duration::from_millis(ms);
+        assert!(steps.to_record(t, unix(0)).is_some());
+        assert!(!steps.begun(1, at(t, 100)));
+        steps.begun(1, at(t, 300));
+        let record = steps.to_record(at(t, 300), unix(300)).unwrap();
+        assert_eq!(
+            (
+                record.counted_ms,
+                record.lost_ms,
+                record.last_step,
+                record.highest_step
+            ),
+            (100, 200, 1, 1)
+        );
+        assert_eq!(record.last_unix_ms - record.first_unix_ms, 300);
+        let now = at(t, 1_000);
+        let mut restored = Steps::restore(&record, now, unix(1_000));
+        // Step 2 came 900 ms after the last marker the record knew (step 1 at 300 ms).
+        restored.begun(2, at(t, 1_200));
+        let v = restored.view(at(t, 1_200), Duration::ZERO).unwrap();
+        assert_eq!((v.counted_ms, v.lost_ms, v.highest_step), (1_000, 200, 2));
+        assert!(v.wall_ms.abs_diff(1_200) <= 2, "{v:?}");
+        assert!(!restored.begun(3, at(t, 1_300)), "just recorded");
+        assert!(restored.begun(4, at(t, 1_000 + 60_000)));
     }
 }

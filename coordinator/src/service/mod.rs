@@ -207,8 +207,7 @@ impl Coordinator {
             max_restarts: spec.max_restarts,
             recovery: Recovery::from_wire("recovery", spec.recovery)?.unwrap_or_default(),
             hang: Hang::from_wire(spec.hang_timeout_ms, spec.on_hang)?.unwrap_or_default(),
-            // Daemon agents (`serve`) stand by as no job's spares.
-            max_spares: 0,
+            max_spares: spec.max_spares,
         };
         jobs.insert(id.clone(), Job::new(id, config, &self.ctx));
         Ok(())

@@ -39,6 +39,9 @@ pub const MUSTER_HOST: &str = "MUSTER_HOST";
 /// The node relay's Unix socket, when the agent runs one: barriers go there instead of through
 /// the worker's coordinator session (framing in [`super::frame`]).
 pub const MUSTER_AGENT_SOCKET: &str = "MUSTER_AGENT_SOCKET";
+/// The agent's step socket ([`super::STEP_SOCKET`]), given to global rank 0's worker only:
+/// the agent's Python start-up hook sends each optimizer step there.
+pub const MUSTER_STEP_SOCKET: &str = "MUSTER_STEP_SOCKET";
 /// Where the worker writes its structured error (the same path as `TORCHELASTIC_ERROR_FILE`).
 pub const MUSTER_ERROR_FILE: &str = "MUSTER_ERROR_FILE";
 /// The GPU id assigned to the worker, as the node names it.

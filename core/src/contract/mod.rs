@@ -19,6 +19,12 @@ use std::path::Path;
 /// which then need no coordinator address and hold no connection to it.
 pub const AGENT_GATEWAY_SOCKET: &str = "coordinator.sock";
 
+/// The file name of an agent's step socket, beside its relay socket: a Unix datagram socket
+/// where global rank 0's worker sends each training step as decimal text (the agent's Python
+/// start-up hook does, for a script that never imports muster), passed on as rank 0's step
+/// marker. Its path is the worker's `MUSTER_STEP_SOCKET`.
+pub const STEP_SOCKET: &str = "steps.sock";
+
 /// How a coordinator address names a Unix socket rather than `host:port`.
 pub const UNIX_ADDR_PREFIX: &str = "unix:";
 

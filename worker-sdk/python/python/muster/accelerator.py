@@ -217,7 +217,11 @@ class Accelerator:
         (ETTR, in ``muster-agent describe`` and the metrics): rank 0's markers go to the
         coordinator (no wait); a step counts when the next marker names a higher step than any
         before, and a step begun again after a recovery, or redone after a restart, is time
-        lost. ``muster.torch.begin_step`` calls it."""
+        lost. ``muster.torch.begin_step`` calls it. The agent's own markers for scripts that
+        mark no steps (its start-up hook's, after each optimizer step) stop at the first call."""
+        hook = sys.modules.get("_muster_steps")
+        if hook is not None:
+            hook.disable()
         self._native.begin_step(step)
 
     def quorum(self, step: int | None) -> Quorum:

@@ -1,0 +1,91 @@
+"""Step markers for a training script that never imports muster, imported by muster-agent's
+start-up hook (``sitecustomize.py`` beside this file) once the script imports ``torch.optim``.
+
+Global rank 0's worker gets ``MUSTER_STEP_SOCKET``, a Unix datagram socket of its agent. After
+every optimizer step (torch's global ``register_optimizer_step_post_hook``: Accelerate's
+wrapped optimizer steps the real one only when gradients are synchronised) the hook sends the
+step as decimal text, without waiting; the agent passes it to the coordinator as rank 0's step
+marker, which the job's effective training time (ETTR) counts. The step is the optimizer's own
+count where it keeps one on the CPU (Adam's and AdamW's ``step``, restored with a checkpoint),
+else the steps this process has taken. A script that marks its steps itself
+(``muster.torch.begin_step``, ``Accelerator.begin_step``) turns this off (``disable``).
+"""
+
+import socket
+
+_state = {"sock": None, "path": None, "count": 0, "off": False}
+
+
+def disable():
+    """Stops the markers: the script marks its steps itself."""
+    _state["off"] = True
+
+
+def _step_of(optimizer):
+    """The optimizer's step count, or this process's count of steps."""
+    _state["count"] += 1
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if step is None:
+                return _state["count"]
+            device = getattr(step, "device", None)
+            if device is not None and device.type != "cpu":
+                # Reading a device tensor would wait for the device.
+                return _state["count"]
+            try:
+                return int(step)
+            except (TypeError, ValueError):
+                return _state["count"]
+    return _state["count"]
+
+
+def _after_step(optimizer, args, kwargs):
+    if _state["off"]:
+        return
+    try:
+        _state["sock"].sendto(b"%d" % _step_of(optimizer), _state["path"])
+    except OSError:
+        pass
+
+
+def install(path):
+    """Registers the hook once ``torch.optim`` has run; a torch without global optimizer
+    hooks marks nothing."""
+    if _state["sock"] is not None:
+        return
+    try:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.setblocking(False)
+    except (ImportError, OSError):
+        return
+    _state["sock"] = sock
+    _state["path"] = path
+    register_optimizer_step_post_hook(_after_step)
+
+
+def find_spec(finder, fullname, path, target, steps):
+    """``torch.optim``'s spec from the meta path finders after ``finder``, its loader wrapped
+    to install the hook once the module has run."""
+    import sys
+
+    spec = None
+    for other in sys.meta_path:
+        if other is finder:
+            continue
+        find = getattr(other, "find_spec", None)
+        spec = find(fullname, path, target) if find else None
+        if spec is not None:
+            break
+    if spec is None or spec.loader is None:
+        return spec
+    run = spec.loader.exec_module
+
+    def exec_module(module):
+        run(module)
+        install(steps)
+
+    spec.loader.exec_module = exec_module
+    return spec
