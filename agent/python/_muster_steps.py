@@ -8,17 +8,20 @@ step as decimal text, without waiting; the agent passes it to the coordinator as
 marker, which the job's effective training time (ETTR) counts. The step is the optimizer's own
 count where it keeps one on the CPU (Adam's and AdamW's ``step``, restored with a checkpoint),
 else the steps this process has taken. A script that marks its steps itself
-(``muster.torch.begin_step``, ``Accelerator.begin_step``) turns this off (``disable``).
+(``muster.torch.begin_step``, ``Accelerator.begin_step``) turns this off: the muster package
+then says so (``muster.accelerator.STEPS_MARKED``).
 """
 
 import socket
+import sys
 
-_state = {"sock": None, "path": None, "count": 0, "off": False}
+_state = {"sock": None, "path": None, "count": 0}
 
 
-def disable():
-    """Stops the markers: the script marks its steps itself."""
-    _state["off"] = True
+def _marked_by_the_script():
+    """Whether the script marks its steps itself (through the muster package)."""
+    accelerator = sys.modules.get("muster.accelerator")
+    return accelerator is not None and getattr(accelerator, "STEPS_MARKED", False)
 
 
 def _step_of(optimizer):
@@ -41,7 +44,7 @@ def _step_of(optimizer):
 
 
 def _after_step(optimizer, args, kwargs):
-    if _state["off"]:
+    if _marked_by_the_script():
         return
     try:
         _state["sock"].sendto(b"%d" % _step_of(optimizer), _state["path"])
@@ -69,8 +72,6 @@ def install(path):
 def find_spec(finder, fullname, path, target, steps):
     """``torch.optim``'s spec from the meta path finders after ``finder``, its loader wrapped
     to install the hook once the module has run."""
-    import sys
-
     spec = None
     for other in sys.meta_path:
         if other is finder:

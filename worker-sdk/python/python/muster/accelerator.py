@@ -52,6 +52,10 @@ def _as_bytes(value: str | bytes | bytearray | memoryview) -> bytes:
     return bytes(value)
 
 
+#: Set once this process marked a step itself (:meth:`Accelerator.begin_step`): the agent's
+#: start-up hook, which marks rank 0's optimizer steps for scripts that mark none, then stops.
+STEPS_MARKED = False
+
 class KeyValueStore:
     """The job's key-value store (TCPStore's operations), scoped to the job at the coordinator:
     authenticated with the worker's job token and, with coordinators on etcd, surviving a
@@ -218,10 +222,10 @@ class Accelerator:
         coordinator (no wait); a step counts when the next marker names a higher step than any
         before, and a step begun again after a recovery, or redone after a restart, is time
         lost. ``muster.torch.begin_step`` calls it. The agent's own markers for scripts that
-        mark no steps (its start-up hook's, after each optimizer step) stop at the first call."""
-        hook = sys.modules.get("_muster_steps")
-        if hook is not None:
-            hook.disable()
+        mark no steps (its start-up hook's, after each optimizer step) stop at the first call:
+        the hook reads :data:`STEPS_MARKED`."""
+        global STEPS_MARKED
+        STEPS_MARKED = True
         self._native.begin_step(step)
 
     def quorum(self, step: int | None) -> Quorum:
