@@ -30,7 +30,7 @@ def _quiet(call):
         os.close(null)
 
 
-def _start(socket):
+def start(socket):
     """Starts the worker server once; a torch without one leaves the rank without it."""
     if _servers:
         return
@@ -50,26 +50,3 @@ def _start(socket):
     import atexit
 
     atexit.register(lambda: _quiet(server.shutdown))
-
-
-def find_spec(finder, fullname, path, target, socket):
-    """``torch.distributed``'s spec from the meta path finders after ``finder``, its loader
-    wrapped to start the server once the module has run."""
-    spec = None
-    for other in sys.meta_path:
-        if other is finder:
-            continue
-        find = getattr(other, "find_spec", None)
-        spec = find(fullname, path, target) if find else None
-        if spec is not None:
-            break
-    if spec is None or spec.loader is None:
-        return spec
-    run = spec.loader.exec_module
-
-    def exec_module(module):
-        run(module)
-        _start(socket)
-
-    spec.loader.exec_module = exec_module
-    return spec

@@ -52,7 +52,7 @@ def _after_step(optimizer, args, kwargs):
         pass
 
 
-def install(path):
+def start(path):
     """Registers the hook once ``torch.optim`` has run; a torch without global optimizer
     hooks marks nothing."""
     if _state["sock"] is not None:
@@ -67,26 +67,3 @@ def install(path):
     _state["sock"] = sock
     _state["path"] = path
     register_optimizer_step_post_hook(_after_step)
-
-
-def find_spec(finder, fullname, path, target, steps):
-    """``torch.optim``'s spec from the meta path finders after ``finder``, its loader wrapped
-    to install the hook once the module has run."""
-    spec = None
-    for other in sys.meta_path:
-        if other is finder:
-            continue
-        find = getattr(other, "find_spec", None)
-        spec = find(fullname, path, target) if find else None
-        if spec is not None:
-            break
-    if spec is None or spec.loader is None:
-        return spec
-    run = spec.loader.exec_module
-
-    def exec_module(module):
-        run(module)
-        install(steps)
-
-    spec.loader.exec_module = exec_module
-    return spec

@@ -16,9 +16,10 @@ import sys
 
 
 class _After:
-    """A meta path finder that hands module ``module`` to ``handler``'s ``find_spec``, with
-    ``arg`` (``torch.distributed`` to ``_muster_flight``, ``torch.optim`` to
-    ``_muster_steps``)."""
+    """A meta path finder that, once module ``module`` has run, calls ``handler``'s
+    ``start(arg)`` (``torch.distributed``: ``_muster_flight``; ``torch.optim``:
+    ``_muster_steps``): it takes the module's spec from the finders after it and wraps its
+    loader."""
 
     def __init__(self, module, handler, arg):
         self.module = module
@@ -29,8 +30,22 @@ class _After:
         if fullname != self.module:
             return None
         sys.meta_path.remove(self)
-        handler = __import__(self.handler)
-        return handler.find_spec(self, fullname, path, target, self.arg)
+        spec = None
+        for other in sys.meta_path:
+            find = getattr(other, "find_spec", None)
+            spec = find(fullname, path, target) if find else None
+            if spec is not None:
+                break
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            __import__(self.handler).start(self.arg)
+
+        spec.loader.exec_module = exec_module
+        return spec
 
 
 def _run_shadowed():
