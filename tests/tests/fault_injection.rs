@@ -753,6 +753,9 @@ impl Cluster {
                 if job.agents.is_empty() {
                     return "skipped: the in-place job has no agent".into();
                 }
+                if job.agents.iter_mut().any(Agent::exited) {
+                    return "skipped: the in-place job has ended".into();
+                }
                 let i = usize::try_from(fault.target).unwrap_or(0) % job.agents.len();
                 let pid = job.agents[i].pid();
                 job.agents[i].signal(Signal::SIGKILL);
@@ -785,6 +788,17 @@ impl Cluster {
     fn an_agent_ended(&mut self) -> Option<usize> {
         (0..self.agents.len()).find(|i| self.agents[*i].exited())
     }
+}
+
+/// Whether a new agent the schedule started was refused because the job had finished before
+/// its join arrived (the job can end between the skip check and the join): the product's
+/// answer to a plain launch on a finished job id, exit 1, not a failure of the job.
+fn arrived_late(run: &muster_tests::Finished) -> bool {
+    run.code() == Some(1)
+        && run
+            .stderr
+            .iter()
+            .any(|l| l.contains("rendezvous of job") && l.contains("has finished"))
 }
 
 fn pid(p: u32) -> i32 {
@@ -1490,7 +1504,8 @@ fn randomized_faults_keep_the_invariants() {
             "in-place job: exits {codes:?}, {recovered} rank(s) respawned in place, {spares} node(s) taken by a spare, {} (failure-free {reference})",
             got.as_deref().unwrap_or("no checksum")
         );
-        if codes.iter().any(|c| *c != Some(0)) || got.as_deref() != Some(reference.as_str()) {
+        let failed = runs.iter().any(|r| r.code() != Some(0) && !arrived_late(r));
+        if failed || got.as_deref() != Some(reference.as_str()) {
             violations.push(faults::Violation {
                 invariant: INV_IN_PLACE,
                 detail: format!(
