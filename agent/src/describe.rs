@@ -456,6 +456,12 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
             out.push_str(&recovery_line(r));
         }
     }
+    if !d.recent_restarts.is_empty() {
+        out.push('\n');
+        for r in &d.recent_restarts {
+            out.push_str(&restart_line(r));
+        }
+    }
 
     if let Some(f) = &d.failure {
         out.push('\n');
@@ -496,12 +502,18 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
         }
     }
     render_hangs(d, &mut out);
-    // What made the restarts: the earlier generations' failures (the current one's is above).
+    // What made the restarts: the earlier generations' failures (the current one's is above,
+    // and those in the restarts' timeline are there).
     let current = d.failure.as_ref().map(|f| f.generation);
     let earlier: Vec<_> = d
         .recent_failures
         .iter()
         .filter(|f| Some(f.generation) != current)
+        .filter(|f| {
+            !d.recent_restarts
+                .iter()
+                .any(|r| r.failed_generation == f.generation)
+        })
         .collect();
     if !earlier.is_empty() {
         out.push('\n');
@@ -531,8 +543,8 @@ pub fn render(d: &pb::DescribeJobResponse) -> String {
 }
 
 /// The effective training time, ending with a newline: `training: ETTR 93.1% of 2 min 03 s
-/// since rank 0's first step marker, at step S; lost L (in-place recoveries R, restarts and
-/// redone steps X)`.
+/// since rank 0's first step marker, at step S; lost L (detecting D, respawning or starting on
+/// a spare R, healing H, restarts X, steps begun again or redone Y)`.
 fn training_line(t: &pb::TrainingTime) -> String {
     let mut line = format!(
         "training: ETTR {:.1}% of {} since rank 0's first step marker, at step {}",
@@ -541,18 +553,56 @@ fn training_line(t: &pb::TrainingTime) -> String {
         t.last_step
     );
     if t.lost_ms > 0 {
-        let detection = if t.detection_ms > 0 {
-            format!(", of which detecting lost nodes {}", ago(t.detection_ms))
-        } else {
-            String::new()
-        };
+        let seen = t.recoveries_ms + t.restarts_ms;
         let _ = write!(
             line,
-            "; lost {} (in-place recoveries {}{detection}, restarts and redone steps {})",
+            "; lost {} (detecting {}, respawning or starting on a spare {}, healing {}, restarts {}, steps begun again or redone {})",
             ago(t.lost_ms),
-            ago(t.recoveries_ms),
-            ago(t.lost_ms - t.recoveries_ms.min(t.lost_ms))
+            ago(t.detection_ms),
+            ago(t.respawn_ms),
+            ago(t.heal_ms),
+            ago(t.restarts_ms),
+            ago(t.lost_ms.saturating_sub(seen))
         );
+    }
+    line.push('\n');
+    line
+}
+
+/// One restart's timeline, ending with a newline: `RESTARTED generation 1 -> 2: why; seen
+/// after D, nodes placed after F, ranks registered after R, training again after T, first full
+/// step after S` (the phases so far; each time from the failure).
+fn restart_line(r: &pb::RestartInfo) -> String {
+    let mut line = if r.generation > 0 {
+        format!(
+            "RESTARTED generation {} -> {}: {}",
+            r.failed_generation, r.generation, r.reason
+        )
+    } else {
+        format!(
+            "RESTARTING generation {}: {}",
+            r.failed_generation, r.reason
+        )
+    };
+    if r.detect_ms > 0 {
+        let _ = write!(
+            line,
+            "; seen {} after its agent was last heard",
+            ago(r.detect_ms)
+        );
+    }
+    for (ms, what) in [
+        (r.formed_ms, "nodes placed"),
+        (r.registered_ms, "ranks registered"),
+        (r.resumed_ms, "training again"),
+        (r.full_step_ms, "first full step"),
+    ] {
+        if ms > 0 {
+            let _ = write!(line, ", {what} after {}", ago(ms));
+        }
+    }
+    if r.generation == 0 {
+        line.push_str(", waiting for the nodes to rejoin");
     }
     line.push('\n');
     line
@@ -599,8 +649,14 @@ fn recovery_line(r: &pb::RecoveryInfo) -> String {
             let _ = write!(line, ", healed from rank {source}");
         }
         let _ = write!(line, ", quorum {} in {}", r.quorum_epoch, ago(r.quorum_ms));
+        if r.healed_ms > 0 {
+            let _ = write!(line, ", state received after {}", ago(r.healed_ms));
+        }
         if r.resumed_ms > 0 {
             let _ = write!(line, ", training again after {}", ago(r.resumed_ms));
+        }
+        if r.full_step_ms > 0 {
+            let _ = write!(line, ", first full step after {}", ago(r.full_step_ms));
         }
     } else if r.replacement_pid > 0 {
         line.push_str(", waiting for the quorum");
@@ -626,26 +682,20 @@ mod tests {
             recoveries_ms: 1_400,
             last_step: 240,
             highest_step: 240,
-            detection_ms: 0,
+            detection_ms: 1_000,
+            respawn_ms: 150,
+            heal_ms: 250,
+            restarts_ms: 9_000,
         });
         let text = render(&d);
         assert_eq!(
             text.lines().nth(1),
             Some(
                 "training: ETTR 90.0% of 2 min 03 s since rank 0's first step marker, at step 240; \
-                 lost 12.3 s (in-place recoveries 1.4 s, restarts and redone steps 10.9 s)"
+                 lost 12.3 s (detecting 1.0 s, respawning or starting on a spare 150 ms, healing 250 ms, \
+                 restarts 9.0 s, steps begun again or redone 1.9 s)"
             ),
             "{text}"
-        );
-        // A lost node's detection is named within the recoveries.
-        if let Some(t) = d.training.as_mut() {
-            t.detection_ms = 1_000;
-        }
-        assert!(
-            render(&d)
-                .contains("(in-place recoveries 1.4 s, of which detecting lost nodes 1.0 s, "),
-            "{}",
-            render(&d)
         );
         // Nothing lost: no split.
         d.training = Some(pb::TrainingTime {
@@ -687,7 +737,9 @@ mod tests {
                 healed_from: Some(0),
                 quorum_ms: 1_250,
                 respawn_ms: 480,
+                healed_ms: 1_300,
                 resumed_ms: 1_400,
+                full_step_ms: 1_480,
                 ..Default::default()
             },
             pb::RecoveryInfo {
@@ -720,10 +772,42 @@ mod tests {
         );
         assert!(
             text.contains(
-                "\nRECOVERED epoch 1: rank 2 (node 1, host 10.0.0.2) exited with status 3; replaced by pid 4242 after 480 ms, healed from rank 0, quorum 2 in 1.2 s, training again after 1.4 s\n\
+                "\nRECOVERED epoch 1: rank 2 (node 1, host 10.0.0.2) exited with status 3; replaced by pid 4242 after 480 ms, healed from rank 0, quorum 2 in 1.2 s, state received after 1.3 s, training again after 1.4 s, first full step after 1.5 s\n\
                  RECOVERING epoch 3: rank 1 (node 0, host 10.0.0.1) killed by signal 9 (SIGKILL); waiting for its replacement\n\
                  RECOVERING epoch 4: rank 0 (node 0, host 10.0.0.1) stopped answering; replaced by pid 77 after 0 ms, waiting for the quorum\n\n\
                  FAILED generation 1"
+            ),
+            "{text}"
+        );
+    }
+
+    /// Restarts: one line each, its phases so far.
+    #[test]
+    fn restarts_are_listed_with_their_phases() {
+        let mut d = stuck();
+        d.recent_restarts = vec![
+            pb::RestartInfo {
+                failed_generation: 2,
+                reason: "node 1 (host 10.0.0.2, agent a1) was lost: no heartbeat".into(),
+                detect_ms: 3_100,
+                ..Default::default()
+            },
+            pb::RestartInfo {
+                failed_generation: 1,
+                generation: 2,
+                reason: "rank 3 (node 1, host 10.0.0.2) exited with status 1".into(),
+                formed_ms: 900,
+                registered_ms: 1_300,
+                resumed_ms: 2_500,
+                full_step_ms: 2_600,
+                ..Default::default()
+            },
+        ];
+        let text = render(&d);
+        assert!(
+            text.contains(
+                "\nRESTARTING generation 2: node 1 (host 10.0.0.2, agent a1) was lost: no heartbeat; seen 3.1 s after its agent was last heard, waiting for the nodes to rejoin\n\
+                 RESTARTED generation 1 -> 2: rank 3 (node 1, host 10.0.0.2) exited with status 1, nodes placed after 900 ms, ranks registered after 1.3 s, training again after 2.5 s, first full step after 2.6 s\n"
             ),
             "{text}"
         );

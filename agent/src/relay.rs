@@ -964,6 +964,9 @@ fn handle(
         (Peer::Rank(_), Some(Kind::Step(_))) => {
             return Err("sent a step marker on the relay socket; it goes on the session".into());
         }
+        (Peer::Rank(_), Some(Kind::Healed(_))) => {
+            return Err("sent a heal report on the relay socket; it goes on the session".into());
+        }
         (Peer::Left, _) => {}
     }
     Ok(())

@@ -232,6 +232,8 @@ mod tests {
             spare_node_id: "spare-1".into(),
             spare_host: "10.0.0.9".into(),
             detect_ms: 2_000,
+            healed_ms: 330,
+            full_step_ms: 480,
         };
         let v = to_json("muster.v1.RecoveryInfo", &r);
         assert_eq!(
@@ -252,6 +254,8 @@ mod tests {
             "resumed_ms",
             "spare_node_id",
             "detect_ms",
+            "healed_ms",
+            "full_step_ms",
         ] {
             assert!(v.get(field).is_some(), "{field} missing from {v}");
             assert!(
@@ -268,11 +272,44 @@ mod tests {
                     ettr: 0.5,
                     wall_ms: 2_000,
                     last_step: 7,
+                    lost_ms: 900,
+                    detection_ms: 100,
+                    respawn_ms: 200,
+                    heal_ms: 300,
+                    restarts_ms: 250,
                     ..Default::default()
                 }),
+                recent_restarts: vec![pb::RestartInfo {
+                    failed_generation: 1,
+                    generation: 2,
+                    reason: "rank 1 exited with status 1".into(),
+                    failed_unix_ms: 1,
+                    detect_ms: 10,
+                    formed_ms: 20,
+                    registered_ms: 30,
+                    resumed_ms: 40,
+                    full_step_ms: 50,
+                }],
                 ..Default::default()
             },
         );
+        // The restarts' timeline, with the fields the page reads.
+        for field in [
+            "failed_generation",
+            "generation",
+            "reason",
+            "detect_ms",
+            "formed_ms",
+            "registered_ms",
+            "resumed_ms",
+            "full_step_ms",
+        ] {
+            assert!(
+                d["recent_restarts"][0].get(field).is_some(),
+                "{field} missing from {d}"
+            );
+            assert!(PAGE.contains(&format!("r.{field}")), "{field}");
+        }
         assert_eq!(d["recoveries"][0]["reason"], "exited with status 9", "{d}");
         assert!(PAGE.contains("d.recoveries") && PAGE.contains("d.epoch"));
         // The headline's effective training time reads these fields.
@@ -281,7 +318,16 @@ mod tests {
             (&json!(0.5), &json!(2000)),
             "{d}"
         );
-        for field in ["ettr", "wall_ms", "last_step"] {
+        for field in [
+            "ettr",
+            "wall_ms",
+            "last_step",
+            "lost_ms",
+            "detection_ms",
+            "respawn_ms",
+            "heal_ms",
+            "restarts_ms",
+        ] {
             assert!(PAGE.contains(&format!("d.training.{field}")), "{field}");
         }
         // Spares standing by, and the nodes they replaced, with the fields the page reads.

@@ -30,8 +30,10 @@
 //!   (`--max-spares 1`), whose workers the worker faults may kill and whose agents the
 //!   `node-loss` faults kill (a spare takes a lost node's ranks; a new agent is started and
 //!   stands by as the spare), and whose final checksum must equal a failure-free run's; a scan
-//!   of its trainers every 100 ms asserts that no rank ever has two live processes. The run's
-//!   first line names the seed and the workloads;
+//!   of its trainers every 100 ms asserts that no rank ever has two live processes, and once a
+//!   spare took a lost node's place the harness sends that node's late writes (a `Join` and a
+//!   `ReportFailure` as the lost agent) and asserts that they are refused, naming the spare,
+//!   and change nothing. The run's first line names the seed and the workloads;
 //! - `MUSTER_SOAK=1` is the soak (issue 28, not in CI): 8 jobs of 4 ranks (every workload,
 //!   `multi-job` with [`SOAK_SIDE_JOBS`] jobs) for 30 minutes (`MUSTER_SOAK_MINUTES=N` for
 //!   another length), with a fault about every minute from [`SOAK_KINDS`]; it reports the
@@ -138,6 +140,9 @@ const INV_IN_PLACE: &str = "in-place-checksum";
 /// The invariant of `in-place` with spares: a rank never has two live trainers (a spare's
 /// replacement never runs beside the lost node's worker).
 const INV_ONE_OWNER: &str = "in-place-one-owner";
+/// The invariant of `in-place` with spares: once a spare took a lost node's place, that node's
+/// late writes (a `Join`, a `ReportFailure`) are refused, naming the spare, and change nothing.
+const INV_LATE_WRITES: &str = "in-place-late-writes-refused";
 /// The `in-place` job's agents: 2 nodes and the spare.
 const IN_PLACE_AGENTS: usize = 3;
 /// The extra jobs of `multi-job`, each one agent of [`NPROC`] workers.
@@ -403,6 +408,8 @@ struct InPlace {
     lost: Vec<Agent>,
     /// What the owner scan saw: two live trainers of one rank.
     doubled: Arc<Mutex<Vec<String>>>,
+    /// Late writes of a replaced node that were not refused, or that changed the job.
+    late: Vec<String>,
 }
 
 impl InPlace {
@@ -747,6 +754,9 @@ impl Cluster {
             }
             FaultKind::NodeLoss => {
                 let agent_bin = self.agent.clone();
+                let addrs: Vec<String> = (0..self.replicas.len())
+                    .map(|r| self.replicas.addr(r).to_owned())
+                    .collect();
                 let Some(job) = &mut self.in_place else {
                     return "skipped: no in-place job".into();
                 };
@@ -758,6 +768,15 @@ impl Cluster {
                 }
                 let i = usize::try_from(fault.target).unwrap_or(0) % job.agents.len();
                 let pid = job.agents[i].pid();
+                // The node it holds (agents' node ids end with their pid); none for a spare.
+                let held = rt
+                    .block_on(in_place_view(&addrs, &job.id))
+                    .ok()
+                    .and_then(|d| {
+                        d.nodes
+                            .into_iter()
+                            .find(|n| n.node_id.ends_with(&format!("-{pid}")))
+                    });
                 job.agents[i].signal(Signal::SIGKILL);
                 let deadline = Instant::now() + Duration::from_secs(10);
                 while !job.agents[i].exited() && Instant::now() < deadline {
@@ -768,7 +787,16 @@ impl Cluster {
                 std::thread::sleep(hold);
                 let fresh = job.start_agent(&agent_bin);
                 job.agents.push(fresh);
-                format!("in-place agent {i} (pid {pid}), a new one started")
+                let mut detail = format!("in-place agent {i} (pid {pid}), a new one started");
+                match held.map(|node| rt.block_on(late_writes(&addrs, &job.id, &node))) {
+                    Some(Ok(seen)) => detail.push_str(&format!("; {seen}")),
+                    Some(Err(violation)) => {
+                        detail.push_str(&format!("; {violation}"));
+                        job.late.push(violation);
+                    }
+                    None => {}
+                }
+                detail
             }
             FaultKind::LinkCut => {
                 let Some(links) = &self.net else {
@@ -799,6 +827,149 @@ fn arrived_late(run: &muster_tests::Finished) -> bool {
             .stderr
             .iter()
             .any(|l| l.contains("rendezvous of job") && l.contains("has finished"))
+}
+
+/// The in-place job's `DescribeJob` from whichever replica answers (the leader).
+async fn in_place_view(addrs: &[String], job: &str) -> Result<pb::DescribeJobResponse, String> {
+    let mut last = String::from("no replica");
+    for addr in addrs {
+        match leader_call(addr, |ch| async move {
+            pb::ops_client::OpsClient::new(ch)
+                .describe_job(pb::DescribeJobRequest {
+                    job_id: job.into(),
+                    ..Default::default()
+                })
+                .await
+        })
+        .await
+        {
+            Ok(d) => return Ok(d),
+            Err(e) => last = format!("{e:?}"),
+        }
+    }
+    Err(last)
+}
+
+/// One call at `addr`, within 2 s.
+async fn leader_call<T, F>(
+    addr: &str,
+    call: impl FnOnce(tonic::transport::Channel) -> F,
+) -> Result<T, tonic::Status>
+where
+    F: std::future::Future<Output = Result<tonic::Response<T>, tonic::Status>>,
+{
+    let run = async {
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .map_err(|e| tonic::Status::internal(e.to_string()))?
+            .connect_timeout(Duration::from_millis(500))
+            .connect()
+            .await
+            .map_err(|e| tonic::Status::unavailable(format!("connect: {e}")))?;
+        call(channel).await.map(tonic::Response::into_inner)
+    };
+    tokio::time::timeout(Duration::from_secs(2), run)
+        .await
+        .unwrap_or_else(|_| Err(tonic::Status::unavailable("no answer within 2 s")))
+}
+
+/// [`INV_LATE_WRITES`]: once a spare took `node`'s place, the lost agent's late writes (a
+/// `Join` as that node, a `ReportFailure` for its first rank) are refused, naming the spare,
+/// and change neither the job's membership epoch nor its restarts. `Ok` says what was seen
+/// (also when no spare took the place: nothing is sent then); `Err` is the violation.
+async fn late_writes(addrs: &[String], job: &str, node: &pb::NodeInfo) -> Result<String, String> {
+    let id = &node.node_id;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let before = loop {
+        if let Ok(d) = in_place_view(addrs, job).await
+            && (d.replaced.contains_key(id) || d.summary.as_ref().is_some_and(|s| s.done))
+        {
+            break d;
+        }
+        if Instant::now() >= deadline {
+            return Ok(format!(
+                "no spare took node '{id}' within 10 s: no late writes sent"
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    if !before.replaced.contains_key(id) {
+        return Ok("the job ended before a spare took the place: no late writes sent".into());
+    }
+    let generation = before.summary.as_ref().map_or(0, |s| s.generation);
+    // Each call goes to whichever replica leads (the others answer UNAVAILABLE).
+    let mut outcomes = vec![];
+    for call in ["Join", "ReportFailure"] {
+        let mut got = Err(tonic::Status::unavailable("no replica"));
+        for addr in addrs {
+            got = match call {
+                "Join" => leader_call(addr, |ch| async move {
+                    pb::rendezvous_client::RendezvousClient::new(ch)
+                        .join(pb::JoinRequest {
+                            job_id: job.into(),
+                            node_id: id.clone(),
+                            host: node.host.clone(),
+                            local_world_size: node.local_world_size,
+                            request_id: format!("late-{id}"),
+                            ..Default::default()
+                        })
+                        .await
+                })
+                .await
+                .map(drop),
+                _ => leader_call(addr, |ch| async move {
+                    pb::rendezvous_client::RendezvousClient::new(ch)
+                        .report_failure(pb::ReportFailureRequest {
+                            job_id: job.into(),
+                            generation,
+                            rank: node.rank_offset,
+                            reason: "a late report of the replaced agent".into(),
+                            exit_code: Some(1),
+                            node_id: id.clone(),
+                            ..Default::default()
+                        })
+                        .await
+                })
+                .await
+                .map(drop),
+            };
+            if !matches!(&got, Err(s) if s.code() == tonic::Code::Unavailable) {
+                break;
+            }
+        }
+        outcomes.push((call, got));
+    }
+    let after = in_place_view(addrs, job).await?;
+    let done = after.summary.as_ref().is_some_and(|s| s.done);
+    for (call, got) in &outcomes {
+        match got {
+            Err(s)
+                if s.code() == tonic::Code::PermissionDenied
+                    && s.message().contains("was replaced by spare") => {}
+            // The job ended meanwhile: a final job refuses everything.
+            Err(s) if done && s.code() == tonic::Code::FailedPrecondition => {}
+            Err(s) => {
+                return Err(format!(
+                    "the late {call} of replaced node '{id}' got {:?}: {}",
+                    s.code(),
+                    s.message()
+                ));
+            }
+            Ok(()) => {
+                return Err(format!(
+                    "the late {call} of replaced node '{id}' was accepted"
+                ));
+            }
+        }
+    }
+    if (after.epoch, after.restart_count) != (before.epoch, before.restart_count) {
+        return Err(format!(
+            "replaced node '{id}''s refused late writes changed the job: epoch {} -> {}, restarts {} -> {}",
+            before.epoch, after.epoch, before.restart_count, after.restart_count
+        ));
+    }
+    Ok(format!(
+        "the late Join and ReportFailure of replaced node '{id}' were refused"
+    ))
 }
 
 fn pid(p: u32) -> i32 {
@@ -1188,6 +1359,7 @@ fn randomized_faults_keep_the_invariants() {
                     agents: vec![],
                     lost: vec![],
                     doubled: Arc::default(),
+                    late: Vec::new(),
                 };
                 // The nodes first, the spare once they run (it finds the job full).
                 job.agents.push(job.start_agent(&cluster.agent));
@@ -1393,7 +1565,7 @@ fn randomized_faults_keep_the_invariants() {
                 .collect::<Vec<_>>(),
             lost.len()
         );
-        (runs, lost, doubled, job.reference)
+        (runs, lost, doubled, job.late, job.reference)
     });
 
     // A failover after the end: the final state must survive it (finding 2).
@@ -1476,7 +1648,7 @@ fn randomized_faults_keep_the_invariants() {
     let checking = Instant::now();
     let mut violations = check_all(&events, max_restarts);
     let in_place_done = in_place_run.is_some();
-    if let Some((runs, lost, doubled, reference)) = in_place_run {
+    if let Some((runs, lost, doubled, late, reference)) = in_place_run {
         let log: Vec<String> = runs
             .iter()
             .chain(&lost)
@@ -1522,6 +1694,12 @@ fn randomized_faults_keep_the_invariants() {
                     "{d}; the in-place log: {}",
                     dir.join("in-place.log").display()
                 ),
+            });
+        }
+        for detail in late {
+            violations.push(faults::Violation {
+                invariant: INV_LATE_WRITES,
+                detail,
             });
         }
     }

@@ -180,8 +180,42 @@ fn a_killed_agents_ranks_go_to_the_spare_and_the_weights_are_bit_identical() {
     let (n0, n1, spare, pids) = job_with_spare(&cluster, &bin, &job, "2");
     let lost = Instant::now();
     n1.signal(nix::sys::signal::Signal::SIGKILL);
+    assert_the_timeline(&cluster, &job);
     assert_healed_by_the_spare(&bin, n0, spare, pids, lost);
     drop(n1);
+}
+
+/// `describe` shows the recovery's every phase once its first full step is done (the spare's
+/// workers report their heal through their agent's relay), and the lost time split.
+fn assert_the_timeline(cluster: &Cluster, job: &str) {
+    let deadline = Instant::now() + LIMIT;
+    loop {
+        let view = describe(cluster, job);
+        if let Some(line) = view.lines().find(|l| {
+            l.starts_with("RECOVERED") && l.contains("rank 2 ") && l.contains("first full step")
+        }) {
+            for phase in [
+                "on spare ",
+                "healed from rank ",
+                "quorum ",
+                "state received after ",
+                "training again after ",
+            ] {
+                assert!(line.contains(phase), "{phase:?} missing from\n{view}");
+            }
+            let training = view.lines().find(|l| l.starts_with("training: "));
+            assert!(
+                training.is_some_and(|l| l.contains("respawning or starting on a spare")),
+                "{view}"
+            );
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no whole recovery timeline in\n{view}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 #[test]

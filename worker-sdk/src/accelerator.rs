@@ -368,6 +368,16 @@ impl Accelerator {
         }
     }
 
+    /// Says that this rank finished healing for the quorum of membership epoch `epoch`, for
+    /// the recovery's timeline (`describe`): [`crate::comm::Communicator::heal`] says it itself;
+    /// a loop that heals by other means (`muster.torch.heal` over `torch.distributed`) calls
+    /// this once the state is received. No answer and no wait.
+    pub fn healed(&self, epoch: u64) {
+        if let Some(session) = self.session() {
+            session.reports().healed(epoch);
+        }
+    }
+
     /// The async session underneath (`None` in single-process mode), for code that mixes this
     /// API with [`crate::client`]. Under an agent relay (`MUSTER_AGENT_SOCKET`) this
     /// accelerator's barriers go through the relay; do not also call

@@ -226,14 +226,17 @@ impl Ranks {
     /// coordinator on the relay stream. A marker sent while the stream is away is not kept
     /// (the next one counts the time since).
     pub(super) fn step(&self, rank: u32, step: u64) {
+        self.relay(pb::relay_message::Kind::RankStep(pb::RankStep {
+            rank,
+            step,
+        }));
+    }
+
+    /// Passes a rank's one-way report on to the coordinator on the node's relay stream.
+    fn relay(&self, kind: pb::relay_message::Kind) {
         let st = self.lock();
         if let Some(relay) = &st.relay {
-            let _ = relay.unbounded_send(pb::RelayMessage {
-                kind: Some(pb::relay_message::Kind::RankStep(pb::RankStep {
-                    rank,
-                    step,
-                })),
-            });
+            let _ = relay.unbounded_send(pb::RelayMessage { kind: Some(kind) });
         }
     }
 
@@ -417,6 +420,9 @@ impl Session {
             Ok(Some(pb::WorkerMessage { kind })) => match kind {
                 Some(worker_message::Kind::Heartbeat(_)) => {}
                 Some(worker_message::Kind::Step(pb::StepBegun { step })) => ranks.step(rank, step),
+                Some(worker_message::Kind::Healed(pb::Healed { epoch })) => {
+                    ranks.relay(pb::relay_message::Kind::RankHealed(pb::RankHealed { rank, epoch }));
+                }
                 Some(worker_message::Kind::Leave(_)) => {
                     ranks.leave(rank, id);
                     return;

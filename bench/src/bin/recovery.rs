@@ -25,11 +25,18 @@
 //! once, as a supervisor would) and torchrun's restart plus reload of the first table at the
 //! same world size (a worker's death: a node's loss costs torchrun at least that).
 //!
-//! `target/release/recovery [--rounds 3] [--procs 4,8] [--kill-after 20] [--node-procs 4]`
+//! A third table, with `--ettr-minutes M`, is the job's effective training time (ETTR, its own
+//! account from rank 0's step markers) over an M-minute run that loses a node every
+//! `--loss-every` seconds, in place with a spare and in restart mode, with the lost time split
+//! by phase.
+//!
+//! `target/release/recovery [--rounds 3] [--procs 4,8] [--kill-after 20] [--node-procs 4]
+//! [--ettr-minutes 10 --loss-every 120 [--ettr-only]]`
 
 use anyhow::{Context, bail};
 use clap::Parser;
 use muster_bench::{CoordinatorProcess, bin_dir, field, load_average, peers_venv, quantile};
+use muster_proto::v1 as pb;
 use nix::sys::signal::{Signal, kill};
 use nix::unistd::Pid;
 use std::io::{BufRead, BufReader};
@@ -65,6 +72,17 @@ struct Args {
     /// Only the node-loss table.
     #[arg(long)]
     node_loss_only: bool,
+    /// Minutes of the effective-training-time run (2 nodes of `--node-procs` ranks, a node lost
+    /// every `--loss-every` seconds, in place with a spare and in restart mode); 0 leaves it
+    /// out.
+    #[arg(long, default_value_t = 0)]
+    ettr_minutes: u64,
+    /// Seconds between node losses in the ETTR run.
+    #[arg(long, default_value_t = 120)]
+    loss_every: u64,
+    /// Only the ETTR run.
+    #[arg(long)]
+    ettr_only: bool,
 }
 
 /// One line of a launcher's output, with when it arrived.
@@ -334,7 +352,7 @@ fn torch_round(
 }
 
 /// How a node-loss round recovers.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum NodeMode {
     /// `--recovery in-place` with a spare standing by.
     Spare,
@@ -353,44 +371,10 @@ fn node_round(
     dir: &Path,
     round: usize,
 ) -> anyhow::Result<[f64; 7]> {
-    let coordinator = CoordinatorProcess::start_with(|c| {
-        c.args(["--heartbeat-timeout-ms", "2000"]);
-    })?;
+    let coordinator = node_coordinator()?;
     let job = format!("node-loss-{}-{round}", std::process::id());
-    let mut script = format!(
-        "echo started rank=$RANK pid=$$; exec {} --epochs 100000 --samples 8192 --batch-size 64 --hidden {} --eval-samples 0 --step-sleep-ms {}",
-        ddp_train.display(),
-        args.hidden,
-        args.step_sleep_ms
-    );
-    if mode == NodeMode::Restart {
-        let ckpt = dir.join(&job);
-        script.push_str(&format!(
-            " --checkpoint-dir {} --checkpoint-every 1",
-            ckpt.display()
-        ));
-    }
     let addr = coordinator.addr.to_string();
-    let node = |flags: &[&str]| {
-        let mut cmd = Command::new(agent);
-        cmd.args(["launch", "--coordinator", &addr, "--job-id", &job])
-            .args([
-                "--nnodes",
-                "2",
-                "--nproc-per-node",
-                &args.node_procs.to_string(),
-            ])
-            .args(["--max-restarts", "1"])
-            .args(match mode {
-                NodeMode::Spare => ["--recovery", "in-place", "--max-spares", "1"].as_slice(),
-                NodeMode::Restart => ["--recovery", "restart"].as_slice(),
-            })
-            .args(flags)
-            .args(["--", "sh", "-c", &script])
-            .env("MUSTER_COMM_BACKEND", "cpu")
-            .env("OMP_NUM_THREADS", "1");
-        Run::start(cmd)
-    };
+    let node = node_agent(agent, ddp_train, args, mode, &addr, &job, dir, 1);
     let mut n0 = node(&["--node-rank", "0"])?;
     let n1 = node(&["--node-rank", "1"])?;
     let mut spare = match mode {
@@ -464,6 +448,175 @@ fn node_round(
     result
 }
 
+/// The coordinator of a node-loss run: a lost node's agent is declared lost after 2 s of
+/// silence (a SIGKILLed agent's stream breaks at once).
+fn node_coordinator() -> anyhow::Result<CoordinatorProcess> {
+    CoordinatorProcess::start_with(|c| {
+        c.args(["--heartbeat-timeout-ms", "2000"]);
+    })
+}
+
+/// Starts one agent of a 2-node `ddp_train` job in `mode` (its extra `flags`: a node rank,
+/// or `--spare`); restart mode checkpoints every step under `dir`.
+#[allow(clippy::too_many_arguments)]
+fn node_agent<'a>(
+    agent: &'a Path,
+    ddp_train: &Path,
+    args: &'a Args,
+    mode: NodeMode,
+    addr: &'a str,
+    job: &'a str,
+    dir: &Path,
+    max_restarts: u32,
+) -> impl Fn(&[&str]) -> anyhow::Result<Run> + 'a {
+    let mut script = format!(
+        "echo started rank=$RANK pid=$$; exec {} --epochs 100000 --samples 8192 --batch-size 64 --hidden {} --eval-samples 0 --step-sleep-ms {}",
+        ddp_train.display(),
+        args.hidden,
+        args.step_sleep_ms
+    );
+    if mode == NodeMode::Restart {
+        script.push_str(&format!(
+            " --checkpoint-dir {} --checkpoint-every 1",
+            dir.join(job).display()
+        ));
+    }
+    move |flags: &[&str]| {
+        let mut cmd = Command::new(agent);
+        cmd.args(["launch", "--coordinator", addr, "--job-id", job])
+            .args([
+                "--nnodes",
+                "2",
+                "--nproc-per-node",
+                &args.node_procs.to_string(),
+            ])
+            .args(["--max-restarts", &max_restarts.to_string()])
+            .args(match mode {
+                NodeMode::Spare => ["--recovery", "in-place", "--max-spares", "1"].as_slice(),
+                NodeMode::Restart => ["--recovery", "restart"].as_slice(),
+            })
+            .args(flags)
+            .args(["--", "sh", "-c", &script])
+            .env("MUSTER_COMM_BACKEND", "cpu")
+            .env("OMP_NUM_THREADS", "1");
+        Run::start(cmd)
+    }
+}
+
+/// One effective-training-time run in `mode`: the job trains for `--ettr-minutes`, and every
+/// `--loss-every` seconds the agent of node 1, then node 0, and so on, is SIGKILLed (its
+/// workers die with it). In place, the spare takes its place and a new agent stands by as the
+/// next spare (the machine replaced); in restart mode the lost agent is started again at once
+/// (a supervisor), and the generation restarts from the last step's checkpoint. Returns the
+/// job's own account (`DescribeJob.training`) at the end, and the losses.
+fn ettr_run(
+    agent: &Path,
+    ddp_train: &Path,
+    args: &Args,
+    mode: NodeMode,
+    dir: &Path,
+) -> anyhow::Result<(pb::TrainingTime, u32)> {
+    let coordinator = node_coordinator()?;
+    let addr = coordinator.addr.to_string();
+    let job = format!("ettr-{}-{mode:?}", std::process::id()).to_lowercase();
+    let node = node_agent(agent, ddp_train, args, mode, &addr, &job, dir, 1000);
+    let mut nodes = [node(&["--node-rank", "0"])?, node(&["--node-rank", "1"])?];
+    let mut spare = match mode {
+        NodeMode::Spare => Some(node(&["--spare"])?),
+        NodeMode::Restart => None,
+    };
+    let result = (|| {
+        nodes[0].until("the first step", |l| step_of(l).is_some())?;
+        let start = Instant::now();
+        let end = start + Duration::from_secs(args.ettr_minutes * 60);
+        let every = Duration::from_secs(args.loss_every);
+        let mut losses = 0u32;
+        while start + every * (losses + 1) < end {
+            std::thread::sleep(
+                (start + every * (losses + 1)).saturating_duration_since(Instant::now()),
+            );
+            let k = (losses as usize + 1) % 2;
+            kill(Pid::from_raw(nodes[k].child.id() as i32), Signal::SIGKILL)
+                .with_context(|| format!("killing node {k}'s agent"))?;
+            let fresh = match spare.take() {
+                Some(mut s) => {
+                    let place = format!("takes node {k}'s place");
+                    s.until("the spare's place", |l| l.contains(&place))?;
+                    spare = Some(node(&["--spare"])?);
+                    s
+                }
+                None => node(&["--node-rank", &k.to_string()])?,
+            };
+            std::mem::replace(&mut nodes[k], fresh).stop();
+            losses += 1;
+            eprintln!(
+                "ETTR run, {mode:?}: node {k} lost at {:.0} s",
+                start.elapsed().as_secs_f64()
+            );
+        }
+        std::thread::sleep(end.saturating_duration_since(Instant::now()));
+        let training = tokio::runtime::Runtime::new()?.block_on(async {
+            let mut ops = pb::ops_client::OpsClient::connect(format!("http://{addr}")).await?;
+            let d = ops
+                .describe_job(pb::DescribeJobRequest {
+                    job_id: job.clone(),
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            anyhow::Ok(d.training)
+        })?;
+        Ok((
+            training.context("the job reported no training time")?,
+            losses,
+        ))
+    })();
+    for n in nodes {
+        n.stop();
+    }
+    if let Some(s) = spare {
+        s.stop();
+    }
+    drop(coordinator);
+    result
+}
+
+/// The ETTR table (see [`ettr_run`]).
+fn ettr_table(agent: &Path, ddp_train: &Path, args: &Args, dir: &Path) -> anyhow::Result<()> {
+    println!(
+        "\n## Effective training time, {} min, a node lost every {} s, 2 nodes x {} ranks (the job's own account; load {})\n",
+        args.ettr_minutes,
+        args.loss_every,
+        args.node_procs,
+        load_average()
+    );
+    println!(
+        "| mode | losses | ETTR | wall | lost | detecting | respawn or spare | healing | restarts | steps begun again or redone |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    for mode in [NodeMode::Spare, NodeMode::Restart] {
+        let (t, losses) = ettr_run(agent, ddp_train, args, mode, dir)
+            .with_context(|| format!("the ETTR run in {mode:?} mode"))?;
+        let s = |ms: u64| format!("{:.2} s", ms as f64 / 1000.0);
+        println!(
+            "| {} | {losses} | {:.2}% | {} | {} | {} | {} | {} | {} | {} |",
+            match mode {
+                NodeMode::Spare => "in place, spare",
+                NodeMode::Restart => "restart + reload",
+            },
+            t.ettr * 100.0,
+            s(t.wall_ms),
+            s(t.lost_ms),
+            s(t.detection_ms),
+            s(t.respawn_ms),
+            s(t.heal_ms),
+            s(t.restarts_ms),
+            s(t.lost_ms.saturating_sub(t.recoveries_ms + t.restarts_ms)),
+        );
+    }
+    Ok(())
+}
+
 fn median(xs: &mut [f64]) -> f64 {
     quantile(xs, 0.5)
 }
@@ -490,11 +643,14 @@ fn main() -> anyhow::Result<()> {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("python/ddp_restart.py");
     let dir = std::env::temp_dir().join(format!("muster-recovery-bench-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
-    if !args.node_loss_only {
+    if !args.node_loss_only && !args.ettr_only {
         worker_tables(&args, &agent, &ddp_train, &torchrun, &script, &dir)?;
     }
-    if args.node_procs > 0 {
+    if args.node_procs > 0 && !args.ettr_only {
         node_table(&args, &agent, &ddp_train, &torchrun, &script, &dir)?;
+    }
+    if args.ettr_minutes > 0 {
+        ettr_table(&agent, &ddp_train, &args, &dir)?;
     }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())

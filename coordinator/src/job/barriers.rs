@@ -134,6 +134,10 @@ impl Job {
         slot.outbox = Some(outbox);
         let node_rank = slot.node_rank;
         let first_session = !std::mem::replace(&mut slot.had_session, true);
+        if first_session {
+            g.had_sessions += 1;
+        }
+        let all_registered = first_session && g.had_sessions as usize == world;
         if let Some(released) = resume {
             // The rank's place in each scope's sequence, as it was under the last leader.
             for scope in [Scope::Global, Scope::Node] {
@@ -151,6 +155,9 @@ impl Job {
             world_size: world as u32,
             session,
         };
+        if all_registered {
+            st.restart_timeline.registered(generation);
+        }
         if first_session || replacement.is_some() || formed {
             // Coalesced with the other ranks' registrations by the record writer.
             self.persist(&st);
@@ -233,7 +240,8 @@ impl Job {
 
     /// Rank `rank` began training step `step` (its step marker). Rank 0's count toward the
     /// effective training time; the first after a quorum also says when the running
-    /// generation's recoveries resumed.
+    /// generation's recoveries resumed (and the next one when their first full step ended),
+    /// and the first of a generation when the restart that made it resumed.
     pub fn step_begun(&self, generation: u64, rank: u32, step: u64) {
         if rank != 0 {
             return;
@@ -242,16 +250,46 @@ impl Job {
         let Ok(g) = self.running(&mut st, generation) else {
             return;
         };
-        for rec in g
-            .recoveries
-            .iter_mut()
-            .filter(|r| r.info.quorum_epoch != 0 && r.info.resumed_ms == 0)
-        {
-            rec.info.resumed_ms = rec.died.elapsed().as_millis() as u64;
+        // One recovery per epoch (a lost node's ranks share theirs): its latest times.
+        let mut resumed: Vec<(u64, [Duration; 3])> = vec![];
+        for rec in g.recoveries.iter_mut() {
+            let i = &mut rec.info;
+            if i.resumed_ms > 0 && i.full_step_ms == 0 {
+                i.full_step_ms = rec.died.elapsed().as_millis() as u64;
+            } else if i.quorum_epoch != 0 && i.resumed_ms == 0 {
+                let took = rec.died.elapsed();
+                i.resumed_ms = took.as_millis() as u64;
+                let ms = Duration::from_millis;
+                let times = [ms(i.detect_ms), ms(i.respawn_ms), took];
+                match resumed.iter_mut().find(|(e, _)| *e == i.epoch) {
+                    Some((_, t)) => *t = [0, 1, 2].map(|k| t[k].max(times[k])),
+                    None => resumed.push((i.epoch, times)),
+                }
+            }
+        }
+        for (_, [detected, registered, took]) in resumed {
+            st.steps.recovered(detected, registered, took);
+        }
+        if let Some(took) = st.restart_timeline.marker(generation) {
+            st.steps.restarted(took);
         }
         if st.steps.begun(step, Instant::now()) {
             // The counts, for a new leader (at most once a minute from markers).
             self.persist(&st);
+        }
+    }
+
+    /// Rank `rank` healed for the quorum of `epoch` (its SDK's report): its recovery's
+    /// timeline records when.
+    pub fn healed(&self, generation: u64, rank: u32, epoch: u64) {
+        let mut st = self.lock();
+        let Ok(g) = self.running(&mut st, generation) else {
+            return;
+        };
+        if let Some(rec) = g.recoveries.iter_mut().find(|r| {
+            r.info.rank == Some(rank) && r.info.quorum_epoch == epoch && r.info.healed_ms == 0
+        }) {
+            rec.info.healed_ms = rec.died.elapsed().as_millis() as u64;
         }
     }
 

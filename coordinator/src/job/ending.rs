@@ -112,11 +112,17 @@ impl Job {
         let Ok(g) = self.running(st, generation) else {
             return;
         };
+        // A lost node's failure is seen after its agent was last heard.
+        let detected = (!f.node_id.is_empty())
+            .then(|| g.nodes.get(f.node_rank as usize)?.last_seen)
+            .flatten()
+            .map_or(Duration::ZERO, |t| t.elapsed());
         tracing::warn!(job = %id, generation, rejoin, "{text}");
         crate::metrics::generation_failed(&f);
         let err = f.to_error(&id, generation);
         let info = f.to_info(generation);
         let ended_failure = info.clone();
+        let timeline_reason = rejoin.then(|| text.clone());
         g.failure = Some(f);
         g.end_quorums(|| Error::FailedPrecondition(text.clone()));
         g.fail_all_barriers(&err);
@@ -146,6 +152,9 @@ impl Job {
         );
         st.recent_failures.push_front(ended_failure);
         st.recent_failures.truncate(super::RECENT_FAILURES);
+        if let Some(reason) = timeline_reason {
+            st.restart_timeline.failed(generation, &reason, detected);
+        }
         self.persist(st);
         self.notify();
     }

@@ -104,6 +104,9 @@ pub(super) struct Gen {
     /// The event sent to watchers when the generation ended (and to those who attach later).
     pub(super) ended: Option<Box<pb::GenerationEnded>>,
     pub(super) left: u32,
+    /// How many ranks have had a session (registered at least once): the restart timeline's
+    /// "every rank registered" is when it reaches the world size.
+    pub(super) had_sessions: u32,
     pub(super) next_token: u64,
     /// In-place recovery: the membership epoch (bumped by every death and by a quorum that
     /// nobody's death called for), and the epoch of the last quorum formed. A death opens a

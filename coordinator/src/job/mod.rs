@@ -29,6 +29,7 @@ mod persist;
 mod push;
 mod recovery;
 mod rendezvous;
+mod restarts;
 mod spares;
 #[cfg(test)]
 mod spares_tests;
@@ -162,6 +163,8 @@ struct JobState {
     dumps: hangs::Dumps,
     /// Rank 0's step markers, for the effective training time (kept across generations).
     steps: training::Steps,
+    /// The recent restarts' timeline (persisted).
+    restart_timeline: restarts::RestartTimeline,
     /// Spare agents standing by (persisted).
     spares: Vec<Spare>,
     /// Nodes whose place a spare took (node id to why): their agents are refused (persisted).
@@ -254,6 +257,7 @@ impl Job {
             hangs: Default::default(),
             dumps: Default::default(),
             steps: Default::default(),
+            restart_timeline: Default::default(),
             spares: vec![],
             replaced: HashMap::new(),
             phase: Phase::Open(OpenRound {

@@ -172,6 +172,7 @@ impl Gen {
             // Only whether it was a hang matters once the generation failed.
             hang: f.hang.then_some(OnHang::Fail),
         });
+        let had_sessions = ranks.iter().filter(|s| s.had_session).count() as u32;
         Ok(Self {
             generation: r.generation,
             values_id: r.values_id.clone(),
@@ -182,6 +183,7 @@ impl Gen {
             failure,
             ended: ended.map(Box::new),
             left,
+            had_sessions,
             next_token: 1,
             epoch: r.epoch,
             // A restored death keeps its membership change open (barriers wait for the
@@ -276,6 +278,7 @@ impl Job {
                 .as_ref()
                 .map(|t| training::Steps::restore(t, Instant::now(), training::unix_now()))
                 .unwrap_or_default(),
+            restart_timeline: restarts::RestartTimeline::restore(&record.recent_restarts),
             spares: record.spares.iter().map(Spare::restore).collect(),
             replaced: record.replaced.clone(),
         };
@@ -351,6 +354,7 @@ impl Job {
             max_spares: c.max_spares,
             replaced: st.replaced.clone(),
             training: st.steps.to_record(Instant::now(), training::unix_now()),
+            recent_restarts: st.restart_timeline.view(),
         }
     }
 

@@ -427,6 +427,7 @@ impl Job {
             ));
         }
         tracing::info!(job = %self.id, generation, nodes = n, world_size, "rendezvous round closed");
+        st.restart_timeline.formed(generation);
         st.phase = Phase::Running(Box::new(Gen {
             generation,
             values_id: format!("{}-{generation}", self.incarnation),
@@ -437,6 +438,7 @@ impl Job {
             failure: None,
             ended: None,
             left: 0,
+            had_sessions: 0,
             next_token: 1,
             epoch: 0,
             quorum_epoch: 0,

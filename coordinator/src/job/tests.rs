@@ -1289,3 +1289,108 @@ async fn a_restored_job_keeps_its_training_counts() {
     let on = restored.describe().training.unwrap();
     assert!(on.counted_ms > before.counted_ms, "{on:?}");
 }
+
+/// Issue 30's timeline: an in-place recovery records the death, the replacement's
+/// registration, the quorum, the heal report, training again and the first full step; a
+/// restart records the failure, the next round, every rank registered, training again and the
+/// first full step; the lost time is split into those parts, and a new leader keeps both.
+#[tokio::test]
+async fn recoveries_and_restarts_record_each_phase_and_split_the_lost_time() {
+    let pause = || std::thread::sleep(Duration::from_millis(15));
+    let (job, _s, _ids) = in_place(2, 2).await;
+    for step in 0..3 {
+        job.step_begun(1, 0, step);
+        pause();
+    }
+    job.fail_rank(1, 1, "exited with status 9".into(), exited(9));
+    pause();
+    let (tx, _rx) = mpsc::unbounded_channel();
+    job.register(1, 1, 4242, String::new(), tx, None, Some(1))
+        .unwrap();
+    pause();
+    let (_, mut q0) = job.quorum(&ask(0, 0, Some(2))).unwrap();
+    let (_, mut q1) = job.quorum(&ask(1, 1, None)).unwrap();
+    assert_eq!(q0.try_recv().unwrap().unwrap().epoch, 1);
+    q1.try_recv().unwrap().unwrap();
+    // Reports that name no open heal change nothing: another rank, another epoch.
+    job.healed(1, 0, 1);
+    job.healed(1, 1, 7);
+    job.healed(9, 1, 1);
+    assert_eq!(job.describe().recoveries[0].healed_ms, 0);
+    pause();
+    job.healed(1, 1, 1);
+    pause();
+    // Step 2 begun again, then step 3: training again, then the first full step.
+    job.step_begun(1, 0, 2);
+    pause();
+    job.step_begun(1, 0, 3);
+    let d = job.describe();
+    let r = &d.recoveries[0];
+    assert!(
+        0 < r.respawn_ms
+            && r.respawn_ms <= r.quorum_ms
+            && r.quorum_ms <= r.healed_ms
+            && r.healed_ms <= r.resumed_ms
+            && r.resumed_ms < r.full_step_ms,
+        "{r:?}"
+    );
+    let t = d.training.unwrap();
+    assert_eq!(t.detection_ms, 0, "a worker's death is known at once");
+    assert_eq!(t.respawn_ms, r.respawn_ms, "{t:?}");
+    assert_eq!(t.heal_ms, r.resumed_ms - r.respawn_ms, "{t:?}");
+    assert_eq!(t.recoveries_ms, r.resumed_ms, "{t:?}");
+    assert_eq!(t.restarts_ms, 0);
+    assert!(t.lost_ms >= t.recoveries_ms, "{t:?}");
+    assert!(d.recent_restarts.is_empty());
+
+    // A restart: the failure, the round closing again, the rank registering, two markers.
+    let job = formed(1, 1).await;
+    job.step_begun(1, 0, 0);
+    pause();
+    job.fail_rank(1, 0, "exited with status 3".into(), exited(3));
+    let d = job.describe();
+    assert_eq!(d.recent_restarts.len(), 1);
+    assert_eq!(
+        (
+            d.recent_restarts[0].failed_generation,
+            d.recent_restarts[0].generation
+        ),
+        (1, 0)
+    );
+    assert!(d.recent_restarts[0].reason.contains("exited with status 3"));
+    pause();
+    let (_, _, answer) = job.join(req("n0")).unwrap();
+    assert_eq!(answer.await.unwrap().unwrap().generation, 2);
+    pause();
+    let (tx, _rx) = mpsc::unbounded_channel();
+    job.register(2, 0, 77, String::new(), tx, None, None)
+        .unwrap();
+    pause();
+    // A late marker of the failed generation is not the new one's first.
+    job.step_begun(1, 0, 5);
+    job.step_begun(2, 0, 0);
+    pause();
+    job.step_begun(2, 0, 1);
+    let d = job.describe();
+    let r = &d.recent_restarts[0];
+    assert_eq!(r.generation, 2);
+    assert!(
+        0 < r.formed_ms
+            && r.formed_ms < r.registered_ms
+            && r.registered_ms < r.resumed_ms
+            && r.resumed_ms < r.full_step_ms,
+        "{r:?}"
+    );
+    let t = d.training.unwrap();
+    assert!(
+        t.restarts_ms >= r.resumed_ms && t.restarts_ms <= t.lost_ms,
+        "{t:?}"
+    );
+    assert_eq!(t.recoveries_ms, 0);
+
+    // A new leader keeps the timeline and the parts.
+    let record = job.record(&job.lock());
+    let restored = Job::restore(&record, 0, &ctx()).unwrap().describe();
+    assert_eq!(restored.recent_restarts, d.recent_restarts);
+    assert_eq!(restored.training.unwrap().restarts_ms, t.restarts_ms);
+}

@@ -339,22 +339,8 @@ impl Job {
                 resp.failure = g.failure.as_ref().map(|f| f.to_info(g.generation));
             }
         }
-        // One recovery per epoch (a lost node's ranks share theirs): its longest time.
-        let mut epochs: HashMap<u64, (u64, u64)> = HashMap::new();
-        for r in resp.recoveries.iter().filter(|r| r.resumed_ms > 0) {
-            let e = epochs.entry(r.epoch).or_default();
-            *e = (e.0.max(r.resumed_ms), e.1.max(r.detect_ms));
-        }
-        let (recovering, detecting) = epochs
-            .values()
-            .fold((0, 0), |(a, b), (r, d)| (a + r, b + d));
-        resp.training = st
-            .steps
-            .view(now, Duration::from_millis(recovering))
-            .map(|mut t| {
-                t.detection_ms = detecting.min(t.recoveries_ms);
-                t
-            });
+        resp.training = st.steps.view(now);
+        resp.recent_restarts = st.restart_timeline.view();
         resp
     }
 

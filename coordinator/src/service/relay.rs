@@ -120,6 +120,14 @@ impl pb::relay_server::Relay for RelayService {
                             }
                         }
                     }
+                    Some(pb::relay_message::Kind::RankHealed(pb::RankHealed { rank, epoch })) => {
+                        match job.check_on_node(generation, node_rank, rank, &tx) {
+                            Ok(()) => job.healed(generation, rank, epoch),
+                            Err(e) => {
+                                let _ = tx.send(Ok(crate::job::rank_event(rank, Err(e.into()))));
+                            }
+                        }
+                    }
                     Some(pb::relay_message::Kind::Heartbeat(_)) => {}
                     Some(pb::relay_message::Kind::Waiting(report)) => {
                         // Information for the ops view, capped like any list from the network.

@@ -92,6 +92,7 @@ async fn session_loop(
             Some(Ok(Some(msg))) => match msg.kind {
                 Some(Kind::Heartbeat(_)) => job.touch(generation, rank),
                 Some(Kind::Step(pb::StepBegun { step })) => job.step_begun(generation, rank, step),
+                Some(Kind::Healed(pb::Healed { epoch })) => job.healed(generation, rank, epoch),
                 Some(Kind::Barrier(b)) => {
                     let checked = BarrierEntry::try_from(&b);
                     // A span per entry, child of the worker's span when it sent its trace

@@ -404,6 +404,13 @@ impl Native {
         Ok(())
     }
 
+    /// Says that this rank finished healing for the quorum of `epoch` (the recovery's
+    /// timeline; no wait, the GIL kept).
+    fn healed(&self, py: Python<'_>, epoch: u64) -> PyResult<()> {
+        self.get(py)?.healed(epoch);
+        Ok(())
+    }
+
     /// Agrees on the new membership with every other rank (blocks until the quorum forms);
     /// `step`: the steps this rank committed, None for a replacement with no state.
     #[pyo3(signature = (step=None))]

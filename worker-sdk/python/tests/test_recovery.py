@@ -5,7 +5,9 @@ rebuild the process group through the muster store, heal the replacement over it
 the same weights, bit for bit, as a run without the failure. The same loop on
 ``muster.Communicator`` (``reconfigure`` and ``heal_bytes``) checks the SDK's own collectives.
 A variant that draws random numbers every step (dropout, Python's and numpy's generators) heals
-its generators too, and ends with the same weights only when it marks its steps."""
+its generators too, and ends with the same weights only when it marks its steps; another reads
+its data from a shuffled ``DataLoader`` whose two worker processes augment every sample
+(``muster.torch.Batches``), interrupted mid-epoch."""
 
 from __future__ import annotations
 
@@ -25,8 +27,9 @@ needs_torch = pytest.mark.skipif(
 #: The training loop, run once per ``(COMM, DRAWS)`` of ``LOOPS``. ``COMM`` (gloo or muster)
 #: picks what averages the gradients; ``DRAWS``: 0, no random draws; 1, dropout and noise from
 #: Python's and numpy's generators, each step marked with ``muster.torch.begin_step``; 2, the
-#: same draws with no marks. ``FAIL_AT`` (0: never) is the step after which the last rank
-#: aborts in the job's first life.
+#: same draws with no marks; 3, dropout and marks, the data from a DataLoader of 7 batches an
+#: epoch read by step, its workers drawing noise. ``FAIL_AT`` (0: never) is the step after
+#: which the last rank aborts in the job's first life.
 TRAIN = """
 import hashlib, io, os, random, sys
 import numpy
@@ -40,7 +43,10 @@ print(f"started rank={{rank}} pid={{os.getpid()}}", flush=True)
 
 
 def state():
-    return {{"model": model.state_dict(), "opt": opt.state_dict(), "step": step}}
+    got = {{"model": model.state_dict(), "opt": opt.state_dict(), "step": step}}
+    if DRAWS == 3:
+        got["data"] = data.state_dict()
+    return got
 
 
 def load(got):
@@ -48,6 +54,18 @@ def load(got):
     model.load_state_dict(got["model"])
     opt.load_state_dict(got["opt"])
     step = got["step"]
+    if DRAWS == 3:
+        data.load_state_dict(got["data"])
+
+
+class Augmented(torch.utils.data.Dataset):
+    def __len__(self):
+        return 112
+
+    def __getitem__(self, i):
+        x = torch.randn(8, generator=torch.Generator().manual_seed(i))
+        # Drawn in the worker process that reads the sample.
+        return x * (1 + 0.1 * torch.rand(1)), x.sum(dim=0, keepdim=True).sin()
 
 
 def recover(committed):
@@ -81,6 +99,8 @@ for COMM, DRAWS in LOOPS:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), *dropout, torch.nn.Linear(16, 1))
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     params = list(model.parameters())
+    if DRAWS == 3:
+        data = muster.torch.Batches(torch.utils.data.DataLoader(Augmented(), batch_size=16, shuffle=True, num_workers=2))
     step, loss_avg = 0, float("nan")
     comm = None
     if acc.is_replacement:
@@ -102,12 +122,14 @@ for COMM, DRAWS in LOOPS:
         if acc.membership_changed():
             recover(step)
             continue
-        if DRAWS == 1:
+        if DRAWS in (1, 3):
             muster.torch.begin_step(step)
         g = torch.Generator().manual_seed(1000 * step + rank)
         x = torch.randn(16, 8, generator=g)
         y = x.sum(dim=1, keepdim=True).sin()
-        if DRAWS:
+        if DRAWS == 3:
+            x, y = data.batch(step)
+        elif DRAWS:
             noise = torch.from_numpy(numpy.random.standard_normal(x.shape)).float()
             x = x * (1 + 0.1 * random.random()) + 0.01 * noise
         opt.zero_grad()
@@ -168,11 +190,11 @@ def _pids(run, rank: int) -> list[str]:
 @needs_torch
 def test_a_torch_loop_recovers_in_place_with_the_same_weights(launch) -> None:
     # The failure-free runs of every loop, in one launch.
-    loops = [("gloo", 0), ("muster", 0), ("gloo", 1)]
+    loops = [("gloo", 0), ("muster", 0), ("gloo", 1), ("gloo", 3)]
     clean = launch(4, TRAIN.format(loops=loops, fail_at=0), *FLAGS, timeout=120)
     assert clean.code == 0, clean.dump()
     expected = _finals(clean)
-    assert sorted(expected) == ["gloo/0", "gloo/1", "muster/0"], clean.dump()
+    assert sorted(expected) == ["gloo/0", "gloo/1", "gloo/3", "muster/0"], clean.dump()
     for loop in expected.values():
         assert loop["steps"] == "24", clean.dump()
 

@@ -14,7 +14,7 @@ mod values;
 
 pub use kv::{CasOutcome, Kv, KvLane};
 pub use quorum::{Heal, QUORUM_POLL, Quorum, QuorumAsk};
-pub use session::{FailureWatch, Registration, Scope, Session, SessionConfig};
+pub use session::{FailureWatch, Registration, Reports, Scope, Session, SessionConfig};
 pub(crate) use session::{barrier_error, consumes_seq, register_message};
 pub use values::{SharedValues, UniqueIds};
 

@@ -222,7 +222,35 @@ impl StdError for ReattachError {
     }
 }
 
+/// Sends a session's one-way reports: no answer and no wait; a report that finds the stream
+/// full, or away during a failover, is dropped (see [`Session::step_begun`]).
+#[derive(Clone)]
+pub struct Reports(Arc<Shared>);
+
+impl fmt::Debug for Reports {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Reports").finish_non_exhaustive()
+    }
+}
+
+impl Reports {
+    /// Says that this rank finished healing for the quorum of membership epoch `epoch` (it
+    /// received its source's state): the recovery's timeline (`describe`) records when.
+    pub fn healed(&self, epoch: u64) {
+        self.0
+            .report(worker_message::Kind::Healed(pb::Healed { epoch }));
+    }
+}
+
 impl Shared {
+    /// Sends a one-way report on the current stream, if there is one and it has room.
+    fn report(&self, kind: worker_message::Kind) {
+        let state = self.lock();
+        if let Some(outbound) = &state.outbound {
+            let _ = outbound.try_send(message(kind));
+        }
+    }
+
     fn new() -> Self {
         Self {
             state: Mutex::new(RouterState {
@@ -775,10 +803,14 @@ impl Session {
     /// that finds the stream full, or away during a failover, is dropped, and the next one
     /// counts the time since.
     pub fn step_begun(&self, step: u64) {
-        let state = self.shared.lock();
-        if let Some(outbound) = &state.outbound {
-            let _ = outbound.try_send(message(worker_message::Kind::Step(pb::StepBegun { step })));
-        }
+        self.shared
+            .report(worker_message::Kind::Step(pb::StepBegun { step }));
+    }
+
+    /// A handle that sends this session's one-way reports from elsewhere (a communicator's
+    /// heal), for as long as the session lives.
+    pub fn reports(&self) -> Reports {
+        Reports(Arc::clone(&self.shared))
     }
 
     /// The sequence number the next barrier of `scope` will use (for diagnostics and tests).

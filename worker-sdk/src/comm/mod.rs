@@ -127,6 +127,8 @@ pub struct Communicator {
     /// The membership epoch the backend was built for (in-place recovery).
     epoch: AtomicU64,
     backend: Mutex<Box<dyn Backend>>,
+    /// The session's reports, for the heal's (none in single-process mode).
+    reports: Option<crate::client::Reports>,
 }
 
 impl fmt::Debug for Communicator {
@@ -217,6 +219,7 @@ impl Communicator {
             id,
             epoch: AtomicU64::new(epoch),
             backend: Mutex::new(backend),
+            reports: accelerator.session().map(crate::client::Session::reports),
         })
     }
 
@@ -300,7 +303,8 @@ impl Communicator {
     /// (the Python SDK's pickled or `torch.save`d state dicts): after
     /// [`Communicator::reconfigure`], a source sends `payload` (the length, then the bytes) to
     /// every rank it heals, in rank order, and returns `None`; a healed rank receives its
-    /// source's bytes and returns them; a rank not involved returns `None` at once. A source
+    /// source's bytes, reports that it healed (the recovery's timeline), and returns them; a
+    /// rank not involved returns `None` at once. A source
     /// must pass a payload; what other ranks pass is ignored.
     pub fn heal_bytes(
         &self,
@@ -334,6 +338,9 @@ impl Communicator {
             })?;
             blob.resize(length, 0);
             self.recv(&mut blob, source as usize)?;
+            if let Some(reports) = &self.reports {
+                reports.healed(quorum.epoch);
+            }
             return Ok(Some(blob));
         }
         let healed = quorum.healed_by(me);

@@ -228,6 +228,13 @@ class Accelerator:
         STEPS_MARKED = True
         self._native.begin_step(step)
 
+    def healed(self, epoch: int) -> None:
+        """Says that this rank finished healing for the quorum of membership epoch ``epoch``
+        (it received its source's state), for the recovery's timeline in ``muster-agent
+        describe``. ``muster.torch.heal`` and :meth:`muster.Communicator.heal_bytes` call it;
+        a loop that heals by other means calls it once its state is loaded. No wait."""
+        self._native.healed(epoch)
+
     def quorum(self, step: int | None) -> Quorum:
         """Agrees on the new membership with every other rank after a death and returns it
         (blocks until every rank of the job is alive and has asked). ``step``: the training

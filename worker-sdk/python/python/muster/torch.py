@@ -11,7 +11,9 @@ died) and closes this rank's process group so that its peers' collectives fail t
 :func:`rebuild_process_group` makes the process group again for a quorum's epoch through the
 muster store, and :func:`heal` moves the training state from live ranks to the replacement
 over it. :func:`begin_step` marks where a step starts: :func:`recover` rewinds every random
-generator there and heals the replacement with the same generators (:func:`rng_state`). See
+generator there and heals the replacement with the same generators (:func:`rng_state`).
+:class:`Batches` reads a ``DataLoader`` by step, so that a replacement continues at the same
+place of the same epoch, its loader's worker processes drawing what the dead rank's drew. See
 docs/python.md for the whole loop.
 
 Importing this module imports torch; ``import muster`` alone does not.
@@ -24,6 +26,7 @@ import datetime
 import io
 import os
 import random
+import socket
 import sys
 import time
 import traceback
@@ -55,6 +58,56 @@ _RNG_KEY = "muster.rng"
 
 #: The step :func:`begin_step` last marked, and the random generators' state when it did.
 _STEP_START: tuple[int, dict[str, Any]] | None = None
+
+#: How many process groups this process initialised through muster's store (see
+#: :func:`_fresh_prefix`).
+_INITS = 0
+
+#: Whether forked children drop the sockets they inherit (:func:`_guard_forks`).
+_FORKS_GUARDED = False
+
+
+def _guard_forks(accelerator: Accelerator) -> None:
+    """In place, makes every process forked from this one from now on (a DataLoader's
+    workers) close the internet sockets it inherits (:func:`_drop_inherited_sockets`)."""
+    global _FORKS_GUARDED
+    if accelerator.recovery == "in-place" and not _FORKS_GUARDED:
+        os.register_at_fork(after_in_child=_drop_inherited_sockets)
+        _FORKS_GUARDED = True
+
+
+def _drop_inherited_sockets() -> None:
+    """In a child just forked from a trainer: closes the internet sockets it inherited, gloo's
+    connections to the other ranks among them. The child never uses them (a DataLoader worker
+    talks to its parent over pipes and Unix sockets); while it holds them, the trainer closing
+    its process group (:func:`interrupted`) closes nothing for its peers, and a neighbour
+    blocked in a collective waits for gloo's timeout instead of failing at once."""
+    try:
+        fds = [int(fd) for fd in os.listdir("/proc/self/fd")]
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=fd)
+        except (OSError, ValueError):
+            continue
+        inet = sock.family in (socket.AF_INET, socket.AF_INET6)
+        sock.detach()
+        if inet:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+
+def _fresh_prefix() -> str:
+    """The store prefix of this process's next process group initialisation: none for the
+    first, ``init<N>/`` for the N-th after it. Every rank counts alike, so a group initialised
+    again in the same generation (after ``destroy_process_group``) reads its peers' new
+    addresses, never the keys an earlier group left, as a fresh TCPStore would."""
+    global _INITS
+    n, _INITS = _INITS, _INITS + 1
+    return f"init{n}/" if n else ""
 
 
 class Store(dist.Store):
@@ -182,7 +235,8 @@ def init_process_group(
     """``torch.distributed.init_process_group`` with muster's rank, world size and store: no
     TCPStore, no ``MASTER_ADDR``/``MASTER_PORT``. Returns the process's :class:`Accelerator`."""
     accelerator = accelerator or Accelerator()
-    store = Store(accelerator, timeout=timeout or DEFAULT_TIMEOUT)
+    _guard_forks(accelerator)
+    store = Store(accelerator, prefix=_fresh_prefix(), timeout=timeout or DEFAULT_TIMEOUT)
     if timeout is not None:
         kwargs["timeout"] = timeout
     dist.init_process_group(
@@ -270,6 +324,7 @@ def rebuild_process_group(
     the quorum's world size and this rank. ``kwargs`` go to ``init_process_group``."""
     accelerator = accelerator or Accelerator()
     abort_process_group()
+    _guard_forks(accelerator)
     store = Store(accelerator, prefix=f"e{quorum.epoch}/", timeout=timeout or DEFAULT_TIMEOUT)
     if timeout is not None:
         kwargs["timeout"] = timeout
@@ -300,7 +355,9 @@ def heal(quorum: Quorum, state: dict[str, Any], accelerator: Accelerator | None 
         blob = torch.empty(int(length.item()), dtype=torch.uint8)
         dist.recv(blob, src=source)
         # The bytes come from a rank of this job (same credentials): trusted as its own.
-        return torch.load(io.BytesIO(blob.numpy().tobytes()), map_location="cpu", weights_only=False)
+        received = torch.load(io.BytesIO(blob.numpy().tobytes()), map_location="cpu", weights_only=False)
+        accelerator.healed(quorum.epoch)
+        return received
     healed = quorum.healed_by(rank)
     if not healed:
         return state
@@ -401,11 +458,135 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class Batches:
+    """A ``torch.utils.data.DataLoader`` read by training step, for in-place recovery: ``batch(step)``
+    is batch ``step % len(loader)`` of epoch ``step // len(loader)``. Put :meth:`state_dict` in
+    the state :func:`recover` heals, and have a healed rank :meth:`load_state_dict` what it
+    received: its next ``batch(step)`` rebuilds that epoch's iterator as the epoch began (the
+    loader's generator as it was then, so the shuffle and the workers' ``base_seed`` are the
+    same) and reads the batches before ``step`` again (the workers' random augmentations advance
+    as they did), so the batch and everything drawn for it are the dead rank's. A rank that
+    redoes a step gets the batch it already read (with ``num_workers=0`` torch's, Python's and
+    numpy's generators put where that read left them, as the loader drew from them).
+
+    Call :func:`begin_step` before ``batch(step)``. Exact for ranks seeded alike (as for the
+    generators); not for ``persistent_workers=True`` (a worker's generators then run on across
+    epochs, which a replacement cannot rebuild without reading every epoch again) nor for a
+    loader without a length (an ``IterableDataset``): both are refused. Re-reading costs the
+    replacement the epoch's batches before ``step`` (in the loader's workers). Accelerate's
+    prepared loaders synchronise generators with a collective at each epoch's start, which a
+    lone replacement cannot join: wrap the plain ``DataLoader``."""
+
+    def __init__(self, loader: torch.utils.data.DataLoader) -> None:
+        if getattr(loader, "persistent_workers", False):
+            raise ValueError(
+                "muster.torch.Batches: persistent_workers=True keeps each worker's random generators "
+                "running across epochs, which a replacement cannot rebuild; use persistent_workers=False"
+            )
+        try:
+            per_epoch = len(loader)
+        except TypeError:
+            raise TypeError(
+                "muster.torch.Batches needs a DataLoader with a length (a map-style dataset); "
+                f"{type(loader.dataset).__name__} has none"
+            ) from None
+        if per_epoch == 0:
+            raise ValueError("muster.torch.Batches: the DataLoader yields no batch")
+        self._loader = loader
+        self._per_epoch = per_epoch
+        self._iterator: Iterator[Any] | None = None
+        #: The epoch of the open iterator and the index of the batch it yields next.
+        self._epoch = -1
+        self._next = 0
+        #: Epoch to the state of the loader's generator just before its iterator was made.
+        self._starts: dict[int, torch.Tensor] = {}
+        #: The last batch read: its step, the batch, and the generators after the read (None
+        #: where the workers read it: the read drew nothing here).
+        self._last: tuple[int, Any, dict[str, Any] | None] | None = None
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        return self._per_epoch
+
+    def _generator(self) -> torch.Generator:
+        """The generator the loader draws its shuffle and its workers' seed from."""
+        return self._loader.generator if self._loader.generator is not None else torch.default_generator
+
+    def batch(self, step: int) -> Any:
+        """The batch of training step ``step`` (see the class)."""
+        if self._last is not None and self._last[0] == step:
+            _, batch, after = self._last
+            if after is not None:
+                set_rng_state(after)
+            return batch
+        epoch, index = divmod(step, self._per_epoch)
+        if self._iterator is None or epoch != self._epoch or index < self._next:
+            self._open(epoch, index)
+        iterator = self._iterator
+        assert iterator is not None
+        while self._next < index:
+            next(iterator)
+            self._next += 1
+        batch = next(iterator)
+        self._next += 1
+        self._last = (step, batch, rng_state() if self._loader.num_workers == 0 else None)
+        return batch
+
+    def _open(self, epoch: int, index: int) -> None:
+        """Makes epoch ``epoch``'s iterator as it was made at the epoch's start, and reads its
+        batches before ``index`` (leaving the process's generators as they were)."""
+        self._iterator = None
+        generator = self._generator()
+        start = self._starts.get(epoch)
+        if start is None:
+            if index > 0:
+                raise RuntimeError(
+                    f"muster.torch.Batches: step {epoch * self._per_epoch + index} is batch {index} of "
+                    f"epoch {epoch}, whose start this process did not see: load_state_dict() the "
+                    "state of a rank that read it (what muster.torch.recover returns)"
+                )
+            start = generator.get_state()
+        now = rng_state()
+        generator.set_state(start)
+        self._starts = {epoch: start}
+        self._iterator = iter(self._loader)
+        self._epoch, self._next = epoch, 0
+        if index > 0:
+            # The first read draws the shuffle's seed (a sampler draws when first read): from
+            # the epoch's start, as then. The generators then go back to this step's.
+            next(self._iterator)
+            self._next = 1
+            while self._next < index:
+                next(self._iterator)
+                self._next += 1
+            set_rng_state(now)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where the loader stands, for :meth:`load_state_dict` in another rank: the open
+        epoch, its generator's state at its start, and the loader's own generator now (if it
+        has one)."""
+        own = self._loader.generator
+        return {
+            "epoch": self._epoch,
+            "start": self._starts.get(self._epoch),
+            "generator": own.get_state() if own is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Takes another rank's :meth:`state_dict`: the next :meth:`batch` rebuilds its epoch."""
+        self._iterator, self._last, self._epoch, self._next = None, None, -1, 0
+        self._starts = {} if state["start"] is None else {int(state["epoch"]): state["start"]}
+        if state["generator"] is not None and self._loader.generator is not None:
+            self._loader.generator.set_state(state["generator"])
+
+
 def _rendezvous(url: str, timeout: datetime.timedelta = DEFAULT_TIMEOUT, **_: Any) -> Iterator:
     """``init_method="muster://"``: muster's store, rank and world size (the URL's rank and
     world size, if any, are ignored: the launcher's are the truth)."""
     accelerator = Accelerator()
-    yield (Store(accelerator, timeout=timeout), accelerator.process_index, accelerator.num_processes)
+    _guard_forks(accelerator)
+    store = Store(accelerator, prefix=_fresh_prefix(), timeout=timeout)
+    yield (store, accelerator.process_index, accelerator.num_processes)
     raise RuntimeError("muster:// rendezvous does not restart within a process; muster-agent restarts the workers")
 
 
@@ -413,6 +594,7 @@ dist.register_rendezvous_handler("muster", _rendezvous)
 
 __all__ = [
     "DEFAULT_TIMEOUT",
+    "Batches",
     "Store",
     "abort_process_group",
     "begin_step",
