@@ -122,7 +122,21 @@ impl Job {
         let err = f.to_error(&id, generation);
         let info = f.to_info(generation);
         let ended_failure = info.clone();
-        let timeline_reason = rejoin.then(|| text.clone());
+        // The restart's reason without the worker's stderr (the timeline is on the
+        // unauthenticated web view, as the failures are without theirs).
+        let timeline_reason = rejoin.then(|| {
+            if info.node_id.is_empty() {
+                format!(
+                    "rank {} (node {}, host {}) {}",
+                    info.rank(),
+                    info.node_rank(),
+                    info.host,
+                    info.reason
+                )
+            } else {
+                info.reason.clone()
+            }
+        });
         g.failure = Some(f);
         g.end_quorums(|| Error::FailedPrecondition(text.clone()));
         g.fail_all_barriers(&err);

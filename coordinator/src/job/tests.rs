@@ -1347,7 +1347,12 @@ async fn recoveries_and_restarts_record_each_phase_and_split_the_lost_time() {
     let job = formed(1, 1).await;
     job.step_begun(1, 0, 0);
     pause();
-    job.fail_rank(1, 0, "exited with status 3".into(), exited(3));
+    let detail = FailureDetail {
+        exit_code: Some(3),
+        stderr_tail: "loss diverged".into(),
+        ..FailureDetail::default()
+    };
+    job.fail_rank(1, 0, "exited with status 3".into(), Some(detail));
     let d = job.describe();
     assert_eq!(d.recent_restarts.len(), 1);
     assert_eq!(
@@ -1357,7 +1362,11 @@ async fn recoveries_and_restarts_record_each_phase_and_split_the_lost_time() {
         ),
         (1, 0)
     );
-    assert!(d.recent_restarts[0].reason.contains("exited with status 3"));
+    // Without the worker's stderr: the timeline is on the unauthenticated web view.
+    assert_eq!(
+        d.recent_restarts[0].reason,
+        "rank 0 (node 0, host host-n0) exited with status 3"
+    );
     pause();
     let (_, _, answer) = job.join(req("n0")).unwrap();
     assert_eq!(answer.await.unwrap().unwrap().generation, 2);
