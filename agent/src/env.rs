@@ -194,6 +194,7 @@ pub fn worker_env(
     match &node.agent_socket {
         Some(socket) => {
             env.push((var::MUSTER_AGENT_SOCKET, socket.clone()));
+            env.push((var::MUSTER_AGENT_PID, std::process::id().to_string()));
             if rank == 0 {
                 // Rank 0's steps, for a script that marks none itself (`_muster_steps.py`).
                 let steps =
@@ -390,15 +391,17 @@ mod tests {
             &node(),
             1,
             &[],
-            "MUSTER_JOB_ID=job7 MUSTER_GENERATION=3
+            &format!("MUSTER_JOB_ID=job7 MUSTER_GENERATION=3
              MUSTER_RANK=5 MUSTER_LOCAL_RANK=1 MUSTER_WORLD_SIZE=6 MUSTER_LOCAL_WORLD_SIZE=2
              MUSTER_NODE_RANK=1 MUSTER_NUM_NODES=2 MUSTER_RESTART_COUNT=2 MUSTER_HOST=node-b
              MUSTER_FAILOVER_TIMEOUT_MS=2500 MUSTER_RECOVERY=restart
-             MUSTER_AGENT_SOCKET=/tmp/muster-1-2/relay.sock
+             MUSTER_AGENT_SOCKET=/tmp/muster-1-2/relay.sock MUSTER_AGENT_PID={}
              RANK=5 LOCAL_RANK=1 WORLD_SIZE=6 LOCAL_WORLD_SIZE=2 GROUP_RANK=1 GROUP_WORLD_SIZE=2
              ROLE_RANK=5 ROLE_NAME=default ROLE_WORLD_SIZE=6 MASTER_ADDR=node-a MASTER_PORT=29500
              TORCHELASTIC_RESTART_COUNT=2 TORCHELASTIC_MAX_RESTARTS=0 TORCHELASTIC_RUN_ID=job7
              TORCHELASTIC_USE_AGENT_STORE=False TORCH_NCCL_ASYNC_ERROR_HANDLING=1 OMP_NUM_THREADS=1",
+                std::process::id()
+            ),
         );
     }
 

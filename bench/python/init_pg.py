@@ -8,8 +8,10 @@ Rank 0 prints ``init_ms=`` (its own call) and ``slowest_ms=`` (the longest call 
 With ``--start-dir``, every rank waits on a file barrier before the call, so that the figures
 time the store and not the seconds by which the interpreters' ``import torch`` finish apart.
 Modules are imported before the clock starts (``muster.torch`` as ``torch.distributed``): the
-call is timed, including the Accelerator (the connection to the coordinator) that
-``muster.torch.init_process_group`` makes, as ``env://`` includes its TCPStore client."""
+call is timed, from loaded modules to a ready process group. ``import muster`` begins the
+worker's connection to its agent (the Accelerator's registration) on a thread, so the call
+finds it made, as a training script's would after building its model; with
+``MUSTER_EARLY_CONNECT=0`` the call makes it, as ``env://`` makes its TCPStore client."""
 
 from __future__ import annotations
 

@@ -39,6 +39,10 @@ pub const MUSTER_HOST: &str = "MUSTER_HOST";
 /// The node relay's Unix socket, when the agent runs one: barriers go there instead of through
 /// the worker's coordinator session (framing in [`super::frame`]).
 pub const MUSTER_AGENT_SOCKET: &str = "MUSTER_AGENT_SOCKET";
+/// The process id of the agent that started the worker, set with [`MUSTER_AGENT_SOCKET`]: the
+/// Python SDK connects to the agent as soon as it is imported in a process whose parent that
+/// is (the worker itself, not a child or a helper that a wrapper script runs first).
+pub const MUSTER_AGENT_PID: &str = "MUSTER_AGENT_PID";
 /// The agent's step socket ([`super::STEP_SOCKET`]), given to global rank 0's worker only:
 /// the agent's Python start-up hook sends each optimizer step there.
 pub const MUSTER_STEP_SOCKET: &str = "MUSTER_STEP_SOCKET";

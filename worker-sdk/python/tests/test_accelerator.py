@@ -235,6 +235,73 @@ def test_a_forked_child_gets_a_clear_error_not_a_deadlock(launch) -> None:
         assert run.value(rank, "parent") == "ok"
 
 
+#: A worker that reports whether ``import muster`` began its connection, whether a Python
+#: process it starts itself (a tool, a spawned child) would have, and then waits as usual.
+EARLY = """
+import os, subprocess, sys
+import muster
+import muster.accelerator as acc
+print(f"early={acc._CONNECTING is not None}", flush=True)
+child = subprocess.run(
+    [sys.executable, "-c", "import muster.accelerator as a; print(a._CONNECTING is not None)"],
+    capture_output=True, text=True, check=True,
+)
+print(f"child_early={child.stdout.strip()}", flush=True)
+a = muster.Accelerator()
+a.wait_for_everyone()
+print(f"rank={a.process_index} taken={acc._CONNECTING is None}", flush=True)
+"""
+
+
+def test_import_connects_early_in_the_agents_worker_only(launch) -> None:
+    run = launch(2, EARLY)
+    assert run.code == 0, run.dump()
+    for rank in range(2):
+        assert run.value(rank, "early") == "True", run.dump()
+        # The worker's own child (its parent is the worker, not the agent) does not register
+        # the rank a second time.
+        assert run.value(rank, "child_early") == "False", run.dump()
+        assert run.value(rank, "rank") == f"{rank} taken=True", run.dump()
+
+
+def test_early_connection_can_be_turned_off(launch) -> None:
+    run = launch(2, EARLY, env={"MUSTER_EARLY_CONNECT": "0"})
+    assert run.code == 0, run.dump()
+    for rank in range(2):
+        assert run.value(rank, "early") == "False", run.dump()
+        assert run.value(rank, "rank") == f"{rank} taken=True", run.dump()
+
+
+def test_an_early_connection_unused_leaves_cleanly_and_a_fork_cannot_take_it(launch) -> None:
+    # Rank 1 imports muster, forks (the child may not take the connection being made), and
+    # exits without an Accelerator: its early connection leaves the job at exit, so rank 0,
+    # waiting, hears that it left instead of waiting for it.
+    run = launch(
+        2,
+        """
+        import os, muster
+        if int(os.environ["RANK"]) == 1:
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    muster.Accelerator()
+                    print("child=made", flush=True)
+                except muster.MusterError as e:
+                    print(f"child={e}", flush=True)
+                os._exit(0)
+            os.waitpid(pid, 0)
+            raise SystemExit(0)
+        try:
+            muster.Accelerator().wait_for_everyone(timeout=30)
+            print("waited=yes", flush=True)
+        except muster.RankLeftError as e:
+            print(f"left={e.rank}", flush=True)
+        """,
+        timeout=60,
+    )
+    assert "forked from muster worker" in run.value(1, "child"), run.dump()
+    assert run.value(0, "left") == "1", run.dump()
+
 def test_the_key_value_store_is_shared_and_atomic(launch) -> None:
     run = launch(
         4,

@@ -12,6 +12,7 @@ a hang.
 """
 
 from muster.accelerator import NCCL_UNIQUE_ID_BYTES, Accelerator, KeyValueStore, Quorum
+from muster.accelerator import connect_early as _connect_early
 from muster.comm import Communicator
 from muster.errors import (
     ConfigError,
@@ -49,3 +50,6 @@ __all__ = [
     "UnauthorizedError",
     "WaitTimeoutError",
 ]
+
+# Under an agent, the worker's connection is made while the script goes on importing.
+_connect_early()

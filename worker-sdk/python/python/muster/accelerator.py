@@ -12,10 +12,12 @@ import functools
 import os
 import pickle
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from muster import _native
+from muster.errors import MusterError
 
 T = TypeVar("T")
 
@@ -360,18 +362,90 @@ class Accelerator:
 
 
 _PROCESS_NATIVE: tuple[int, _native.Native] | None = None
+#: The connection :func:`connect_early` is making: (pid, thread, its outcome).
+_CONNECTING: tuple[int, threading.Thread, dict[str, Any]] | None = None
+_NATIVE_LOCK = threading.Lock()
+
+
+def _spawned_by_agent() -> bool:
+    """Whether this process is a worker that a muster agent started itself: its parent is the
+    agent (``MUSTER_AGENT_PID``), not a wrapper script, a tool that script runs first, or the
+    worker's own children (``multiprocessing`` with spawn re-imports muster there)."""
+    if os.environ.get("MUSTER_EARLY_CONNECT", "1") == "0":
+        return False
+    agent = os.environ.get("MUSTER_AGENT_PID", "")
+    return bool(os.environ.get("MUSTER_AGENT_SOCKET")) and agent == str(os.getppid())
+
+
+def connect_early() -> None:
+    """In a worker its agent started, begins this process's connection (the registration with
+    the agent and the coordinator) on a thread, so that it is made while the script goes on
+    importing and building its model; the first :class:`Accelerator` (or
+    ``muster.torch.init_process_group``) then finds it made. Run once, by ``import muster``.
+    Elsewhere, or with ``MUSTER_EARLY_CONNECT=0``, the connection is made on first use.
+    A failure is raised by that first use, as it would have been; a connection made and never
+    used leaves the job cleanly at exit."""
+    global _CONNECTING
+    if not _spawned_by_agent():
+        return
+    outcome: dict[str, Any] = {}
+
+    def connect() -> None:
+        # The thread holds no lock: _process_native joins it under _NATIVE_LOCK.
+        try:
+            outcome["native"] = _native.Native()
+        except BaseException as e:  # noqa: BLE001 (raised again by the first use)
+            outcome["error"] = e
+
+    # Not a daemon: the interpreter waits for the connection at exit instead of killing the
+    # thread inside it (a connection made and unused still leaves the job cleanly, below).
+    thread = threading.Thread(target=connect, name="muster-connect")
+    with _NATIVE_LOCK:
+        if _PROCESS_NATIVE is not None or _CONNECTING is not None:
+            return
+        _CONNECTING = (os.getpid(), thread, outcome)
+    thread.start()
+    atexit.register(_close_early, outcome)
+
+
+def _close_early(outcome: dict[str, Any]) -> None:
+    """At exit (after the interpreter has joined the connecting thread): the rank leaves the
+    job cleanly, so ranks still waiting hear "left", not "lost"."""
+    native = outcome.get("native")
+    if native is not None:
+        native.close()
 
 
 def _process_native() -> _native.Native:
-    """This process's connection, made on first use (a forked child makes its own only if
-    it asks for a new one: the parent's refuses it with a clear error)."""
-    global _PROCESS_NATIVE
-    if _PROCESS_NATIVE is None:
-        native = _native.Native()
+    """This process's connection: the one :func:`connect_early` began, or made now (a forked
+    child makes its own only if it asks for a new one: the parent's refuses it with a clear
+    error)."""
+    global _PROCESS_NATIVE, _CONNECTING
+    if _PROCESS_NATIVE is not None:
+        return _PROCESS_NATIVE[1]
+    with _NATIVE_LOCK:
+        if _PROCESS_NATIVE is not None:
+            return _PROCESS_NATIVE[1]
+        if _CONNECTING is not None and _CONNECTING[0] != os.getpid():
+            # Forked while the parent was connecting: the thread did not come along, and the
+            # rank's connection is the parent's.
+            raise MusterError(
+                f"this process was forked from muster worker {_CONNECTING[0]}, whose connection "
+                f"to the agent cannot be used here (a DataLoader worker, multiprocessing with "
+                f"fork): use muster from the training process only"
+            )
+        pending, _CONNECTING = _CONNECTING, None
+        if pending is not None:
+            pending[1].join()
+            if "error" in pending[2]:
+                raise pending[2]["error"]
+            native = pending[2]["native"]
+        else:
+            native = _native.Native()
+            # Leave the job cleanly at exit, so ranks still waiting hear "left", not "lost".
+            atexit.register(native.close)
         _PROCESS_NATIVE = (os.getpid(), native)
-        # Leave the job cleanly at exit, so ranks still waiting hear "left", not "lost".
-        atexit.register(native.close)
-    return _PROCESS_NATIVE[1]
+        return native
 
 
 __all__ = ["NCCL_UNIQUE_ID_BYTES", "Accelerator", "KeyValueStore", "Quorum"]
