@@ -223,3 +223,24 @@ sys.stdout.buffer.write(pickle.dumps((state, draws)))
     numpy.random.seed(0)
     muster.torch.set_rng_state(state)
     assert (torch.rand(3).tolist(), random.random(), numpy.random.random(2).tolist()) == draws
+
+
+def test_each_init_reads_its_own_namespace_and_a_replacement_counts_as_the_survivors(
+    monkeypatch,
+) -> None:
+    import types
+
+    import muster.torch as mt
+
+    monkeypatch.setattr(mt, "_INITS", (0, 0))
+    survivor = types.SimpleNamespace(epoch=0)
+    # Before any recovery: the first group reads the plain namespace, each later one its own.
+    assert [mt._fresh_prefix(survivor) for _ in range(3)] == ["", "init1/", "init2/"]
+    # After a recovery to epoch 4, the survivor counts again under the epoch...
+    survivor.epoch = 4
+    after = [mt._fresh_prefix(survivor) for _ in range(2)]
+    assert after == ["e4/init1/", "e4/init2/"]
+    # ... as the replacement does, which saw none of the groups before its quorum.
+    monkeypatch.setattr(mt, "_INITS", (0, 0))
+    replacement = types.SimpleNamespace(epoch=4)
+    assert [mt._fresh_prefix(replacement) for _ in range(2)] == after

@@ -59,9 +59,9 @@ _RNG_KEY = "muster.rng"
 #: The step :func:`begin_step` last marked, and the random generators' state when it did.
 _STEP_START: tuple[int, dict[str, Any]] | None = None
 
-#: How many process groups this process initialised through muster's store (see
-#: :func:`_fresh_prefix`).
-_INITS = 0
+#: (membership epoch, process groups this process initialised through muster's store in it):
+#: see :func:`_fresh_prefix`.
+_INITS = (0, 0)
 
 #: Whether forked children drop the sockets they inherit (:func:`_guard_forks`).
 _FORKS_GUARDED = False
@@ -100,14 +100,22 @@ def _drop_inherited_sockets() -> None:
                 os.close(fd)
 
 
-def _fresh_prefix() -> str:
+def _fresh_prefix(accelerator: Accelerator) -> str:
     """The store prefix of this process's next process group initialisation: none for the
     first, ``init<N>/`` for the N-th after it. Every rank counts alike, so a group initialised
     again in the same generation (after ``destroy_process_group``) reads its peers' new
-    addresses, never the keys an earlier group left, as a fresh TCPStore would."""
+    addresses, never the keys an earlier group left, as a fresh TCPStore would. After an
+    in-place recovery the count starts again under the membership's epoch
+    (``e<epoch>/init<N>/``, N from 1: ``e<epoch>/`` is :func:`rebuild_process_group`'s): a
+    replacement, which did not see the groups before its quorum, counts as the survivors do."""
     global _INITS
-    n, _INITS = _INITS, _INITS + 1
-    return f"init{n}/" if n else ""
+    epoch = accelerator.epoch
+    last_epoch, count = _INITS
+    n = count if epoch == last_epoch else 0
+    _INITS = (epoch, n + 1)
+    if epoch == 0:
+        return f"init{n}/" if n else ""
+    return f"e{epoch}/init{n + 1}/"
 
 
 class Store(dist.Store):
@@ -236,7 +244,7 @@ def init_process_group(
     TCPStore, no ``MASTER_ADDR``/``MASTER_PORT``. Returns the process's :class:`Accelerator`."""
     accelerator = accelerator or Accelerator()
     _guard_forks(accelerator)
-    store = Store(accelerator, prefix=_fresh_prefix(), timeout=timeout or DEFAULT_TIMEOUT)
+    store = Store(accelerator, prefix=_fresh_prefix(accelerator), timeout=timeout or DEFAULT_TIMEOUT)
     if timeout is not None:
         kwargs["timeout"] = timeout
     dist.init_process_group(
@@ -585,7 +593,7 @@ def _rendezvous(url: str, timeout: datetime.timedelta = DEFAULT_TIMEOUT, **_: An
     world size, if any, are ignored: the launcher's are the truth)."""
     accelerator = Accelerator()
     _guard_forks(accelerator)
-    store = Store(accelerator, prefix=_fresh_prefix(), timeout=timeout)
+    store = Store(accelerator, prefix=_fresh_prefix(accelerator), timeout=timeout)
     yield (store, accelerator.process_index, accelerator.num_processes)
     raise RuntimeError("muster:// rendezvous does not restart within a process; muster-agent restarts the workers")
 
