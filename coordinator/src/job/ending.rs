@@ -102,12 +102,12 @@ impl Job {
         let id = self.id.clone();
         let text = f.describe(&id, generation);
         if !rejoin {
-            st.done = Some(Done::Failed(if max_restarts == 0 || f.hang.is_some() {
+            let why = if max_restarts == 0 || f.hang.is_some() {
                 text.clone()
             } else {
                 format!("{text} (no restarts left: {restarts} of {max_restarts} used)")
-            }));
-            self.release_spares(st);
+            };
+            self.conclude(st, Done::Failed(why));
         }
         let Ok(g) = self.running(st, generation) else {
             return;
@@ -197,8 +197,7 @@ impl Job {
             g.nodes.len()
         );
         tracing::info!(job = %self.id, generation = g.generation, "job finished: {why}");
-        st.done = Some(Done::Finished(why));
-        self.release_spares(st);
+        self.conclude(st, Done::Finished(why));
         true
     }
 
@@ -210,8 +209,7 @@ impl Job {
         if st.done.is_some() {
             return false;
         }
-        st.done = Some(Done::Cancelled(why.to_owned()));
-        self.release_spares(&mut st);
+        self.conclude(&mut st, Done::Cancelled(why.to_owned()));
         let (generation, restarts, max_restarts) =
             (st.generation, st.restarts, st.config.max_restarts);
         tracing::warn!(job = %self.id, generation, "job {}", cancelled_text(why));

@@ -296,11 +296,10 @@ impl Job {
         )
     }
 
-    /// The job is over: every spare standing by is sent away, with why.
-    pub(super) fn release_spares(&self, st: &mut JobState) {
-        let Some(done) = &st.done else {
-            return;
-        };
+    /// Makes the job final with `done` (the one place a job becomes finished, failed or
+    /// cancelled): every spare standing by is sent away, with why.
+    pub(super) fn conclude(&self, st: &mut JobState, done: Done) {
+        let done = &*st.done.insert(done);
         let error = |id: &str| match done {
             Done::Finished(why) => Error::Finished(format!(
                 "job '{}' has finished ({why}); spare '{id}' was not needed",
