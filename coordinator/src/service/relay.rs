@@ -46,6 +46,16 @@ impl pb::relay_server::Relay for RelayService {
         // action here: its workers' own sessions report their ends, and the ranks registered
         // through it end with their agent (its reports, its node's stream and lease).
         tokio::spawn(async move {
+            // A rank's message is taken only from the relay of the rank's node; anything else
+            // is answered on the rank's behalf with why.
+            let on_node = |rank: u32, act: &dyn Fn()| match job
+                .check_on_node(generation, node_rank, rank, &tx)
+            {
+                Ok(()) => act(),
+                Err(e) => {
+                    let _ = tx.send(Ok(crate::job::rank_event(rank, Err(e.into()))));
+                }
+            };
             while let Ok(Some(msg)) = inbound.message().await {
                 if job.retired() {
                     // A lapsed leader takes no barrier entry in; the relay moves on.
@@ -89,12 +99,7 @@ impl pb::relay_server::Relay for RelayService {
                         let _ = tx.send(Ok(crate::job::rank_event(rank, answer)));
                     }
                     Some(pb::relay_message::Kind::RankLeave(pb::RankLeave { rank })) => {
-                        match job.check_on_node(generation, node_rank, rank, &tx) {
-                            Ok(()) => job.leave(generation, rank),
-                            Err(e) => {
-                                let _ = tx.send(Ok(crate::job::rank_event(rank, Err(e.into()))));
-                            }
-                        }
+                        on_node(rank, &|| job.leave(generation, rank));
                     }
                     Some(pb::relay_message::Kind::RankLost(pb::RankLost { rank, reason })) => {
                         let checked = job
@@ -113,20 +118,10 @@ impl pb::relay_server::Relay for RelayService {
                         }
                     }
                     Some(pb::relay_message::Kind::RankStep(pb::RankStep { rank, step })) => {
-                        match job.check_on_node(generation, node_rank, rank, &tx) {
-                            Ok(()) => job.step_begun(generation, rank, step),
-                            Err(e) => {
-                                let _ = tx.send(Ok(crate::job::rank_event(rank, Err(e.into()))));
-                            }
-                        }
+                        on_node(rank, &|| job.step_begun(generation, rank, step));
                     }
                     Some(pb::relay_message::Kind::RankHealed(pb::RankHealed { rank, epoch })) => {
-                        match job.check_on_node(generation, node_rank, rank, &tx) {
-                            Ok(()) => job.healed(generation, rank, epoch),
-                            Err(e) => {
-                                let _ = tx.send(Ok(crate::job::rank_event(rank, Err(e.into()))));
-                            }
-                        }
+                        on_node(rank, &|| job.healed(generation, rank, epoch));
                     }
                     Some(pb::relay_message::Kind::Heartbeat(_)) => {}
                     Some(pb::relay_message::Kind::Waiting(report)) => {
