@@ -483,19 +483,31 @@ pub async fn rendezvous(
 ) -> anyhow::Result<Duration> {
     rendezvous_with(chs, job, nodes, local, false)
         .await
-        .map(|(took, _)| took)
+        .map(|r| r.took)
+}
+
+/// What [`rendezvous_with`] measured.
+pub struct Rendezvous {
+    /// From the first join sent to the coordinator counting `nodes - 1` joiners (polled every
+    /// 20 ms): the cost of the joins themselves.
+    pub joins: Duration,
+    /// From the last join to every node holding its assignment.
+    pub took: Duration,
+    /// `node_ranks[n]` is node `node-<n>`'s node rank.
+    pub node_ranks: Vec<u32>,
 }
 
 /// [`rendezvous`], with every node saying whether it will hold a lease ([`join_req`]); also
-/// returns each simulated node's place: `node_ranks[n]` is node `node-<n>`'s node rank.
+/// returns how long the joins took and each simulated node's place.
 pub async fn rendezvous_with(
     chs: &[Channel],
     job: &str,
     nodes: u32,
     local: u32,
     watches: bool,
-) -> anyhow::Result<(Duration, Vec<u32>)> {
+) -> anyhow::Result<Rendezvous> {
     let (done_tx, mut done_rx) = mpsc::unbounded_channel();
+    let first = Instant::now();
     for n in 0..nodes - 1 {
         let mut c =
             pb::rendezvous_client::RendezvousClient::new(chs[n as usize % chs.len()].clone());
@@ -509,6 +521,7 @@ pub async fn rendezvous_with(
     while waiting(&chs[0], job).await < nodes - 1 {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    let joins = first.elapsed();
     let mut c = pb::rendezvous_client::RendezvousClient::new(chs[0].clone());
     let t0 = Instant::now();
     let last = c
@@ -533,5 +546,9 @@ pub async fn rendezvous_with(
         answers.iter().all(|a| a.num_nodes == nodes),
         "wrong node count"
     );
-    Ok((latest - t0, node_ranks))
+    Ok(Rendezvous {
+        joins,
+        took: latest - t0,
+        node_ranks,
+    })
 }

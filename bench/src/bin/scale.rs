@@ -522,7 +522,9 @@ async fn idle_check(args: &Args) -> anyhow::Result<()> {
     })?;
     let chs = channels(coordinator.addr, connections).await?;
     let formed = Instant::now();
-    let (_, node_ranks) = rendezvous_with(&chs, &job, nodes, local, true).await?;
+    let node_ranks = rendezvous_with(&chs, &job, nodes, local, true)
+        .await?
+        .node_ranks;
     let (events_tx, mut events) = mpsc::unbounded_channel();
     let leases = hold_leases(&chs, &job, &node_ranks, events_tx).await?;
     let relays = attach_relays(&chs, &job, nodes, local, true).await?;
@@ -576,21 +578,21 @@ async fn main() -> anyhow::Result<()> {
     }
     let coordinator = CoordinatorProcess::start()?;
     let chs = channels(coordinator.addr, args.connections).await?;
-    println!("| simulated nodes | rendezvous (last join -> all assigned) |");
-    println!("| --- | --- |");
+    println!(
+        "| simulated nodes | rendezvous (last join -> all assigned) | joins (first join -> all but one in) |"
+    );
+    println!("| --- | --- | --- |");
     for &n in &args.nodes {
-        let mut times = vec![];
+        let (mut took, mut joins) = (vec![], vec![]);
         for i in 0..3 {
-            times.push(
-                rendezvous(&chs, &format!("rdzv-{n}-{i}"), n, 1)
-                    .await?
-                    .as_secs_f64()
-                    * 1e3,
-            );
+            let r = rendezvous_with(&chs, &format!("rdzv-{n}-{i}"), n, 1, false).await?;
+            took.push(r.took.as_secs_f64() * 1e3);
+            joins.push(r.joins.as_secs_f64() * 1e3);
         }
         println!(
-            "| {n} | {:.1} ms (median of 3) |",
-            quantile(&mut times, 0.5)
+            "| {n} | {:.1} ms (median of 3) | {:.0} ms (median of 3) |",
+            quantile(&mut took, 0.5),
+            quantile(&mut joins, 0.5)
         );
     }
     drop(chs);

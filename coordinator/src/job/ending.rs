@@ -217,7 +217,7 @@ impl Job {
         let message = cancelled_refusal(&self.id, why);
         match &mut st.phase {
             Phase::Open(round) => {
-                for j in round.joiners.drain(..) {
+                for j in round.joiners.drain() {
                     let _ = j.reply.send(Err(Error::Cancelled(message.clone())));
                 }
             }

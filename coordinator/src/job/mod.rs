@@ -262,7 +262,7 @@ impl Job {
             replaced: HashMap::new(),
             phase: Phase::Open(OpenRound {
                 seq: 0,
-                joiners: vec![],
+                joiners: Joiners::default(),
                 opened: Instant::now(),
                 min_reached: None,
             }),
@@ -324,7 +324,7 @@ impl Job {
         let status = || Status::from(error());
         match &mut st.phase {
             Phase::Open(round) => {
-                for j in round.joiners.drain(..) {
+                for j in round.joiners.drain() {
                     let _ = j.reply.send(Err(error()));
                 }
             }

@@ -448,7 +448,7 @@ impl Job {
                         )));
                     }
                 };
-                let Some(pos) = round.joiners.iter().position(|j| j.req.node_id == *node_id) else {
+                if round.joiners.get(node_id).is_none() {
                     let known: Vec<&str> = round
                         .joiners
                         .iter()
@@ -458,12 +458,12 @@ impl Job {
                         "node '{node_id}' has not joined job '{id}' (the open round of generation {generation} has [{}])",
                         known.join(", ")
                     )));
-                };
+                }
                 let present = round.joiners.len();
                 if (present as u32) - 1 < min {
                     return Err(too_few(present, node_id));
                 }
-                let j = round.joiners.remove(pos);
+                let j = round.joiners.remove(node_id).expect("found above");
                 if (round.joiners.len() as u32) < min {
                     round.min_reached = None;
                 }

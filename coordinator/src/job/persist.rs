@@ -256,7 +256,7 @@ impl Job {
             }
             _ => Phase::Open(OpenRound {
                 seq: 0,
-                joiners: vec![],
+                joiners: Joiners::default(),
                 opened: Instant::now(),
                 min_reached: None,
             }),

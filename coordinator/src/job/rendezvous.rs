@@ -2,6 +2,7 @@
 //! round into a running generation, and ending a generation to open the next round.
 
 use super::*;
+use indexmap::IndexMap;
 
 pub(super) struct Joiner {
     pub(super) req: JoinReq,
@@ -10,10 +11,71 @@ pub(super) struct Joiner {
     pub(super) attempt: u64,
 }
 
+/// An open round's joiners, in the order they came, found by node id and by requested node
+/// rank in constant time: a round of 12,500 nodes checks each join against every joiner
+/// before it, and a scan made that quadratic (0.9 s of joins at 12,500 nodes).
+#[derive(Default)]
+pub(super) struct Joiners {
+    by_id: IndexMap<String, Joiner>,
+    /// Requested node rank -> the node id that asked for it.
+    requested: HashMap<u32, String>,
+}
+
+impl Joiners {
+    pub(super) fn len(&self) -> usize {
+        self.by_id.len()
+    }
+
+    pub(super) fn is_empty(&self) -> bool {
+        self.by_id.is_empty()
+    }
+
+    /// In the order they came.
+    pub(super) fn iter(&self) -> impl Iterator<Item = &Joiner> {
+        self.by_id.values()
+    }
+
+    pub(super) fn get(&self, node_id: &str) -> Option<&Joiner> {
+        self.by_id.get(node_id)
+    }
+
+    pub(super) fn get_mut(&mut self, node_id: &str) -> Option<&mut Joiner> {
+        self.by_id.get_mut(node_id)
+    }
+
+    /// The joiner that asked for node rank `r`.
+    pub(super) fn requesting(&self, r: u32) -> Option<&Joiner> {
+        self.requested.get(&r).and_then(|id| self.by_id.get(id))
+    }
+
+    /// Adds a joiner whose node id and requested rank no other joiner holds (`join` checks).
+    pub(super) fn push(&mut self, j: Joiner) {
+        if let Some(r) = j.req.requested {
+            self.requested.insert(r, j.req.node_id.clone());
+        }
+        self.by_id.insert(j.req.node_id.clone(), j);
+    }
+
+    /// Takes `node_id`'s joiner out, keeping the others' order.
+    pub(super) fn remove(&mut self, node_id: &str) -> Option<Joiner> {
+        let j = self.by_id.shift_remove(node_id)?;
+        if let Some(r) = j.req.requested {
+            self.requested.remove(&r);
+        }
+        Some(j)
+    }
+
+    /// Takes every joiner out, in the order they came.
+    pub(super) fn drain(&mut self) -> impl Iterator<Item = Joiner> {
+        self.requested.clear();
+        self.by_id.drain(..).map(|(_, j)| j)
+    }
+}
+
 pub(super) struct OpenRound {
     /// Distinguishes rounds of the same generation (a timed-out round reopens empty).
     pub(super) seq: u64,
-    pub(super) joiners: Vec<Joiner>,
+    pub(super) joiners: Joiners,
     pub(super) opened: Instant,
     pub(super) min_reached: Option<Instant>,
 }
@@ -84,9 +146,11 @@ impl Job {
                     }
                 }
                 Phase::Open(round) => {
-                    if let Some(j) = round.joiners.iter_mut().find(|j| {
-                        j.req.request_id == req.request_id && j.req.node_id == req.node_id
-                    }) {
+                    if let Some(j) = round
+                        .joiners
+                        .get_mut(&req.node_id)
+                        .filter(|j| j.req.request_id == req.request_id)
+                    {
                         // The first call's connection is gone or going: answer this one.
                         let (tx, rx) = oneshot::channel();
                         j.reply = tx;
@@ -103,14 +167,14 @@ impl Job {
             return Err(e);
         }
         if let Phase::Open(round) = &st.phase {
-            if let Some(j) = round.joiners.iter().find(|j| j.req.node_id == req.node_id) {
+            if let Some(j) = round.joiners.get(&req.node_id) {
                 return Err(Error::AlreadyExists(format!(
                     "node '{}' has already joined the open round of job '{}' (host {})",
                     req.node_id, self.id, j.req.host
                 )));
             }
             if let Some(r) = req.requested
-                && let Some(j) = round.joiners.iter().find(|j| j.req.requested == Some(r))
+                && let Some(j) = round.joiners.requesting(r)
             {
                 return Err(Error::AlreadyExists(format!(
                     "node rank {r} of job '{}' is already requested by node '{}' (host {})",
@@ -244,12 +308,13 @@ impl Job {
         }
         let min = st.config.min_nodes;
         if let Phase::Open(round) = &mut st.phase {
-            let before = round.joiners.len();
             // A retry of the same join may have taken the place over: keep it.
-            round
+            if round
                 .joiners
-                .retain(|j| j.req.node_id != node_id || j.attempt != attempt);
-            if round.joiners.len() < before {
+                .get(node_id)
+                .is_some_and(|j| j.attempt == attempt)
+            {
+                round.joiners.remove(node_id);
                 tracing::info!(job = %self.id, node_id, "joiner went away before the round closed");
                 if (round.joiners.len() as u32) < min {
                     round.min_reached = None;
@@ -291,7 +356,7 @@ impl Job {
             names.join(", ")
         );
         tracing::warn!(job = %self.id, "{msg}");
-        for j in round.joiners.drain(..) {
+        for j in round.joiners.drain() {
             let _ = j.reply.send(Err(Error::DeadlineExceeded(msg.clone())));
         }
         round.seq = next_seq;
@@ -342,7 +407,7 @@ impl Job {
         st.generation += 1;
         st.phase = Phase::Open(OpenRound {
             seq: st.next_round_seq,
-            joiners: vec![],
+            joiners: Joiners::default(),
             opened: Instant::now(),
             min_reached: None,
         });
@@ -367,7 +432,7 @@ impl Job {
             tracing::info!(job = %self.id, joined = n, "round not closed: a requested node rank is beyond the nodes present");
             return;
         }
-        let joiners = std::mem::take(&mut round.joiners);
+        let joiners: Vec<Joiner> = round.joiners.drain().collect();
         crate::metrics::rendezvous_closed(round.opened.elapsed());
         let mut order: Vec<Option<Joiner>> = (0..n).map(|_| None).collect();
         let mut rest = vec![];

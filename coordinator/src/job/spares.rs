@@ -37,8 +37,8 @@ fn taken(st: &JobState, job: &JobId, node_id: &str) -> Option<Error> {
         }),
         Phase::Open(round) => round
             .joiners
-            .iter()
-            .any(|j| j.req.node_id == node_id)
+            .get(node_id)
+            .is_some()
             .then(|| {
                 Error::AlreadyExists(format!(
                     "node '{node_id}' has already joined the open round of job '{job}'"

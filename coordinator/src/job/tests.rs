@@ -56,6 +56,53 @@ async fn the_drained_set_is_in_the_record_and_a_restored_job_still_refuses_the_n
     assert!(restored.join(req("a")).is_ok());
 }
 
+/// The ids of an open round's joiners, in the order `describe` lists them.
+fn waiting(job: &Job) -> Vec<String> {
+    job.describe()
+        .nodes
+        .into_iter()
+        .map(|n| n.node_id)
+        .collect()
+}
+
+#[tokio::test]
+async fn an_open_round_finds_its_joiners_by_id_and_rank_and_keeps_their_order() {
+    let job = Job::new(JobId::parse("j").unwrap(), config(4, 0), &ctx());
+    let with = |id: &str, requested: Option<u32>, request_id: &str| JoinReq {
+        requested,
+        request_id: request_id.into(),
+        ..req(id)
+    };
+    let (generation, first, _a) = job.join(with("a", Some(3), "r-a")).unwrap();
+    let (_, _, b) = job.join(with("b", None, "")).unwrap();
+    // The same node id, or the same requested node rank, again: refused, naming the holder.
+    let (code, msg) = code_and_message(job.join(with("a", None, "")).unwrap_err());
+    assert_eq!(code, tonic::Code::AlreadyExists);
+    assert!(msg.contains("node 'a' has already joined"), "{msg}");
+    let (code, msg) = code_and_message(job.join(with("c", Some(3), "")).unwrap_err());
+    assert_eq!(code, tonic::Code::AlreadyExists);
+    assert!(
+        msg.contains("node rank 3") && msg.contains("node 'a'"),
+        "{msg}"
+    );
+    // A retried join takes the place over: the first call's withdrawal leaves it.
+    let (_, retry, _a) = job.join(with("a", Some(3), "r-a")).unwrap();
+    job.withdraw(generation, "a", first);
+    assert_eq!(waiting(&job), ["a", "b"]);
+    // The retry's withdrawal frees the node id and the rank; the others keep their order.
+    job.withdraw(generation, "a", retry);
+    assert_eq!(waiting(&job), ["b"]);
+    let (_, _, c) = job.join(with("c", Some(3), "")).unwrap();
+    let (_, _, a) = job.join(with("a", None, "")).unwrap();
+    let (_, _, d) = job.join(with("d", None, "")).unwrap();
+    // Closed at 4: c holds its rank, the rest fill the others in the order they came.
+    let mut ranks = vec![];
+    for answer in [a, b, c, d] {
+        ranks.push(answer.await.unwrap().unwrap().node_rank);
+    }
+    assert_eq!(ranks, [1, 0, 3, 2]);
+}
+
 pub(super) fn ctx() -> JobContext {
     JobContext {
         incarnation: 1,
