@@ -626,7 +626,7 @@ impl Job {
             return;
         }
         let recovered = g.recovered;
-        let mut seen = std::collections::HashSet::new();
+        let twice = named_twice(&groups);
         for (_, ranks) in &groups {
             for &rank in ranks {
                 let problem = match g.ranks.get(rank as usize) {
@@ -651,7 +651,7 @@ impl Job {
                         "rank {rank} is at global barrier #{} and cannot enter #{seq}",
                         slot.place.seq[idx]
                     )),
-                    Some(_) if !seen.insert(rank) => Some(format!("rank {rank} is named twice")),
+                    Some(_) if twice == Some(rank) => Some(format!("rank {rank} is named twice")),
                     Some(_) => None,
                 };
                 if let Some(problem) = problem {
@@ -724,4 +724,22 @@ impl Job {
             self.notify();
         }
     }
+}
+
+/// A rank that `groups` name more than once, if any. A node's groups list its ranks in order,
+/// so the usual answer costs one pass and no allocation (this runs at every node's arrival).
+fn named_twice(groups: &[(String, Vec<u32>)]) -> Option<u32> {
+    let all = || groups.iter().flat_map(|(_, ranks)| ranks.iter().copied());
+    let mut prev = None;
+    let increasing = all().all(|r| {
+        let ok = prev.is_none_or(|p| p < r);
+        prev = Some(r);
+        ok
+    });
+    if increasing {
+        return None;
+    }
+    let mut sorted: Vec<u32> = all().collect();
+    sorted.sort_unstable();
+    sorted.windows(2).find(|w| w[0] == w[1]).map(|w| w[0])
 }
