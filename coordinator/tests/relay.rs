@@ -43,7 +43,10 @@ async fn bad_groups_are_rejected_whole_and_change_nothing() {
     for (groups, needle) in [
         (vec![("b", vec![0u32, 2])], "rank 2 is on node 1"),
         (vec![("b", vec![0, 0])], "named twice"),
-        (vec![("b", vec![1]), ("c", vec![0, 1])], "rank 1 is named twice"),
+        (
+            vec![("b", vec![1]), ("c", vec![0, 1])],
+            "rank 1 is named twice",
+        ),
         (vec![("b", vec![0, 9])], "outside the world"),
     ] {
         let groups: Vec<(&str, &[u32])> = groups.iter().map(|(n, r)| (*n, r.as_slice())).collect();

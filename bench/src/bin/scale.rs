@@ -51,6 +51,11 @@ struct Args {
     /// nodes heartbeat at the interval it gives, a third of it).
     #[arg(long, default_value_t = 0)]
     heartbeat_timeout_ms: u64,
+    /// Runs the barrier cases on a coordinator backed by a one-member etcd (the tests'
+    /// fixture; needs the `etcd` binary) instead of its memory store, and prints how long the
+    /// ranks' registrations took.
+    #[arg(long)]
+    etcd: bool,
 }
 
 /// How the simulated ranks reach the coordinator.
@@ -104,7 +109,12 @@ async fn barriers(
     let before = coordinator.rss_bytes();
     rendezvous(chs, job, ranks / local, local).await?;
     if path == Path::Node {
+        let t = Instant::now();
         let relays = attach_relays(chs, job, ranks / local, local, true).await?;
+        eprintln!(
+            "{ranks} ranks: relays attached and ranks registered in {:.0} ms",
+            t.elapsed().as_secs_f64() * 1e3
+        );
         let per_rank = (coordinator.rss_bytes().saturating_sub(before)) as f64 / f64::from(ranks);
         let (p50, p99) = relay_loops(relays, local, iters).await?;
         return Ok((p50, p99, per_rank));
@@ -271,6 +281,21 @@ async fn attach_relays(
         }
     }
     Ok(relays)
+}
+
+/// Waits until the coordinator behind `ch` leads (it answers a leader-only call): one backed by
+/// etcd refuses joins until it has won its election.
+async fn leading(ch: &Channel) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut ops = pb::ops_client::OpsClient::new(ch.clone());
+    while ops.list_jobs(pb::ListJobsRequest {}).await.is_err() {
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the coordinator did not lead within 20 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
 }
 
 /// Runs `iters` (after 5 warm-up) global barriers through `relays`, each entering one group of
@@ -605,8 +630,23 @@ async fn main() -> anyhow::Result<()> {
     for &r in &args.ranks {
         for &path in &args.paths {
             // A fresh coordinator per case, so its memory growth is this case's alone.
-            let coordinator = CoordinatorProcess::start()?;
+            let etcd = if args.etcd {
+                Some(
+                    muster_tests::etcd::Etcd::start(1)
+                        .ok_or_else(|| anyhow::anyhow!("--etcd needs the etcd binary"))?,
+                )
+            } else {
+                None
+            };
+            let coordinator = CoordinatorProcess::start_with(|cmd| {
+                if let Some(etcd) = &etcd {
+                    cmd.args(["--store", "etcd", "--etcd-endpoints", &etcd.endpoints_arg()]);
+                }
+            })?;
             let chs = channels(coordinator.addr, args.connections).await?;
+            if etcd.is_some() {
+                leading(&chs[0]).await?;
+            }
             let (p50, p99, per_rank) =
                 barriers(&chs, &coordinator, &format!("bar-{r}"), r, args.iters, path).await?;
             let path = match path {

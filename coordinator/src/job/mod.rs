@@ -274,22 +274,24 @@ impl Job {
 
     fn with_state(id: JobId, state: JobState, kv_bytes: usize, ctx: &JobContext) -> Arc<Self> {
         let retired = CancellationToken::new();
-        let persist = ctx.store.as_ref().map(|store| {
-            let (pending, rx) = watch::channel((0, None));
-            let written = watch::channel(0).0;
-            // Task "job-record", one per job while a durable store is in use: writes the
-            // job's latest record, in order, retrying until it lands or the job is retired.
-            // It ends when the job is dropped (the sender goes) or retired.
-            tokio::spawn(write_records(
-                record_key(&id),
-                Arc::clone(store),
-                rx,
-                written.clone(),
-                retired.clone(),
-            ));
-            Persist { pending, written }
-        });
         Arc::new_cyclic(|me| Self {
+            persist: ctx.store.as_ref().map(|store| {
+                let (pending, rx) = watch::channel(0);
+                let written = watch::channel(0).0;
+                // Task "job-record", one per job while a durable store is in use: writes the
+                // job's latest record, in order, retrying until it lands or the job is
+                // retired. It ends when the job is dropped (its weak handle and the sender
+                // go) or retired.
+                tokio::spawn(write_records(
+                    record_key(&id),
+                    Arc::clone(store),
+                    me.clone(),
+                    rx,
+                    written.clone(),
+                    retired.clone(),
+                ));
+                Persist { pending, written }
+            }),
             id,
             me: me.clone(),
             state: Mutex::new(state),
@@ -297,7 +299,6 @@ impl Job {
             values: Mutex::default(),
             kv_bytes: tokio::sync::Mutex::new(kv_bytes),
             incarnation: ctx.incarnation,
-            persist,
             retired,
             tenure: ctx.tenure.clone(),
             heartbeat_timeout: ctx.heartbeat_timeout,

@@ -5,14 +5,15 @@ use super::*;
 use muster_core::requests::Recovery;
 use prost::Message as _;
 
-/// The record writer's queue: the latest record and its version.
-pub(super) type RecordQueue = (u64, Option<Arc<pb::JobRecord>>);
-
-/// The job's record writer: the latest record to write (with its version), and the version
-/// last written. Writes are ordered and only the latest matters, so a record superseded while
-/// an earlier write is in flight is skipped.
+/// The job's record writer: the version of the job's state to write (counted up by every
+/// [`Job::persist`]) and the version last written. The writer builds the record itself, from
+/// the state as it is when it gets to it: a version only says "the state changed", and writes
+/// are ordered and only the latest matters, so changes made while a write is in flight are
+/// written once, together. (Building the record at every change made a 16,384-rank job on etcd
+/// rebuild it at each rank's registration, under the job's lock, until the coordinator's own
+/// lease keep-alive starved and it lost its leadership.)
 pub(super) struct Persist {
-    pub(super) pending: watch::Sender<RecordQueue>,
+    pub(super) pending: watch::Sender<u64>,
     pub(super) written: watch::Sender<u64>,
 }
 
@@ -35,11 +36,13 @@ pub(super) fn rank_bits(ranks: &[RankSlot], set: impl Fn(&RankSlot) -> bool) -> 
     bits
 }
 
-/// The body of a job's "job-record" task (see [`Job::with_state`]).
+/// The body of a job's "job-record" task (see [`Job::with_state`]): `job` is the job it
+/// writes, held weakly so that the task ends with the job.
 pub(super) async fn write_records(
     key: String,
     store: Arc<dyn Store>,
-    mut pending: watch::Receiver<RecordQueue>,
+    job: std::sync::Weak<Job>,
+    mut pending: watch::Receiver<u64>,
     written: watch::Sender<u64>,
     retired: CancellationToken,
 ) {
@@ -52,9 +55,14 @@ pub(super) async fn write_records(
             }
             () = retired.cancelled() => return,
         }
-        let (version, record) = pending.borrow_and_update().clone();
-        let Some(record) = record else { continue };
-        let bytes = record.encode_to_vec();
+        let Some(job) = job.upgrade() else { return };
+        // Under the job's lock, which every `persist` holds: the version read is the state's.
+        let (version, bytes) = {
+            let st = job.lock();
+            let version = *pending.borrow_and_update();
+            (version, job.record(&st).encode_to_vec())
+        };
+        drop(job);
         let mut backoff = Duration::from_millis(50);
         loop {
             match store.put(&key, bytes.clone()).await {
@@ -359,17 +367,16 @@ impl Job {
     }
 
     /// Queues the job's current record for writing; returns its version (0 without a
-    /// durable store).
-    pub(super) fn persist(&self, st: &JobState) -> u64 {
+    /// durable store). Takes the locked state only as proof that the lock is held: the
+    /// writer reads the version and builds the record under the same lock.
+    pub(super) fn persist(&self, _locked: &JobState) -> u64 {
         let Some(p) = &self.persist else {
             return 0;
         };
-        let record = Arc::new(self.record(st));
         let mut version = 0;
-        p.pending.send_modify(|(v, r)| {
+        p.pending.send_modify(|v| {
             *v += 1;
             version = *v;
-            *r = Some(record);
         });
         version
     }
@@ -412,7 +419,7 @@ impl Job {
     /// Waits until the record queued last is in the store (at once without a durable store;
     /// gives up when the job is retired).
     pub(super) async fn persisted(&self) {
-        let version = self.persist.as_ref().map_or(0, |p| p.pending.borrow().0);
+        let version = self.persist.as_ref().map_or(0, |p| *p.pending.borrow());
         self.stored_then(version).await;
     }
 
