@@ -128,6 +128,18 @@ pub fn quantile(xs: &mut [f64], q: f64) -> f64 {
     xs[((q * xs.len() as f64) as usize).min(xs.len() - 1)]
 }
 
+/// Whether the coordinator behind `ch` leads: it answers a leader-only call (`ListJobs`)
+/// within a second, where a follower, or one backed by etcd that has not won its election
+/// yet, answers UNAVAILABLE.
+pub async fn leads(ch: &Channel) -> bool {
+    let mut ops = pb::ops_client::OpsClient::new(ch.clone());
+    let call = ops.list_jobs(pb::ListJobsRequest {});
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), call).await,
+        Ok(Ok(_))
+    )
+}
+
 /// How many nodes wait in `job`'s open round (0 if the job is unknown or unreachable).
 pub async fn waiting(ch: &Channel, job: &str) -> u32 {
     muster_proto::v1::ops_client::OpsClient::new(ch.clone())

@@ -18,7 +18,7 @@
 
 use anyhow::{Context, bail};
 use clap::Parser;
-use muster_bench::{bin_dir, quantile, waiting};
+use muster_bench::{bin_dir, leads, quantile, waiting};
 use muster_proto::v1 as pb;
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
@@ -136,9 +136,7 @@ async fn wait_leader(addrs: &[String], timeout: Duration) -> anyhow::Result<usiz
             else {
                 continue;
             };
-            let mut ops = pb::ops_client::OpsClient::new(ch);
-            let call = ops.list_jobs(pb::ListJobsRequest {});
-            if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_secs(1), call).await {
+            if leads(&ch).await {
                 return Ok(i);
             }
         }

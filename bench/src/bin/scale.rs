@@ -13,7 +13,7 @@
 //! [--bootstrap 4096,16384] [--idle-ranks 100000 --idle-secs 600]`
 
 use clap::Parser;
-use muster_bench::{CoordinatorProcess, channels, quantile, rendezvous, rendezvous_with};
+use muster_bench::{CoordinatorProcess, channels, leads, quantile, rendezvous, rendezvous_with};
 use muster_proto::v1 as pb;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -287,8 +287,7 @@ async fn attach_relays(
 /// etcd refuses joins until it has won its election.
 async fn leading(ch: &Channel) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(20);
-    let mut ops = pb::ops_client::OpsClient::new(ch.clone());
-    while ops.list_jobs(pb::ListJobsRequest {}).await.is_err() {
+    while !leads(ch).await {
         anyhow::ensure!(
             Instant::now() < deadline,
             "the coordinator did not lead within 20 s"

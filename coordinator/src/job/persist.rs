@@ -419,8 +419,12 @@ impl Job {
     /// Waits until the record queued last is in the store (at once without a durable store;
     /// gives up when the job is retired).
     pub(super) async fn persisted(&self) {
-        let version = self.persist.as_ref().map_or(0, |p| *p.pending.borrow());
-        self.stored_then(version).await;
+        self.stored_then(self.queued_version()).await;
+    }
+
+    /// The version the last [`Job::persist`] counted (0 without a durable store).
+    pub(super) fn queued_version(&self) -> u64 {
+        self.persist.as_ref().map_or(0, |p| *p.pending.borrow())
     }
 
     /// Resolves once the record of `version` is in the store: `true` (at once without a

@@ -139,7 +139,7 @@ impl Job {
                             &self.id, generation, &g.nodes, node_rank, restarts, config,
                         );
                         let (tx, rx) = oneshot::channel();
-                        let version = self.persist.as_ref().map_or(0, |p| *p.pending.borrow());
+                        let version = self.queued_version();
                         drop(st);
                         self.answer_when_persisted(version, vec![(tx, answer)]);
                         return Ok((generation, attempt, rx));

@@ -882,6 +882,14 @@ impl Gated {
     fn puts(&self) -> usize {
         self.puts.load(std::sync::atomic::Ordering::SeqCst)
     }
+
+    /// A job context whose durable store is this one.
+    fn ctx(self: &Arc<Self>) -> JobContext {
+        JobContext {
+            store: Some(Arc::clone(self) as Arc<dyn Store>),
+            ..ctx()
+        }
+    }
 }
 
 #[async_trait::async_trait]
@@ -929,10 +937,7 @@ impl Store for Gated {
 #[tokio::test(start_paused = true)]
 async fn a_replacement_order_waits_for_its_record() {
     let gate = Gated::new();
-    let ctx = JobContext {
-        store: Some(Arc::clone(&gate) as Arc<dyn Store>),
-        ..ctx()
-    };
+    let ctx = gate.ctx();
     let config = RoundConfig {
         recovery: Recovery::InPlace,
         hang: Hang::default(),
@@ -1474,10 +1479,7 @@ async fn recoveries_and_restarts_record_each_phase_and_split_the_lost_time() {
 #[tokio::test(start_paused = true)]
 async fn registrations_during_a_record_write_are_written_together() {
     let gate = Gated::new();
-    let ctx = JobContext {
-        store: Some(Arc::clone(&gate) as Arc<dyn Store>),
-        ..ctx()
-    };
+    let ctx = gate.ctx();
     let job = Job::new(JobId::parse("j").unwrap(), config(1, 0), &ctx);
     let (generation, _, answer) = job
         .join(JoinReq {
