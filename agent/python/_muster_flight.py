@@ -7,7 +7,7 @@ named for the rank, so that the agent can read the rank's Flight Recorder
 (``/handler/fr_trace_json``, ``/handler/dump_nccl_trace_json``) without a change to the script.
 Its start and stop lines (c10d warnings, written from C++) are kept off the worker's stderr.
 This module is imported only by processes that import torch.distributed: the hook itself stays
-small, since an interpreter run with PYTHONDONTWRITEBYTECODE compiles it at every start.
+small, since every Python process the agent starts runs it.
 """
 
 import os

@@ -11,8 +11,8 @@
 //!   launcher's own time: each figure less the floor, 8 interpreters of the same worker started
 //!   directly in the same round (on 2 cores the floor alone is ~0.2x of torchrun's whole
 //!   restart). The whole-restart ratio is printed beside it, and muster's figure with
-//!   `--no-flight-recorder` (the Flight Recorder's start-up hook costs each Python worker
-//!   about 2 ms).
+//!   `--no-flight-recorder` (what the Flight Recorder's start-up hook costs; about 0.15 ms a
+//!   worker once its bytecode is cached). Each round's figures go to stderr.
 //! - all_reduce: CPU, 64 MiB of f32 on 2 processes, muster's communicator against gloo;
 //!   goal muster busbw >= 3x gloo's (the same size and process count, so the ratio of the
 //!   median times).
@@ -22,7 +22,7 @@
 //! `scripts/bench-quick.sh` builds and runs) and the peers' venv (`scripts/install-peers.sh`).
 //! Exits 1 when a goal is missed or a part fails, after printing every line.
 //!
-//! `target/release/quick [--rounds 5] [--launch-runs 7] [--iters 200]`
+//! `target/release/quick [--rounds 5] [--launch-runs 7] [--iters 200] [--only restart ...]`
 
 use anyhow::Context;
 use clap::Parser;
@@ -47,6 +47,10 @@ struct Args {
     /// Timed barriers per barrier run.
     #[arg(long, default_value_t = 200)]
     iters: u32,
+    /// Measure only these headlines (launch, barrier, restart, all_reduce; repeat the flag for
+    /// several); all four when absent.
+    #[arg(long, value_parser = ["launch", "barrier", "restart", "all_reduce"])]
+    only: Vec<String>,
     /// The peers' venv.
     #[arg(long, env = "MUSTER_PEERS_VENV")]
     venv: Option<PathBuf>,
@@ -186,33 +190,41 @@ fn main() -> anyhow::Result<()> {
     );
     println!("load:    {} (1, 5, 15 min at start)\n", load_average());
 
-    let headlines = [
-        Headline {
+    let wanted = |key: &str| args.only.is_empty() || args.only.iter().any(|o| o == key);
+    let mut headlines = vec![];
+    if wanted("launch") {
+        headlines.push(Headline {
             name: "launch, 8 trivial Python workers (vs torchrun)",
             unit: "s",
             goal: Goal::AtMost(0.1),
             figures: launch(&args, &agent, &torchrun, &python, &dir).map(Figures::from),
-        },
-        Headline {
+        });
+    }
+    if wanted("barrier") {
+        headlines.push(Headline {
             name: "barrier p50, 8 processes (vs TCPStore)",
             unit: "us",
             goal: Goal::AtMost(0.5),
             figures: barrier(&args, &agent, &barrier_loop, &torchrun, &torch_peer)
                 .map(Figures::from),
-        },
-        Headline {
+        });
+    }
+    if wanted("restart") {
+        headlines.push(Headline {
             name: "restart, 1 node x 8 workers (vs torchrun)",
             unit: "ms",
             goal: Goal::AtMost(0.1),
             figures: restart(&args, &agent, &torchrun, &python, &dir),
-        },
-        Headline {
+        });
+    }
+    if wanted("all_reduce") {
+        headlines.push(Headline {
             name: "CPU all_reduce 64 MiB, 2 processes (vs gloo)",
             unit: "ms",
             goal: Goal::SpeedAtLeast(3.0),
             figures: allreduce(&args, &agent, &allreduce_bench, &torchrun, &dir).map(Figures::from),
-        },
-    ];
+        });
+    }
     let _ = std::fs::remove_dir_all(&dir);
     let mut all_met = true;
     for h in &headlines {
@@ -332,6 +344,14 @@ fn restart(
         off.push(muster("muster-restart-off", &["--no-flight-recorder"])?);
         let log = dir.join(format!("torch-restart-{round}.log"));
         t.push(torch_restart_round(torchrun, &worker, &log, (1, 8), round)?);
+        let last = |v: &[f64]| v.last().copied().unwrap_or(f64::NAN);
+        eprintln!(
+            "  muster {:.1} ms, without the hook {:.1} ms, torchrun {:.1} ms, floor {:.1} ms",
+            last(&m),
+            last(&off),
+            last(&t),
+            last(&f)
+        );
     }
     Ok(Figures {
         muster: quantile(&mut m, 0.5),
