@@ -495,7 +495,10 @@ impl Accelerator {
                         relayed = true,
                     )
                     .in_scope(|| relay.barrier(scope, name, timeout)),
-                    None => remote.block_on(session.barrier(scope, name, timeout)),
+                    None => remote.block_on(
+                        &format!("barrier '{name}'"),
+                        session.barrier(scope, name, timeout),
+                    ),
                 }
             }
         }
@@ -584,10 +587,10 @@ impl Accelerator {
                 what: what(),
                 source,
             })?;
-            remote.block_on(remote.shared.publish(&name, bytes))?;
+            remote.block_on(&what(), remote.shared.publish(&name, bytes))?;
             Ok(value)
         } else {
-            let bytes = remote.block_on(remote.shared.fetch(&name, None))?;
+            let bytes = remote.block_on(&what(), remote.shared.fetch(&name, None))?;
             serde_json::from_slice(&bytes).map_err(|source| Error::Serialization {
                 what: what(),
                 source,
@@ -610,7 +613,10 @@ impl Accelerator {
             return Ok(());
         };
         let name = self.shared_name(scope, call_site);
-        remote.block_on(remote.shared.publish(&name, bytes))
+        remote.block_on(
+            &format!("shared value '{name}'"),
+            remote.shared.publish(&name, bytes),
+        )
     }
 
     /// The receiving half of [`Accelerator::share_publish`]: waits for the bytes the main
@@ -626,7 +632,10 @@ impl Accelerator {
             });
         };
         let name = self.shared_name(scope, call_site);
-        remote.block_on(remote.shared.fetch(&name, None))
+        remote.block_on(
+            &format!("shared value '{name}'"),
+            remote.shared.fetch(&name, None),
+        )
     }
 
     /// The name of the next shared value of `call_site` in `scope`.
@@ -699,7 +708,10 @@ impl Accelerator {
                     }
                 }
             }
-            Backend::Remote(remote) => remote.block_on(remote.unique_ids.publish(communicator, id)),
+            Backend::Remote(remote) => remote.block_on(
+                &unique_id(communicator),
+                remote.unique_ids.publish(communicator, id),
+            ),
         }
     }
 
@@ -717,7 +729,7 @@ impl Accelerator {
                     ),
                 }
             }),
-            Backend::Remote(remote) => remote.block_on(remote.unique_ids.fetch(communicator, None)),
+            Backend::Remote(remote) => remote.block_on(&unique_id(communicator), remote.unique_ids.fetch(communicator, None)),
         }
     }
 
@@ -740,20 +752,21 @@ impl Accelerator {
             return Ok(vec![id]);
         };
         let ids = &remote.unique_ids;
-        let roots = remote.block_on(ids.roots(communicator))?;
+        let what = unique_id(communicator);
+        let roots = remote.block_on(&what, ids.roots(communicator))?;
         let rank = self.info().rank;
         let mine = match roots.iter().position(|&root| root == rank) {
             Some(root) => {
                 let id = make()?;
-                remote.block_on(ids.publish_root(communicator, root as u32, &id))?;
+                remote.block_on(&what, ids.publish_root(communicator, root as u32, &id))?;
                 Some(id)
             }
             None => None,
         };
         match (roots.len(), mine) {
             (1, Some(id)) => Ok(vec![id]),
-            (1, None) => Ok(vec![remote.block_on(ids.fetch(communicator, None))?]),
-            _ => remote.block_on(ids.fetch_all(communicator, None)),
+            (1, None) => Ok(vec![remote.block_on(&what, ids.fetch(communicator, None))?]),
+            _ => remote.block_on(&what, ids.fetch_all(communicator, None)),
         }
     }
 
@@ -814,11 +827,12 @@ impl Accelerator {
             step,
             released,
         };
-        let quorum = remote.block_on(session.coordinator().quorum(
-            session.config(),
-            ask,
-            QUORUM_POLL,
-        ))?;
+        let quorum = remote.block_on(
+            &format!("the quorum of epoch {epoch}"),
+            session
+                .coordinator()
+                .quorum(session.config(), ask, QUORUM_POLL),
+        )?;
         if quorum.world_size != self.info.world_size {
             return Err(Error::Protocol(format!(
                 "the quorum of epoch {} has {} ranks, but this job has {} (in-place recovery \
@@ -858,7 +872,7 @@ impl Accelerator {
             Backend::Remote(remote) => {
                 remote.leave_relay();
                 match remote.session.take() {
-                    Some(session) => remote.block_on(session.leave()),
+                    Some(session) => remote.block_on("the coordinator's leave", session.leave()),
                     None => Ok(()),
                 }
             }
@@ -904,9 +918,15 @@ impl Drop for Accelerator {
 }
 
 impl Remote {
-    fn block_on<F: Future>(&self, future: F) -> F::Output {
+    /// Runs a call to the coordinator to its end, or until this thread's interrupt check
+    /// stops it ([`crate::interrupt`]; `what` names what it waited for).
+    fn block_on<T>(
+        &self,
+        what: &str,
+        call: impl Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
         match &self.runtime {
-            Some(runtime) => runtime.block_on(future),
+            Some(runtime) => crate::interrupt::block_on(runtime, what, call),
             // Only `Drop` takes the runtime, after which no method runs.
             None => unreachable!("the muster runtime is gone only while dropping"),
         }
@@ -928,6 +948,24 @@ impl Remote {
             .as_ref()
             .ok_or_else(|| Error::Usage("this process already finished its session".to_owned()))
     }
+}
+
+/// What a key-value call waits for, for [`Error::Interrupted`].
+fn key_what(key: &str) -> String {
+    format!("key '{key}'")
+}
+
+/// What a batch of key-value reads waits for.
+fn keys_what(keys: &[String]) -> String {
+    match keys {
+        [key] => key_what(key),
+        _ => format!("{} keys", keys.len()),
+    }
+}
+
+/// What a unique-id call waits for.
+fn unique_id(communicator: &str) -> String {
+    format!("the NCCL unique id of communicator '{communicator}'")
 }
 
 /// Blocking access to the job's key-value store (TCPStore parity). In single-process mode it is
@@ -961,7 +999,7 @@ impl KvStore<'_> {
             }
             Target::Remote(remote) => {
                 let mut lane = lock(&remote.kv_lane);
-                remote.block_on(lane.set(key, value))
+                remote.block_on(&key_what(key), lane.set(key, value))
             }
         }
     }
@@ -970,7 +1008,7 @@ impl KvStore<'_> {
     pub fn get(&self, key: &str) -> Result<Option<Vec<u8>>, Error> {
         match self.target() {
             Target::Local(store) => Ok(store.kv.get(key).cloned()),
-            Target::Remote(remote) => remote.block_on(remote.kv.get(key)),
+            Target::Remote(remote) => remote.block_on(&key_what(key), remote.kv.get(key)),
         }
     }
 
@@ -979,7 +1017,9 @@ impl KvStore<'_> {
     pub fn get_wait(&self, key: &str, wait: Duration) -> Result<Vec<u8>, Error> {
         match self.target() {
             Target::Local(store) => local_wait(&store, key),
-            Target::Remote(remote) => remote.block_on(remote.kv.get_wait(key, wait)),
+            Target::Remote(remote) => {
+                remote.block_on(&key_what(key), remote.kv.get_wait(key, wait))
+            }
         }
     }
 
@@ -989,7 +1029,9 @@ impl KvStore<'_> {
     pub fn get_wait_many(&self, keys: &[String], wait: Duration) -> Result<Vec<Vec<u8>>, Error> {
         match self.target() {
             Target::Local(store) => keys.iter().map(|key| local_wait(&store, key)).collect(),
-            Target::Remote(remote) => remote.block_on(remote.kv.get_wait_many(keys, wait)),
+            Target::Remote(remote) => {
+                remote.block_on(&keys_what(keys), remote.kv.get_wait_many(keys, wait))
+            }
         }
     }
 
@@ -1001,11 +1043,11 @@ impl KvStore<'_> {
             Target::Local(store) => store,
             // An add of 0 is a read, retried as one; any other goes through the lane.
             Target::Remote(remote) if delta == 0 => {
-                return remote.block_on(remote.kv.add(key, delta));
+                return remote.block_on(&key_what(key), remote.kv.add(key, delta));
             }
             Target::Remote(remote) => {
                 let mut lane = lock(&remote.kv_lane);
-                return remote.block_on(lane.add(key, delta));
+                return remote.block_on(&key_what(key), lane.add(key, delta));
             }
         };
         let current = match store.kv.get(key) {
@@ -1052,7 +1094,7 @@ impl KvStore<'_> {
             }
             Target::Remote(remote) => {
                 let mut lane = lock(&remote.kv_lane);
-                remote.block_on(lane.compare_and_set(key, expected, desired))
+                remote.block_on(&key_what(key), lane.compare_and_set(key, expected, desired))
             }
         }
     }
@@ -1064,7 +1106,7 @@ impl KvStore<'_> {
             Target::Local(mut store) => Ok(store.kv.remove(key).is_some()),
             Target::Remote(remote) => {
                 let mut lane = lock(&remote.kv_lane);
-                remote.block_on(lane.delete(key))
+                remote.block_on(&key_what(key), lane.delete(key))
             }
         }
     }
@@ -1078,7 +1120,10 @@ impl KvStore<'_> {
                 .take_while(|(key, _)| key.starts_with(prefix))
                 .map(|(key, value)| (key.clone(), value.clone()))
                 .collect()),
-            Target::Remote(remote) => remote.block_on(remote.kv.list(prefix)),
+            Target::Remote(remote) => remote.block_on(
+                &format!("the keys under '{prefix}'"),
+                remote.kv.list(prefix),
+            ),
         }
     }
 }

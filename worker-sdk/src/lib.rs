@@ -59,6 +59,7 @@ pub mod env;
 pub mod error;
 pub mod error_file;
 pub mod failover;
+pub mod interrupt;
 pub mod membership;
 pub mod relay;
 mod trace_context;

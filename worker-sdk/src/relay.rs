@@ -454,8 +454,8 @@ impl RelayConn {
 }
 
 /// How often an interruptible wait ([`RelayConn::barrier_interruptible`]) asks whether to
-/// stop.
-pub const INTERRUPT_CHECK: Duration = Duration::from_millis(50);
+/// stop: the same as every interruptible call's.
+pub use crate::interrupt::INTERRUPT_CHECK;
 
 /// Files one message from the agent: a result for its scope, or a farewell.
 fn route(st: &mut State, msg: pb::CoordinatorMessage) {

@@ -2,13 +2,12 @@
 //! pure-Python layer (`python/muster/`) gives it Accelerate's names; everything that talks to
 //! the agent or the coordinator is here, in the same Rust every Rust worker runs.
 //!
-//! Waits release the GIL. On the process's main thread a wait runs on a helper thread while
-//! the caller checks for signals every 50 ms, so Ctrl-C interrupts it (a barrier instead reads
-//! the relay in place and checks between reads); other threads, and single-process mode,
-//! wait in place. A forked child (a DataLoader worker) gets a clear error instead of the
+//! Waits release the GIL and run in place. On the process's main thread a wait checks for
+//! signals every 50 ms (`muster::interrupt`; a barrier reads the relay and checks between
+//! reads), so Ctrl-C interrupts it; other threads, and single-process mode, just wait. A forked child (a DataLoader worker) gets a clear error instead of the
 //! deadlock that the parent's runtime threads, absent after `fork`, would cause.
 
-use std::sync::mpsc::{self, RecvTimeoutError};
+use std::cell::RefCell;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 use std::time::Duration;
 
@@ -22,9 +21,6 @@ use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
 
 mod process;
 use process::{Owner, on_main_thread};
-
-/// How often a wait on the main thread looks for a pending signal (Ctrl-C).
-const SIGNAL_POLL: Duration = Duration::from_millis(50);
 
 /// The Python module holding the exception classes (`muster.errors`).
 const ERRORS_MODULE: &str = "muster.errors";
@@ -71,9 +67,11 @@ impl Native {
             })
     }
 
-    /// Runs a blocking SDK call without the GIL; on the main thread, on a helper thread while
-    /// this one answers signals. Single-process mode never blocks (its store and barriers are
-    /// this process's own), so its calls run in place.
+    /// Runs a blocking SDK call without the GIL, in place. On the main thread the call looks
+    /// for a pending signal every 50 ms while it waits (`muster::interrupt`), so Ctrl-C
+    /// interrupts it: the call is given up and the signal's exception (KeyboardInterrupt)
+    /// raised. Single-process mode never blocks (its store and barriers are this process's
+    /// own).
     fn wait<T: Send + 'static>(
         &self,
         py: Python<'_>,
@@ -83,89 +81,37 @@ impl Native {
         if !on_main_thread() || !self.info.is_distributed() {
             return py.detach(|| f(&accelerator)).map_err(|e| to_py(py, e));
         }
-        let (tx, rx) = mpsc::sync_channel(1);
-        main_waiter(py)?.run(Box::new(move || {
-            let _ = tx.send(f(&accelerator));
-        }));
-        let mut rx = rx;
-        loop {
-            // The receiver goes to the GIL-free closure and back (it is Send, not Sync).
-            let (answer, back) = py.detach(move || (rx.recv_timeout(SIGNAL_POLL), rx));
-            rx = back;
-            match answer {
-                Ok(answer) => return answer.map_err(|e| to_py(py, e)),
-                // KeyboardInterrupt (or what a handler raises) ends the wait here; the waiter
-                // thread finishes the call on its own, and the next wait gets a new one.
-                Err(RecvTimeoutError::Timeout) => {
-                    if let Err(e) = py.check_signals() {
-                        abandon_main_waiter();
-                        return Err(e);
-                    }
-                }
-                Err(RecvTimeoutError::Disconnected) => {
-                    return Err(error(
-                        py,
-                        "MusterError",
-                        "the muster call ended without an answer (its thread panicked)",
-                        None,
-                    ));
-                }
-            }
+        let outcome =
+            py.detach(|| muster::interrupt::with_check(signal_check(), || f(&accelerator)));
+        answer(py, outcome)
+    }
+}
+
+thread_local! {
+    /// What a signal handler raised during the main thread's wait, until the wait returns it.
+    static RAISED: RefCell<Option<PyErr>> = const { RefCell::new(None) };
+}
+
+/// The main thread's interrupt check: runs the pending signals' handlers (with the GIL) and
+/// says stop when one raised, keeping what it raised for [`answer`].
+fn signal_check() -> muster::interrupt::Check {
+    Box::new(|| match Python::attach(|py| py.check_signals()) {
+        Ok(()) => false,
+        Err(e) => {
+            RAISED.with(|r| *r.borrow_mut() = Some(e));
+            true
         }
+    })
+}
+
+/// A checked wait's outcome for Python: the signal handler's exception when the check stopped
+/// it, else the call's.
+fn answer<T>(py: Python<'_>, outcome: Result<T, Error>) -> PyResult<T> {
+    let raised = RAISED.with(|r| r.borrow_mut().take());
+    match (outcome, raised) {
+        (Err(Error::Interrupted { .. }), Some(e)) => Err(e),
+        (outcome, _) => outcome.map_err(|e| to_py(py, e)),
     }
-}
-
-/// A call for the waiter thread.
-type Job = Box<dyn FnOnce() + Send>;
-
-/// The thread that runs the main thread's waits, so that the main thread stays free to answer
-/// signals: started once and reused (a thread per wait costs more than a barrier).
-struct Waiter {
-    jobs: mpsc::Sender<Job>,
-}
-
-impl Waiter {
-    fn run(&self, job: Job) {
-        // The thread only ends when its sender is dropped.
-        let _ = self.jobs.send(job);
-    }
-}
-
-/// The main thread's waiter; `None` until the first wait, and again after a wait was
-/// abandoned (its thread is still busy with it).
-static MAIN_WAITER: Mutex<Option<Arc<Waiter>>> = Mutex::new(None);
-
-fn main_waiter(py: Python<'_>) -> PyResult<Arc<Waiter>> {
-    let mut slot = MAIN_WAITER.lock().unwrap_or_else(PoisonError::into_inner);
-    if let Some(waiter) = slot.as_ref() {
-        return Ok(waiter.clone());
-    }
-    let (jobs, queue) = mpsc::channel::<Job>();
-    std::thread::Builder::new()
-        .name("muster-wait".to_owned())
-        .spawn(move || {
-            for job in queue {
-                job();
-            }
-        })
-        .map_err(|e| {
-            error(
-                py,
-                "MusterError",
-                &format!("could not start a thread to wait on: {e}"),
-                None,
-            )
-        })?;
-    let waiter = Arc::new(Waiter { jobs });
-    *slot = Some(waiter.clone());
-    Ok(waiter)
-}
-
-fn abandon_main_waiter() {
-    MAIN_WAITER
-        .lock()
-        .unwrap_or_else(PoisonError::into_inner)
-        .take();
 }
 
 /// The barrier scope a Python call asks for: this node's ranks, or every rank.
@@ -227,23 +173,12 @@ impl Native {
         let accelerator = self.get(py)?;
         if on_main_thread() && accelerator.barrier_interruptible_in_place() {
             // The hot path: the wait reads the agent's relay on this thread, and looks for a
-            // pending signal between reads (no thread hop).
-            let mut raised: Option<PyErr> = None;
+            // pending signal between reads.
             let outcome = py.detach(|| {
-                accelerator.barrier_named_interruptible(scope(node), &name, timeout, &mut || {
-                    match Python::attach(|py| py.check_signals()) {
-                        Ok(()) => false,
-                        Err(e) => {
-                            raised = Some(e);
-                            true
-                        }
-                    }
-                })
+                let mut check = signal_check();
+                accelerator.barrier_named_interruptible(scope(node), &name, timeout, &mut check)
             });
-            return match (outcome, raised) {
-                (Err(Error::Interrupted { .. }), Some(e)) => Err(e),
-                (outcome, _) => outcome.map_err(|e| to_py(py, e)),
-            };
+            return answer(py, outcome);
         }
         self.wait(py, move |a| a.barrier_named(scope(node), &name, timeout))
     }
@@ -432,7 +367,7 @@ impl Native {
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         if let Some(accelerator) = taken {
-            // Dropping the last reference sends `leave` (a wait still running on a helper thread
+            // Dropping the last reference sends `leave` (a wait still running on another thread
             // holds another, and leaves when it ends).
             py.detach(move || drop(accelerator));
         }

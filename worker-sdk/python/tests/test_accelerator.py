@@ -188,6 +188,42 @@ def test_ctrl_c_interrupts_a_wait_quickly(launch) -> None:
     assert float(waited) < 0.2, run.dump()
 
 
+def test_ctrl_c_interrupts_a_store_wait_and_a_handler_may_use_the_store(launch) -> None:
+    run = launch(
+        1,
+        """
+        import os, signal, threading, time, muster
+        a = muster.Accelerator()
+        # A handler that uses the store itself while the main thread's wait is under way.
+        def handler(signum, frame):
+            a.store.set("from-the-handler", b"yes")
+            raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, handler)
+        sent = []
+        def interrupt():
+            time.sleep(0.3)
+            sent.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGINT)
+        threading.Thread(target=interrupt).start()
+        try:
+            a.store.get_many(["never-set"], timeout=30)
+            print("interrupted=no", flush=True)
+        except KeyboardInterrupt:
+            print(f"interrupted={time.monotonic() - sent[0]:.3f}", flush=True)
+        # The store is usable after the interrupted call.
+        print(f"handler={a.store.get('from-the-handler')!r}", flush=True)
+        a.store.set("after", b"1")
+        print(f"after={a.store.get_many(['after'], timeout=5)!r}", flush=True)
+        """,
+    )
+    assert run.code == 0, run.dump()
+    waited = run.value(0, "interrupted")
+    assert waited != "no", run.dump()
+    assert float(waited) < 0.2, run.dump()
+    assert run.value(0, "handler") == "b'yes'", run.dump()
+    assert run.value(0, "after") == "[b'1']", run.dump()
+
+
 def test_a_thread_other_than_the_main_one_can_wait(launch) -> None:
     run = launch(
         2,
