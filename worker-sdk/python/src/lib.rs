@@ -4,8 +4,9 @@
 //!
 //! Waits release the GIL and run in place. On the process's main thread a wait checks for
 //! signals every 50 ms (`muster::interrupt`; a barrier reads the relay and checks between
-//! reads), so Ctrl-C interrupts it; other threads, and single-process mode, just wait. A forked child (a DataLoader worker) gets a clear error instead of the
-//! deadlock that the parent's runtime threads, absent after `fork`, would cause.
+//! reads), so Ctrl-C interrupts it; other threads, and single-process mode, just wait. A
+//! forked child (a DataLoader worker) gets a clear error instead of the deadlock that the
+//! parent's runtime threads, absent after `fork`, would cause.
 
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex, OnceLock, PoisonError};
