@@ -433,40 +433,6 @@ impl Accelerator {
         self.barrier(scope, name, timeout)
     }
 
-    /// Whether [`Accelerator::barrier_named_interruptible`] can stop a wait in place: its
-    /// barriers go through the agent's relay, which this thread reads itself (without a relay
-    /// they wait on the SDK's runtime, which cannot).
-    pub fn barrier_interruptible_in_place(&self) -> bool {
-        matches!(&self.backend, Backend::Remote(remote) if remote.relay.get().is_some())
-    }
-
-    /// [`Accelerator::barrier_named`] that calls `interrupted` every
-    /// [`crate::relay::INTERRUPT_CHECK`] while it waits, when
-    /// [`Accelerator::barrier_interruptible_in_place`] (otherwise a plain barrier), and ends
-    /// with [`Error::Interrupted`] when it says true. The Python SDK checks for Ctrl-C so.
-    pub fn barrier_named_interruptible(
-        &self,
-        scope: Scope,
-        name: &str,
-        timeout: Option<Duration>,
-        interrupted: &mut dyn FnMut() -> bool,
-    ) -> Result<(), Error> {
-        match &self.backend {
-            Backend::Remote(remote) => match remote.relay.get() {
-                Some(relay) => tracing::info_span!(
-                    "muster.barrier",
-                    otel.kind = "client",
-                    scope = ?scope,
-                    name,
-                    relayed = true,
-                )
-                .in_scope(|| relay.barrier_interruptible(scope, name, timeout, interrupted)),
-                None => self.barrier(scope, name, timeout),
-            },
-            Backend::Local(_) => Ok(()),
-        }
-    }
-
     fn barrier(&self, scope: Scope, name: &str, timeout: Option<Duration>) -> Result<(), Error> {
         match &self.backend {
             Backend::Local(_) => Ok(()),
@@ -496,7 +462,7 @@ impl Accelerator {
                     )
                     .in_scope(|| relay.barrier(scope, name, timeout)),
                     None => remote.block_on(
-                        &format!("barrier '{name}'"),
+                        || format!("barrier '{name}'"),
                         session.barrier(scope, name, timeout),
                     ),
                 }
@@ -587,10 +553,10 @@ impl Accelerator {
                 what: what(),
                 source,
             })?;
-            remote.block_on(&what(), remote.shared.publish(&name, bytes))?;
+            remote.block_on(what, remote.shared.publish(&name, bytes))?;
             Ok(value)
         } else {
-            let bytes = remote.block_on(&what(), remote.shared.fetch(&name, None))?;
+            let bytes = remote.block_on(what, remote.shared.fetch(&name, None))?;
             serde_json::from_slice(&bytes).map_err(|source| Error::Serialization {
                 what: what(),
                 source,
@@ -614,7 +580,7 @@ impl Accelerator {
         };
         let name = self.shared_name(scope, call_site);
         remote.block_on(
-            &format!("shared value '{name}'"),
+            || format!("shared value '{name}'"),
             remote.shared.publish(&name, bytes),
         )
     }
@@ -633,7 +599,7 @@ impl Accelerator {
         };
         let name = self.shared_name(scope, call_site);
         remote.block_on(
-            &format!("shared value '{name}'"),
+            || format!("shared value '{name}'"),
             remote.shared.fetch(&name, None),
         )
     }
@@ -709,7 +675,7 @@ impl Accelerator {
                 }
             }
             Backend::Remote(remote) => remote.block_on(
-                &unique_id(communicator),
+                || unique_id(communicator),
                 remote.unique_ids.publish(communicator, id),
             ),
         }
@@ -729,7 +695,10 @@ impl Accelerator {
                     ),
                 }
             }),
-            Backend::Remote(remote) => remote.block_on(&unique_id(communicator), remote.unique_ids.fetch(communicator, None)),
+            Backend::Remote(remote) => remote.block_on(
+                || unique_id(communicator),
+                remote.unique_ids.fetch(communicator, None),
+            ),
         }
     }
 
@@ -752,21 +721,21 @@ impl Accelerator {
             return Ok(vec![id]);
         };
         let ids = &remote.unique_ids;
-        let what = unique_id(communicator);
-        let roots = remote.block_on(&what, ids.roots(communicator))?;
+        let what = || unique_id(communicator);
+        let roots = remote.block_on(what, ids.roots(communicator))?;
         let rank = self.info().rank;
         let mine = match roots.iter().position(|&root| root == rank) {
             Some(root) => {
                 let id = make()?;
-                remote.block_on(&what, ids.publish_root(communicator, root as u32, &id))?;
+                remote.block_on(what, ids.publish_root(communicator, root as u32, &id))?;
                 Some(id)
             }
             None => None,
         };
         match (roots.len(), mine) {
             (1, Some(id)) => Ok(vec![id]),
-            (1, None) => Ok(vec![remote.block_on(&what, ids.fetch(communicator, None))?]),
-            _ => remote.block_on(&what, ids.fetch_all(communicator, None)),
+            (1, None) => Ok(vec![remote.block_on(what, ids.fetch(communicator, None))?]),
+            _ => remote.block_on(what, ids.fetch_all(communicator, None)),
         }
     }
 
@@ -828,7 +797,7 @@ impl Accelerator {
             released,
         };
         let quorum = remote.block_on(
-            &format!("the quorum of epoch {epoch}"),
+            || format!("the quorum of epoch {epoch}"),
             session
                 .coordinator()
                 .quorum(session.config(), ask, QUORUM_POLL),
@@ -872,7 +841,9 @@ impl Accelerator {
             Backend::Remote(remote) => {
                 remote.leave_relay();
                 match remote.session.take() {
-                    Some(session) => remote.block_on("the coordinator's leave", session.leave()),
+                    Some(session) => {
+                        remote.block_on(|| "the coordinator's leave".to_owned(), session.leave())
+                    }
                     None => Ok(()),
                 }
             }
@@ -919,10 +890,10 @@ impl Drop for Accelerator {
 
 impl Remote {
     /// Runs a call to the coordinator to its end, or until this thread's interrupt check
-    /// stops it ([`crate::interrupt`]; `what` names what it waited for).
+    /// stops it ([`crate::interrupt`]; `what` names what it waited for, made only then).
     fn block_on<T>(
         &self,
-        what: &str,
+        what: impl FnOnce() -> String,
         call: impl Future<Output = Result<T, Error>>,
     ) -> Result<T, Error> {
         match &self.runtime {
@@ -999,7 +970,7 @@ impl KvStore<'_> {
             }
             Target::Remote(remote) => {
                 let mut lane = lock(&remote.kv_lane);
-                remote.block_on(&key_what(key), lane.set(key, value))
+                remote.block_on(|| key_what(key), lane.set(key, value))
             }
         }
     }
@@ -1008,7 +979,7 @@ impl KvStore<'_> {
     pub fn get(&self, key: &str) -> Result<Option<Vec<u8>>, Error> {
         match self.target() {
             Target::Local(store) => Ok(store.kv.get(key).cloned()),
-            Target::Remote(remote) => remote.block_on(&key_what(key), remote.kv.get(key)),
+            Target::Remote(remote) => remote.block_on(|| key_what(key), remote.kv.get(key)),
         }
     }
 
@@ -1018,7 +989,7 @@ impl KvStore<'_> {
         match self.target() {
             Target::Local(store) => local_wait(&store, key),
             Target::Remote(remote) => {
-                remote.block_on(&key_what(key), remote.kv.get_wait(key, wait))
+                remote.block_on(|| key_what(key), remote.kv.get_wait(key, wait))
             }
         }
     }
@@ -1030,7 +1001,7 @@ impl KvStore<'_> {
         match self.target() {
             Target::Local(store) => keys.iter().map(|key| local_wait(&store, key)).collect(),
             Target::Remote(remote) => {
-                remote.block_on(&keys_what(keys), remote.kv.get_wait_many(keys, wait))
+                remote.block_on(|| keys_what(keys), remote.kv.get_wait_many(keys, wait))
             }
         }
     }
@@ -1043,11 +1014,11 @@ impl KvStore<'_> {
             Target::Local(store) => store,
             // An add of 0 is a read, retried as one; any other goes through the lane.
             Target::Remote(remote) if delta == 0 => {
-                return remote.block_on(&key_what(key), remote.kv.add(key, delta));
+                return remote.block_on(|| key_what(key), remote.kv.add(key, delta));
             }
             Target::Remote(remote) => {
                 let mut lane = lock(&remote.kv_lane);
-                return remote.block_on(&key_what(key), lane.add(key, delta));
+                return remote.block_on(|| key_what(key), lane.add(key, delta));
             }
         };
         let current = match store.kv.get(key) {
@@ -1094,7 +1065,10 @@ impl KvStore<'_> {
             }
             Target::Remote(remote) => {
                 let mut lane = lock(&remote.kv_lane);
-                remote.block_on(&key_what(key), lane.compare_and_set(key, expected, desired))
+                remote.block_on(
+                    || key_what(key),
+                    lane.compare_and_set(key, expected, desired),
+                )
             }
         }
     }
@@ -1106,7 +1080,7 @@ impl KvStore<'_> {
             Target::Local(mut store) => Ok(store.kv.remove(key).is_some()),
             Target::Remote(remote) => {
                 let mut lane = lock(&remote.kv_lane);
-                remote.block_on(&key_what(key), lane.delete(key))
+                remote.block_on(|| key_what(key), lane.delete(key))
             }
         }
     }
@@ -1121,7 +1095,7 @@ impl KvStore<'_> {
                 .map(|(key, value)| (key.clone(), value.clone()))
                 .collect()),
             Target::Remote(remote) => remote.block_on(
-                &format!("the keys under '{prefix}'"),
+                || format!("the keys under '{prefix}'"),
                 remote.kv.list(prefix),
             ),
         }

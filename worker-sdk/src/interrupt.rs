@@ -7,8 +7,8 @@
 //! [`INTERRUPT_CHECK`] while it waits, and ends with [`Error::Interrupted`] when the check says
 //! true. The interrupted call's request is dropped: a write may or may not have been applied,
 //! as with any call cut short (a lane write gives up its sequence number,
-//! [`crate::client::KvLane`]). A barrier through the agent's relay takes its check as an
-//! argument instead ([`crate::relay::RelayConn::barrier_interruptible`]), every
+//! [`crate::client::KvLane`]). A barrier through the agent's relay, which this thread reads
+//! itself, asks the same check between reads ([`crate::relay::RelayConn::barrier`]), every
 //! [`INTERRUPT_CHECK`] too.
 
 use crate::Error;
@@ -42,13 +42,14 @@ pub fn with_check<T>(check: Check, f: impl FnOnce() -> T) -> T {
 }
 
 /// Whether this thread has a check.
-fn installed() -> bool {
+pub(crate) fn installed() -> bool {
     CHECK.with(|c| c.borrow().is_some())
 }
 
-/// Calls this thread's check. It is out of its slot meanwhile, so that a call it makes (a
-/// Python signal handler using the SDK) waits without one rather than re-entering it.
-fn interrupted() -> bool {
+/// Calls this thread's check (false without one). It is out of its slot meanwhile, so that a
+/// call it makes (a Python signal handler using the SDK) waits without one rather than
+/// re-entering it.
+pub(crate) fn interrupted() -> bool {
     let Some(mut check) = CHECK.with(|c| c.borrow_mut().take()) else {
         return false;
     };
@@ -64,10 +65,10 @@ fn interrupted() -> bool {
 
 /// Runs `call` to its end on `runtime`, this thread driving it; with a check installed, asks
 /// it every [`INTERRUPT_CHECK`] and gives `call` up with [`Error::Interrupted`] (naming
-/// `what`) when it says true.
+/// `what()`, made only then) when it says true.
 pub(crate) fn block_on<T>(
     runtime: &tokio::runtime::Runtime,
-    what: &str,
+    what: impl FnOnce() -> String,
     call: impl Future<Output = Result<T, Error>>,
 ) -> Result<T, Error> {
     if !installed() {
@@ -83,9 +84,7 @@ pub(crate) fn block_on<T>(
             return answer;
         }
         if interrupted() {
-            return Err(Error::Interrupted {
-                what: what.to_owned(),
-            });
+            return Err(Error::Interrupted { what: what() });
         }
     }
 }
@@ -116,7 +115,7 @@ mod tests {
                 asked += 1;
                 asked == 3
             }),
-            || block_on(&rt, "key 'k'", pending()),
+            || block_on(&rt, || "key 'k'".to_owned(), pending()),
         );
         let took = started.elapsed();
         match got {
@@ -130,14 +129,14 @@ mod tests {
         );
         // Gone after with_check: a call without one runs to its end.
         assert!(!installed());
-        let answer = block_on(&rt, "a value", async {
+        let answer = block_on(&rt, || "a value".to_owned(), async {
             tokio::time::sleep(INTERRUPT_CHECK * 2).await;
             Ok(7)
         });
         assert_eq!(answer.unwrap(), 7);
         // A call that ends first never asks.
         let got = with_check(Box::new(|| panic!("not asked")), || {
-            block_on(&rt, "a value", async { Ok(8) })
+            block_on(&rt, || "a value".to_owned(), async { Ok(8) })
         });
         assert_eq!(got.unwrap(), 8);
     }
@@ -152,15 +151,19 @@ mod tests {
                 calls += 1;
                 // What a signal handler using the SDK does: a call of its own, unchecked.
                 assert!(!installed());
-                let inner = block_on(&rt2, "inner", async {
-                    tokio::time::sleep(INTERRUPT_CHECK * 2).await;
+                let inner = block_on(&rt2, || "inner".to_owned(), async {
+                    tokio::task::yield_now().await;
                     Ok(1)
                 });
                 assert_eq!(inner.unwrap(), 1);
                 calls == 2
             }),
             || {
-                let first = block_on(&rt, "first", std::future::pending::<Result<(), Error>>());
+                let first = block_on(
+                    &rt,
+                    || "first".to_owned(),
+                    std::future::pending::<Result<(), Error>>(),
+                );
                 // The check is still there for the next call.
                 assert!(installed());
                 first

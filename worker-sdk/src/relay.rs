@@ -219,27 +219,25 @@ impl RelayConn {
     /// barrier. A timeout of *another* rank of this node can also end this rank's wait at the
     /// coordinator (the node's entry is withdrawn as a whole); while this call's own time is
     /// not up, it then enters again at once instead of returning.
+    ///
+    /// With an interrupt check on this thread ([`crate::interrupt::with_check`]), the wait
+    /// asks it every [`INTERRUPT_CHECK`], between reads; when it says true the wait ends with
+    /// [`Error::Interrupted`] and the connection is given up (the interrupted barrier cannot be
+    /// resumed). The Python SDK checks for Ctrl-C this way.
     pub fn barrier(
         &self,
         scope: Scope,
         name: &str,
         timeout: Option<Duration>,
     ) -> Result<(), Error> {
-        self.barrier_checked(scope, name, timeout, None, &mut || false)
-    }
-
-    /// [`RelayConn::barrier`] that calls `interrupted` every [`INTERRUPT_CHECK`] while it
-    /// waits (on this thread, between reads: no thread hop); when it says true the wait ends
-    /// with [`Error::Interrupted`] and the connection is given up (the interrupted barrier
-    /// cannot be resumed). The Python SDK checks for Ctrl-C this way.
-    pub fn barrier_interruptible(
-        &self,
-        scope: Scope,
-        name: &str,
-        timeout: Option<Duration>,
-        interrupted: &mut dyn FnMut() -> bool,
-    ) -> Result<(), Error> {
-        self.barrier_checked(scope, name, timeout, Some(INTERRUPT_CHECK), interrupted)
+        let slice = crate::interrupt::installed().then_some(INTERRUPT_CHECK);
+        self.barrier_checked(
+            scope,
+            name,
+            timeout,
+            slice,
+            &mut crate::interrupt::interrupted,
+        )
     }
 
     fn barrier_checked(
@@ -453,8 +451,8 @@ impl RelayConn {
     }
 }
 
-/// How often an interruptible wait ([`RelayConn::barrier_interruptible`]) asks whether to
-/// stop: the same as every interruptible call's.
+/// How often an interruptible barrier wait asks whether to stop: the same as every
+/// interruptible call's.
 pub use crate::interrupt::INTERRUPT_CHECK;
 
 /// Files one message from the agent: a result for its scope, or a farewell.
@@ -666,14 +664,18 @@ mod tests {
             host: "h".into(),
         };
         let relay = RelayConn::connect(&path, &config).unwrap();
-        let mut checks = 0;
+        let checks = std::rc::Rc::new(std::cell::Cell::new(0));
         let start = Instant::now();
-        let got = relay.barrier_interruptible(Scope::Global, "b", None, &mut || {
-            checks += 1;
-            checks == 3
-        });
+        let counted = std::rc::Rc::clone(&checks);
+        let got = crate::interrupt::with_check(
+            Box::new(move || {
+                counted.set(counted.get() + 1);
+                counted.get() == 3
+            }),
+            || relay.barrier(Scope::Global, "b", None),
+        );
         assert!(matches!(got, Err(Error::Interrupted { .. })), "{got:?}");
-        assert_eq!(checks, 3);
+        assert_eq!(checks.get(), 3);
         assert!(
             start.elapsed() >= INTERRUPT_CHECK * 3,
             "{:?}",

@@ -171,16 +171,6 @@ impl Native {
             .map(seconds)
             .transpose()
             .map_err(PyValueError::new_err)?;
-        let accelerator = self.get(py)?;
-        if on_main_thread() && accelerator.barrier_interruptible_in_place() {
-            // The hot path: the wait reads the agent's relay on this thread, and looks for a
-            // pending signal between reads.
-            let outcome = py.detach(|| {
-                let mut check = signal_check();
-                accelerator.barrier_named_interruptible(scope(node), &name, timeout, &mut check)
-            });
-            return answer(py, outcome);
-        }
         self.wait(py, move |a| a.barrier_named(scope(node), &name, timeout))
     }
 
