@@ -90,12 +90,55 @@ fn run(args: Vec<OsString>) -> u8 {
     code
 }
 
-/// The multi-threaded runtime the launch and the daemon commands run on, or `None` after saying
-/// why it could not start.
+/// tokio's variable for its worker thread count, which overrides [`WORKER_THREADS`].
+const WORKER_THREADS_ENV: &str = "TOKIO_WORKER_THREADS";
+
+/// The runtime's worker threads, unless [`WORKER_THREADS_ENV`] says otherwise. The command's
+/// own future (the launch's supervisor, the daemon's loop) runs on the main thread, and every
+/// task (the gateway, the agent store, the embedded coordinator, the output pumps, the node's
+/// watch) on this one thread: a worker's store call crosses the agent as one thread's work
+/// instead of waking a second thread at each hand-off between tasks, which on a 2-vCPU VM
+/// made a Python store call 32% slower (docs/benchmarks.md). The agent's tasks are light, and
+/// its long blocking work runs on tokio's blocking threads and its own threads (the relay, the
+/// stack sampler); the longest a task holds the thread is a daemon job's `posix_spawn` of a
+/// worker, until the child execs. tokio would otherwise start one thread per core, 96 on a
+/// large GPU host.
+const WORKER_THREADS: usize = 1;
+
+/// The runtime the launch and the daemon commands run on, or `None` after saying why it could
+/// not start.
 fn runtime() -> Option<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
+    build_runtime(std::env::var_os(WORKER_THREADS_ENV).is_some())
         .inspect_err(|e| eprintln!("muster-agent: cannot start the async runtime: {e}"))
         .ok()
+}
+
+/// The runtime, with [`WORKER_THREADS`] worker threads unless `overridden` ([`WORKER_THREADS_ENV`]
+/// is set, and tokio reads it).
+fn build_runtime(overridden: bool) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut builder = tokio::runtime::Builder::new_multi_thread();
+    if !overridden {
+        builder.worker_threads(WORKER_THREADS);
+    }
+    builder.enable_all().build()
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn the_runtime_has_one_worker_thread_unless_tokio_is_told_otherwise() {
+        let runtime = build_runtime(false).unwrap();
+        assert_eq!(runtime.metrics().num_workers(), WORKER_THREADS);
+        assert_eq!(WORKER_THREADS, 1);
+        // Told otherwise, tokio decides: its variable's value, else one thread per core.
+        let told = build_runtime(true).unwrap();
+        let expected = std::env::var(WORKER_THREADS_ENV)
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or_else(|| std::thread::available_parallelism().unwrap().get());
+        assert_eq!(told.metrics().num_workers(), expected);
+    }
 }
