@@ -11,9 +11,10 @@
 //!    less the network), and against rank 0's TCPStore: set, get, add p50 and p90 (goal <=
 //!    2x).
 //! 3. Where the time goes: the Rust SDK's `Kv` set/get/add (the very calls the agent store
-//!    makes, on the same client) timed from a worker straight to the coordinator, and the
-//!    loopback hop to each store (`check([])`, which the agent answers without a coordinator
-//!    call); what neither explains is the agent's own work.
+//!    makes, on the same client) timed from a worker straight to the coordinator process, and
+//!    the loopback hop to each store (`check([])`, which the agent answers without a
+//!    coordinator call); what neither explains is the agent's own work. The same calls through
+//!    the agent's gateway (a worker's own path) are printed beside them.
 //!
 //! Needs release builds (`cargo build --release -p muster-agent -p muster-coordinator -p
 //! muster-bench --bins`) and torch in the peers' venv (`scripts/install-peers.sh`).
@@ -52,6 +53,10 @@ struct Args {
     /// to the job's coordinator.
     #[arg(long, hide = true)]
     kv_worker: bool,
+    /// Internal: the coordinator the `--kv-worker` calls go to, straight (as the agent store's
+    /// own calls do); without it they go through the agent's gateway, as a worker's calls do.
+    #[arg(long, hide = true)]
+    kv_coordinator: Option<String>,
 }
 
 /// Which store the workers reach at MASTER_ADDR:MASTER_PORT.
@@ -100,7 +105,7 @@ const OPS: [(&str, &str, u32, u32); 3] = [
 fn main() -> anyhow::Result<()> {
     let args = Args::parse();
     if args.kv_worker {
-        return kv_worker(args.iters);
+        return kv_worker(args.iters, args.kv_coordinator);
     }
     let venv = peers_venv(args.venv.clone());
     let bins = bin_dir();
@@ -282,21 +287,24 @@ fn torch_ops(s: &Setup, store: Store, iters: u32, run: usize) -> anyhow::Result<
     parse_ops(&out)
 }
 
-/// The Rust SDK's `Kv` straight to the coordinator `store` uses, from one worker.
+/// The Rust SDK's `Kv` from one worker of a launch with `store`: with the coordinator in its
+/// own process, straight to it (the calls the agent store makes, on the same client); with
+/// the coordinator in the agent, through the agent's gateway (a worker's own path since issue
+/// 29: the worker has no coordinator address).
 fn sdk_ops(s: &Setup, store: Store, iters: u32, run: usize) -> anyhow::Result<OpTimes> {
     let me = std::env::current_exe()?;
-    let out = launch(
-        s,
-        store,
-        1,
-        run,
-        &[
-            me.as_os_str(),
-            "--kv-worker".as_ref(),
-            "--iters".as_ref(),
-            iters.to_string().as_ref(),
-        ],
-    )?;
+    let addr = s.coordinator.addr.to_string();
+    let iters = iters.to_string();
+    let mut worker: Vec<&std::ffi::OsStr> = vec![
+        me.as_os_str(),
+        "--kv-worker".as_ref(),
+        "--iters".as_ref(),
+        iters.as_ref(),
+    ];
+    if store == Store::AgentRemote {
+        worker.extend::<[&std::ffi::OsStr; 2]>(["--kv-coordinator".as_ref(), addr.as_ref()]);
+    }
+    let out = launch(s, store, 1, run, &worker)?;
     parse_ops(&out)
 }
 
@@ -404,8 +412,9 @@ fn ops_tables(s: &Setup, args: &Args) -> anyhow::Result<()> {
     println!(
         "\nWhere an agent store call's time goes (p50, us): the client's round trips to the agent \
          (each an empty check), the coordinator calls (the Rust SDK's `Kv`, timed from a worker \
-         on the same coordinator), and what is left: the agent's own work (parsing, the task \
-         hand-offs of the gRPC client, key mapping) and noise.\n"
+         straight to the coordinator process: the agent store's own call, which with the \
+         coordinator in the agent stays in one process), and what is left: the agent's own work \
+         (parsing, the task hand-offs of the gRPC client, key mapping) and noise.\n"
     );
     println!(
         "| operation, coordinator | agent store p50 | round trips x hop | coordinator calls x `Kv` p50 | left |"
@@ -416,7 +425,7 @@ fn ops_tables(s: &Setup, args: &Args) -> anyhow::Result<()> {
         for (op, label, trips, calls) in OPS {
             let total = get(&torch, store, op).0;
             let kv_op = if op == "set_applied" { "set" } else { op };
-            let kv = get(&sdk, store, kv_op).0;
+            let kv = get(&sdk, Store::AgentRemote, kv_op).0;
             let (h, k) = (f64::from(trips) * hop, f64::from(calls) * kv);
             let place = if store == Store::AgentLocal {
                 "in the agent"
@@ -430,7 +439,7 @@ fn ops_tables(s: &Setup, args: &Args) -> anyhow::Result<()> {
         }
     }
     println!(
-        "\n| Rust SDK `Kv` straight to the coordinator, p50 / p90 | in the agent | own process |"
+        "\n| Rust SDK `Kv` from a worker, p50 / p90 | coordinator in the agent, through the agent's gateway | own process, straight to it |"
     );
     println!("| --- | --- | --- |");
     for op in ["set", "get", "add"] {
@@ -448,11 +457,14 @@ fn ops_tables(s: &Setup, args: &Args) -> anyhow::Result<()> {
 
 /// The worker side of [`sdk_ops`]: the calls the agent store makes for torch's set, get and
 /// add, on the same client, from the environment `muster-agent launch` gives a worker.
-fn kv_worker(iters: u32) -> anyhow::Result<()> {
+fn kv_worker(iters: u32, straight_to: Option<String>) -> anyhow::Result<()> {
     let rank = muster::env::RankInfo::from_env()?;
-    let addr = rank.coordinator.clone().context(
-        "not under muster-agent launch (neither MUSTER_AGENT_SOCKET nor MUSTER_COORDINATOR)",
-    )?;
+    let addr = match straight_to {
+        Some(addr) => addr,
+        None => rank.coordinator.clone().context(
+            "not under muster-agent launch (neither MUSTER_AGENT_SOCKET nor MUSTER_COORDINATOR)",
+        )?,
+    };
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
