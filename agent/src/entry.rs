@@ -97,8 +97,8 @@ const WORKER_THREADS_ENV: &str = "TOKIO_WORKER_THREADS";
 /// own future (the launch's supervisor, the daemon's loop) runs on the main thread, and every
 /// task (the gateway, the agent store, the embedded coordinator, the output pumps, the node's
 /// watch) on this one thread: a worker's store call crosses the agent as one thread's work
-/// instead of waking a second thread at each hand-off between tasks, which on a 2-vCPU VM
-/// made a Python store call 32% slower (docs/benchmarks.md). The agent's tasks are light, and
+/// instead of waking a second thread at each hand-off between tasks (a Python store `get`,
+/// p50: 337 us with two threads, 236 us with one, on a 2-vCPU VM; docs/benchmarks.md). The agent's tasks are light, and
 /// its long blocking work runs on tokio's blocking threads and its own threads (the relay, the
 /// stack sampler); the longest a task holds the thread is a daemon job's `posix_spawn` of a
 /// worker, until the child execs. tokio would otherwise start one thread per core, 96 on a
