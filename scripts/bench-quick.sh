@@ -11,4 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release -p muster-agent -p muster-coordinator -p muster-bench --bins && cargo build --release -p muster --examples
 venv=$(scripts/install-peers.sh | tail -1)
-MUSTER_PEERS_VENV=$venv exec target/release/quick "$@"
+# torchrun makes a log folder per launch and muster's agents make theirs: in a folder of this
+# run's own, removed at the end (as scripts/test.sh does for the tests).
+run_tmp=$(mktemp -d)
+trap 'rm -rf "$run_tmp"' EXIT
+TMPDIR="$run_tmp" MUSTER_PEERS_VENV=$venv target/release/quick "$@"
