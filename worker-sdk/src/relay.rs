@@ -230,24 +230,6 @@ impl RelayConn {
         name: &str,
         timeout: Option<Duration>,
     ) -> Result<(), Error> {
-        let slice = crate::interrupt::installed().then_some(INTERRUPT_CHECK);
-        self.barrier_checked(
-            scope,
-            name,
-            timeout,
-            slice,
-            &mut crate::interrupt::interrupted,
-        )
-    }
-
-    fn barrier_checked(
-        &self,
-        scope: Scope,
-        name: &str,
-        timeout: Option<Duration>,
-        slice: Option<Duration>,
-        interrupted: &mut dyn FnMut() -> bool,
-    ) -> Result<(), Error> {
         let deadline = timeout.map(|t| Instant::now() + t);
         let idx = scope.index();
         let mut st = self.lock();
@@ -261,7 +243,7 @@ impl RelayConn {
             });
         }
         st.busy[idx] = true;
-        let (mut st, outcome) = self.enter_and_wait(st, scope, name, deadline, slice, interrupted);
+        let (mut st, outcome) = self.enter_and_wait(st, scope, name, deadline);
         st.busy[idx] = false;
         outcome
     }
@@ -329,8 +311,6 @@ impl RelayConn {
         scope: Scope,
         name: &str,
         deadline: Option<Instant>,
-        slice: Option<Duration>,
-        interrupted: &mut dyn FnMut() -> bool,
     ) -> (MutexGuard<'a, State>, Result<(), Error>) {
         let idx = scope.index();
         loop {
@@ -357,7 +337,7 @@ impl RelayConn {
                 s.lost = Some(reason.clone());
                 return (st, Err(self.lost_error(reason)));
             }
-            let (next, waited) = self.wait(st, scope, seq, name, slice, interrupted);
+            let (next, waited) = self.wait(st, scope, seq, name);
             st = next;
             let error = match waited {
                 Ok(error) => error,
@@ -377,20 +357,21 @@ impl RelayConn {
     }
 
     /// Waits for the result of (scope, seq): takes it if another thread read it, else reads
-    /// frames itself (one thread at a time), handing over results for the other scope.
+    /// frames itself (one thread at a time), handing over results for the other scope. With an
+    /// interrupt check on this thread, reads in slices of [`INTERRUPT_CHECK`] and asks it
+    /// between them.
     fn wait<'a>(
         &'a self,
         mut st: MutexGuard<'a, State>,
         scope: Scope,
         seq: u64,
         name: &str,
-        slice: Option<Duration>,
-        interrupted: &mut dyn FnMut() -> bool,
     ) -> (
         MutexGuard<'a, State>,
         Result<Option<pb::BarrierError>, Error>,
     ) {
         let idx = scope.index();
+        let slice = crate::interrupt::installed().then_some(INTERRUPT_CHECK);
         loop {
             if let Some((got, error)) = st.results[idx].take()
                 && got == seq
@@ -423,7 +404,7 @@ impl RelayConn {
                         self.turn.notify_all();
                     }
                     drop(st);
-                    let stop = interrupted();
+                    let stop = crate::interrupt::interrupted();
                     st = self.lock();
                     if stop {
                         st.lost = Some(Arc::new(Closed(format!(
