@@ -1,8 +1,10 @@
 """``muster.torch.Batches``: a DataLoader read by step. A second loader, given the first one's
 ``state_dict`` and generators at a step (what an in-place recovery heals), reads the same
 batches from there on, mid-epoch included, with worker processes whose random augmentations
-match; a rank that redoes a step gets the same batch and draws the same numbers after it; and
-what cannot be rebuilt is refused, naming why. In one process: no job needed."""
+match; a rank that redoes a step gets the same batch and draws the same numbers after it; a
+loader sharded with torch's ``DistributedSampler`` reads its shard anew each epoch and a
+replacement rebuilds its own shard; and what cannot be rebuilt is refused, naming why. In one
+process: no job needed."""
 
 from __future__ import annotations
 
@@ -118,6 +120,57 @@ def test_a_redone_step_gets_its_batch_and_the_same_draws_after_it() -> None:
     set_rng_state(start)
     assert batches.batch(13) is batch
     assert torch.equal(torch.rand(1), draw)
+
+
+def _sharded(rank: int, workers: int = 0):
+    """Rank ``rank``'s loader of a 2-process job, sharded with torch's ``DistributedSampler``."""
+    import torch
+
+    sampler = torch.utils.data.DistributedSampler(_dataset(), num_replicas=2, rank=rank, shuffle=True, seed=3)
+    return torch.utils.data.DataLoader(_dataset(), batch_size=BATCH, sampler=sampler, num_workers=workers)
+
+
+def _indices(batch) -> list[int]:
+    """The sample indices of a batch of ``_dataset`` (each sample is its index plus noise in [0, 1))."""
+    return [int(row[0].floor()) for row in batch]
+
+
+def test_a_sharded_loader_reads_its_shard_anew_each_epoch_and_a_replacement_rebuilds_its_own_shard() -> None:
+    import torch
+    from muster.torch import Batches, rng_state, set_rng_state
+
+    per_epoch = SAMPLES // 2 // BATCH  # 5 batches a rank and epoch
+    read: dict[int, list] = {}
+    saved = None
+    for rank in (0, 1):
+        torch.manual_seed(0)
+        batches = Batches(_sharded(rank, workers=2))
+        read[rank] = []
+        for step in range(3 * per_epoch):
+            start = rng_state()
+            read[rank].append(batches.batch(step))
+            if rank == 0 and step == per_epoch + 2:
+                saved = (start, batches.state_dict())
+            torch.rand(1)
+    assert saved is not None
+    for epoch in range(3):
+        shards = [[i for b in read[r][epoch * per_epoch : (epoch + 1) * per_epoch] for i in _indices(b)] for r in (0, 1)]
+        # The two ranks' shards of an epoch are disjoint and cover the dataset.
+        assert sorted(shards[0] + shards[1]) == list(range(SAMPLES)), f"epoch {epoch}: {shards}"
+    # Each epoch is shuffled anew: the sampler was told the epoch.
+    orders = [[i for b in read[0][e * per_epoch : (e + 1) * per_epoch] for i in _indices(b)] for e in range(3)]
+    assert orders[0] != orders[1] != orders[2], orders
+
+    # Rank 1 dies mid-epoch 1; its replacement heals from rank 0 (its state and generators) and
+    # reads rank 1's batches from there, its loader's workers drawing what the dead rank's drew.
+    start, state = saved
+    torch.manual_seed(123)
+    again = Batches(_sharded(1, workers=2))
+    again.load_state_dict(state)
+    set_rng_state(start)
+    for step in range(per_epoch + 2, 3 * per_epoch):
+        assert torch.equal(again.batch(step), read[1][step]), f"step {step}"
+        torch.rand(1)
 
 
 def test_what_cannot_be_rebuilt_is_refused() -> None:

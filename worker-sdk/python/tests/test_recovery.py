@@ -6,8 +6,8 @@ the same weights, bit for bit, as a run without the failure. The same loop on
 ``muster.Communicator`` (``reconfigure`` and ``heal_bytes``) checks the SDK's own collectives.
 A variant that draws random numbers every step (dropout, Python's and numpy's generators) heals
 its generators too, and ends with the same weights only when it marks its steps; another reads
-its data from a shuffled ``DataLoader`` whose two worker processes augment every sample
-(``muster.torch.Batches``), interrupted mid-epoch."""
+its data from a shuffled ``DataLoader``, sharded by rank, whose two worker processes augment
+every sample (``muster.torch.Batches``), interrupted mid-epoch."""
 
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ needs_torch = pytest.mark.skipif(
 #: The training loop, run once per ``(COMM, DRAWS)`` of ``LOOPS``. ``COMM`` (gloo or muster)
 #: picks what averages the gradients; ``DRAWS``: 0, no random draws; 1, dropout and noise from
 #: Python's and numpy's generators, each step marked with ``muster.torch.begin_step``; 2, the
-#: same draws with no marks; 3, dropout and marks, the data from a DataLoader of 7 batches an
-#: epoch read by step, its workers drawing noise. ``FAIL_AT`` (0: never) is the step after
+#: same draws with no marks; 3, dropout and marks, the data from a DataLoader sharded by rank
+#: (torch's ``DistributedSampler``, 7 batches a rank and epoch) read by step, its workers
+#: drawing noise. ``FAIL_AT`` (0: never) is the step after
 #: which the last rank aborts in the job's first life.
 TRAIN = """
 import hashlib, io, os, random, sys
@@ -100,7 +101,9 @@ for COMM, DRAWS in LOOPS:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     params = list(model.parameters())
     if DRAWS == 3:
-        data = muster.torch.Batches(torch.utils.data.DataLoader(Augmented(), batch_size=16, shuffle=True, num_workers=2))
+        # Each rank its shard (28 samples), shuffled anew each epoch (Batches tells the sampler).
+        shard = torch.utils.data.DistributedSampler(Augmented(), num_replicas=world, rank=rank, shuffle=True, seed=4)
+        data = muster.torch.Batches(torch.utils.data.DataLoader(Augmented(), batch_size=4, sampler=shard, num_workers=2))
     step, loss_avg = 0, float("nan")
     comm = None
     if acc.is_replacement:

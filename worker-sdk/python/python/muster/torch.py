@@ -477,6 +477,13 @@ class Batches:
     redoes a step gets the batch it already read (with ``num_workers=0`` torch's, Python's and
     numpy's generators put where that read left them, as the loader drew from them).
 
+    Each epoch's iterator is made after the loader's sampler is told the epoch
+    (``set_epoch(epoch)``, on the sampler and the batch sampler that have it), as a training loop
+    does for torch's ``DistributedSampler``: a loader sharded with one (``num_replicas`` the
+    world size, ``rank`` the process index) gives each rank its own shard, shuffled anew each
+    epoch, and a replacement rebuilds the dead rank's shard of the epoch, not its healing
+    source's.
+
     Call :func:`begin_step` before ``batch(step)``. Exact for ranks seeded alike (as for the
     generators); not for ``persistent_workers=True`` (a worker's generators then run on across
     epochs, which a replacement cannot rebuild without reading every epoch again) nor for a
@@ -557,6 +564,7 @@ class Batches:
         now = rng_state()
         generator.set_state(start)
         self._starts = {epoch: start}
+        self._set_epoch(epoch)
         self._iterator = iter(self._loader)
         self._epoch, self._next = epoch, 0
         if index > 0:
@@ -568,6 +576,17 @@ class Batches:
                 next(self._iterator)
                 self._next += 1
             set_rng_state(now)
+
+    def _set_epoch(self, epoch: int) -> None:
+        """Tells the loader's samplers that have ``set_epoch`` (torch's ``DistributedSampler``,
+        Accelerate's seedable sampler) which epoch the next iterator reads, each once."""
+        batch_sampler = getattr(self._loader, "batch_sampler", None)
+        told: list[Any] = []
+        for sampler in (self._loader.sampler, batch_sampler, getattr(batch_sampler, "sampler", None)):
+            set_epoch = getattr(sampler, "set_epoch", None)
+            if callable(set_epoch) and not any(sampler is t for t in told):
+                set_epoch(epoch)
+                told.append(sampler)
 
     def state_dict(self) -> dict[str, Any]:
         """Where the loader stands, for :meth:`load_state_dict` in another rank: the open
