@@ -469,8 +469,21 @@ fn summary(rank: u32, window: &std::collections::VecDeque<(bool, String)>) -> pb
     }
 }
 
-/// One worker's stacks: its Python threads (main first), else what it is, else why not.
+/// One worker's stacks: its Python threads (main first), else what it is, else why not; and
+/// the state of the process read (the Python child of a wrapper, where it has one) when the
+/// kernel does not have it running or sleeping as usual.
 fn read(
+    t: &mut Tracked,
+    w: &WorkerRef,
+    sources: &mut HashMap<(String, u32), String>,
+) -> pb::RankStack {
+    let mut stack = read_stacks(t, w, sources);
+    stack.process_state = unusual_state(stack.pid);
+    stack
+}
+
+/// [`read`]'s stacks.
+fn read_stacks(
     t: &mut Tracked,
     w: &WorkerRef,
     sources: &mut HashMap<(String, u32), String>,
@@ -754,36 +767,59 @@ fn uid_of(status: &str) -> Option<u32> {
     line.split_whitespace().nth(2)?.parse().ok()
 }
 
+/// Process `pid`'s state letter from `/proc/<pid>/stat` (`R`, `S`, `D`, `T`, `t`, `Z`, ...).
+fn state_letter(pid: u32) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // The state follows the command name, which is in parentheses and may hold spaces.
+    let (_, rest) = stat.rsplit_once(')')?;
+    rest.split_whitespace().next().map(str::to_owned)
+}
+
+/// The kernel function process `pid` waits in, if it waits in one.
+fn wchan(pid: u32) -> Option<String> {
+    let w = std::fs::read_to_string(format!("/proc/{pid}/wchan")).ok()?;
+    let w = w.trim();
+    (!w.is_empty() && w != "0").then(|| w.to_owned())
+}
+
 /// What a process that is not Python is doing, in one line: its program, its state and where
 /// the kernel has it waiting.
 fn native_line(pid: u32, exe: &str) -> String {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // The state follows the command name, which is in parentheses and may hold spaces.
-    let state = stat
-        .rsplit_once(')')
-        .and_then(|(_, rest)| rest.split_whitespace().next())
-        .map(|s| match s {
-            "R" => "running",
-            "S" => "sleeping",
-            "D" => "in uninterruptible I/O",
-            "T" | "t" => "stopped",
-            "Z" => "a zombie",
-            _ => "in state ?",
-        })
-        .unwrap_or("in state ?");
-    let wchan = std::fs::read_to_string(format!("/proc/{pid}/wchan"))
-        .map(|w| w.trim().to_owned())
-        .unwrap_or_default();
+    let state = match state_letter(pid).as_deref() {
+        Some("R") => "running",
+        Some("S") => "sleeping",
+        Some("D") => "in uninterruptible I/O",
+        Some("T" | "t") => "stopped",
+        Some("Z") => "a zombie",
+        _ => "in state ?",
+    };
     let program = if exe.is_empty() {
         "an unknown program"
     } else {
         exe
     };
     let mut line = format!("{program} (pid {pid}) is not Python; it is {state}");
-    if !wchan.is_empty() && wchan != "0" {
+    if let Some(wchan) = wchan(pid) {
         line.push_str(&format!(" in the kernel at {wchan}"));
     }
     line
+}
+
+/// `RankStack.process_state` for process `pid`: what it is when the kernel does not have it
+/// running or sleeping as usual (a stopped process runs no code, whatever its stack shows);
+/// empty otherwise.
+fn unusual_state(pid: u32) -> String {
+    match state_letter(pid).as_deref() {
+        Some("T" | "t") => "stopped (by SIGSTOP, a terminal's Ctrl-Z or a debugger): it runs \
+                           nothing until it gets SIGCONT"
+            .to_owned(),
+        Some("D") => match wchan(pid) {
+            Some(at) => format!("in uninterruptible I/O in the kernel at {at}"),
+            None => "in uninterruptible I/O".to_owned(),
+        },
+        Some("Z") => "a zombie: it exited and was not reaped yet".to_owned(),
+        _ => String::new(),
+    }
 }
 
 /// The process's CPU time so far (user and system, all threads), in clock ticks.
@@ -886,6 +922,55 @@ mod tests {
             stacks[0].error,
             format!("process {pid} exited while it was being read")
         );
+    }
+
+    /// A Python worker that is stopped (SIGSTOP) is read as usual and said to be stopped; once
+    /// it runs again, nothing is said.
+    #[tokio::test]
+    async fn a_stopped_python_worker_is_said_to_be_stopped() {
+        use nix::sys::signal::{Signal, kill};
+        let child = spawn(
+            "python3",
+            &["-c", "import time\nwhile True: time.sleep(0.05)"],
+        );
+        let sampler = sampler_of(&child, 0.0);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        // Under a pyenv shim the Python is the shim's child: the process read is the one
+        // stopped.
+        let python = loop {
+            let s = sampler.dump(false).await.remove(0);
+            if !s.threads.is_empty() {
+                assert_eq!(s.process_state, "", "{s:?}");
+                break s.pid;
+            }
+            assert!(Instant::now() < deadline, "never read: {s:?}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let pid = nix::unistd::Pid::from_raw(python as i32);
+        kill(pid, Signal::SIGSTOP).unwrap();
+        let stopped = loop {
+            let s = sampler.dump(false).await.remove(0);
+            if !s.process_state.is_empty() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "never said stopped: {s:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        kill(pid, Signal::SIGCONT).unwrap();
+        assert_eq!(
+            stopped.process_state,
+            "stopped (by SIGSTOP, a terminal's Ctrl-Z or a debugger): it runs nothing until it gets SIGCONT"
+        );
+        assert!(!stopped.threads.is_empty(), "{stopped:?}");
+        let running = loop {
+            let s = sampler.dump(false).await.remove(0);
+            if s.process_state.is_empty() {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "still said stopped: {s:?}");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        assert!(running.error.is_empty(), "{running:?}");
     }
 
     /// A child process, killed and reaped on drop.

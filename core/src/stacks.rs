@@ -392,6 +392,39 @@ pub fn native_notes(ranks: &[pb::RankStack]) -> Vec<String> {
         .collect()
 }
 
+/// The Python ranks whose stacks were read and whose process the kernel has stopped, in
+/// uninterruptible I/O or a zombie (`RankStack.process_state`), as report lines (`rank 1: its
+/// process is stopped ...`), ranks in one state together: their stacks say where they are, not
+/// that they do not run. A rank that is not Python is left out (its group's line says its
+/// state already), and so is one that could not be read (its line says why).
+pub fn state_notes(ranks: &[pb::RankStack]) -> Vec<String> {
+    let mut by_state: Vec<(&str, Vec<u32>)> = Vec::new();
+    for r in ranks {
+        let python = r.error.is_empty() && (r.native.is_empty() || has_python(r));
+        let (Some(rank), true, false) = (r.rank, python, r.process_state.is_empty()) else {
+            continue;
+        };
+        match by_state
+            .iter_mut()
+            .find(|(state, _)| *state == r.process_state)
+        {
+            Some((_, ranks)) => ranks.push(rank),
+            None => by_state.push((&r.process_state, vec![rank])),
+        }
+    }
+    by_state
+        .into_iter()
+        .map(|(state, ranks)| {
+            let whose = if ranks.len() == 1 {
+                "its process is"
+            } else {
+                "their processes are"
+            };
+            format!("{}: {whose} {state}", who(&ranks))
+        })
+        .collect()
+}
+
 /// What torch's Flight Recorder says of the ranks (`RankStack.collectives`), as report
 /// lines: for each process group, each distinct last collective with its ranks, then the
 /// verdict, if any: the ranks behind the others in the group's sequence (the likely cause
@@ -1362,6 +1395,46 @@ mod tests {
         );
         let groups = group(&ranks, 6, false);
         assert!(groups.iter().any(|g| g.ranks == [2, 3, 4]), "{groups:?}");
+    }
+
+    #[test]
+    fn stopped_ranks_get_a_note_and_keep_their_group() {
+        const STOPPED: &str = "stopped (by SIGSTOP, a terminal's Ctrl-Z or a debugger): it runs nothing until it gets SIGCONT";
+        let mut one = rank(1, accelerate_barrier(), 0);
+        one.process_state = STOPPED.to_owned();
+        let mut three = rank(3, accelerate_barrier(), 0);
+        three.process_state = STOPPED.to_owned();
+        let mut io = rank(2, accelerate_barrier(), 0);
+        io.process_state = "in uninterruptible I/O in the kernel at nfs_wait_bit_killable".into();
+        // Not Python: its group's line says it is stopped.
+        let mut native = rank(4, vec![], 0);
+        native.threads.clear();
+        native.native = "/usr/bin/sleep (pid 7) is not Python; it is stopped".into();
+        native.process_state = STOPPED.to_owned();
+        // Unreadable: its line says why.
+        let mut gone = rank(5, vec![], 0);
+        gone.error = "process 9 exited while it was being read".into();
+        gone.process_state = "a zombie: it exited and was not reaped yet".into();
+        let ranks = [
+            rank(0, accelerate_barrier(), 0),
+            one,
+            io,
+            three,
+            native,
+            gone,
+        ];
+        assert_eq!(
+            state_notes(&ranks),
+            [
+                format!("ranks 1,3: their processes are {STOPPED}"),
+                "rank 2: its process is in uninterruptible I/O in the kernel at nfs_wait_bit_killable"
+                    .to_owned(),
+            ]
+        );
+        // The grouping is by stack alone.
+        let groups = group(&ranks, 6, false);
+        assert!(groups.iter().any(|g| g.ranks == [0, 1, 2, 3]), "{groups:?}");
+        assert!(state_notes(&ranks[..1]).is_empty());
     }
 
     #[test]

@@ -18,7 +18,8 @@
 //!   already exited, in one job: each gets its line with its native stack, and the SDK worker
 //!   its barrier state;
 //! - a worker that makes itself non-dumpable under an agent without CAP_SYS_PTRACE: one line
-//!   naming the cause and the fix, the other ranks read as usual.
+//!   naming the cause and the fix, the other ranks read as usual;
+//! - a worker that stops itself (SIGSTOP): a note says its process is stopped.
 //!
 //! The Python cases need the peers' venv (`scripts/install-peers.sh`); without it they print
 //! `skipped: ...` and pass.
@@ -474,4 +475,58 @@ fn a_non_dumpable_worker_gets_a_line_naming_the_cause_and_the_fix() {
         text.contains("rank 1 (1 of 2): <string>:1 <module>"),
         "rank 1 was not read:\n{text}"
     );
+}
+
+/// A worker that stops itself (SIGSTOP): its rank's stack is read as usual and a note says its
+/// process is stopped, so a stack that looks busy is not taken for a running one; after
+/// SIGCONT it runs on.
+#[test]
+fn a_stopped_worker_is_said_to_be_stopped() {
+    let Some(python) = peers_python(&[]) else {
+        return;
+    };
+    let worker = format!(
+        "if [ \"$RANK\" = 1 ]; then exec {py} -c 'import os, signal; print(\"stopping\", os.getpid(), flush=True); os.kill(os.getpid(), signal.SIGSTOP); print(\"resumed\", flush=True)'; else exec {py} -c 'import time; print(\"waiting\", flush=True); time.sleep(600)'; fi",
+        py = python.display(),
+    );
+    let agent = Agent::start(&[
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--job-id",
+        "stacks-stopped",
+        "--",
+        "sh",
+        "-c",
+        &worker,
+    ]);
+    let addr = agent.embedded_coordinator();
+    agent.wait_for_lines(Stream::Stdout, 1, SLOW, |l| l == "[rank 0] waiting");
+    let stopping = agent
+        .wait_for_lines(Stream::Stdout, 1, SLOW, |l| {
+            l.starts_with("[rank 1] stopping ")
+        })
+        .remove(0);
+    let pid: i32 = stopping.rsplit(' ').next().unwrap().parse().unwrap();
+    let (text, _) = stacks_until(&addr, "stacks-stopped", "rank 1 said to be stopped", |t| {
+        t.contains("rank 1: its process is stopped")
+    });
+    assert!(
+        text.contains(
+            "rank 1: its process is stopped (by SIGSTOP, a terminal's Ctrl-Z or a debugger): it runs nothing until it gets SIGCONT"
+        ),
+        "{text}"
+    );
+    assert!(
+        !text.contains("rank 0: its process"),
+        "rank 0 runs:\n{text}"
+    );
+    assert!(
+        Command::new("kill")
+            .args(["-CONT", &pid.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    agent.wait_for_lines(Stream::Stdout, 1, SLOW, |l| l == "[rank 1] resumed");
 }

@@ -329,11 +329,13 @@ impl Job {
         ranks.sort_by_key(|r| r.rank);
         let groups = stacks::group(&ranks, dump.world_size, full);
         let mut report = stacks::report(&groups, &dump.unanswered);
-        // torch's Flight Recorder, where the agents read it: who is behind in collectives; and
-        // Python ranks whose native frames were asked for and could not be read.
+        // torch's Flight Recorder, where the agents read it: who is behind in collectives;
+        // Python ranks whose native frames were asked for and could not be read; and Python
+        // ranks whose process is stopped, in uninterruptible I/O or a zombie.
         for line in stacks::collectives(&ranks)
             .into_iter()
             .chain(stacks::native_notes(&ranks))
+            .chain(stacks::state_notes(&ranks))
         {
             let _ = write!(report, "\n{line}");
         }
