@@ -376,20 +376,12 @@ pub fn report(groups: &[pb::StackGroup], unanswered: &[String]) -> String {
 /// The Python ranks of a native dump whose native frames could not be read, as report lines
 /// (`rank 3: no native frames: ...`), ranks with one reason together.
 pub fn native_notes(ranks: &[pb::RankStack]) -> Vec<String> {
-    let mut by_reason: Vec<(&str, Vec<u32>)> = Vec::new();
-    for r in ranks {
-        let (Some(rank), true, false) = (r.rank, has_python(r), r.native.is_empty()) else {
-            continue;
-        };
-        match by_reason.iter_mut().find(|(why, _)| *why == r.native) {
-            Some((_, ranks)) => ranks.push(rank),
-            None => by_reason.push((&r.native, vec![rank])),
-        }
-    }
-    by_reason
-        .into_iter()
-        .map(|(why, ranks)| format!("{}: {why}", who(&ranks)))
-        .collect()
+    by_text(ranks, |r| {
+        (has_python(r) && !r.native.is_empty()).then_some(r.native.as_str())
+    })
+    .into_iter()
+    .map(|(why, ranks)| format!("{}: {why}", who(&ranks)))
+    .collect()
 }
 
 /// The Python ranks whose stacks were read and whose process the kernel has stopped, in
@@ -398,31 +390,39 @@ pub fn native_notes(ranks: &[pb::RankStack]) -> Vec<String> {
 /// that they do not run. A rank that is not Python is left out (its group's line says its
 /// state already), and so is one that could not be read (its line says why).
 pub fn state_notes(ranks: &[pb::RankStack]) -> Vec<String> {
-    let mut by_state: Vec<(&str, Vec<u32>)> = Vec::new();
-    for r in ranks {
+    by_text(ranks, |r| {
         let python = r.error.is_empty() && (r.native.is_empty() || has_python(r));
-        let (Some(rank), true, false) = (r.rank, python, r.process_state.is_empty()) else {
+        (python && !r.process_state.is_empty()).then_some(r.process_state.as_str())
+    })
+    .into_iter()
+    .map(|(state, ranks)| {
+        let whose = if ranks.len() == 1 {
+            "its process is"
+        } else {
+            "their processes are"
+        };
+        format!("{}: {whose} {state}", who(&ranks))
+    })
+    .collect()
+}
+
+/// The ranks for which `text` says something, grouped by what it says, in the order each text
+/// first appears (the ranks in the order given).
+fn by_text<'a>(
+    ranks: &'a [pb::RankStack],
+    text: impl Fn(&'a pb::RankStack) -> Option<&'a str>,
+) -> Vec<(&'a str, Vec<u32>)> {
+    let mut groups: Vec<(&str, Vec<u32>)> = Vec::new();
+    for r in ranks {
+        let (Some(rank), Some(t)) = (r.rank, text(r)) else {
             continue;
         };
-        match by_state
-            .iter_mut()
-            .find(|(state, _)| *state == r.process_state)
-        {
+        match groups.iter_mut().find(|(seen, _)| *seen == t) {
             Some((_, ranks)) => ranks.push(rank),
-            None => by_state.push((&r.process_state, vec![rank])),
+            None => groups.push((t, vec![rank])),
         }
     }
-    by_state
-        .into_iter()
-        .map(|(state, ranks)| {
-            let whose = if ranks.len() == 1 {
-                "its process is"
-            } else {
-                "their processes are"
-            };
-            format!("{}: {whose} {state}", who(&ranks))
-        })
-        .collect()
+    groups
 }
 
 /// What torch's Flight Recorder says of the ranks (`RankStack.collectives`), as report
