@@ -391,7 +391,7 @@ fn process_table() -> Vec<Entry> {
     };
     dir.filter_map(|e| {
         let pid: i32 = e.ok()?.file_name().to_str()?.parse().ok()?;
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let stat = crate::procfs::stat(u32::try_from(pid).ok()?)?;
         parse_stat(pid, &stat)
     })
     .collect()
@@ -399,8 +399,7 @@ fn process_table() -> Vec<Entry> {
 
 /// `pid (comm) state ppid pgrp ...`; `comm` may hold spaces and parentheses.
 fn parse_stat(pid: i32, stat: &str) -> Option<Entry> {
-    let (_, rest) = stat.rsplit_once(')')?;
-    let mut fields = rest.split_whitespace();
+    let mut fields = crate::procfs::stat_fields(stat)?;
     let state = fields.next()?;
     let ppid = fields.next()?.parse().ok()?;
     let pgid = fields.next()?.parse().ok()?;

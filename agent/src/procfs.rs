@@ -1,5 +1,6 @@
-//! Processes and TCP sockets as Linux's `/proc` shows them: a process's children and
-//! descendants (`/proc/<pid>/task/<tid>/children`), the TCP sockets of a network namespace
+//! Processes and TCP sockets as Linux's `/proc` shows them: a process's status fields
+//! (`/proc/<pid>/stat`), its children and descendants (`/proc/<pid>/task/<tid>/children`), the
+//! TCP sockets of a network namespace
 //! (`/proc/<pid>/net/tcp` and `tcp6`: addresses, state, owner uid, inode) and the socket
 //! inodes a process holds (`/proc/<pid>/fd`). The agent store tells its own workers'
 //! connections from outsiders' with them, the stack sampler finds a wrapper's Python child,
@@ -10,6 +11,19 @@
 
 use std::collections::HashSet;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+
+/// Process `pid`'s `/proc/<pid>/stat` line, if it still exists.
+pub fn stat(pid: u32) -> Option<String> {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()
+}
+
+/// The fields of a `/proc/<pid>/stat` line after the command name, the state first (field 3),
+/// then the parent's pid and so on. The command is in parentheses and may hold spaces and
+/// parentheses itself, so the fields start after the last `)`.
+pub fn stat_fields(stat: &str) -> Option<std::str::SplitWhitespace<'_>> {
+    let (_, rest) = stat.rsplit_once(')')?;
+    Some(rest.split_whitespace())
+}
 
 /// One TCP socket of a network namespace.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -769,10 +769,8 @@ fn uid_of(status: &str) -> Option<u32> {
 
 /// Process `pid`'s state letter from `/proc/<pid>/stat` (`R`, `S`, `D`, `T`, `t`, `Z`, ...).
 fn state_letter(pid: u32) -> Option<String> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // The state follows the command name, which is in parentheses and may hold spaces.
-    let (_, rest) = stat.rsplit_once(')')?;
-    rest.split_whitespace().next().map(str::to_owned)
+    let stat = crate::procfs::stat(pid)?;
+    crate::procfs::stat_fields(&stat)?.next().map(str::to_owned)
 }
 
 /// The kernel function process `pid` waits in, if it waits in one.
@@ -824,10 +822,9 @@ fn unusual_state(pid: u32) -> String {
 
 /// The process's CPU time so far (user and system, all threads), in clock ticks.
 fn cpu_ticks(pid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let (_, rest) = stat.rsplit_once(')')?;
+    let stat = crate::procfs::stat(pid)?;
     // After the command: state is field 3; utime and stime are fields 14 and 15.
-    let mut fields = rest.split_whitespace().skip(11);
+    let mut fields = crate::procfs::stat_fields(&stat)?.skip(11);
     let utime: u64 = fields.next()?.parse().ok()?;
     let stime: u64 = fields.next()?.parse().ok()?;
     Some(utime + stime)
