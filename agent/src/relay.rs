@@ -625,8 +625,6 @@ async fn coordinator_loop(
             );
         }
         coordinators.failed(&addr, failover::leader_hint(&ended).as_deref());
-        // Until the stream is back, the workers' leaves and losses wait for it.
-        state.borrow().ranks.detached();
         eprintln!(
             "muster-agent: job {}: the node relay lost its stream to the coordinator at {addr} ({why}); re-registering with the leader",
             node.job_id

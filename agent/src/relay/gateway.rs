@@ -9,9 +9,8 @@
 //!   which [`Ranks::deliver`] hands to the rank's stream. `leave` is a `rank_leave`.
 //!   Heartbeats stop here: a session that goes silent, or ends without `leave`, is a
 //!   `rank_lost` on the relay stream ([`Ranks::lost`]), whose reason the supervisor's report of
-//!   the process's end (its exit status) refines. After a coordinator failover the relay
-//!   registers its ranks again with `resume` ([`Ranks::attached`]), and the workers never see
-//!   it; a `rank_leave` or `rank_lost` of the meantime is held and goes out first.
+//!   the process's end (its exit status) refines. After a coordinator failover the relay registers its ranks again with
+//!   `resume` ([`Ranks::attached`]), and the workers never see it.
 //! - **Every other call is forwarded** unchanged (path, message bytes, metadata but the
 //!   credentials) on the agent's own connection, with its failover policy: a refusal that
 //!   proves the call never ran is retried on the leader; any other failure to reach the
@@ -59,13 +58,8 @@ pub struct Ranks {
 
 #[derive(Default)]
 struct RanksState {
-    /// The relay stream's outbound: none while the stream is away (re-attaching after a
-    /// failover), replaced when it attaches again.
+    /// The relay stream's outbound (replaced when the relay attaches again).
     relay: Option<UnboundedSender<pb::RelayMessage>>,
-    /// Leaves and losses that found the stream away, in order: sent first when it attaches
-    /// again, so that none is lost and each still comes before any later registration of its
-    /// rank.
-    unsent: Vec<pb::RelayMessage>,
     routes: HashMap<u32, Route>,
     /// Tells one session of a rank from a later one.
     next_id: u64,
@@ -90,14 +84,10 @@ impl Ranks {
     }
 
     /// The relay (re-)attached with outbound `relay`. After a failover (`released`: the node's
-    /// last released global and node barrier seqs), the leaves and losses held while the
-    /// stream was away go out, then every rank registers again with `resume` before anything
-    /// else, and a registration still unanswered is sent again.
+    /// last released global and node barrier seqs), every rank registers again with `resume`
+    /// before anything else goes out, and a registration still unanswered is sent again.
     pub fn attached(&self, relay: UnboundedSender<pb::RelayMessage>, released: Option<(u64, u64)>) {
         let mut st = self.lock();
-        for message in std::mem::take(&mut st.unsent) {
-            let _ = relay.unbounded_send(message);
-        }
         if let Some((global, node)) = released {
             for route in st.routes.values() {
                 let mut register = route.register.clone();
@@ -111,27 +101,6 @@ impl Ranks {
             }
         }
         st.relay = Some(relay);
-    }
-
-    /// The relay stream ended and is being attached again: until it is, leaves and losses
-    /// are held for it ([`Ranks::attached`] sends them).
-    pub fn detached(&self) {
-        self.lock().relay = None;
-    }
-
-    /// Sends a rank's leave or loss on the relay stream, or holds it while the stream is away.
-    fn tell(st: &mut RanksState, message: pb::RelayMessage) {
-        if st.closed.is_some() {
-            return;
-        }
-        let message = match &st.relay {
-            Some(relay) => match relay.unbounded_send(message) {
-                Ok(()) => return,
-                Err(e) => e.into_inner(),
-            },
-            None => message,
-        };
-        st.unsent.push(message);
     }
 
     /// Registers a worker's session: sends its `register` on the relay stream. Returns the
@@ -217,12 +186,11 @@ impl Ranks {
         let mut st = self.lock();
         if st.routes.get(&rank).is_some_and(|r| r.id == id) {
             st.routes.remove(&rank);
-            Self::tell(
-                &mut st,
-                pb::RelayMessage {
+            if let Some(relay) = &st.relay {
+                let _ = relay.unbounded_send(pb::RelayMessage {
                     kind: Some(pb::relay_message::Kind::RankLeave(pb::RankLeave { rank })),
-                },
-            );
+                });
+            }
         }
     }
 
@@ -237,22 +205,21 @@ impl Ranks {
     /// A session of `rank` that ended without `leave`, or went silent, is lost (`reason`):
     /// unless the rank registered again since (an in-place replacement), the coordinator is
     /// told on the relay stream, ordered before any later registration of the rank, so the
-    /// report can never name the replacement. While the stream is away the loss is held for
-    /// it: a worker that went silent but did not exit has no other report.
+    /// report can never name the replacement.
     fn lost(&self, rank: u32, reason: String) {
-        let mut st = self.lock();
+        let st = self.lock();
         if st.routes.contains_key(&rank) {
             return;
         }
-        Self::tell(
-            &mut st,
-            pb::RelayMessage {
+        if let Some(relay) = &st.relay {
+            // A stream that is gone loses it: the supervisor's report of the exit remains.
+            let _ = relay.unbounded_send(pb::RelayMessage {
                 kind: Some(pb::relay_message::Kind::RankLost(pb::RankLost {
                     rank,
                     reason,
                 })),
-            },
-        );
+            });
+        }
     }
 
     /// `rank` began training step `step` (its session's step marker): passed on to the
@@ -286,7 +253,6 @@ impl Ranks {
         let mut st = self.lock();
         st.closed = Some(why.to_owned());
         st.relay = None;
-        st.unsent.clear();
         for (_, route) in st.routes.drain() {
             let status = Status::unavailable(why.to_owned());
             match route.answer {
@@ -627,110 +593,5 @@ impl Decoder for Raw {
 
     fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, Status> {
         Ok(Some(src.copy_to_bytes(src.remaining())))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #![allow(clippy::unwrap_used)]
-
-    use super::*;
-    use futures::channel::mpsc::{UnboundedReceiver, unbounded};
-
-    fn register(rank: u32) -> pb::Register {
-        pb::Register {
-            job_id: "job".into(),
-            generation: 1,
-            rank,
-            ..Default::default()
-        }
-    }
-
-    /// Registers `rank` and answers it as the coordinator would; returns its session's id.
-    fn registered(ranks: &Ranks, rank: u32) -> u64 {
-        let (to, _from) = mpsc::unbounded_channel();
-        let (id, _answered) = ranks.register(register(rank), to).unwrap();
-        ranks.deliver(pb::RankEvent {
-            rank,
-            kind: Some(pb::rank_event::Kind::Message(pb::CoordinatorMessage {
-                kind: Some(coordinator_message::Kind::Registered(Default::default())),
-            })),
-        });
-        id
-    }
-
-    /// Every message waiting on `rx`, by kind.
-    fn drained(rx: &mut UnboundedReceiver<pb::RelayMessage>) -> Vec<pb::relay_message::Kind> {
-        std::iter::from_fn(|| rx.try_recv().ok())
-            .filter_map(|m| m.kind)
-            .collect()
-    }
-
-    #[test]
-    fn a_loss_and_a_leave_while_the_stream_is_away_go_out_first_when_it_attaches_again() {
-        use pb::relay_message::Kind;
-        let ranks = Ranks::default();
-        let (tx, mut first) = unbounded();
-        ranks.attached(tx, None);
-        let silent = registered(&ranks, 3);
-        let leaving = registered(&ranks, 5);
-        registered(&ranks, 7);
-        assert_eq!(drained(&mut first).len(), 3);
-
-        // The stream breaks (a failover): rank 3 goes silent, rank 5 leaves.
-        ranks.detached();
-        ranks.gone(3, silent);
-        ranks.lost(3, "no heartbeat".into());
-        ranks.leave(5, leaving);
-        assert!(drained(&mut first).is_empty());
-
-        let (tx, mut second) = unbounded();
-        ranks.attached(tx, Some((4, 2)));
-        let sent = drained(&mut second);
-        assert!(
-            matches!(&sent[..], [
-                Kind::RankLost(pb::RankLost { rank: 3, reason }),
-                Kind::RankLeave(pb::RankLeave { rank: 5 }),
-                Kind::RankRegister(pb::Register { rank: 7, resume: true, released_global: 4, released_node: 2, .. }),
-            ] if reason == "no heartbeat"),
-            "{sent:?}"
-        );
-        // Held once: a later attach sends only the registration again.
-        let (tx, mut third) = unbounded();
-        ranks.attached(tx, Some((4, 2)));
-        assert!(matches!(&drained(&mut third)[..], [Kind::RankRegister(_)]));
-    }
-
-    #[test]
-    fn a_loss_sent_into_a_stream_already_gone_is_held_too() {
-        use pb::relay_message::Kind;
-        let ranks = Ranks::default();
-        let (tx, first) = unbounded();
-        ranks.attached(tx, None);
-        let id = registered(&ranks, 2);
-        // The stream's receiving end is gone before the relay noticed the end.
-        drop(first);
-        ranks.gone(2, id);
-        ranks.lost(2, SESSION_LOST.into());
-
-        let (tx, mut second) = unbounded();
-        ranks.attached(tx, Some((0, 0)));
-        assert!(matches!(
-            &drained(&mut second)[..],
-            [Kind::RankLost(pb::RankLost { rank: 2, .. })]
-        ));
-    }
-
-    #[test]
-    fn a_relay_that_gave_up_holds_nothing() {
-        let ranks = Ranks::default();
-        let (tx, _first) = unbounded();
-        ranks.attached(tx, None);
-        let id = registered(&ranks, 1);
-        ranks.detached();
-        ranks.close("the coordinator is gone");
-        ranks.gone(1, id);
-        ranks.lost(1, SESSION_LOST.into());
-        assert!(ranks.lock().unsent.is_empty());
     }
 }
