@@ -15,7 +15,7 @@ use crate::Error;
 
 pub(crate) use muster_core::failover::{
     BUDGET_ENV as TIMEOUT_ENV, Census, DEFAULT_BUDGET as DEFAULT_TIMEOUT, Rotation, Verdict,
-    classify_call, classify_stream, leader_hint, parse_addrs,
+    classify_call, classify_stream, is_local, leader_hint, parse_addrs,
 };
 
 /// The failover budget from the process environment ([`TIMEOUT_ENV`], else 30 s).
@@ -73,6 +73,13 @@ impl Retry {
             }
             None => false,
         }
+    }
+
+    /// Leaves `held` (up to now) out of the streak's time: an attempt that the worker's agent
+    /// held while it retried under its own budget, and then answered, spent none of this
+    /// client's ([`crate::client::Coordinator::call_if`]).
+    pub fn excluding(&mut self, held: Duration) {
+        self.started = later(self.started, held).min(Instant::now());
     }
 
     /// Time since the first failure.

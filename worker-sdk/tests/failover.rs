@@ -590,3 +590,109 @@ async fn calls_wait_out_replicas_that_all_know_no_leader() {
         started.elapsed()
     );
 }
+
+/// A stand-in for a worker's agent gateway: a key-value service on a Unix socket whose `add`s
+/// follow a script, each step held for a while and then answered with a failure or a sum.
+struct Gateway {
+    script: Arc<std::sync::Mutex<std::collections::VecDeque<(Duration, Result<i64, Status>)>>>,
+    calls: Arc<AtomicUsize>,
+}
+
+#[tonic::async_trait]
+impl pb::key_value_server::KeyValue for Gateway {
+    async fn add(
+        &self,
+        request: Request<pb::AddRequest>,
+    ) -> Result<Response<pb::AddResponse>, Status> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        assert!(
+            !request.get_ref().client_id.is_empty(),
+            "the add is on a lane"
+        );
+        let step = self.script.lock().unwrap().pop_front();
+        let (hold, answer) = step.expect("an add past the end of the script");
+        tokio::time::sleep(hold).await;
+        answer.map(|value| Response::new(pb::AddResponse { value }))
+    }
+
+    async fn set(&self, _: Request<pb::SetRequest>) -> Result<Response<pb::SetResponse>, Status> {
+        Err(Status::unimplemented("set"))
+    }
+
+    async fn get(&self, _: Request<pb::GetRequest>) -> Result<Response<pb::GetResponse>, Status> {
+        Err(Status::unimplemented("get"))
+    }
+
+    async fn compare_and_set(
+        &self,
+        _: Request<pb::CompareAndSetRequest>,
+    ) -> Result<Response<pb::CompareAndSetResponse>, Status> {
+        Err(Status::unimplemented("compare_and_set"))
+    }
+
+    async fn delete(
+        &self,
+        _: Request<pb::DeleteRequest>,
+    ) -> Result<Response<pb::DeleteResponse>, Status> {
+        Err(Status::unimplemented("delete"))
+    }
+
+    async fn list(
+        &self,
+        _: Request<pb::ListRequest>,
+    ) -> Result<Response<pb::ListResponse>, Status> {
+        Err(Status::unimplemented("list"))
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn time_a_call_spent_at_the_agent_before_it_answered_spends_none_of_the_budget() {
+    // The agent answers each attempt itself, after holding it while it retried the
+    // coordinator: at once, then twice after most of the worker's budget (as when it waited
+    // out an etcd outage, and then the new leader was paused with the call in flight). Held
+    // time counted, the worker gave up after the third answer, with the write's outcome
+    // unknown, although its lane made it safe to send again.
+    let budget = Duration::from_millis(1_000);
+    let hold = Duration::from_millis(700);
+    let lost = || {
+        Err(Status::unavailable(
+            "the agent lost the call to the coordinator: http2 error",
+        ))
+    };
+    let script = [
+        (Duration::ZERO, lost()),
+        (hold, lost()),
+        (hold, lost()),
+        (Duration::ZERO, Ok(7)),
+    ];
+    let calls = Arc::new(AtomicUsize::new(0));
+    let gateway = Gateway {
+        script: Arc::new(std::sync::Mutex::new(script.into_iter().collect())),
+        calls: calls.clone(),
+    };
+    let path = std::env::temp_dir().join(format!(
+        "muster-sdk-gateway-{}-{}.sock",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos()
+    ));
+    let listener = tokio::net::UnixListener::bind(&path).unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(pb::key_value_server::KeyValueServer::new(gateway))
+            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
+    );
+    let connection = Coordinator::connect(&format!("unix:{}", path.display()))
+        .await
+        .unwrap();
+    assert!(connection.through_agent());
+    connection.set_failover_timeout(budget);
+    let mut lane = Kv::new(connection, "job").lane();
+    let started = std::time::Instant::now();
+    let sum = lane.add("n", 7).await;
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(sum.unwrap(), 7, "after {:?}", started.elapsed());
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+}

@@ -409,7 +409,8 @@ impl Coordinator {
 
     /// [`Coordinator::call`], retrying the failures `retry_on` accepts; `what` names the call
     /// in the log. An attempt that ran longer than the budget (a long poll that broke) starts
-    /// a new streak of failures.
+    /// a new streak of failures; for a worker under an agent, the time an attempt spent at the
+    /// agent before it answered does not count (the agent retried under its own budget).
     pub async fn call_if<T, F, Fut>(
         &self,
         what: &str,
@@ -438,6 +439,18 @@ impl Coordinator {
             let budget = self.failover_timeout();
             if started.elapsed() >= budget {
                 streak = None;
+            }
+            // An attempt that the worker's agent answered (rather than a socket that broke)
+            // spent the agent's budget, not this one's: the agent held it while it retried
+            // the coordinator (through a failover, or an etcd outage it waited out), and
+            // says so when its own budget ran out or the leader died with the call in
+            // flight. Counting that hold here too gave up on a lane write the agent would
+            // have had applied once by the next leader.
+            if let Some(retry) = &mut streak
+                && self.through_agent()
+                && !failover::is_local(&status)
+            {
+                retry.excluding(started.elapsed());
             }
             let retry = streak.get_or_insert_with(|| Retry::new(budget));
             self.saw(&current.addr, &status);
