@@ -2,6 +2,8 @@
 //! memory, running a launch and reading rank 0's barrier percentiles, percentiles, and what
 //! a run records about the machine (date, commit, CPU).
 
+pub mod floor;
+
 use anyhow::{Context, bail};
 use muster_proto::v1 as pb;
 use std::net::{SocketAddr, TcpListener, TcpStream};

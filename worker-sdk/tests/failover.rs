@@ -591,10 +591,13 @@ async fn calls_wait_out_replicas_that_all_know_no_leader() {
     );
 }
 
+/// The gateway stand-in's steps: how long each `add` is held, and its answer.
+type Script = std::collections::VecDeque<(Duration, Result<i64, Status>)>;
+
 /// A stand-in for a worker's agent gateway: a key-value service on a Unix socket whose `add`s
 /// follow a script, each step held for a while and then answered with a failure or a sum.
 struct Gateway {
-    script: Arc<std::sync::Mutex<std::collections::VecDeque<(Duration, Result<i64, Status>)>>>,
+    script: Arc<std::sync::Mutex<Script>>,
     calls: Arc<AtomicUsize>,
 }
 

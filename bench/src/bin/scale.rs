@@ -5,6 +5,9 @@
 //! roots publish their ids and every rank fetches them all, with one root and with one per 128
 //! ranks (`ncclCommInitRankScalable`).
 //!
+//! `--paths floor` runs the node path's barrier against a bare server that only counts
+//! entries and sends results (`muster_bench::floor`): the share of tonic, h2 and the machine.
+//!
 //! And idling: a formed job of simulated nodes that each hold a lease as an agent does (a
 //! watch, heartbeats at the interval the coordinator asks for) stays up for `--idle-secs`
 //! with no spurious failure, then still barriers.
@@ -67,6 +70,9 @@ enum Path {
     Relayed,
     /// Ranks registered through their node's relay stream, no session (issue 29).
     Node,
+    /// The node path's streams and messages against a bare server that only counts entries
+    /// and sends results (`muster_bench::floor`): the transport's share of a barrier.
+    Floor,
 }
 
 struct Rank {
@@ -628,6 +634,17 @@ async fn main() -> anyhow::Result<()> {
     println!("| --- | --- | --- | --- | --- |");
     for &r in &args.ranks {
         for &path in &args.paths {
+            if path == Path::Floor {
+                let local = 8.min(r);
+                let floor = muster_bench::floor::start((r / local) as usize)?;
+                let chs = channels(floor.addr, args.connections).await?;
+                let relays = attach_relays(&chs, "floor", r / local, local, false).await?;
+                let (p50, p99) = relay_loops(relays, local, args.iters).await?;
+                println!(
+                    "| {r} | the floor: the node path's streams against a bare server | {p50:.0} us | {p99:.0} us | - |"
+                );
+                continue;
+            }
             // A fresh coordinator per case, so its memory growth is this case's alone.
             let etcd = if args.etcd {
                 Some(
@@ -651,7 +668,9 @@ async fn main() -> anyhow::Result<()> {
             let path = match path {
                 Path::Sessions => "1 session per rank",
                 Path::Relayed => "relayed: 1 group per 8-rank node",
-                Path::Node => "node stream only: ranks registered through their relay",
+                Path::Node | Path::Floor => {
+                    "node stream only: ranks registered through their relay"
+                }
             };
             println!(
                 "| {r} | {path} | {p50:.0} us | {p99:.0} us | {:.1} KiB |",
