@@ -43,8 +43,9 @@ impl pb::relay_server::Relay for RelayService {
         )?;
         let coordinator = Arc::clone(&self.0);
         // Task policy: one per relay; ends with the stream. A relay that goes away needs no
-        // action here: its workers' own sessions report their ends, and the ranks registered
-        // through it end with their agent (its reports, its node's stream and lease).
+        // action here: the ranks registered through it end with their agent (its reports,
+        // its node's watch and lease), and the ones it still holds register again with
+        // `resume` when it attaches again.
         tokio::spawn(async move {
             // A rank's message is taken only from the relay of the rank's node; anything else
             // is answered on the rank's behalf with why.
