@@ -67,8 +67,23 @@ const OPEN_TICK: Duration = Duration::from_millis(100);
 const OPEN_AT_LEAST: Duration = Duration::from_secs(1);
 
 /// How long [`Watch::finish`] waits for the coordinator to take the `finished` message (on
-/// top of the failover budget when the stream is being re-attached).
+/// top of the failover budget when the stream is being re-attached), and, with several
+/// replicas, on top of the time the connection takes to notice a leader gone silent.
 const FINISH_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long [`Watch::finish`] waits before it gives up on a stream that is not re-attaching.
+/// With several replicas, a stream on a leader that froze looks attached until the
+/// connection's keep-alive notices the silence: `finished` sits unread in the frozen
+/// replica's socket meanwhile, and the next leader, not told, would take this node for one
+/// that did not re-attach and fail a generation whose workers all finished. So the wait
+/// outlasts that window, after which the stream re-attaches and sends `finished` again.
+fn finish_wait(several: bool) -> Duration {
+    if several {
+        muster_core::failover::silence_noticed_within(true) + FINISH_TIMEOUT
+    } else {
+        FINISH_TIMEOUT
+    }
+}
 
 /// What the watch tells the supervisor.
 #[derive(Debug, Clone)]
@@ -96,6 +111,8 @@ pub struct Watch {
     finish: Option<oneshot::Sender<()>>,
     reattaching: watch::Receiver<bool>,
     budget: Duration,
+    /// [`finish_wait`] for this watch's coordinators.
+    finish_wait: Duration,
     task: JoinHandle<()>,
 }
 
@@ -114,6 +131,7 @@ impl Watch {
         let (finish, finish_rx) = oneshot::channel();
         let (reattaching_tx, reattaching) = watch::channel(false);
         let budget = coordinators.failover_timeout();
+        let finish_wait = finish_wait(coordinators.len() > 1);
         let task = tokio::spawn(run(
             coordinators,
             attach,
@@ -128,6 +146,7 @@ impl Watch {
             finish: Some(finish),
             reattaching,
             budget,
+            finish_wait,
             task,
         }
     }
@@ -147,7 +166,7 @@ impl Watch {
     }
 
     /// Tells the coordinator that every worker of the node exited 0, and waits (bounded) for
-    /// it to take that in: [`FINISH_TIMEOUT`], plus the failover budget if the stream breaks
+    /// it to take that in: [`finish_wait`], plus the failover budget if the stream breaks
     /// meanwhile.
     pub async fn finish(mut self) {
         if let Some(tx) = self.finish.take() {
@@ -155,7 +174,7 @@ impl Watch {
         }
         let budget = self.budget;
         let mut reattaching = self.reattaching.clone();
-        let mut deadline = Instant::now() + FINISH_TIMEOUT;
+        let mut deadline = Instant::now() + self.finish_wait;
         loop {
             tokio::select! {
                 _ = &mut self.task => return,
@@ -189,6 +208,7 @@ impl Watch {
             finish: Some(finish),
             reattaching,
             budget: Duration::ZERO,
+            finish_wait: FINISH_TIMEOUT,
             task: tokio::spawn(std::future::pending()),
         };
         (watch, tx)

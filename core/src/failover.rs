@@ -61,6 +61,28 @@ pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// coordinator is waited for, since there is nobody else to go to).
 const LONE_PING: (Duration, Duration) = (Duration::from_secs(10), Duration::from_secs(5));
 
+/// How long a connection to a coordinator address takes at most to notice that the replica
+/// went silent (it stopped running, or cannot be reached): the keep-alive's ping interval
+/// plus the time a ping may stay unanswered, as [`endpoint`] sets them for `several`
+/// replicas or one.
+pub fn silence_noticed_within(several: bool) -> Duration {
+    let (ping, timeout) = if several {
+        (SILENT_REPLICA_PING, SILENT_REPLICA_TIMEOUT)
+    } else {
+        LONE_PING
+    };
+    ping + timeout
+}
+
+/// Of an attempt that ran `ran` before it failed, the part a streak of failures does not
+/// count: all but its last `silence` ([`silence_noticed_within`]). Until then the replica
+/// answered the connection's pings, so it was running and held the call on purpose (a long
+/// poll: a spare's join, a value waited for), which says nothing against it; only the end
+/// may have been spent on a replica gone silent.
+pub fn held_alive(ran: Duration, silence: Duration) -> Duration {
+    ran.saturating_sub(silence)
+}
+
 /// The endpoint of one coordinator address as every client opens it (the agent, the SDK,
 /// `describe` and the operator's commands): `https://` with `security`'s TLS settings, else
 /// `http://`; no Nagle delay; [`CONNECT_TIMEOUT`]; and HTTP/2 keep-alives. One of `several`

@@ -15,7 +15,8 @@ use crate::Error;
 
 pub(crate) use muster_core::failover::{
     BUDGET_ENV as TIMEOUT_ENV, Census, DEFAULT_BUDGET as DEFAULT_TIMEOUT, Rotation, Verdict,
-    classify_call, classify_stream, is_local, leader_hint, parse_addrs,
+    classify_call, classify_stream, held_alive, is_local, leader_hint, parse_addrs,
+    silence_noticed_within,
 };
 
 /// The failover budget from the process environment ([`TIMEOUT_ENV`], else 30 s).
@@ -75,9 +76,10 @@ impl Retry {
         }
     }
 
-    /// Leaves `held` (up to now) out of the streak's time: an attempt that the worker's agent
-    /// held while it retried under its own budget, and then answered, spent none of this
-    /// client's ([`crate::client::Coordinator::call_if`]).
+    /// Leaves `held` (up to now) out of the streak's time: the part of an attempt that a
+    /// running replica held (a long poll), or that the worker's agent held while it retried
+    /// under its own budget, spent none of this client's
+    /// ([`crate::client::Coordinator::call_if`]).
     pub fn excluding(&mut self, held: Duration) {
         self.started = later(self.started, held).min(Instant::now());
     }

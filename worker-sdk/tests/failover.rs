@@ -699,3 +699,61 @@ async fn time_a_call_spent_at_the_agent_before_it_answered_spends_none_of_the_bu
     assert_eq!(sum.unwrap(), 7, "after {:?}", started.elapsed());
     assert_eq!(calls.load(Ordering::SeqCst), 4);
 }
+
+/// Runs one `call_if` on a client of two replica addresses (never dialled: each attempt only
+/// waits its step's hold on tokio's paused clock and answers), with the default budget of
+/// 30 s; returns the result and how many attempts it made.
+async fn scripted_call(steps: &[(u64, bool)]) -> (Result<i64, Status>, usize) {
+    let connection = Coordinator::connect_lazy("127.0.0.1:9,127.0.0.1:10").unwrap();
+    assert_eq!(connection.failover_timeout(), Duration::from_secs(30));
+    let script: Vec<(Duration, bool)> = steps
+        .iter()
+        .map(|&(secs, ok)| (Duration::from_secs(secs), ok))
+        .collect();
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let counter = attempts.clone();
+    let result = connection
+        .call_if(
+            "scripted",
+            |_| true,
+            |_| {
+                let n = counter.fetch_add(1, Ordering::SeqCst);
+                let (hold, ok) = script[n.min(script.len() - 1)];
+                async move {
+                    tokio::time::sleep(hold).await;
+                    if ok {
+                        Ok(7)
+                    } else {
+                        Err(Status::unavailable(
+                            "coordinator stopped leading; re-attach to the new leader",
+                        ))
+                    }
+                }
+            },
+        )
+        .await
+        .map_err(|failed| failed.status);
+    (result, attempts.load(Ordering::SeqCst))
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_long_poll_held_by_a_running_replica_spends_no_budget_but_a_silent_one_does() {
+    // A spare's join: refused by a follower at once, then parked at the leader for 20 s
+    // until the leader stops, twice, then answered. Each parked attempt's last 6 s (the
+    // keep-alive's ping and timeout with several replicas) count: 12 s of the 30.
+    let (result, attempts) =
+        scripted_call(&[(0, false), (20, false), (20, false), (0, true)]).await;
+    assert_eq!(result.unwrap(), 7);
+    assert_eq!(attempts, 4);
+
+    // Attempts that fail within the keep-alive's window (a frozen replica, noticed after
+    // 6 s) count whole: the budget runs out after 30 s of them.
+    let started = tokio::time::Instant::now();
+    let (result, attempts) = scripted_call(&[(0, false), (6, false)]).await;
+    assert!(result.is_err());
+    let spent = started.elapsed();
+    assert!(
+        spent >= Duration::from_secs(30) && spent < Duration::from_secs(37),
+        "{spent:?} over {attempts} attempts"
+    );
+}

@@ -409,8 +409,10 @@ impl Coordinator {
 
     /// [`Coordinator::call`], retrying the failures `retry_on` accepts; `what` names the call
     /// in the log. An attempt that ran longer than the budget (a long poll that broke) starts
-    /// a new streak of failures; for a worker under an agent, the time an attempt spent at the
-    /// agent before it answered does not count (the agent retried under its own budget).
+    /// a new streak of failures. Of a shorter one, the streak counts only the end that the
+    /// connection's keep-alive may have spent on a silent replica
+    /// (`muster_core::failover::held_alive`); for a worker under an agent, nothing of an
+    /// attempt the agent answered (the agent retried under its own budget).
     pub async fn call_if<T, F, Fut>(
         &self,
         what: &str,
@@ -431,26 +433,37 @@ impl Coordinator {
                 Err(status) => status,
             };
             if !retry_on(&status) {
+                tracing::debug!(
+                    call = what,
+                    failed = %current.addr,
+                    code = ?status.code(),
+                    message = status.message(),
+                    local = failover::is_local(&status),
+                    "a coordinator call failed with an answer that is not retried"
+                );
                 return Err(Failed {
                     status,
                     addr: current.addr,
                 });
             }
             let budget = self.failover_timeout();
-            if started.elapsed() >= budget {
+            let ran = started.elapsed();
+            if ran >= budget {
                 streak = None;
             }
-            // An attempt that the worker's agent answered (rather than a socket that broke)
-            // spent the agent's budget, not this one's: the agent held it while it retried
-            // the coordinator (through a failover, or an etcd outage it waited out), and
-            // says so when its own budget ran out or the leader died with the call in
-            // flight. Counting that hold here too gave up on a lane write the agent would
-            // have had applied once by the next leader.
-            if let Some(retry) = &mut streak
-                && self.through_agent()
-                && !failover::is_local(&status)
-            {
-                retry.excluding(started.elapsed());
+            if let Some(retry) = &mut streak {
+                retry.excluding(if self.through_agent() && !failover::is_local(&status) {
+                    // An attempt that the worker's agent answered (rather than a socket that
+                    // broke) spent the agent's budget, not this one's: the agent held it
+                    // while it retried the coordinator (through a failover, or an etcd
+                    // outage it waited out), and says so when its own budget ran out or the
+                    // leader died with the call in flight.
+                    ran
+                } else {
+                    // A long poll held by a running replica (a spare's parked join) spends
+                    // nothing until the replica goes silent or answers.
+                    failover::held_alive(ran, failover::silence_noticed_within(self.len() > 1))
+                });
             }
             let retry = streak.get_or_insert_with(|| Retry::new(budget));
             self.saw(&current.addr, &status);
@@ -465,6 +478,14 @@ impl Coordinator {
                 );
             }
             if !retry.pause_until(held).await {
+                tracing::debug!(
+                    call = what,
+                    failed = %current.addr,
+                    code = ?status.code(),
+                    message = status.message(),
+                    streak_ms = retry.elapsed().as_millis() as u64,
+                    "a coordinator call gave up: its failover budget is spent"
+                );
                 return Err(Failed {
                     status,
                     addr: current.addr,
