@@ -66,12 +66,18 @@ const LONE_PING: (Duration, Duration) = (Duration::from_secs(10), Duration::from
 /// plus the time a ping may stay unanswered, as [`endpoint`] sets them for `several`
 /// replicas or one.
 pub fn silence_noticed_within(several: bool) -> Duration {
-    let (ping, timeout) = if several {
+    let (ping, timeout) = keep_alive(several);
+    ping + timeout
+}
+
+/// The keep-alive of a connection to one of `several` replicas, or to a lone coordinator:
+/// how often it pings, and how long a ping may stay unanswered.
+fn keep_alive(several: bool) -> (Duration, Duration) {
+    if several {
         (SILENT_REPLICA_PING, SILENT_REPLICA_TIMEOUT)
     } else {
         LONE_PING
-    };
-    ping + timeout
+    }
 }
 
 /// Of an attempt that ran `ran` before it failed, the part a streak of failures does not
@@ -94,11 +100,7 @@ pub fn endpoint(
     addr: &str,
     several: bool,
 ) -> Result<tonic::transport::Endpoint, String> {
-    let (ping, timeout) = if several {
-        (SILENT_REPLICA_PING, SILENT_REPLICA_TIMEOUT)
-    } else {
-        LONE_PING
-    };
+    let (ping, timeout) = keep_alive(several);
     Ok(security
         .endpoint(addr)?
         .connect_timeout(CONNECT_TIMEOUT)

@@ -72,6 +72,36 @@ fn check_finished(d: &pb::DescribeJobResponse, when: &str, logs: &dyn Fn() -> St
     );
 }
 
+/// Two `muster-agent launch` nodes of `job` on the replicas `addrs`, one worker each running
+/// `sh -c script`.
+fn two_nodes(addrs: &str, job: &str, script: &str) -> Vec<Agent> {
+    (0..2)
+        .map(|node| {
+            let node = node.to_string();
+            Agent::start_with_env(
+                &[
+                    "launch",
+                    "--coordinator",
+                    addrs,
+                    "--job-id",
+                    job,
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    &node,
+                    "--nproc-per-node",
+                    "1",
+                    "--",
+                    "sh",
+                    "-c",
+                    script,
+                ],
+                &[("NO_COLOR", "1")],
+            )
+        })
+        .collect()
+}
+
 #[test]
 fn a_finished_job_stays_finished_after_the_leader_is_killed() {
     let runtime = tokio::runtime::Builder::new_multi_thread()
@@ -85,31 +115,7 @@ fn a_finished_job_stays_finished_after_the_leader_is_killed() {
     let leader = runtime.block_on(replicas.wait_leader(Duration::from_secs(15), &[]));
     let addrs = replicas.addrs();
     let job = "ha-done";
-    let agents: Vec<Agent> = (0..2)
-        .map(|node| {
-            let node = node.to_string();
-            Agent::start_with_env(
-                &[
-                    "launch",
-                    "--coordinator",
-                    &addrs,
-                    "--job-id",
-                    job,
-                    "--nnodes",
-                    "2",
-                    "--node-rank",
-                    &node,
-                    "--nproc-per-node",
-                    "1",
-                    "--",
-                    "sh",
-                    "-c",
-                    "echo done rank=$RANK",
-                ],
-                &[("NO_COLOR", "1")],
-            )
-        })
-        .collect();
+    let agents = two_nodes(&addrs, job, "echo done rank=$RANK");
     let deadline = Instant::now() + SLOW;
     for (i, agent) in agents.into_iter().enumerate() {
         let run = agent.finish_by(deadline);
@@ -160,31 +166,7 @@ fn workers_that_finish_while_the_leader_is_frozen_finish_the_job_on_the_next_lea
         started.display(),
         go.display()
     );
-    let agents: Vec<Agent> = (0..2)
-        .map(|node| {
-            let node = node.to_string();
-            Agent::start_with_env(
-                &[
-                    "launch",
-                    "--coordinator",
-                    &addrs,
-                    "--job-id",
-                    job,
-                    "--nnodes",
-                    "2",
-                    "--node-rank",
-                    &node,
-                    "--nproc-per-node",
-                    "1",
-                    "--",
-                    "sh",
-                    "-c",
-                    &script,
-                ],
-                &[("NO_COLOR", "1")],
-            )
-        })
-        .collect();
+    let agents = two_nodes(&addrs, job, &script);
     let deadline = Instant::now() + SLOW;
     let running = |r: u32| dir.join(format!("started.{r}")).exists();
     while !(running(0) && running(1)) {
